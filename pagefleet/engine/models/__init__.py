@@ -1,0 +1,1 @@
+"""pagefleet.engine.models"""

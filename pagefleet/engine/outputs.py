@@ -1,0 +1,49 @@
+"""What ``LLMEngine.step()`` hands back: per-request deltas since the previous step.
+
+Invariant: for each (request_id, index) the concatenation of ``new_token_ids`` over all
+deltas is the full generated sequence and the concatenation of ``new_text`` is its
+detokenized text (stop strings excluded unless asked); exactly one delta per sequence has
+``finish_reason`` set, and none follows it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    top: list[tuple[int, str, float]] = field(default_factory=list)  # (id, text, logprob)
+
+
+@dataclass(slots=True)
+class CompletionDelta:
+    index: int  # which of the n sequences
+    new_token_ids: list[int]
+    new_text: str
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None  # the stop string or token id that matched
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    deltas: list[CompletionDelta]
+    finished: bool  # every sequence of the request has finished
+    metrics: RequestMetrics
+    num_generated_tokens: int = 0  # over all n sequences, so far

@@ -1,0 +1,147 @@
+"""Torch attention over the paged KV cache: the CPU production path and the oracle that
+every Triton kernel is tested against (same contract as ``metadata.AttentionMetadata``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagefleet.kernels.metadata import AttentionMetadata
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write row t of k/v to flat slot ``slot_mapping[t]``; rows with slot -1 are skipped."""
+    num_kv_heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid] if not bool(valid.all()) else slot_mapping
+    kf = k_cache.view(-1, num_kv_heads, head_dim)
+    vf = v_cache.view(-1, num_kv_heads, head_dim)
+    if slots.numel() == slot_mapping.numel():
+        kf[slots] = k.to(k_cache.dtype)
+        vf[slots] = v.to(v_cache.dtype)
+    else:
+        kf[slots] = k[valid].to(k_cache.dtype)
+        vf[slots] = v[valid].to(v_cache.dtype)
+
+
+def copy_blocks(
+    k_caches: list[torch.Tensor],
+    v_caches: list[torch.Tensor],
+    src: torch.Tensor,
+    dst: torch.Tensor,
+) -> None:
+    """Copy whole blocks ``src[j] -> dst[j]`` in every layer."""
+    if src.numel() == 0:
+        return
+    for kc, vc in zip(k_caches, v_caches, strict=True):
+        kc[dst] = kc[src]
+        vc[dst] = vc[src]
+
+
+def gather_context(
+    cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int
+) -> torch.Tensor:
+    """The first ``seq_len`` positions of one sequence's K or V: ``[seq_len, Hkv, D]``."""
+    block_size = cache.shape[1]
+    n_blocks = (seq_len + block_size - 1) // block_size
+    blocks = block_table_row[:n_blocks].long()
+    return cache[blocks].reshape(-1, cache.shape[2], cache.shape[3])[:seq_len]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each packed query row over its sequence's cached context.
+
+    Accumulates in fp32 whatever the cache dtype; returns q's dtype.
+    """
+    num_q_heads = q.shape[1]
+    num_kv_heads = k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    out = torch.empty_like(q)
+    qsl = meta.query_start_loc.tolist() if meta.num_seqs else [0]
+    nd = meta.num_decodes
+    if nd > 0:
+        out[:nd] = _decode_batched(q[:nd], k_cache, v_cache, meta, scale, group)
+    for i in range(nd, meta.num_seqs):
+        start, end = qsl[i], qsl[i + 1]
+        seq_len = meta.seq_lens_cpu[i]
+        qlen = end - start
+        kc = gather_context(k_cache, meta.block_tables[i], seq_len).float()
+        vc = gather_context(v_cache, meta.block_tables[i], seq_len).float()
+        qi = q[start:end].float().transpose(0, 1)  # [Hq, qlen, D]
+        kc = kc.transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, S, D]
+        vc = vc.transpose(0, 1).repeat_interleave(group, dim=0)
+        # Query row r sits at position seq_len - qlen + r and sees keys 0..that position.
+        qpos = torch.arange(seq_len - qlen, seq_len).unsqueeze(1)
+        kpos = torch.arange(seq_len).unsqueeze(0)
+        mask = kpos <= qpos
+        o = F.scaled_dot_product_attention(qi, kc, vc, attn_mask=mask, scale=scale)
+        out[start:end] = o.transpose(0, 1).to(q.dtype)
+    return out
+
+
+def _decode_batched(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    group: int,
+) -> torch.Tensor:
+    """All single-token sequences at once: pad their contexts to the longest one."""
+    nd = q.shape[0]
+    block_size = k_cache.shape[1]
+    seq_lens = meta.seq_lens[:nd].long()
+    max_len = max(meta.seq_lens_cpu[:nd])
+    n_blocks = (max_len + block_size - 1) // block_size
+    tables = meta.block_tables[:nd, :n_blocks].long()  # [nd, nb]
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    kc = k_cache[tables].reshape(nd, n_blocks * block_size, hkv, d)[:, :max_len].float()
+    vc = v_cache[tables].reshape(nd, n_blocks * block_size, hkv, d)[:, :max_len].float()
+    # [nd, Hkv, group, D] x [nd, Hkv, S, D] -> [nd, Hkv, group, S]
+    qf = q.float().view(nd, hkv, group, d)
+    scores = torch.einsum("bhgd,bshd->bhgs", qf, kc) * scale
+    valid = torch.arange(max_len).unsqueeze(0) < seq_lens.unsqueeze(1)  # [nd, S]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    o = torch.einsum("bhgs,bshd->bhgd", probs, vc)
+    return o.reshape(nd, hkv * group, d).to(q.dtype)
+
+
+class TorchAttentionBackend:
+    """The reference backend: runs anywhere torch runs."""
+
+    name = "torch"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return paged_attention(q, k_cache, v_cache, meta, scale)
+
+    def copy_blocks(
+        self,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+        src: torch.Tensor,
+        dst: torch.Tensor,
+    ) -> None:
+        copy_blocks(k_caches, v_caches, src, dst)
