@@ -1,0 +1,50 @@
+# Every target does its own setup: a fresh machine needs only python3 (>= 3.11), make and go.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PAGEFLEET := $(VENV)/bin/pagefleet
+# pip keeps its wheel cache (torch is several GB) between runs.
+PIP_FLAGS ?= --disable-pip-version-check -q
+
+.PHONY: setup run test test-fast lint format e2e control-plane bench-quick clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install $(PIP_FLAGS) --upgrade pip
+	$(VENV)/bin/pip install $(PIP_FLAGS) -e '.[dev]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+## The main job: a local fleet (Redis, 2 daemons, gateway) on the tiny model, a short bench, a report.
+run: setup
+	$(PAGEFLEET) up --bench
+
+## Everything CI checks: lint, the unit/component suite, and the e2e suite on a real control plane.
+test: setup control-plane
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/pytest
+
+## Without the control plane (no Go build): the e2e directory is left out.
+test-fast: setup
+	$(VENV)/bin/pytest tests
+
+control-plane:
+	bash scripts/control-plane.sh build
+
+e2e: setup control-plane
+	$(VENV)/bin/pytest e2e
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+bench-quick: setup
+	for b in bench/*.py; do $(PY) $$b --quick || exit 1; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache
