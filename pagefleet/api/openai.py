@@ -1,0 +1,401 @@
+"""OpenAI API bodies (completions, chat, models, errors) and vLLM's tokenize endpoints.
+
+Shared by the daemon (which serves them) and the gateway (which parses them to route and
+forwards them). Invariant: a request model that validated is well-formed for the fields it
+declares (types and ranges); limits that depend on the model (max length) are the server's
+to check. Fields these models do not declare are kept (``extra="allow"``) so a proxy can
+forward them and a server can log and ignore them: routers such as sglang-router and
+vllm-router add their own.
+
+JSON is parsed in strict mode (``parse_body``): ``"n": "3"`` is a type error, not 3, but an
+integer is accepted where a float is expected, as JSON has one number type.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+# -- errors -------------------------------------------------------------------------------
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """``{"error": {"message", "type", "param", "code"}}`` as OpenAI returns it."""
+
+    error: ErrorDetail
+
+
+class RequestValidationError(ValueError):
+    """A body that failed validation; ``param`` is the dotted path of the offending field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+_Req = TypeVar("_Req", bound=BaseModel)
+
+
+_UNION_FORMS = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
+    "stop": "a string or a list of strings",
+}
+
+
+def _loc_to_param(loc: tuple[int | str, ...]) -> str | None:
+    # Pydantic adds the union member's name to the location ("prompt.str"); drop those tags
+    # so the caller sees the field path they sent.
+    parts: list[str] = []
+    for item in loc:
+        if isinstance(item, int):
+            parts.append(str(item))
+        elif item.startswith(("list[", "str", "int", "float", "function-", "tagged-union[")) or (
+            item in {"ContentPart", "ChatMessage"}
+        ):
+            continue
+        else:
+            parts.append(item)
+    return ".".join(parts) or None
+
+
+def parse_body(model: type[_Req], body: bytes | str) -> _Req:
+    """Parse a JSON body into ``model`` strictly; raise RequestValidationError naming the field."""
+    try:
+        return model.model_validate_json(body, strict=True)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        first = errors[0]
+        if first["type"] == "json_invalid":
+            raise RequestValidationError(
+                f"request body is not valid JSON: {first['msg']}; send a JSON object"
+            ) from None
+        if first["type"] == "model_type" and not first["loc"]:
+            raise RequestValidationError("request body must be a JSON object") from None
+        param = _loc_to_param(tuple(first["loc"]))
+        # A union (e.g. prompt) yields one error per member; say what the field accepts.
+        msg = first["msg"].removeprefix("Value error, ")
+        if len(errors) > 1 and param in _UNION_FORMS:
+            msg = f"wrong type; expected {_UNION_FORMS[param]}"
+        elif len(errors) > 1 and param and param.endswith(".content"):
+            msg = "wrong type; expected a string or a list of content parts"
+        where = f"'{param}'" if param else "body"
+        raise RequestValidationError(f"{where}: {msg}", param=param) from None
+
+
+# -- shared pieces ------------------------------------------------------------------------
+
+
+class _Lenient(BaseModel):
+    """Request models: unknown fields are kept (to forward or to log), never rejected."""
+
+    model_config = ConfigDict(extra="allow")
+
+    def unknown_fields(self) -> list[str]:
+        return sorted((self.model_extra or {}).keys())
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+Stop = str | list[str] | None
+NonNegInt = Annotated[int, Field(ge=0)]
+
+
+class _SamplingFields(_Lenient):
+    """Fields common to completions and chat; ranges match SamplingParams' own checks."""
+
+    model: str | None = None
+    n: int = Field(default=1, ge=1, le=128)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    seed: int | None = None
+    stop: Stop = None
+    stop_token_ids: list[NonNegInt] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    user: str | None = None
+    # P/D handshake (vLLM's shape); opaque to everything but the daemon's P/D code.
+    kv_transfer_params: dict[str, Any] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v: Stop) -> Stop:
+        stops = [v] if isinstance(v, str) else (v or [])
+        if any(s == "" for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+# -- completions --------------------------------------------------------------------------
+
+Prompt = str | list[str] | list[NonNegInt] | list[list[NonNegInt]]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Prompt
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, v: Prompt) -> Prompt:
+        if isinstance(v, list) and not v:
+            raise ValueError("prompt must not be an empty list")
+        if isinstance(v, list) and any(isinstance(p, list) and not p for p in v):
+            raise ValueError("prompt token-id lists must not be empty")
+        return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch of prompts this request stands for (OpenAI allows 1 or many)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions logprobs object: parallel lists, one entry per token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class CompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: _new_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class CompletionStreamResponse(BaseModel):
+    """One SSE chunk; OpenAI reuses ``text_completion`` as the chunk object name."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+# -- chat ---------------------------------------------------------------------------------
+
+
+class ContentPart(_Lenient):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The message's text; non-text parts (images, audio) are refused by the server."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text or "" for p in self.content if p.type == "text")
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _check_top_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs=true")
+        return v
+
+    def effective_max_tokens(self) -> int | None:
+        # max_completion_tokens is the newer name; OpenAI prefers it when both are given.
+        return self.max_completion_tokens or self.max_tokens
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: _new_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+# -- models -------------------------------------------------------------------------------
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "pagefleet"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# -- vLLM's /tokenize and /detokenize -----------------------------------------------------
+
+
+class TokenizeRequest(_Lenient):
+    """Either ``prompt`` or ``messages`` (vLLM accepts both shapes)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_of(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' or 'messages'")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(_Lenient):
+    model: str | None = None
+    tokens: list[NonNegInt]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
