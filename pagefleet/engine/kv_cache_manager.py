@@ -1,0 +1,230 @@
+"""Block tables of live sequences on top of the ``BlockPool``: on-demand allocation,
+prefix-cache lookup, copy-on-write, and the ``BlockStored`` events.
+
+Invariants:
+- a sequence's table covers exactly the positions that have or are about to get KV
+  (``ceil(num_computed + num_scheduled) / block_size`` blocks), allocated a block at a time
+  as tokens arrive, never reserved for the maximum length;
+- each block's ``ref_cnt`` equals the number of live tables that hold it;
+- KV is never written into a block another table also holds, nor into a cached (hashed)
+  block: such a block is first copied (``pending_copies``, applied by the model runner
+  before the forward) and the copy is written instead;
+- a block gets a hash only once all its tokens have KV (or will after this step's
+  forward), and the hash is ``kvindex.hashing.block_hashes`` of the sequence's tokens under
+  ``namespace`` with the LoRA id as extra, so the gateway computes the same keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
+
+from pagefleet.engine.block_pool import BlockPool, KVBlock
+from pagefleet.engine.request import Sequence
+from pagefleet.kvindex.events import BlockStored, KVEvent
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        namespace: str = "",
+    ) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.namespace = namespace
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self._tables: dict[int, list[KVBlock]] = {}
+        self._num_hashed: dict[int, int] = {}  # leading blocks already processed for caching
+        self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block ids, this step
+
+    # --- queries -----------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def block_ids(self, seq: Sequence) -> list[int]:
+        return [b.block_id for b in self._tables.get(seq.seq_id, ())]
+
+    def has_table(self, seq: Sequence) -> bool:
+        return seq.seq_id in self._tables
+
+    def get_computed_blocks(self, seq: Sequence) -> tuple[list[KVBlock], int]:
+        """The longest cached chain of ``seq``'s full blocks and the tokens it lets us skip.
+
+        Side-effect free on the pool. At least the last token is always left to compute (its
+        logits are needed): when the chain covers every token, the count is
+        ``num_tokens - 1`` and the last block will be copied on write by ``allocate_slots``.
+        """
+        if not self.enable_caching:
+            return [], 0
+        hits: list[KVBlock] = []
+        for h in seq.full_block_hashes(self.block_size, self.namespace):
+            block = self.pool.get_cached_block(h)
+            if block is None:
+                break
+            hits.append(block)
+        num_hit_tokens = len(hits) * self.block_size
+        return hits, min(num_hit_tokens, seq.num_tokens - 1)
+
+    def num_cached_prefix_tokens(self, seq: Sequence) -> int:
+        return self.get_computed_blocks(seq)[1]
+
+    # --- allocation ----------------------------------------------------------------------
+
+    def allocate_slots(
+        self,
+        seq: Sequence,
+        num_new_tokens: int,
+        computed_blocks: Seq[KVBlock] = (),
+        num_computed_tokens: int | None = None,
+    ) -> bool:
+        """Give ``seq`` slots for ``num_new_tokens`` more tokens; all or nothing.
+
+        ``computed_blocks``/``num_computed_tokens`` come from ``get_computed_blocks`` on
+        admission; otherwise the sequence's own ``num_computed_tokens`` is the start.
+        Returns False, changing nothing, when the pool cannot supply the blocks.
+        """
+        table = self._tables.get(seq.seq_id)
+        if table is None:
+            table = []
+        start = seq.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
+        end = start + num_new_tokens
+        assert end <= seq.num_tokens, "cannot schedule tokens that do not exist yet"
+        have = len(table) + len(computed_blocks)
+        num_new_blocks = max(cdiv(end, self.block_size) - have, 0)
+
+        # The first block written this step may already exist and be shared or cached.
+        write_idx = start // self.block_size
+        existing: KVBlock | None = None
+        if num_new_tokens > 0 and write_idx < have:
+            existing = (
+                table[write_idx]
+                if write_idx < len(table)
+                else computed_blocks[write_idx - len(table)]
+            )
+        # Cache hits are hashed, so a write into one is always copied.
+        needs_cow = existing is not None and (
+            existing.ref_cnt > 1 or existing.block_hash is not None
+        )
+
+        # Cache hits sitting in the free queue stop being allocatable once we take them.
+        unavailable = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks + int(needs_cow) > self.pool.num_free_blocks - unavailable:
+            return False
+
+        self.pool.touch(computed_blocks)
+        if seq.seq_id not in self._tables:
+            self._tables[seq.seq_id] = table
+            self._num_hashed[seq.seq_id] = 0
+        table.extend(computed_blocks)
+        if computed_blocks:
+            self._num_hashed[seq.seq_id] = max(self._num_hashed[seq.seq_id], len(table))
+        if needs_cow:
+            assert existing is not None
+            (copy,) = self.pool.get_new_blocks(1)
+            self.pending_copies.append((existing.block_id, copy.block_id))
+            table[write_idx] = copy
+            self.pool.free_blocks([existing])
+        if num_new_blocks:
+            table.extend(self.pool.get_new_blocks(num_new_blocks))
+        self._cache_full_blocks(seq, table, end)
+        return True
+
+    def _cache_full_blocks(self, seq: Sequence, table: list[KVBlock], num_tokens: int) -> None:
+        """Hash the blocks that become full once ``num_tokens`` tokens have KV."""
+        if not self.enable_caching:
+            return
+        num_full = num_tokens // self.block_size
+        first = self._num_hashed[seq.seq_id]
+        if num_full <= first:
+            return
+        hashes = seq.full_block_hashes(self.block_size, self.namespace)
+        group: list[int] = []  # consecutive block indices registered now
+        for i in range(first, num_full):
+            if self.pool.cache_block(table[i], hashes[i]):
+                if group and group[-1] != i - 1:
+                    self._emit_stored(seq, group, hashes)
+                    group = []
+                group.append(i)
+        if group:
+            self._emit_stored(seq, group, hashes)
+        self._num_hashed[seq.seq_id] = num_full
+
+    def _emit_stored(self, seq: Sequence, idx: list[int], hashes: list[int]) -> None:
+        bs = self.block_size
+        lo, hi = idx[0], idx[-1] + 1
+        self.pool.events.append(
+            BlockStored(
+                block_hashes=[hashes[i] for i in idx],
+                parent_block_hash=hashes[lo - 1] if lo > 0 else None,
+                token_ids=list(seq.token_ids[lo * bs : hi * bs]),
+                block_size=bs,
+                lora_id=seq.request.lora_id,
+            )
+        )
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` shares every block of ``parent`` (ref counts up, no copy yet)."""
+        table = list(self._tables[parent.seq_id])
+        self.pool.touch(table)
+        self._tables[child.seq_id] = table
+        self._num_hashed[child.seq_id] = self._num_hashed[parent.seq_id]
+        child.block_hashes = list(parent.block_hashes)
+
+    def free(self, seq: Sequence) -> None:
+        """Release ``seq``'s table (tail first, so chain tails are evicted first)."""
+        table = self._tables.pop(seq.seq_id, None)
+        self._num_hashed.pop(seq.seq_id, None)
+        if table:
+            self.pool.free_blocks(reversed(table))
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def take_events(self) -> list[KVEvent]:
+        return self.pool.take_events()
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()
+
+    def cached_block_hashes(self) -> set[int]:
+        return set(self.pool.cached)
+
+    # --- invariants ----------------------------------------------------------------------
+
+    def check_integrity(self, live: Iterable[Sequence] | None = None) -> None:
+        """Pool invariants, plus: every ref count equals the number of tables holding the
+        block, no table holds a block twice, and (given ``live``) exactly the live
+        sequences that have KV own tables, each covering its computed tokens."""
+        self.pool.check_integrity()
+        counts = [0] * self.pool.num_blocks
+        for seq_id, table in self._tables.items():
+            ids = [b.block_id for b in table]
+            assert len(set(ids)) == len(ids), f"sequence {seq_id} holds a block twice"
+            for b in table:
+                counts[b.block_id] += 1
+        for block in self.pool.blocks:
+            assert block.ref_cnt == counts[block.block_id], (
+                f"block {block.block_id}: ref_cnt {block.ref_cnt} but held by "
+                f"{counts[block.block_id]} tables"
+            )
+        if live is not None:
+            live_ids = set()
+            for seq in live:
+                live_ids.add(seq.seq_id)
+                table = self._tables.get(seq.seq_id, [])
+                assert len(table) >= cdiv(seq.num_computed_tokens, self.block_size), (
+                    f"sequence {seq.seq_id} has KV for {seq.num_computed_tokens} tokens but "
+                    f"only {len(table)} blocks"
+                )
+            stray = set(self._tables) - live_ids
+            assert not stray, f"tables of ended sequences were not freed: {sorted(stray)}"

@@ -1,0 +1,133 @@
+"""Requests and their sequences: the units the scheduler moves between queues.
+
+A ``Request`` is what a caller submitted; it owns ``n`` ``Sequence`` objects, one per
+sample. Before its prompt is prefilled a request has a single sequence (index 0); when the
+chunk that reaches the end of the prompt is scheduled, the scheduler forks the other
+``n - 1`` sequences, which share the prompt's KV blocks by reference count.
+
+Invariants of a ``Sequence``:
+- ``token_ids`` = prompt tokens + generated tokens, append-only;
+- ``0 <= num_computed_tokens <= len(token_ids)``: KV exists for the first
+  ``num_computed_tokens`` positions; preemption (recompute) resets it to 0 but keeps the
+  tokens and the sampler's generator, so the resumed sequence continues exactly where it was;
+- ``block_hashes[i]`` is the chained key of full block ``i`` of ``token_ids``; it is
+  extended lazily and never invalidated because tokens are never rewritten.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from pagefleet.engine.outputs import RequestMetrics, TokenLogprob
+from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.kvindex.hashing import block_hashes
+
+if TYPE_CHECKING:
+    from pagefleet.engine.detokenizer import IncrementalDetokenizer
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Sequence:
+    seq_id: int
+    request: Request
+    index: int  # which of the request's n samples
+    token_ids: list[int]
+    num_prompt_tokens: int
+    generator: torch.Generator | None = None  # None for greedy
+    detokenizer: IncrementalDetokenizer | None = None
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    block_hashes: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    # bookkeeping for the scheduler's cache-aware ordering and for stats
+    arrival_order: int = 0
+    waited_steps: int = 0
+    num_preemptions: int = 0
+    # deltas not yet handed to the caller
+    pending_token_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    reported_finish: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True while the prompt (or, after preemption, the recomputed context) is being
+        fed: more than the last token still lacks KV."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    def full_block_hashes(self, block_size: int, namespace: str) -> list[int]:
+        """Keys of every full block of ``token_ids`` (extends the cached list)."""
+        n_full = len(self.token_ids) // block_size
+        have = len(self.block_hashes)
+        if have < n_full:
+            self.block_hashes.extend(
+                block_hashes(
+                    self.token_ids,
+                    block_size,
+                    namespace=namespace,
+                    extra=self.request.lora_id,
+                    parent=self.block_hashes[-1] if have else None,
+                    start_block=have,
+                )
+            )
+        return self.block_hashes
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    lora_id: str | None = None
+    seqs: list[Sequence] = field(default_factory=list)
+    forked: bool = False  # the n - 1 siblings of sequence 0 exist
+
+    @property
+    def is_finished(self) -> bool:
+        return self.forked and all(s.is_finished for s in self.seqs)
+
+    @property
+    def fanout(self) -> int:
+        """Sequences this request will occupy once forked (for the max_num_seqs bound)."""
+        return 1 if self.forked else self.params.n
+
+
+class SeqIdCounter:
+    """Monotonic sequence ids; one per engine (no module-level state)."""
+
+    __slots__ = ("_it",)
+
+    def __init__(self) -> None:
+        self._it = itertools.count()
+
+    def __call__(self) -> int:
+        return next(self._it)

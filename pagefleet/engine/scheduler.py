@@ -1,0 +1,197 @@
+"""Iteration-level scheduler: which sequences run in the next step and with how many tokens.
+
+Each step has one token budget (``max_num_batched_tokens``) and a cap on live sequences
+(``max_num_seqs``). Running sequences are served first, oldest first: a decode costs one
+token, an unfinished (chunked) prefill takes what budget is left. Then waiting sequences are
+admitted in queue order while budget, sequence slots and KV blocks last; a prompt longer than
+the remaining budget is chunked (when chunked prefill is on), so prefills mix with decodes.
+
+When a running sequence cannot get a block, the newest running sequence is preempted by
+recompute: its blocks are freed, its ``num_computed_tokens`` reset, and it goes to the front
+of the waiting queue. It keeps its tokens and sampler state, so the recomputed sequence
+continues exactly. Nothing accepted is ever dropped: a sequence leaves only by finishing or
+being aborted. A step that preempted admits nobody new (memory is short).
+
+Invariant: ``num_computed_tokens`` of every scheduled sequence is advanced here, at
+schedule time, to what it will be once the step's forward has run.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pagefleet.engine.config import EngineConfig
+from pagefleet.engine.kv_cache_manager import KVCacheManager
+from pagefleet.engine.request import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # first position computed this step (num_computed_tokens before the step)
+    num_new_tokens: int
+    # sequences that draw a token from this row's logits: [seq] plus forked siblings when
+    # the prompt completes for n > 1; empty for a prefill chunk short of the prompt's end
+    samplers: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_new_tokens == 1
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]
+    copies: list[tuple[int, int]]  # (src, dst) block ids to copy before the forward
+    preempted: list[Sequence]
+    num_batched_tokens: int
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv: KVCacheManager,
+        fork: Callable[[Sequence], list[Sequence]] | None = None,
+    ) -> None:
+        """``fork(parent)`` builds the n - 1 sibling sequences of a request's sequence 0."""
+        self.config = config
+        self.kv = kv
+        self._fork = fork
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preempted_total = 0
+        self.prefix_queries_tokens = 0
+        self.prefix_hits_tokens = 0
+
+    # --- queue management --------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a sequence for good (finished or aborted) and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.kv.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preempted_total += 1
+
+    # --- one step ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted: list[Sequence] = []
+        forked: list[Sequence] = []
+
+        # 1. Running sequences, oldest first. Victims are taken from the end of the list,
+        # which holds only sequences not yet visited this step.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = seq.num_tokens - seq.num_computed_tokens
+            if num_new > budget:
+                if not cfg.enable_chunked_prefill:
+                    i += 1
+                    continue
+                num_new = budget
+            while not self.kv.allocate_slots(seq, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.WAITING:  # preempted itself
+                break
+            scheduled.append(self._schedule_one(seq, num_new, forked))
+            budget -= num_new
+            i += 1
+
+        # 2. Waiting sequences, unless memory was short this step.
+        if not preempted:
+            if cfg.cache_aware_scheduling and len(self.waiting) > 1:
+                self._order_waiting_cache_aware()
+            while self.waiting and budget > 0:
+                seq = self.waiting[0]
+                if len(self.running) + len(forked) + seq.request.fanout > cfg.max_num_seqs:
+                    break
+                hits, num_cached = self.kv.get_computed_blocks(seq)
+                num_new = seq.num_tokens - num_cached
+                if num_new > budget:
+                    if not cfg.enable_chunked_prefill:
+                        break
+                    num_new = budget
+                if not self.kv.allocate_slots(seq, num_new, hits, num_cached):
+                    break
+                self.waiting.popleft()
+                self.prefix_queries_tokens += seq.num_tokens
+                self.prefix_hits_tokens += num_cached
+                if seq.num_preemptions == 0 and seq.index == 0:
+                    seq.request.metrics.num_cached_tokens = num_cached
+                seq.num_computed_tokens = num_cached
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                scheduled.append(self._schedule_one(seq, num_new, forked))
+                budget -= num_new
+
+        self.running.extend(forked)
+        for seq in self.waiting:
+            seq.waited_steps += 1
+        return SchedulerOutput(
+            scheduled=scheduled,
+            copies=self.kv.take_copies(),
+            preempted=preempted,
+            num_batched_tokens=cfg.max_num_batched_tokens - budget,
+        )
+
+    def _schedule_one(self, seq: Sequence, num_new: int, forked: list[Sequence]) -> ScheduledSeq:
+        start = seq.num_computed_tokens
+        seq.num_computed_tokens = start + num_new
+        item = ScheduledSeq(seq=seq, start=start, num_new_tokens=num_new)
+        if seq.num_computed_tokens == seq.num_tokens:
+            item.samplers.append(seq)
+            req = seq.request
+            if not req.forked:
+                req.forked = True
+                children = self._fork(seq) if self._fork is not None else []
+                for child in children:
+                    self.kv.fork(seq, child)
+                    child.num_computed_tokens = seq.num_computed_tokens
+                    child.status = SequenceStatus.RUNNING
+                    item.samplers.append(child)
+                    forked.append(child)
+        return item
+
+    def _order_waiting_cache_aware(self) -> None:
+        """Longest cached prefix first, but a sequence that has waited ``max_wait_steps``
+        steps (or was preempted) goes ahead of everyone in arrival order: no request waits
+        more than ``max_wait_steps`` steps behind later arrivals."""
+        limit = self.config.max_wait_steps
+
+        def key(seq: Sequence) -> tuple[int, int, int]:
+            if seq.num_preemptions or seq.waited_steps >= limit:
+                return (0, 0, seq.arrival_order)
+            return (1, -self.kv.num_cached_prefix_tokens(seq), seq.arrival_order)
+
+        self.waiting = deque(sorted(self.waiting, key=key))
