@@ -1,0 +1,239 @@
+"""Where the daemons are: a static URL list, or the EndpointSlices of a Kubernetes Service.
+
+Invariant: ``endpoints()`` returns only pods that can take traffic now (for Kubernetes:
+EndpointSlice conditions ``ready`` true and not ``terminating``), each with the pod name the
+daemon publishes its KV blocks under, so index lookups map straight onto URLs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, frozen=True)
+class Endpoint:
+    """One routable daemon: ``pod`` is its name in the KV index, ``url`` its base URL."""
+
+    pod: str
+    url: str
+
+
+class Discovery(Protocol):
+    def endpoints(self) -> list[Endpoint]: ...
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+def pod_name_for_url(url: str) -> str:
+    """The local-fleet convention: a daemon's pod name is the ``host:port`` it listens on."""
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    if not parts.hostname or not parts.port:
+        raise ValueError(
+            f"endpoint URL {url!r} needs an explicit host and port, e.g. http://127.0.0.1:8001"
+        )
+    return f"{parts.hostname}:{parts.port}"
+
+
+def normalize_url(url: str) -> str:
+    url = url.strip().rstrip("/")
+    return url if "://" in url else f"http://{url}"
+
+
+class StaticDiscovery:
+    """A fixed list of daemon URLs; pod names follow :func:`pod_name_for_url` unless given."""
+
+    def __init__(self, urls: Iterable[str], pod_names: Mapping[str, str] | None = None) -> None:
+        names = dict(pod_names or {})
+        self._endpoints = []
+        for raw in urls:
+            if not raw.strip():
+                continue
+            url = normalize_url(raw)
+            self._endpoints.append(Endpoint(pod=names.get(url) or pod_name_for_url(url), url=url))
+        if not self._endpoints:
+            raise ValueError("static discovery needs at least one endpoint URL (--endpoints)")
+
+    def endpoints(self) -> list[Endpoint]:
+        return list(self._endpoints)
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+def _get(obj: Mapping[str, Any] | None, *keys: str) -> Any:
+    """First present key among ``keys`` (the API's camelCase or the client's snake_case)."""
+    if obj is None:
+        return None
+    for k in keys:
+        if k in obj and obj[k] is not None:
+            return obj[k]
+    return None
+
+
+def parse_endpoint_slice(
+    slice_obj: Mapping[str, Any], target_port: int | str | None = None, scheme: str = "http"
+) -> list[Endpoint]:
+    """Ready endpoints of one EndpointSlice (as a dict, camelCase or snake_case keys).
+
+    ``target_port`` picks the slice port by name (str) or number (int); ``None`` takes the
+    slice's only port. An endpoint counts when ``conditions.ready`` is not false and
+    ``terminating`` is not true (the API's documented reading of unset conditions). The pod
+    name is ``targetRef.name`` (what the daemon publishes under); without a targetRef the
+    address itself is used.
+    """
+    ports = _get(slice_obj, "ports") or []
+    port: int | None = None
+    if isinstance(target_port, int):
+        port = target_port
+        numbers = {p.get("port") for p in ports}
+        if numbers and target_port not in numbers:
+            return []
+    elif isinstance(target_port, str) and target_port:
+        for p in ports:
+            if p.get("name") == target_port:
+                port = p.get("port")
+        if port is None:
+            return []
+    elif len(ports) == 1:
+        port = ports[0].get("port")
+    if port is None:
+        raise ValueError(
+            "EndpointSlice has several ports and no --target-port was given to pick one"
+        )
+    family = _get(slice_obj, "addressType", "address_type") or "IPv4"
+    out: list[Endpoint] = []
+    for ep in _get(slice_obj, "endpoints") or []:
+        cond = _get(ep, "conditions") or {}
+        if cond.get("ready") is False or cond.get("terminating") is True:
+            continue
+        addresses = _get(ep, "addresses") or []
+        if not addresses:
+            continue
+        addr = addresses[0]
+        host = f"[{addr}]" if family == "IPv6" else addr
+        ref = _get(ep, "targetRef", "target_ref") or {}
+        pod = ref.get("name") or addr
+        out.append(Endpoint(pod=pod, url=f"{scheme}://{host}:{port}"))
+    return out
+
+
+class KubernetesDiscovery:
+    """Watches the EndpointSlices of one Service (label ``kubernetes.io/service-name``).
+
+    The ``kubernetes`` client is synchronous, so the watch runs in a daemon thread and
+    publishes an immutable snapshot; readers on the event loop never block on the API.
+    """
+
+    def __init__(
+        self,
+        namespace: str,
+        service: str,
+        target_port: int | str | None = None,
+        kubeconfig: str | None = None,
+    ) -> None:
+        self.namespace = namespace
+        self.service = service
+        self.target_port = target_port
+        self.kubeconfig = kubeconfig
+        self._slices: dict[str, list[Endpoint]] = {}
+        self._snapshot: list[Endpoint] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._synced = threading.Event()
+
+    def endpoints(self) -> list[Endpoint]:
+        return list(self._snapshot)
+
+    def apply_event(self, kind: str, slice_obj: Mapping[str, Any]) -> None:
+        """Fold one watch event (ADDED/MODIFIED/DELETED) into the snapshot."""
+        meta = _get(slice_obj, "metadata") or {}
+        name = meta.get("name", "")
+        with self._lock:
+            if kind == "DELETED":
+                self._slices.pop(name, None)
+            else:
+                try:
+                    self._slices[name] = parse_endpoint_slice(slice_obj, self.target_port)
+                except ValueError as exc:
+                    logger.warning("ignoring EndpointSlice %s: %s", name, exc)
+                    return
+            seen: dict[str, Endpoint] = {}
+            for eps in self._slices.values():
+                for ep in eps:
+                    seen.setdefault(ep.pod, ep)
+            self._snapshot = sorted(seen.values(), key=lambda e: e.pod)
+
+    async def start(self) -> None:
+        from kubernetes import client, config  # lazy: only k8s discovery needs it
+
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            await asyncio.to_thread(config.load_kube_config, config_file=self.kubeconfig)
+        api = client.DiscoveryV1Api()
+        self._thread = threading.Thread(
+            target=self._run, args=(api,), name="endpointslice-watch", daemon=True
+        )
+        self._thread.start()
+        # Serve once the first list arrived, so /ready reflects real endpoints.
+        await asyncio.to_thread(self._synced.wait, 10.0)
+
+    def _run(self, api: Any) -> None:
+        from kubernetes import watch
+
+        selector = f"kubernetes.io/service-name={self.service}"
+        serialize = api.api_client.sanitize_for_serialization
+        while not self._stop.is_set():
+            try:
+                listing = api.list_namespaced_endpoint_slice(
+                    self.namespace, label_selector=selector
+                )
+                with self._lock:
+                    self._slices.clear()
+                for item in listing.items:
+                    self.apply_event("ADDED", serialize(item))
+                if not listing.items:
+                    with self._lock:
+                        self._snapshot = []
+                self._synced.set()
+                w = watch.Watch()
+                for event in w.stream(
+                    api.list_namespaced_endpoint_slice,
+                    self.namespace,
+                    label_selector=selector,
+                    resource_version=listing.metadata.resource_version,
+                    timeout_seconds=60,
+                ):
+                    if self._stop.is_set():
+                        w.stop()
+                        break
+                    self.apply_event(event["type"], serialize(event["object"]))
+            except Exception as exc:  # the API server restarts; keep the last snapshot
+                logger.warning(
+                    "EndpointSlice watch for %s/%s failed: %s; retrying",
+                    self.namespace,
+                    self.service,
+                    exc,
+                )
+                self._stop.wait(2.0)
+
+    async def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(self._thread.join, 1.0)

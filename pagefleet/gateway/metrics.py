@@ -1,0 +1,116 @@
+"""Prometheus metrics of one gateway, in its own registry (no process-global state).
+
+Names are prefixed ``pagefleet_gateway_``; labels stay low-cardinality (policy, pod, status
+class), pods being bounded by the fleet size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+_DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+_TOKEN_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+@dataclass(slots=True)
+class GatewayMetrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    requests: Counter = field(init=False)
+    responses: Counter = field(init=False)
+    retries: Counter = field(init=False)
+    predicted_hit_tokens: Histogram = field(init=False)
+    predicted_hit_tokens_total: Counter = field(init=False)
+    prompt_tokens_total: Counter = field(init=False)
+    decision_seconds: Histogram = field(init=False)
+    upstream_ttft_seconds: Histogram = field(init=False)
+    upstream_latency_seconds: Histogram = field(init=False)
+    index_errors: Counter = field(init=False)
+    inflight: Gauge = field(init=False)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        p = "pagefleet_gateway_"
+        self.requests = Counter(
+            p + "requests",
+            "Requests routed, by policy and chosen pod.",
+            ["policy", "pod"],
+            registry=r,
+        )
+        self.responses = Counter(
+            p + "responses",
+            "Responses returned, by upstream pod and HTTP status code.",
+            ["pod", "code"],
+            registry=r,
+        )
+        self.retries = Counter(
+            p + "upstream_retries",
+            "Attempts moved to the next pod after a failure before "
+            "the first byte, by the pod that failed.",
+            ["pod"],
+            registry=r,
+        )
+        self.predicted_hit_tokens = Histogram(
+            p + "predicted_hit_tokens",
+            "Prefix tokens the index said the chosen pod holds.",
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.predicted_hit_tokens_total = Counter(
+            p + "predicted_hit_tokens_sum", "Sum of predicted prefix-hit tokens.", registry=r
+        )
+        self.prompt_tokens_total = Counter(
+            p + "prompt_tokens", "Prompt tokens seen by the router.", registry=r
+        )
+        self.decision_seconds = Histogram(
+            p + "routing_decision_seconds",
+            "Time to rank pods: tokenize excluded, index lookup included.",
+            ["policy"],
+            buckets=_DECISION_BUCKETS,
+            registry=r,
+        )
+        self.upstream_ttft_seconds = Histogram(
+            p + "upstream_ttft_seconds",
+            "Time from forwarding a streaming request to its first upstream body byte.",
+            ["pod"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.upstream_latency_seconds = Histogram(
+            p + "upstream_latency_seconds",
+            "Time from forwarding to the last upstream byte.",
+            ["pod"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.index_errors = Counter(
+            p + "index_errors",
+            "Index calls that failed or timed out (routing fell back to load only).",
+            ["op"],
+            registry=r,
+        )
+        self.inflight = Gauge(
+            p + "inflight_requests",
+            "Requests this gateway has open per pod.",
+            ["pod"],
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,248 @@
+"""Routing policies: order the ready pods for one request, best first.
+
+Every policy returns *all* candidates ranked, so the proxy can retry the next-best pod when
+the first refuses the connection. Policies are pure given their inputs and an RNG (tests
+pass a seeded ``random.Random``); only round robin keeps a cursor, per router instance.
+
+Cost model of ``cache_aware`` (lower is better), per ready pod ``p`` and prompt of ``L``
+tokens of which the index says ``m_p`` leading blocks of ``B`` tokens are cached on ``p``:
+
+    uncached_frac = (L - m_p * B) / L                  # prefill work still to do, 0..1
+    queue         = max(running_p + waiting_p, inflight_p)
+    cost          = w_prefill * uncached_frac + w_queue * queue + w_kv * kv_usage_p
+
+``queue`` takes the larger of the pod's last heartbeat and this gateway's own in-flight
+count: the heartbeat already contains our requests once it catches up, so adding them would
+double count, while the in-flight count reacts at once between heartbeats. With the default
+weights a full prefix hit is worth about four queued requests. The imbalance guard falls
+back to pure load when the pod with the best cache is busier than the least-loaded pod by
+more than ``imbalance_abs`` requests: a single hugely popular prompt therefore spills over
+to the other pods, which then cache it too, and exact ties are broken at random.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pagefleet.gateway.discovery import Endpoint
+
+PolicyName = Literal["cache_aware", "least_load", "round_robin", "session"]
+POLICY_NAMES: tuple[str, ...] = ("cache_aware", "least_load", "round_robin", "session")
+
+
+class RoutingWeights(BaseModel):
+    """Weights of the cache-aware cost; set with ``--weights prefill=1,queue=0.25,...``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prefill: float = Field(1.0, ge=0, description="cost of a fully uncached prompt")
+    queue: float = Field(0.25, ge=0, description="cost per running/waiting/in-flight request")
+    kv: float = Field(0.5, ge=0, description="cost of a pod whose KV cache is fully in use")
+    imbalance_abs: float = Field(
+        4.0, ge=0, description="fall back to least load when best-cache queue exceeds min by more"
+    )
+
+    @classmethod
+    def parse(cls, spec: str | None) -> RoutingWeights:
+        """``"prefill=1,queue=0.5"`` -> weights; unknown names raise with the valid ones."""
+        if not spec:
+            return cls()
+        values: dict[str, float] = {}
+        for part in spec.split(","):
+            if not part.strip():
+                continue
+            name, sep, value = part.partition("=")
+            if not sep:
+                raise ValueError(f"weight {part!r} must look like name=value")
+            name = name.strip().replace("-", "_")
+            if name not in cls.model_fields:
+                raise ValueError(f"unknown weight {name!r}; valid: {', '.join(cls.model_fields)}")
+            values[name] = float(value)
+        return cls(**values)
+
+
+@dataclass(slots=True, frozen=True)
+class Candidate:
+    """What the router knows about one ready pod for this request."""
+
+    endpoint: Endpoint
+    matched_blocks: int = 0
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    inflight: int = 0
+    has_heartbeat: bool = False
+
+    @property
+    def queue(self) -> int:
+        return max(self.running + self.waiting, self.inflight)
+
+
+@dataclass(slots=True, frozen=True)
+class RouteRequest:
+    prompt_tokens: int
+    block_size: int
+    session_key: str | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class Scored:
+    endpoint: Endpoint
+    cost: float
+    matched_tokens: int
+    queue: int
+    reason: str
+
+
+class Policy(Protocol):
+    name: str
+    uses_index: bool
+
+    def rank(
+        self, candidates: list[Candidate], req: RouteRequest, rng: random.Random
+    ) -> list[Scored]: ...
+
+
+def _matched_tokens(c: Candidate, req: RouteRequest) -> int:
+    return min(c.matched_blocks * req.block_size, req.prompt_tokens)
+
+
+def _order(scored: list[Scored], rng: random.Random) -> list[Scored]:
+    # A random secondary key breaks exact ties uniformly, so equal pods share traffic.
+    keyed = [(s.cost, rng.random(), s) for s in scored]
+    keyed.sort(key=lambda t: (t[0], t[1]))
+    return [s for _, _, s in keyed]
+
+
+class LeastLoadPolicy:
+    name = "least_load"
+    uses_index = False
+
+    def __init__(self, weights: RoutingWeights | None = None) -> None:
+        self.weights = weights or RoutingWeights()
+
+    def rank(
+        self, candidates: list[Candidate], req: RouteRequest, rng: random.Random
+    ) -> list[Scored]:
+        # A full KV cache weighs like one more queued request.
+        return _order(
+            [
+                Scored(
+                    c.endpoint, c.queue + c.kv_usage, _matched_tokens(c, req), c.queue, "least_load"
+                )
+                for c in candidates
+            ],
+            rng,
+        )
+
+
+class CacheAwarePolicy:
+    name = "cache_aware"
+    uses_index = True
+
+    def __init__(self, weights: RoutingWeights | None = None) -> None:
+        self.weights = weights or RoutingWeights()
+
+    def cost(self, c: Candidate, req: RouteRequest) -> float:
+        w = self.weights
+        uncached = req.prompt_tokens - _matched_tokens(c, req)
+        frac = uncached / req.prompt_tokens if req.prompt_tokens > 0 else 1.0
+        return w.prefill * frac + w.queue * c.queue + w.kv * c.kv_usage
+
+    def rank(
+        self, candidates: list[Candidate], req: RouteRequest, rng: random.Random
+    ) -> list[Scored]:
+        if not candidates:
+            return []
+        ranked = _order(
+            [
+                Scored(
+                    c.endpoint, self.cost(c, req), _matched_tokens(c, req), c.queue, "cache_aware"
+                )
+                for c in candidates
+            ],
+            rng,
+        )
+        best_match = max(s.matched_tokens for s in ranked)
+        min_queue = min(s.queue for s in ranked)
+        # The guard looks at the pods holding the longest prefix, not just the cheapest one:
+        # a hot prefix whose holders are all swamped must spill, even if the cost tie-break
+        # happens to favour a holder.
+        holders = [s for s in ranked if s.matched_tokens == best_match and best_match > 0]
+        if holders and min(s.queue for s in holders) - min_queue > self.weights.imbalance_abs:
+            guard = LeastLoadPolicy(self.weights)
+            by_load = guard.rank(candidates, req, rng)
+            return [
+                Scored(s.endpoint, s.cost, s.matched_tokens, s.queue, "imbalance_guard")
+                for s in by_load
+            ]
+        return ranked
+
+
+class RoundRobinPolicy:
+    name = "round_robin"
+    uses_index = False
+
+    def __init__(self) -> None:
+        self._cursor = 0
+
+    def rank(
+        self, candidates: list[Candidate], req: RouteRequest, rng: random.Random
+    ) -> list[Scored]:
+        if not candidates:
+            return []
+        ordered = sorted(candidates, key=lambda c: c.endpoint.pod)
+        start = self._cursor % len(ordered)
+        self._cursor += 1
+        rotated = ordered[start:] + ordered[:start]
+        return [
+            Scored(c.endpoint, float(i), _matched_tokens(c, req), c.queue, "round_robin")
+            for i, c in enumerate(rotated)
+        ]
+
+
+def _rendezvous(key: str, pod: str) -> int:
+    digest = hashlib.blake2b(f"{key}\x00{pod}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+class SessionPolicy:
+    """Affinity on a session key by rendezvous hashing: every gateway replica picks the same
+    pod for a session, and a pod leaving moves only its own sessions. Requests without a key
+    go to the least-loaded pod."""
+
+    name = "session"
+    uses_index = False
+
+    def __init__(self, weights: RoutingWeights | None = None) -> None:
+        self._fallback = LeastLoadPolicy(weights)
+
+    def rank(
+        self, candidates: list[Candidate], req: RouteRequest, rng: random.Random
+    ) -> list[Scored]:
+        if not req.session_key:
+            return self._fallback.rank(candidates, req, rng)
+        key = req.session_key
+        ordered = sorted(candidates, key=lambda c: _rendezvous(key, c.endpoint.pod), reverse=True)
+        return [
+            Scored(c.endpoint, float(i), _matched_tokens(c, req), c.queue, "session")
+            for i, c in enumerate(ordered)
+        ]
+
+
+def make_policy(name: str, weights: RoutingWeights | None = None) -> Policy:
+    """A fresh policy instance by name; raises ValueError naming the valid policies."""
+    if name == "cache_aware":
+        return CacheAwarePolicy(weights)
+    if name == "least_load":
+        return LeastLoadPolicy(weights)
+    if name == "round_robin":
+        return RoundRobinPolicy()
+    if name == "session":
+        return SessionPolicy(weights)
+    raise ValueError(f"unknown routing policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")

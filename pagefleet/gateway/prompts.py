@@ -1,0 +1,42 @@
+"""Request body -> the prompt token ids the daemon will see, to compute block keys.
+
+Invariant: for a request the daemon accepts, these are exactly the ids the daemon's engine
+prefills (same tokenizer files, same chat-template rendering, same BOS rule); otherwise the
+gateway's block keys would never match the daemons' and cache_aware would route blind.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from pagefleet.api.openai import ChatCompletionRequest, CompletionRequest
+from pagefleet.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class PromptTokenizer:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> PromptTokenizer:
+        return cls(Tokenizer.from_dir(path))
+
+    def completion_ids(self, req: CompletionRequest) -> list[int]:
+        """Ids of the first prompt of the batch (a batch is routed as one unit)."""
+        first = req.prompts()[0]
+        if isinstance(first, list):
+            return list(first)
+        return self.tokenizer.encode(first, add_special_tokens=True)
+
+    def chat_ids(self, req: ChatCompletionRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        text = self.tokenizer.apply_chat_template(
+            messages,
+            add_generation_prompt=req.add_generation_prompt,
+            **(req.chat_template_kwargs or {}),
+        )
+        # A template that writes BOS itself must not get a second one from the encoder.
+        return self.tokenizer.encode(text, add_special_tokens=not self.tokenizer.template_adds_bos)

@@ -1,0 +1,225 @@
+"""The routing step: prompt -> block keys -> one index lookup -> ranked pods.
+
+Invariant: routing never fails because the index does. A lookup that errors or exceeds its
+timeout counts as "no pod holds anything" (cache_aware degrades to load-only) and opens a
+short circuit breaker so later requests do not each pay the timeout while Redis is down.
+Hit predictions come only from the shared index, so several gateway replicas pointed at
+the same index rank the same pods for the same prompt (up to their own in-flight counts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pagefleet.gateway.discovery import Discovery, Endpoint
+from pagefleet.gateway.policies import Candidate, Policy, RouteRequest, Scored
+from pagefleet.kvindex.hashing import block_hashes
+from pagefleet.kvindex.index import KVIndex, PodLoad
+
+if TYPE_CHECKING:
+    from pagefleet.gateway.metrics import GatewayMetrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RoutingDecision:
+    """Pods best first; ``predicted_hit_tokens`` is what the index promised the first one."""
+
+    ranked: list[Scored]
+    policy: str
+    prompt_tokens: int
+    num_blocks: int
+    index_ok: bool
+    decision_s: float
+
+    @property
+    def predicted_hit_tokens(self) -> int:
+        return self.ranked[0].matched_tokens if self.ranked else 0
+
+
+@dataclass(slots=True)
+class _Breaker:
+    """Skips the index for ``cooldown_s`` after a failure; one probe then decides."""
+
+    cooldown_s: float
+    open_until: float = 0.0
+    failures: int = 0
+
+    def allow(self, now: float) -> bool:
+        return now >= self.open_until
+
+    def failed(self, now: float) -> None:
+        self.failures += 1
+        self.open_until = now + self.cooldown_s
+
+    def succeeded(self) -> None:
+        self.failures = 0
+        self.open_until = 0.0
+
+
+@dataclass(slots=True)
+class Router:
+    """Ranks the discovered pods for one prompt with the configured policy."""
+
+    discovery: Discovery
+    policy: Policy
+    index: KVIndex | None = None  # None: no index at all, route on load only
+    block_size: int = 16
+    kv_namespace: str = ""
+    lookup_timeout_s: float = 0.1
+    load_refresh_s: float = 0.25
+    breaker_cooldown_s: float = 1.0
+    seed: int | None = None
+    metrics: GatewayMetrics | None = None
+    inflight: dict[str, int] = field(default_factory=dict)
+    _loads: dict[str, PodLoad] = field(default_factory=dict)
+    _rng: random.Random = field(default_factory=random.Random)
+    _breaker: _Breaker = field(default_factory=lambda: _Breaker(1.0))
+    _load_task: asyncio.Task[None] | None = None
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.seed)
+        self._breaker = _Breaker(self.breaker_cooldown_s)
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.discovery.start()
+        if self.index is not None:
+            await self.refresh_loads()
+            self._load_task = asyncio.create_task(self._load_loop(), name="gateway-load-refresh")
+
+    async def close(self) -> None:
+        if self._load_task is not None:
+            self._load_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._load_task
+        await self.discovery.close()
+        if self.index is not None:
+            with contextlib.suppress(Exception):
+                await self.index.close()
+
+    async def _load_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.load_refresh_s)
+            await self.refresh_loads()
+
+    async def refresh_loads(self) -> None:
+        """Pull every live pod's heartbeat; on failure forget them (load = own in-flight)."""
+        if self.index is None:
+            return
+        try:
+            pods = await asyncio.wait_for(self.index.pods(), self.lookup_timeout_s * 5)
+        except Exception as exc:
+            if self._loads:
+                logger.warning("index heartbeat read failed (%s); routing on in-flight counts", exc)
+            self._loads = {}
+            if self.metrics is not None:
+                self.metrics.index_errors.labels(op="pods").inc()
+            return
+        self._loads = dict(pods)
+
+    # -- in-flight accounting -------------------------------------------------------------
+
+    def acquire(self, ep: Endpoint) -> None:
+        self.inflight[ep.pod] = self.inflight.get(ep.pod, 0) + 1
+
+    def release(self, ep: Endpoint) -> None:
+        left = self.inflight.get(ep.pod, 0) - 1
+        if left > 0:
+            self.inflight[ep.pod] = left
+        else:
+            self.inflight.pop(ep.pod, None)
+
+    # -- routing --------------------------------------------------------------------------
+
+    def block_keys(self, token_ids: Sequence[int], extra: str | None = None) -> list[int]:
+        return block_hashes(token_ids, self.block_size, self.kv_namespace, extra)
+
+    async def lookup(self, keys: list[int]) -> tuple[dict[str, int], bool]:
+        """Each live pod's matched leading blocks; ``({}, False)`` when the index failed."""
+        if self.index is None or not keys:
+            return {}, self.index is not None
+        now = time.monotonic()
+        if not self._breaker.allow(now):
+            return {}, False
+        try:
+            matched = await asyncio.wait_for(self.index.lookup(keys), self.lookup_timeout_s)
+        except Exception as exc:
+            self._breaker.failed(time.monotonic())
+            logger.warning(
+                "index lookup failed (%s: %s); routing on load only for %.1fs",
+                type(exc).__name__,
+                exc,
+                self._breaker.cooldown_s,
+            )
+            if self.metrics is not None:
+                self.metrics.index_errors.labels(op="lookup").inc()
+            return {}, False
+        self._breaker.succeeded()
+        return matched, True
+
+    async def route(
+        self,
+        token_ids: Sequence[int] | None,
+        session_key: str | None = None,
+        extra: str | None = None,
+    ) -> RoutingDecision:
+        """Rank the ready pods for a prompt (``None``: prompt unknown, route on load)."""
+        t0 = time.perf_counter()
+        endpoints = self.discovery.endpoints()
+        tokens = list(token_ids or [])
+        keys: list[int] = []
+        matched: dict[str, int] = {}
+        index_ok = self.index is not None
+        if self.policy.uses_index and endpoints:
+            keys = self.block_keys(tokens, extra)
+            matched, index_ok = await self.lookup(keys)
+        candidates = []
+        for ep in endpoints:
+            load = self._loads.get(ep.pod)
+            candidates.append(
+                Candidate(
+                    endpoint=ep,
+                    matched_blocks=matched.get(ep.pod, 0),
+                    running=load.running if load else 0,
+                    waiting=load.waiting if load else 0,
+                    kv_usage=load.kv_usage if load else 0.0,
+                    inflight=self.inflight.get(ep.pod, 0),
+                    has_heartbeat=load is not None,
+                )
+            )
+        req = RouteRequest(
+            prompt_tokens=len(tokens), block_size=self.block_size, session_key=session_key
+        )
+        ranked = self.policy.rank(candidates, req, self._rng)
+        decision = RoutingDecision(
+            ranked=ranked,
+            policy=self.policy.name,
+            prompt_tokens=len(tokens),
+            num_blocks=len(keys),
+            index_ok=index_ok,
+            decision_s=time.perf_counter() - t0,
+        )
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "route policy=%s tokens=%d blocks=%d index_ok=%s -> %s",
+                decision.policy,
+                decision.prompt_tokens,
+                decision.num_blocks,
+                index_ok,
+                ", ".join(
+                    f"{s.endpoint.pod}(cost={s.cost:.3f} hit={s.matched_tokens} q={s.queue}"
+                    f" {s.reason})"
+                    for s in ranked
+                ),
+            )
+        return decision

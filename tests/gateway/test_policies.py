@@ -1,0 +1,267 @@
+"""Routing policies and the router over a real in-memory index (deterministic seeds)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from pagefleet.gateway.discovery import Endpoint, StaticDiscovery
+from pagefleet.gateway.policies import (
+    CacheAwarePolicy,
+    Candidate,
+    RoundRobinPolicy,
+    RouteRequest,
+    RoutingWeights,
+    SessionPolicy,
+    make_policy,
+)
+from pagefleet.gateway.router import Router
+from pagefleet.kvindex.events import BlockStored, KVEventBatch
+from pagefleet.kvindex.hashing import block_hashes
+from pagefleet.kvindex.index import PodLoad
+from pagefleet.kvindex.memory import MemoryKVIndex
+
+BS = 16
+NS = "test-ns"
+URLS = [f"http://127.0.0.1:{9000 + i}" for i in range(4)]
+PODS = [f"127.0.0.1:{9000 + i}" for i in range(4)]
+
+
+async def _store(index: MemoryKVIndex, pod: str, tokens: list[int], seq: int = 0) -> None:
+    keys = block_hashes(tokens, BS, NS)
+    batch = KVEventBatch(
+        ts=0.0,
+        seq=seq,
+        events=[BlockStored(keys, None, tokens[: len(keys) * BS], BS)],
+    )
+    await index.apply(pod, batch)
+
+
+async def _router(policy: str, index: MemoryKVIndex | None, seed: int = 0, **kw) -> Router:
+    r = Router(
+        discovery=StaticDiscovery(URLS),
+        policy=make_policy(policy, kw.pop("weights", None)),
+        index=index,
+        block_size=BS,
+        kv_namespace=NS,
+        seed=seed,
+        **kw,
+    )
+    await r.start()
+    return r
+
+
+async def _beat(index: MemoryKVIndex, loads: dict[str, int] | None = None) -> None:
+    for pod in PODS:
+        await index.heartbeat(pod, PodLoad(running=(loads or {}).get(pod, 0)), ttl_s=30)
+
+
+def _prompt(seed: int, n_tokens: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 1000) for _ in range(n_tokens)]
+
+
+async def test_prefix_affinity_picks_the_pod_holding_the_longest_prefix() -> None:
+    index = MemoryKVIndex(NS)
+    await _beat(index)
+    prompt = _prompt(1, 20 * BS + 5)
+    await _store(index, PODS[2], prompt[: 12 * BS])
+    await _store(index, PODS[1], prompt[: 4 * BS])
+    router = await _router("cache_aware", index)
+    try:
+        for _ in range(20):
+            d = await router.route(prompt)
+            assert d.ranked[0].endpoint.pod == PODS[2]
+            assert d.predicted_hit_tokens == 12 * BS
+            assert d.ranked[1].endpoint.pod == PODS[1]  # next best by cache
+            assert d.index_ok and d.num_blocks == 20
+    finally:
+        await router.close()
+
+
+async def test_unknown_prompt_spreads_at_random_over_equal_pods() -> None:
+    index = MemoryKVIndex(NS)
+    await _beat(index)
+    router = await _router("cache_aware", index, seed=3)
+    try:
+        picks = Counter()
+        for i in range(400):
+            d = await router.route(_prompt(100 + i, 3 * BS))
+            picks[d.ranked[0].endpoint.pod] += 1
+        assert set(picks) == set(PODS)
+        assert max(picks.values()) < 0.35 * 400
+    finally:
+        await router.close()
+
+
+async def test_imbalance_guard_falls_back_to_least_load() -> None:
+    index = MemoryKVIndex(NS)
+    prompt = _prompt(2, 10 * BS)
+    await _store(index, PODS[0], prompt)
+    # Moderate load on the holder: cache still wins.
+    await _beat(index, {PODS[0]: 3})
+    router = await _router("cache_aware", index)
+    try:
+        d = await router.route(prompt)
+        assert d.ranked[0].endpoint.pod == PODS[0]
+        assert d.ranked[0].reason == "cache_aware"
+        # Far busier than the idle pods: the guard sends the request elsewhere.
+        await _beat(index, {PODS[0]: 12, PODS[1]: 1})
+        await router.refresh_loads()
+        d = await router.route(prompt)
+        assert d.ranked[0].endpoint.pod in {PODS[2], PODS[3]}
+        assert d.ranked[0].reason == "imbalance_guard"
+        assert d.ranked[-1].endpoint.pod == PODS[0]
+    finally:
+        await router.close()
+
+
+async def test_own_inflight_counts_as_load_between_heartbeats() -> None:
+    router = await _router("least_load", None)
+    try:
+        ep = Endpoint(PODS[0], URLS[0])
+        for _ in range(3):
+            router.acquire(ep)
+        for _ in range(20):
+            d = await router.route(_prompt(5, 40))
+            assert d.ranked[0].endpoint.pod != PODS[0]
+            assert d.ranked[-1].endpoint.pod == PODS[0]
+        for _ in range(3):
+            router.release(ep)
+        assert router.inflight == {}
+    finally:
+        await router.close()
+
+
+async def test_single_popular_prompt_does_not_pin_one_pod() -> None:
+    """Closed-loop simulation: 8 requests in flight, each finishes after 8 more arrive and
+    then its pod advertises the prompt (as the daemon's KV events would)."""
+    index = MemoryKVIndex(NS)
+    await _beat(index)
+    prompt = _prompt(9, 30 * BS)
+    router = await _router("cache_aware", index, seed=11)
+    try:
+        inflight: list[Endpoint] = []
+        share = Counter()
+        seq = 0
+        for _ in range(800):
+            d = await router.route(prompt)
+            ep = d.ranked[0].endpoint
+            router.acquire(ep)
+            inflight.append(ep)
+            share[ep.pod] += 1
+            if len(inflight) >= 8:
+                done = inflight.pop(0)
+                router.release(done)
+                seq += 1
+                await _store(index, done.pod, prompt, seq)
+        busiest = max(share.values()) / sum(share.values())
+        assert busiest <= 0.4, share
+        assert len(share) == 4
+    finally:
+        await router.close()
+
+
+async def test_replicas_sharing_an_index_rank_identically() -> None:
+    index = MemoryKVIndex(NS)
+    await _beat(index)
+    prompts = [_prompt(50 + i, 12 * BS) for i in range(8)]
+    for i, p in enumerate(prompts):
+        await _store(index, PODS[i % 4], p[: (4 + i) * BS], seq=i)
+    a = await _router("cache_aware", index, seed=1)
+    b = await _router("cache_aware", index, seed=2)
+    try:
+        for i, p in enumerate(prompts):
+            da, db = await a.route(p), await b.route(p)
+            assert (
+                da.ranked[0].endpoint == db.ranked[0].endpoint == Endpoint(PODS[i % 4], URLS[i % 4])
+            )
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_session_affinity_is_stable_and_moves_only_lost_sessions() -> None:
+    policy = SessionPolicy()
+    rng = random.Random(0)
+    eps = [Endpoint(p, u) for p, u in zip(PODS, URLS, strict=True)]
+    cands = [Candidate(e) for e in eps]
+    before = {}
+    for s in range(200):
+        req = RouteRequest(prompt_tokens=10, block_size=BS, session_key=f"user-{s}")
+        picks = {policy.rank(cands, req, rng)[0].endpoint.pod for _ in range(3)}
+        assert len(picks) == 1
+        before[s] = picks.pop()
+    assert len(set(before.values())) == 4
+    # Pod 3 leaves: only its sessions move.
+    smaller = cands[:3]
+    for s, pod in before.items():
+        req = RouteRequest(prompt_tokens=10, block_size=BS, session_key=f"user-{s}")
+        now = policy.rank(smaller, req, rng)[0].endpoint.pod
+        if pod != PODS[3]:
+            assert now == pod
+    # No key: least load.
+    busy = [Candidate(eps[0], running=5), Candidate(eps[1]), Candidate(eps[2], running=2)]
+    req = RouteRequest(prompt_tokens=10, block_size=BS)
+    assert policy.rank(busy, req, rng)[0].endpoint == eps[1]
+
+
+async def test_round_robin_cycles_through_every_pod() -> None:
+    router = await _router("round_robin", None)
+    try:
+        firsts = [(await router.route([1, 2, 3])).ranked[0].endpoint.pod for _ in range(8)]
+        assert firsts == sorted(PODS) * 2
+    finally:
+        await router.close()
+    rr = RoundRobinPolicy()
+    assert rr.rank([], RouteRequest(0, BS), random.Random(0)) == []
+
+
+class _BrokenIndex(MemoryKVIndex):
+    """Unit-level stand-in for a Redis that went away (the e2e test stops a real one)."""
+
+    async def lookup(self, block_hashes: list[int]) -> dict[str, int]:
+        raise ConnectionError("Connection refused")
+
+    async def pods(self) -> dict[str, PodLoad]:
+        raise ConnectionError("Connection refused")
+
+
+async def test_index_failure_degrades_to_load_only_and_opens_breaker() -> None:
+    index = _BrokenIndex(NS)
+    router = await _router("cache_aware", index, breaker_cooldown_s=60)
+    try:
+        router.acquire(Endpoint(PODS[1], URLS[1]))
+        d = await router.route(_prompt(3, 5 * BS))
+        assert not d.index_ok
+        assert d.ranked and d.ranked[-1].endpoint.pod == PODS[1]
+        assert router._breaker.failures == 1
+        d = await router.route(_prompt(3, 5 * BS))  # breaker open: no second lookup
+        assert not d.index_ok and router._breaker.failures == 1
+    finally:
+        await router.close()
+
+
+def test_weights_parse_and_reject_unknown_names() -> None:
+    w = RoutingWeights.parse("prefill=2, queue=0.5,imbalance-abs=8")
+    assert (w.prefill, w.queue, w.kv, w.imbalance_abs) == (2.0, 0.5, 0.5, 8.0)
+    with pytest.raises(ValueError, match="unknown weight 'bogus'"):
+        RoutingWeights.parse("bogus=1")
+    with pytest.raises(ValueError, match="name=value"):
+        RoutingWeights.parse("prefill")
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        make_policy("fastest")
+
+
+def test_cache_aware_cost_trades_hits_against_queue() -> None:
+    policy = CacheAwarePolicy(RoutingWeights(prefill=1.0, queue=0.25, kv=0.0))
+    ep = [Endpoint(p, u) for p, u in zip(PODS, URLS, strict=True)]
+    req = RouteRequest(prompt_tokens=10 * BS, block_size=BS)
+    # Full hit with 3 queued (cost 0.75) beats a cold idle pod (cost 1.0) ...
+    ranked = policy.rank([Candidate(ep[0], 10, running=3), Candidate(ep[1])], req, random.Random(0))
+    assert ranked[0].endpoint == ep[0]
+    # ... but not with 5 queued (cost 1.25).
+    ranked = policy.rank([Candidate(ep[0], 10, running=5), Candidate(ep[1])], req, random.Random(0))
+    assert ranked[0].endpoint == ep[1]
