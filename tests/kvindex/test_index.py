@@ -1,0 +1,319 @@
+"""One suite, every KVIndex backend (memory, and Redis against a real redis-server)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+
+from pagefleet.kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from pagefleet.kvindex.hashing import block_hashes
+from pagefleet.kvindex.index import KVIndex, PodLoad
+
+from .conftest import IndexFactory
+
+TTL = 30.0
+U64 = (1 << 64) - 1
+
+
+def stored(hashes: list[int], parent: int | None = None) -> BlockStored:
+    return BlockStored(
+        block_hashes=list(hashes),
+        parent_block_hash=parent,
+        token_ids=[],
+        block_size=16,
+    )
+
+
+def batch(*events: BlockStored | BlockRemoved | AllBlocksCleared, seq: int = 0) -> KVEventBatch:
+    return KVEventBatch(ts=time.time(), seq=seq, events=list(events))
+
+
+def chain(n: int, seed: int = 0, namespace: str = "") -> list[int]:
+    rng = random.Random(seed)
+    tokens = [rng.randrange(50_000) for _ in range(16 * n)]
+    return block_hashes(tokens, 16, namespace=namespace)
+
+
+async def live(index: KVIndex, *pods: str, ttl: float = TTL) -> None:
+    for pod in pods:
+        await index.heartbeat(pod, PodLoad(running=1), ttl)
+
+
+async def test_implements_protocol(index: KVIndex) -> None:
+    assert isinstance(index, KVIndex)
+
+
+async def test_store_then_lookup_whole_chain(index: KVIndex) -> None:
+    c = chain(8)
+    await live(index, "a")
+    await index.apply("a", batch(stored(c[:5]), stored(c[5:], parent=c[4])))
+    assert await index.lookup(c) == {"a": 8}
+    assert await index.lookup(c[:3]) == {"a": 3}
+    assert await index.lookup([]) == {}
+    assert await index.lookup(chain(4, seed=99)) == {}
+
+
+async def test_match_stops_at_first_gap(index: KVIndex) -> None:
+    c = chain(10)
+    await live(index, "a")
+    # Holds blocks 0-3 and 5-9: a gap at 4 means only 4 leading blocks count.
+    await index.apply("a", batch(stored(c[:4]), stored(c[5:])))
+    assert await index.lookup(c) == {"a": 4}
+    # A prompt starting at a held block that is not the chain's head still matches from 0.
+    assert await index.lookup(c[5:]) == {"a": 5}
+    # A pod that lacks block 0 matches nothing even if it holds later blocks.
+    assert await index.lookup(c[4:]) == {}
+
+
+async def test_several_pods_each_get_their_own_length(index: KVIndex) -> None:
+    c = chain(12, seed=1)
+    await live(index, "a", "b", "c", "d")
+    await index.apply("a", batch(stored(c[:12])))
+    await index.apply("b", batch(stored(c[:7])))
+    await index.apply("c", batch(stored(c[:2]), stored(c[3:])))
+    await index.apply("d", batch(stored(c[1:])))  # no block 0: absent
+    assert await index.lookup(c) == {"a": 12, "b": 7, "c": 2}
+
+
+async def test_remove_breaks_chain_and_store_again_restores(index: KVIndex) -> None:
+    c = chain(6, seed=2)
+    await live(index, "a", "b")
+    await index.apply("a", batch(stored(c)))
+    await index.apply("b", batch(stored(c)))
+    await index.apply("a", batch(BlockRemoved(block_hashes=[c[3]])))
+    assert await index.lookup(c) == {"a": 3, "b": 6}
+    await index.apply("a", batch(BlockRemoved(block_hashes=c[:1])))
+    assert await index.lookup(c) == {"b": 6}
+    await index.apply("a", batch(stored(c[:1]), stored(c[3:4])))
+    assert await index.lookup(c) == {"a": 6, "b": 6}
+
+
+async def test_events_within_a_batch_apply_in_order(index: KVIndex) -> None:
+    c = chain(4, seed=3)
+    await live(index, "a")
+    await index.apply(
+        "a",
+        batch(
+            stored(c),
+            BlockRemoved(block_hashes=c[2:]),
+            AllBlocksCleared(),
+            stored(c[:1]),
+            stored(c[1:3]),
+            BlockRemoved(block_hashes=[c[2]]),
+        ),
+    )
+    assert await index.lookup(c) == {"a": 2}
+
+
+async def test_all_blocks_cleared_touches_only_that_pod(index: KVIndex) -> None:
+    c = chain(5, seed=4)
+    await live(index, "a", "b")
+    await index.apply("a", batch(stored(c)))
+    await index.apply("b", batch(stored(c[:3])))
+    await index.apply("a", batch(AllBlocksCleared()))
+    assert await index.lookup(c) == {"b": 3}
+    await index.apply("a", batch(stored(c[:1])))
+    assert await index.lookup(c) == {"a": 1, "b": 3}
+
+
+async def test_duplicate_store_and_unknown_remove_are_harmless(index: KVIndex) -> None:
+    c = chain(3, seed=5)
+    await live(index, "a")
+    await index.apply("a", batch(stored(c), stored(c), stored(c[:1])))
+    await index.apply("a", batch(BlockRemoved(block_hashes=chain(3, seed=6))))
+    assert await index.lookup(c) == {"a": 3}
+    await index.apply("a", batch(BlockRemoved(block_hashes=c[1:2])))
+    await index.apply("a", batch(BlockRemoved(block_hashes=c[1:2])))
+    assert await index.lookup(c) == {"a": 1}
+
+
+async def test_pod_without_heartbeat_is_absent(index: KVIndex) -> None:
+    c = chain(4, seed=7)
+    await live(index, "a")
+    await index.apply("a", batch(stored(c)))
+    await index.apply("ghost", batch(stored(c)))
+    assert await index.lookup(c) == {"a": 4}
+    assert set(await index.pods()) == {"a"}
+    await live(index, "ghost")
+    assert await index.lookup(c) == {"a": 4, "ghost": 4}
+
+
+async def test_heartbeat_expiry_hides_pod_and_renewal_brings_it_back(index: KVIndex) -> None:
+    c = chain(4, seed=8)
+    await index.heartbeat("short", PodLoad(waiting=2), 0.3)
+    await index.heartbeat("long", PodLoad(waiting=1), TTL)
+    await index.apply("short", batch(stored(c)))
+    await index.apply("long", batch(stored(c[:2])))
+    assert await index.lookup(c) == {"short": 4, "long": 2}
+    await asyncio.sleep(0.45)
+    assert await index.lookup(c) == {"long": 2}
+    assert set(await index.pods()) == {"long"}
+    # Before gc runs, a renewed heartbeat makes the pod's entries count again.
+    await index.heartbeat("short", PodLoad(), TTL)
+    assert await index.lookup(c) == {"short": 4, "long": 2}
+
+
+async def test_pods_reports_latest_load(index: KVIndex) -> None:
+    await index.heartbeat("a", PodLoad(running=3, waiting=1, kv_usage=0.5, num_blocks=100), TTL)
+    await index.heartbeat("b", PodLoad(running=0, role="decode"), TTL)
+    await index.heartbeat("a", PodLoad(running=7, waiting=2, kv_usage=0.75, num_blocks=100), TTL)
+    pods = await index.pods()
+    assert set(pods) == {"a", "b"}
+    assert (pods["a"].running, pods["a"].waiting, pods["a"].kv_usage) == (7, 2, 0.75)
+    assert pods["a"].num_blocks == 100
+    assert pods["b"].role == "decode"
+    with pytest.raises(ValueError, match="ttl"):
+        await index.heartbeat("a", PodLoad(), 0)
+
+
+async def test_resync_replaces_the_set(index: KVIndex) -> None:
+    c1, c2 = chain(6, seed=9), chain(6, seed=10)
+    await live(index, "a", "b")
+    await index.apply("a", batch(stored(c1)))
+    await index.apply("b", batch(stored(c1[:2])))
+    await index.resync("a", set(c2[:4]))
+    assert await index.lookup(c1) == {"b": 2}
+    assert await index.lookup(c2) == {"a": 4}
+    await index.resync("a", set())
+    assert await index.lookup(c2) == {}
+    # Events after a resync apply on top of the new set.
+    await index.resync("a", set(c1[:3]))
+    await index.apply("a", batch(stored(c1[3:5])))
+    assert await index.lookup(c1) == {"a": 5, "b": 2}
+
+
+async def test_clear_pod_keeps_other_pods_and_the_heartbeat(index: KVIndex) -> None:
+    c = chain(5, seed=11)
+    await live(index, "a", "b")
+    await index.apply("a", batch(stored(c)))
+    await index.apply("b", batch(stored(c)))
+    await index.clear_pod("a")
+    assert await index.lookup(c) == {"b": 5}
+    assert set(await index.pods()) == {"a", "b"}
+    await index.clear_pod("never-seen")  # no error
+    await index.apply("a", batch(stored(c[:2])))
+    assert await index.lookup(c) == {"a": 2, "b": 5}
+
+
+async def test_gc_removes_dead_pods_entries_only(index: KVIndex) -> None:
+    c = chain(5, seed=12)
+    await index.heartbeat("dead", PodLoad(), 0.2)
+    await live(index, "alive")
+    await index.apply("dead", batch(stored(c)))
+    await index.apply("alive", batch(stored(c[:3])))
+    assert await index.gc(grace_s=0.0) == 0  # nobody dead yet
+    await asyncio.sleep(0.35)
+    assert await index.gc(grace_s=60.0) == 0  # dead, but still within its grace
+    assert await index.gc(grace_s=0.0) == 1
+    assert await index.gc(grace_s=0.0) == 0
+    # The dead pod's entries are gone: when it comes back it starts empty.
+    await live(index, "dead")
+    assert await index.lookup(c) == {"alive": 3}
+
+
+async def test_large_batch_and_long_prompt(index: KVIndex) -> None:
+    c = chain(3000, seed=13)
+    await live(index, "a", "b")
+    await index.apply("a", batch(stored(c)))
+    await index.apply("b", batch(*(stored(c[i : i + 16]) for i in range(0, 1024, 16))))
+    assert await index.lookup(c) == {"a": 3000, "b": 1024}
+    assert await index.lookup(c[:512]) == {"a": 512, "b": 512}
+    await index.apply("a", batch(BlockRemoved(block_hashes=c[2000:])))
+    assert await index.lookup(c) == {"a": 2000, "b": 1024}
+
+
+async def test_many_pods_share_a_prefix(index: KVIndex) -> None:
+    c = chain(40, seed=14)
+    pods = [f"pod-{i}" for i in range(40)]
+    await live(index, *pods)
+    for i, pod in enumerate(pods):
+        await index.apply(pod, batch(stored(c[: i + 1])))
+    assert await index.lookup(c) == {pod: i + 1 for i, pod in enumerate(pods)}
+    await index.clear_pod("pod-39")
+    got = await index.lookup(c)
+    assert got["pod-38"] == 39 and "pod-39" not in got and len(got) == 39
+
+
+async def test_namespaces_are_isolated(make_index: IndexFactory) -> None:
+    one = await make_index()
+    two = await make_index()
+    c = chain(4, seed=15)
+    await live(one, "a")
+    await live(two, "a")
+    await one.apply("a", batch(stored(c)))
+    assert await one.lookup(c) == {"a": 4}
+    assert await two.lookup(c) == {}
+    await live(two, "b")
+    assert set(await one.pods()) == {"a"}
+    await two.clear_pod("a")
+    assert await one.lookup(c) == {"a": 4}
+
+
+async def test_unsigned_64_bit_extremes(index: KVIndex) -> None:
+    # Near 2^64, near 2^63 (sign bit), tiny values, and pairs that differ only in their
+    # lowest or highest bits: none may collide or lose precision.
+    hashes = [
+        U64,
+        U64 - 1,
+        1 << 63,
+        (1 << 63) - 1,
+        (1 << 63) + 1,
+        0,
+        1,
+        2,
+        1 << 53,
+        (1 << 53) + 1,
+        0xFFFF_0000_0000_0000,
+        0xFFFF_0000_0000_0001,
+        0x8000_FFFF_FFFF_FFFF,
+    ]
+    await live(index, "a", "b")
+    await index.apply("a", batch(stored(hashes)))
+    await index.apply("b", batch(stored(hashes[:3])))
+    assert await index.lookup(hashes) == {"a": len(hashes), "b": 3}
+    for i, h in enumerate(hashes):
+        expected = {"a": 1, "b": 1} if i < 3 else {"a": 1}
+        assert await index.lookup([h]) == expected, hex(h)
+    await index.apply("a", batch(BlockRemoved(block_hashes=[U64 - 1, 1 << 53])))
+    assert await index.lookup([U64]) == {"a": 1, "b": 1}
+    assert await index.lookup([U64 - 1]) == {"b": 1}
+    assert await index.lookup([(1 << 53) + 1]) == {"a": 1}
+    assert await index.lookup([1 << 53]) == {}
+    with pytest.raises(ValueError, match="64-bit"):
+        await index.apply("a", batch(stored([1 << 64])))
+    with pytest.raises(ValueError, match="64-bit"):
+        await index.apply("a", batch(stored([-1])))
+
+
+async def test_event_stream_replay_reproduces_the_set(index: KVIndex) -> None:
+    """A random stream of stores/removes/clears from several pods, replayed batch by batch,
+    leaves exactly the (block, pod) pairs a plain set model predicts."""
+    rng = random.Random(16)
+    universe = chain(300, seed=16)
+    pods = ["p0", "p1", "p2", "p3"]
+    await live(index, *pods)
+    model: dict[str, set[int]] = {p: set() for p in pods}
+    for seq in range(120):
+        pod = rng.choice(pods)
+        events: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
+        for _ in range(rng.randint(1, 4)):
+            r = rng.random()
+            if r < 0.6:
+                hs = rng.sample(universe, rng.randint(1, 20))
+                events.append(stored(hs))
+                model[pod].update(hs)
+            elif r < 0.97:
+                held = sorted(model[pod])
+                hs = [*rng.sample(held, min(len(held), rng.randint(1, 15))), rng.choice(universe)]
+                events.append(BlockRemoved(block_hashes=hs))
+                model[pod].difference_update(hs)
+            else:
+                events.append(AllBlocksCleared())
+                model[pod].clear()
+        await index.apply(pod, batch(*events, seq=seq))
+    for h in universe:
+        want = {p: 1 for p in pods if h in model[p]}
+        assert await index.lookup([h]) == want
