@@ -1,0 +1,407 @@
+"""The InferenceService custom resource: spec and status as pydantic models.
+
+These models are the single source of truth for the CRD: ``pagefleet crd`` turns them into
+the structural OpenAPI schema the API server enforces, and the operator parses every
+object it reconciles with them. The cross-field rules live twice on purpose — as CEL
+(``x-kubernetes-validations``, enforced by the API server before anything is stored) and
+as pydantic validators with the same messages (so the operator and unit tests agree with
+the API server) — and a test keeps the two lists in sync.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic.alias_generators import to_camel
+
+GROUP = "pagefleet.io"
+VERSION = "v1alpha1"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"
+SINGULAR = "inferenceservice"
+SHORT_NAMES = ["infsvc"]  # not `isvc`: that one is KServe's
+
+DEFAULT_IMAGE = "ghcr.io/pagefleet/pagefleet:0.1.0"
+
+# Kubernetes resource quantities are int-or-string ("2", 2, "500m", "4Gi").
+Quantity = Annotated[
+    int | str,
+    WithJsonSchema({"x-kubernetes-int-or-string": True}),
+]
+
+
+class _Model(BaseModel):
+    """camelCase on the wire (Kubernetes convention), snake_case in Python."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        use_attribute_docstrings=True,
+    )
+
+
+class CelRule:
+    """One cross-field rule, enforced by the API server (CEL) and by pydantic alike."""
+
+    __slots__ = ("message", "rule")
+
+    def __init__(self, rule: str, message: str) -> None:
+        self.rule = rule
+        self.message = message
+
+    def as_schema(self) -> dict[str, str]:
+        return {"rule": self.rule, "message": self.message}
+
+
+def _cel(*rules: CelRule) -> dict[str, Any]:
+    return {"x-kubernetes-validations": [r.as_schema() for r in rules]}
+
+
+# ---------------------------------------------------------------------------------- model
+
+
+class PVCSource(_Model):
+    claim_name: str = Field(min_length=1)
+    """Name of a PersistentVolumeClaim in the InferenceService's namespace that holds the
+    model."""
+    read_only: bool = True
+    """Mount the claim read-only."""
+
+
+class ModelSource(_Model):
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            CelRule(
+                "!(has(self.persistentVolumeClaim) && has(self.hostPath))",
+                "model.source: set at most one of persistentVolumeClaim and hostPath",
+            ),
+            CelRule(
+                "!(has(self.persistentVolumeClaim) || has(self.hostPath))"
+                " || self.path.startsWith(self.mountPath)",
+                "model.source.path must lie under model.source.mountPath when a volume "
+                "(persistentVolumeClaim or hostPath) is mounted",
+            ),
+        )
+    )
+
+    path: str = Field(min_length=1, max_length=4096)
+    """Directory of the Hugging Face checkpoint as the daemon sees it (config.json,
+    *.safetensors, tokenizer files), or a built-in preset name such as `tiny`."""
+    persistent_volume_claim: PVCSource | None = None
+    """Mount this PersistentVolumeClaim at mountPath (read-only by default)."""
+    host_path: str | None = None
+    """Mount this directory of the node at mountPath (single-node or pre-seeded nodes)."""
+    mount_path: str = Field(default="/models", min_length=1, max_length=4096, pattern="^/")
+    """Where the model volume is mounted in the daemon and gateway containers."""
+
+    @model_validator(mode="after")
+    def _one_volume(self) -> ModelSource:
+        if self.persistent_volume_claim is not None and self.host_path is not None:
+            raise ValueError("model.source: set at most one of persistentVolumeClaim and hostPath")
+        has_volume = self.persistent_volume_claim is not None or self.host_path is not None
+        if has_volume and not self.path.startswith(self.mount_path):
+            raise ValueError(
+                "model.source.path must lie under model.source.mountPath when a volume "
+                "(persistentVolumeClaim or hostPath) is mounted"
+            )
+        return self
+
+
+class Dtype(StrEnum):
+    AUTO = "auto"
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+
+class ModelSpec(_Model):
+    source: ModelSource
+    """Where the checkpoint comes from."""
+    served_model_name: str | None = Field(default=None, min_length=1)
+    """Model name clients send in the OpenAI `model` field; defaults to the
+    InferenceService's name."""
+    dtype: Dtype = Dtype.AUTO
+    """Weight and activation dtype (`auto` takes the checkpoint's)."""
+    max_model_len: int | None = Field(default=None, ge=16)
+    """Longest prompt + completion in tokens; defaults to the model's context length."""
+
+
+# --------------------------------------------------------------------------------- engine
+
+
+class EngineSpec(_Model):
+    block_size: int = Field(default=16, ge=1, le=1024)
+    """Tokens per KV block (also the granularity of prefix matching in the index)."""
+    kv_cache_memory_mb: int = Field(default=256, ge=1, alias="kvCacheMemoryMB")
+    """Memory for the paged KV cache per daemon, in MiB."""
+    max_num_seqs: int = Field(default=64, ge=1)
+    """Most sequences in one engine step (running batch size)."""
+    max_num_batched_tokens: int = Field(default=2048, ge=1)
+    """Token budget of one engine step (prefill chunks plus decodes)."""
+    enable_prefix_caching: bool = True
+    """Reuse cached KV blocks of identical prompt prefixes."""
+
+
+# ---------------------------------------------------------------------------------- roles
+
+
+class AutoscalingSpec(_Model):
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            CelRule(
+                "self.minReplicas <= self.maxReplicas",
+                "autoscaling.minReplicas must not exceed autoscaling.maxReplicas",
+            )
+        )
+    )
+
+    min_replicas: int = Field(default=1, ge=0)
+    """Fewest replicas the autoscaler may leave running."""
+    max_replicas: int = Field(ge=1)
+    """Most replicas the autoscaler may start."""
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> AutoscalingSpec:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("autoscaling.minReplicas must not exceed autoscaling.maxReplicas")
+        return self
+
+
+class ResourceRequirements(_Model):
+    requests: dict[str, Quantity] = Field(default_factory=dict)
+    """Minimum resources per pod (e.g. cpu: 2, memory: 8Gi, nvidia.com/gpu: 1)."""
+    limits: dict[str, Quantity] = Field(default_factory=dict)
+    """Maximum resources per pod."""
+
+
+class Toleration(_Model):
+    key: str | None = None
+    """Taint key the toleration applies to; empty with operator Exists matches all."""
+    operator: str | None = Field(default=None, pattern="^(Exists|Equal)$")
+    """Exists or Equal (default Equal)."""
+    value: str | None = None
+    """Taint value to match when operator is Equal."""
+    effect: str | None = Field(default=None, pattern="^(NoSchedule|PreferNoSchedule|NoExecute)$")
+    """Taint effect to match; empty matches all effects."""
+    toleration_seconds: int | None = None
+    """How long a NoExecute toleration keeps the pod bound after the taint appears."""
+
+
+class EnvVar(_Model):
+    name: str = Field(min_length=1)
+    """Environment variable name."""
+    value: str = ""
+    """Environment variable value."""
+
+
+class RoleSpec(_Model):
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            CelRule(
+                "!(has(self.replicas) && has(self.autoscaling))",
+                "a role sets either replicas or autoscaling, not both",
+            )
+        )
+    )
+
+    replicas: int | None = Field(default=None, ge=0)
+    """Fixed number of daemon pods (1 when neither replicas nor autoscaling is set)."""
+    autoscaling: AutoscalingSpec | None = None
+    """Let the autoscaler choose the replicas within these bounds (instead of replicas)."""
+    resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
+    """CPU, memory and accelerator requests/limits of each daemon pod."""
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    """Schedule the role's pods only on nodes with these labels."""
+    tolerations: list[Toleration] = Field(default_factory=list)
+    """Taints the role's pods tolerate (e.g. dedicated GPU nodes)."""
+    env: list[EnvVar] = Field(default_factory=list)
+    """Extra environment variables for the daemon container."""
+
+    @model_validator(mode="after")
+    def _replicas_xor_autoscaling(self) -> RoleSpec:
+        if self.replicas is not None and self.autoscaling is not None:
+            raise ValueError("a role sets either replicas or autoscaling, not both")
+        return self
+
+
+class RolesSpec(_Model):
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            CelRule(
+                "has(self.unified) != (has(self.prefill) || has(self.decode))",
+                "roles: set either unified, or prefill and decode (disaggregated), not both",
+            ),
+            CelRule(
+                "has(self.prefill) == has(self.decode)",
+                "roles: prefill and decode must be set together",
+            ),
+        )
+    )
+
+    unified: RoleSpec | None = None
+    """One pool of daemons doing both prefill and decode."""
+    prefill: RoleSpec | None = None
+    """Daemons that compute prompt KV and hand it to decode daemons (with decode)."""
+    decode: RoleSpec | None = None
+    """Daemons that pull prompt KV from prefill daemons and generate tokens (with prefill)."""
+
+    @model_validator(mode="after")
+    def _one_mode(self) -> RolesSpec:
+        disagg = self.prefill is not None or self.decode is not None
+        if (self.unified is not None) == disagg:
+            raise ValueError(
+                "roles: set either unified, or prefill and decode (disaggregated), not both"
+            )
+        if (self.prefill is None) != (self.decode is None):
+            raise ValueError("roles: prefill and decode must be set together")
+        return self
+
+    def items(self) -> list[tuple[str, RoleSpec]]:
+        """(role name, spec) of every role that is set, in a fixed order."""
+        out = [("unified", self.unified), ("prefill", self.prefill), ("decode", self.decode)]
+        return [(name, spec) for name, spec in out if spec is not None]
+
+
+# --------------------------------------------------------------------------------- router
+
+
+class RoutingPolicy(StrEnum):
+    CACHE_AWARE = "cache_aware"
+    LEAST_LOAD = "least_load"
+    ROUND_ROBIN = "round_robin"
+    SESSION_AFFINITY = "session_affinity"
+
+
+class ServiceType(StrEnum):
+    CLUSTER_IP = "ClusterIP"
+    NODE_PORT = "NodePort"
+    LOAD_BALANCER = "LoadBalancer"
+
+
+class RouterSpec(_Model):
+    replicas: int = Field(default=1, ge=0)
+    """Gateway pods (the gateway is stateless; its prefix view lives in the index)."""
+    policy: RoutingPolicy = RoutingPolicy.CACHE_AWARE
+    """How the gateway picks a daemon for each request."""
+    weights: dict[str, float] = Field(default_factory=dict)
+    """Scorer weights of the cache-aware policy by name (e.g. prefix: 3, load: 2); written
+    to the router config in the ConfigMap."""
+    service_type: ServiceType = ServiceType.CLUSTER_IP
+    """Type of the gateway Service."""
+    resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
+    """CPU and memory requests/limits of each gateway pod."""
+
+
+# ---------------------------------------------------------------------------------- index
+
+
+class SecretKeyRef(_Model):
+    name: str = Field(min_length=1)
+    """Secret in the InferenceService's namespace."""
+    key: str = Field(default="password", min_length=1)
+    """Key in the Secret whose value is the Redis password."""
+
+
+class IndexSpec(_Model):
+    redis_url: str | None = Field(default=None, pattern="^rediss?://", alias="redisURL")
+    """Redis of the global prefix index, e.g. redis://redis.infra:6379/0; empty means the
+    bundled Redis the operator was installed with."""
+    password_secret_ref: SecretKeyRef | None = None
+    """Secret holding the Redis password (kept out of the spec and the pod command)."""
+
+
+# ------------------------------------------------------------------------------------ SLO
+
+
+class SLOSpec(_Model):
+    ttft_ms: float = Field(default=2000.0, gt=0)
+    """Target time to first token, in milliseconds, at the given percentile."""
+    tpot_ms: float = Field(default=100.0, gt=0)
+    """Target time per output token (inter-token latency), in milliseconds."""
+    percentile: float = Field(default=95.0, ge=50, le=99.99)
+    """Latency percentile the targets apply to (e.g. 95 for p95)."""
+
+
+# ---------------------------------------------------------------------------------- spec
+
+
+class PullPolicy(StrEnum):
+    ALWAYS = "Always"
+    IF_NOT_PRESENT = "IfNotPresent"
+    NEVER = "Never"
+
+
+class InferenceServiceSpec(_Model):
+    """Desired state of one served model: its daemons, gateway, index and SLOs."""
+
+    model: ModelSpec
+    """The model to serve."""
+    image: str = Field(default=DEFAULT_IMAGE, min_length=1)
+    """Container image with the pagefleet command (daemon and gateway)."""
+    image_pull_policy: PullPolicy = PullPolicy.IF_NOT_PRESENT
+    """When the kubelet pulls the image."""
+    command: list[str] = Field(default_factory=lambda: ["pagefleet"], min_length=1)
+    """Entrypoint that runs `pagefleet` in the image (override when it is elsewhere, e.g.
+    a virtualenv's bin/pagefleet)."""
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    """Paged KV engine knobs shared by every role."""
+    roles: RolesSpec = Field(default_factory=lambda: RolesSpec(unified=RoleSpec()))
+    """Daemon pools: unified, or prefill + decode."""
+    router: RouterSpec = Field(default_factory=RouterSpec)
+    """The cache-aware gateway in front of the daemons."""
+    index: IndexSpec = Field(default_factory=IndexSpec)
+    """The Redis-backed global prefix index."""
+    slo: SLOSpec = Field(default_factory=SLOSpec)
+    """Latency targets the autoscaler and the alert rules hold the service to."""
+
+
+# --------------------------------------------------------------------------------- status
+
+
+class Condition(_Model):
+    type: str
+    """Ready, Progressing, Degraded, or <Role>Ready."""
+    status: str = Field(pattern="^(True|False|Unknown)$")
+    """True, False or Unknown."""
+    reason: str = ""
+    """One CamelCase word for machines."""
+    message: str = ""
+    """What happened and, when something is wrong, what to do."""
+    last_transition_time: str | None = None
+    """When status last changed (RFC 3339)."""
+    observed_generation: int | None = None
+    """The spec generation this condition describes."""
+
+
+class RoleStatus(_Model):
+    name: str
+    """Role name: unified, prefill or decode."""
+    desired_replicas: int = 0
+    """Replicas the role's Deployment asks for."""
+    ready_replicas: int = 0
+    """Pods passing their readiness probe."""
+    updated_replicas: int = 0
+    """Pods running the current pod template."""
+
+
+class InferenceServiceStatus(_Model):
+    observed_generation: int | None = None
+    """The metadata.generation the operator last reconciled."""
+    conditions: list[Condition] = Field(default_factory=list)
+    """Ready, Progressing, Degraded and one <Role>Ready per role."""
+    roles: list[RoleStatus] = Field(default_factory=list)
+    """Per-role replica counts from the role Deployments."""
+    ready_roles: str = ""
+    """Ready roles over roles, e.g. 1/1 (for kubectl get)."""
+    replicas: str = ""
+    """Ready/desired pods per role, e.g. prefill:1/1 decode:2/2 (for kubectl get)."""
+    url: str = ""
+    """In-cluster OpenAI-compatible base URL of the gateway."""
+
+
+def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
+    """Validate a spec dict as stored by the API server (camelCase keys)."""
+    return InferenceServiceSpec.model_validate(spec)

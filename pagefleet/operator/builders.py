@@ -1,0 +1,411 @@
+"""Desired child objects of one InferenceService, as plain manifests.
+
+Pure functions of (spec, identity, settings): the same input always yields the same
+objects, so applying them again is a no-op (idempotence lives here, not in the handlers).
+The operator server-side-applies every object returned by `build_children`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagefleet.api.inferenceservice import (
+    GROUP,
+    KIND,
+    VERSION,
+    InferenceServiceSpec,
+    ResourceRequirements,
+    RoleSpec,
+)
+from pagefleet.operator.commands import (
+    REDIS_PASSWORD_ENV,
+    daemon_command,
+    gateway_command,
+    redis_url_with_secret,
+)
+from pagefleet.operator.naming import (
+    DAEMON_PORT,
+    GATEWAY,
+    GATEWAY_PORT,
+    Names,
+    labels,
+    selector,
+)
+
+Manifest = dict[str, Any]
+
+CONFIG_MOUNT = "/etc/pagefleet"
+CONFIG_HASH_ANNOTATION = f"{GROUP}/config-hash"
+
+
+class SpecError(ValueError):
+    """The spec passed schema validation but cannot be realised (e.g. no Redis to use).
+
+    The message is shown to the user in the Degraded condition and an Event."""
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """Identity of the InferenceService that owns the children."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    def reference(self) -> dict[str, Any]:
+        return {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": KIND,
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class BuildSettings:
+    """Operator-wide knobs that are not part of any one InferenceService."""
+
+    default_redis_url: str | None = None  # the chart's bundled Redis, when installed
+    extra_pod_annotations: dict[str, str] = field(default_factory=dict)
+
+
+def role_replicas(role: RoleSpec, current: int | None) -> int:
+    """Replicas to apply for a role.
+
+    Fixed `replicas` win; with `autoscaling` the autoscaler owns the count, so the operator
+    keeps the Deployment's current value and only clamps it into [min, max] (a fresh
+    Deployment starts at min)."""
+    if role.autoscaling is None:
+        return 1 if role.replicas is None else role.replicas
+    lo, hi = role.autoscaling.min_replicas, role.autoscaling.max_replicas
+    if current is None:
+        return lo
+    return max(lo, min(hi, current))
+
+
+def resolve_redis_url(spec: InferenceServiceSpec, settings: BuildSettings) -> str:
+    url = spec.index.redis_url or settings.default_redis_url
+    if not url:
+        raise SpecError(
+            "no Redis for the prefix index: set spec.index.redisURL, or install the chart "
+            "with redis.enabled=true so the operator has a bundled Redis to default to"
+        )
+    return redis_url_with_secret(url, spec.index.password_secret_ref is not None)
+
+
+def _meta(owner: Owner, name: str, lbls: dict[str, str]) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": owner.namespace,
+        "labels": lbls,
+        "ownerReferences": [owner.reference()],
+    }
+
+
+def _resources(res: ResourceRequirements) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if res.requests:
+        out["requests"] = {k: str(v) for k, v in res.requests.items()}
+    if res.limits:
+        out["limits"] = {k: str(v) for k, v in res.limits.items()}
+    return out
+
+
+def _config_data(spec: InferenceServiceSpec, names: Names) -> dict[str, str]:
+    engine = spec.engine.model_dump(by_alias=True, mode="json")
+    engine["model"] = spec.model.model_dump(by_alias=True, mode="json", exclude_none=True)
+    router = spec.router.model_dump(
+        by_alias=True, mode="json", include={"policy", "weights", "replicas"}
+    )
+    router["services"] = {role: names.role(role) for role, _ in spec.roles.items()}
+    return {
+        "engine.json": json.dumps(engine, indent=2, sort_keys=True) + "\n",
+        "router.json": json.dumps(router, indent=2, sort_keys=True) + "\n",
+        "slo.json": json.dumps(spec.slo.model_dump(by_alias=True, mode="json"), sort_keys=True)
+        + "\n",
+    }
+
+
+def _config_hash(data: dict[str, str]) -> str:
+    # Part of the pod template, so a config change (e.g. router weights) rolls the pods.
+    blob = json.dumps(data, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _common_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {
+            "name": "POD_NAMESPACE",
+            "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
+        },
+    ]
+    ref = spec.index.password_secret_ref
+    if ref is not None:
+        env.append(
+            {
+                "name": REDIS_PASSWORD_ENV,
+                "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}},
+            }
+        )
+    return env
+
+
+def _volumes(spec: InferenceServiceSpec, names: Names) -> tuple[list[Manifest], list[Manifest]]:
+    volumes: list[Manifest] = [{"name": "config", "configMap": {"name": names.config}}]
+    mounts: list[Manifest] = [{"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True}]
+    src = spec.model.source
+    if src.persistent_volume_claim is not None:
+        pvc = src.persistent_volume_claim
+        volumes.append(
+            {
+                "name": "model",
+                "persistentVolumeClaim": {"claimName": pvc.claim_name, "readOnly": pvc.read_only},
+            }
+        )
+    elif src.host_path is not None:
+        volumes.append({"name": "model", "hostPath": {"path": src.host_path, "type": "Directory"}})
+    if len(volumes) > 1:
+        mounts.append({"name": "model", "mountPath": src.mount_path, "readOnly": True})
+    return volumes, mounts
+
+
+def _http_probe(path: str, period: int, failures: int) -> Manifest:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "failureThreshold": failures,
+        "timeoutSeconds": 2,
+    }
+
+
+def _deployment(
+    owner: Owner,
+    name: str,
+    component: str,
+    role_label: str,
+    replicas: int,
+    container: Manifest,
+    volumes: list[Manifest],
+    config_hash: str,
+    settings: BuildSettings,
+    scheduling: RoleSpec | None = None,
+    port: int = DAEMON_PORT,
+) -> Manifest:
+    lbls = labels(owner.name, component, role_label)
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        # Lets in-flight streams finish when a rollout or scale-down removes a pod.
+        "terminationGracePeriodSeconds": 60,
+        "enableServiceLinks": False,
+    }
+    if scheduling is not None:
+        if scheduling.node_selector:
+            pod_spec["nodeSelector"] = dict(scheduling.node_selector)
+        if scheduling.tolerations:
+            pod_spec["tolerations"] = [
+                t.model_dump(by_alias=True, exclude_none=True) for t in scheduling.tolerations
+            ]
+    annotations = {
+        CONFIG_HASH_ANNOTATION: config_hash,
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(port),
+        "prometheus.io/path": "/metrics",
+        **settings.extra_pod_annotations,
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(owner, name, lbls),
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": selector(owner.name, component)},
+            "strategy": {
+                "type": "RollingUpdate",
+                # Keep serving capacity during a rollout: add one new pod before removing one.
+                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+            },
+            "template": {
+                "metadata": {"labels": lbls, "annotations": annotations},
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def _service(
+    owner: Owner, name: str, component: str, role_label: str, port: int, headless: bool
+) -> Manifest:
+    spec: dict[str, Any] = {
+        "selector": selector(owner.name, component),
+        "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}],
+    }
+    if headless:
+        spec["clusterIP"] = "None"
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(owner, name, labels(owner.name, component, role_label)),
+        "spec": spec,
+    }
+
+
+def build_role(
+    spec: InferenceServiceSpec,
+    owner: Owner,
+    role: str,
+    role_spec: RoleSpec,
+    redis_url: str,
+    config_hash: str,
+    settings: BuildSettings,
+    current_replicas: int | None = None,
+) -> list[Manifest]:
+    """Deployment + headless Service of one daemon role."""
+    names = Names(owner.name, owner.namespace)
+    volumes, mounts = _volumes(spec, names)
+    env = _common_env(spec) + [e.model_dump() for e in role_spec.env]
+    container: Manifest = {
+        "name": "daemon",
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy.value,
+        "command": daemon_command(spec, names, role, redis_url),
+        "env": env,
+        "ports": [{"name": "http", "containerPort": DAEMON_PORT, "protocol": "TCP"}],
+        "readinessProbe": _http_probe("/ready", period=5, failures=3),
+        "livenessProbe": _http_probe("/health", period=10, failures=3),
+        # Loading weights can take minutes; liveness starts counting only once /health answers.
+        "startupProbe": _http_probe("/health", period=5, failures=120),
+        "volumeMounts": mounts,
+    }
+    res = _resources(role_spec.resources)
+    if res:
+        container["resources"] = res
+    deploy = _deployment(
+        owner,
+        names.role(role),
+        component=role,
+        role_label=role,
+        replicas=role_replicas(role_spec, current_replicas),
+        container=container,
+        volumes=volumes,
+        config_hash=config_hash,
+        settings=settings,
+        scheduling=role_spec,
+    )
+    svc = _service(owner, names.role(role), role, role, DAEMON_PORT, headless=True)
+    return [deploy, svc]
+
+
+def build_gateway(
+    spec: InferenceServiceSpec,
+    owner: Owner,
+    redis_url: str,
+    config_hash: str,
+    settings: BuildSettings,
+) -> list[Manifest]:
+    """The gateway's ServiceAccount + Role + RoleBinding (it watches EndpointSlices),
+    Deployment and Service."""
+    names = Names(owner.name, owner.namespace)
+    roles = [role for role, _ in spec.roles.items()]
+    volumes, mounts = _volumes(spec, names)
+    lbls = labels(owner.name, GATEWAY, GATEWAY)
+    container: Manifest = {
+        "name": "gateway",
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy.value,
+        "command": gateway_command(spec, names, roles, redis_url),
+        "env": _common_env(spec),
+        "ports": [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"}],
+        "readinessProbe": _http_probe("/ready", period=5, failures=3),
+        "livenessProbe": _http_probe("/health", period=10, failures=3),
+        "volumeMounts": mounts,
+    }
+    res = _resources(spec.router.resources)
+    if res:
+        container["resources"] = res
+    deploy = _deployment(
+        owner,
+        names.gateway,
+        component=GATEWAY,
+        role_label=GATEWAY,
+        replicas=spec.router.replicas,
+        container=container,
+        volumes=volumes,
+        config_hash=config_hash,
+        settings=settings,
+        port=GATEWAY_PORT,
+    )
+    deploy["spec"]["template"]["spec"]["serviceAccountName"] = names.gateway
+    svc = _service(owner, names.gateway, GATEWAY, GATEWAY, GATEWAY_PORT, headless=False)
+    svc["spec"]["type"] = spec.router.service_type.value
+    sa: Manifest = {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": _meta(owner, names.gateway, lbls),
+    }
+    role: Manifest = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": _meta(owner, names.gateway, lbls),
+        "rules": [
+            {
+                "apiGroups": ["discovery.k8s.io"],
+                "resources": ["endpointslices"],
+                "verbs": ["get", "list", "watch"],
+            }
+        ],
+    }
+    binding: Manifest = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": _meta(owner, names.gateway, lbls),
+        "roleRef": {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "Role",
+            "name": names.gateway,
+        },
+        "subjects": [
+            {"kind": "ServiceAccount", "name": names.gateway, "namespace": owner.namespace}
+        ],
+    }
+    return [sa, role, binding, deploy, svc]
+
+
+def build_config_map(spec: InferenceServiceSpec, owner: Owner) -> Manifest:
+    names = Names(owner.name, owner.namespace)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(owner, names.config, labels(owner.name, "config")),
+        "data": _config_data(spec, names),
+    }
+
+
+def build_children(
+    spec: InferenceServiceSpec,
+    owner: Owner,
+    settings: BuildSettings,
+    current_replicas: dict[str, int] | None = None,
+) -> list[Manifest]:
+    """Every child of one InferenceService, in apply order (config and RBAC before the
+    workloads that reference them). Raises SpecError when the spec cannot be realised."""
+    redis_url = resolve_redis_url(spec, settings)
+    config = build_config_map(spec, owner)
+    config_hash = _config_hash(config["data"])
+    current = current_replicas or {}
+    out: list[Manifest] = [config]
+    gateway = build_gateway(spec, owner, redis_url, config_hash, settings)
+    out += gateway[:3]  # ServiceAccount, Role, RoleBinding
+    for role, role_spec in spec.roles.items():
+        out += build_role(
+            spec, owner, role, role_spec, redis_url, config_hash, settings, current.get(role)
+        )
+    out += gateway[3:]
+    return out

@@ -1,0 +1,89 @@
+"""`pagefleet operator`: run the kopf operator with the pagefleet handlers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import click
+
+from pagefleet.operator.builders import BuildSettings
+
+
+@click.command("operator")
+@click.option(
+    "--namespace",
+    "-n",
+    "namespaces",
+    multiple=True,
+    help="Watch only this namespace (repeatable; glob patterns allowed).",
+)
+@click.option(
+    "--all-namespaces",
+    "-A",
+    is_flag=True,
+    help="Watch InferenceServices in every namespace (needs the ClusterRole).",
+)
+@click.option(
+    "--standalone/--peering",
+    default=True,
+    show_default=True,
+    help="Standalone runs without kopf's peering CRDs (one operator replica).",
+)
+@click.option(
+    "--default-redis-url",
+    envvar="PAGEFLEET_DEFAULT_REDIS_URL",
+    default=None,
+    help="Redis for InferenceServices that set no spec.index.redisURL (the chart's bundled one).",
+)
+@click.option(
+    "--resync-seconds",
+    type=click.FloatRange(min=1.0),
+    default=30.0,
+    show_default=True,
+    help="Full reconcile period per InferenceService (repairs hand-edited children).",
+)
+@click.option(
+    "--liveness",
+    "liveness_endpoint",
+    default=None,
+    help="Serve kopf's liveness probe here, e.g. http://0.0.0.0:8080/healthz.",
+)
+@click.option("--verbose", "-v", is_flag=True, help="Log every handler run.")
+def command(
+    namespaces: tuple[str, ...],
+    all_namespaces: bool,
+    standalone: bool,
+    default_redis_url: str | None,
+    resync_seconds: float,
+    liveness_endpoint: str | None,
+    verbose: bool,
+) -> None:
+    """Run the InferenceService operator (kubeconfig or in-cluster credentials)."""
+    import kopf
+
+    from pagefleet.operator.handlers import OperatorContext, register
+    from pagefleet.operator.kube import RestKube
+
+    if bool(namespaces) == all_namespaces:
+        raise click.UsageError("pass either --namespace NS (repeatable) or --all-namespaces")
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if not verbose:
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    registry = register(kopf.OperatorRegistry(), resync_s=resync_seconds)
+    ctx = OperatorContext(
+        kube=RestKube(), settings=BuildSettings(default_redis_url=default_redis_url)
+    )
+    asyncio.run(
+        kopf.operator(
+            registry=registry,
+            standalone=standalone,
+            clusterwide=all_namespaces,
+            namespaces=list(namespaces),
+            liveness_endpoint=liveness_endpoint,
+            memo=kopf.Memo(ctx=ctx),
+        )
+    )

@@ -1,0 +1,110 @@
+"""The command lines of the daemon and gateway containers.
+
+Kept in one place because they are the seam to two other components: when a daemon or
+gateway flag changes, this file is the only one to adjust. `$(VAR)` references are expanded
+by the kubelet (and by the e2e node agent) from the container's env.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit, urlunsplit
+
+from pagefleet.api.inferenceservice import InferenceServiceSpec
+from pagefleet.operator.naming import DAEMON_PORT, GATEWAY_PORT, Names
+
+POD_IP = "$(POD_IP)"
+POD_NAME = "$(POD_NAME)"
+REDIS_PASSWORD_ENV = "PAGEFLEET_REDIS_PASSWORD"
+
+
+def redis_url_with_secret(url: str, has_password_secret: bool) -> str:
+    """The Redis URL a container uses; with a password Secret, the password is spliced in
+    from the env at container start (it never appears in the spec or the pod object)."""
+    if not has_password_secret:
+        return url
+    parts = urlsplit(url)
+    host = parts.netloc.rsplit("@", 1)[-1]
+    user = parts.username or ""
+    netloc = f"{user}:$({REDIS_PASSWORD_ENV})@{host}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def served_model_name(spec: InferenceServiceSpec, names: Names) -> str:
+    return spec.model.served_model_name or names.service
+
+
+def daemon_command(
+    spec: InferenceServiceSpec, names: Names, role: str, redis_url: str
+) -> list[str]:
+    """`pagefleet daemon ...` for one role; every engine knob of the spec becomes a flag so a
+    knob change changes the pod template and rolls the role out."""
+    eng = spec.engine
+    cmd = [
+        *spec.command,
+        "daemon",
+        "--model",
+        spec.model.source.path,
+        "--host",
+        POD_IP,
+        "--port",
+        str(DAEMON_PORT),
+        "--role",
+        role,
+        "--served-model-name",
+        served_model_name(spec, names),
+        "--redis-url",
+        redis_url,
+        "--kv-namespace",
+        names.kv_namespace,
+        "--pod-name",
+        POD_NAME,
+        "--dtype",
+        spec.model.dtype.value,
+        "--block-size",
+        str(eng.block_size),
+        "--max-num-seqs",
+        str(eng.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(eng.max_num_batched_tokens),
+        "--kv-cache-memory-mb",
+        str(eng.kv_cache_memory_mb),
+        "--enable-prefix-caching" if eng.enable_prefix_caching else "--no-enable-prefix-caching",
+    ]
+    if spec.model.max_model_len is not None:
+        cmd += ["--max-model-len", str(spec.model.max_model_len)]
+    return cmd
+
+
+def gateway_command(
+    spec: InferenceServiceSpec, names: Names, roles: list[str], redis_url: str
+) -> list[str]:
+    """`pagefleet gateway ...` discovering the role Services' ready endpoints."""
+    cmd = [
+        *spec.command,
+        "gateway",
+        "--host",
+        POD_IP,
+        "--port",
+        str(GATEWAY_PORT),
+        "--policy",
+        spec.router.policy.value,
+        "--discovery",
+        "k8s",
+        "--namespace",
+        names.namespace,
+    ]
+    for role in roles:
+        cmd += ["--service", names.role(role)]
+    cmd += [
+        "--target-port",
+        str(DAEMON_PORT),
+        "--redis-url",
+        redis_url,
+        "--kv-namespace",
+        names.kv_namespace,
+        "--model",
+        spec.model.source.path,
+        "--served-model-name",
+        served_model_name(spec, names),
+    ]
+    return cmd

@@ -1,0 +1,147 @@
+"""kopf handlers: every trigger funnels into the same idempotent `reconcile` pass.
+
+- create / update (of spec) / resume: a full pass for that InferenceService;
+- a resync timer: a full pass every few seconds, which repairs hand edits of children;
+- events of owned Deployments and Services: a deleted child triggers a full pass at once
+  (restored within a second, not a resync period); a Deployment status change refreshes the
+  InferenceService's status without re-applying anything.
+
+Handlers are sync (kopf runs them in its thread pool) and serialise per InferenceService
+with a lock from the memo, since the timer, a child event and a spec update may race.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+
+from pagefleet.api.inferenceservice import GROUP, PLURAL, VERSION
+from pagefleet.operator.builders import BuildSettings
+from pagefleet.operator.kube import INFERENCE_SERVICE, KubeAPI, KubeError
+from pagefleet.operator.naming import LABEL_MANAGED_BY, LABEL_SERVICE, MANAGED_BY
+from pagefleet.operator.reconcile import Recorder, reconcile, refresh_status
+
+log = logging.getLogger(__name__)
+
+RETRY_DELAY_S = 5.0
+
+
+@dataclass(slots=True)
+class OperatorContext:
+    """What every handler needs; lives in kopf's memo for the operator's lifetime."""
+
+    kube: KubeAPI
+    settings: BuildSettings
+    locks: defaultdict[tuple[str, str], threading.Lock] = field(
+        default_factory=lambda: defaultdict(threading.Lock)
+    )
+    guard: threading.Lock = field(default_factory=threading.Lock)
+
+    def lock(self, namespace: str, name: str) -> threading.Lock:
+        with self.guard:
+            return self.locks[(namespace, name)]
+
+
+def _ctx(memo: kopf.Memo) -> OperatorContext:
+    ctx: OperatorContext = memo["ctx"]
+    return ctx
+
+
+def _recorder(body: dict[str, Any]) -> Recorder:
+    def record(type_: str, reason: str, message: str) -> None:
+        kopf.event(body, type=type_, reason=reason, message=message)
+
+    return record
+
+
+def _run_pass(ctx: OperatorContext, body: dict[str, Any]) -> None:
+    meta = body["metadata"]
+    if meta.get("deletionTimestamp"):
+        return  # children go with it through their owner references
+    with ctx.lock(meta["namespace"], meta["name"]):
+        try:
+            reconcile(ctx.kube, body, ctx.settings, _recorder(body))
+        except KubeError as exc:
+            # Transient (conflict, throttling, API down): kopf retries the handler later.
+            raise kopf.TemporaryError(f"Kubernetes API: {exc}", delay=RETRY_DELAY_S) from exc
+
+
+def on_change(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """Create, spec update and operator restart: reconcile the InferenceService."""
+    _run_pass(_ctx(memo), dict(body))
+
+
+def on_resync(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """Periodic full pass: restores hand-edited children and refreshes status."""
+    _run_pass(_ctx(memo), dict(body))
+
+
+def on_child_event(
+    event: dict[str, Any], namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any
+) -> None:
+    """A Deployment or Service we own changed: restore it if deleted, else refresh status."""
+    owner = labels.get(LABEL_SERVICE)
+    if not owner or not namespace or event.get("type") not in ("DELETED", "MODIFIED"):
+        return
+    ctx = _ctx(memo)
+    try:
+        parent = ctx.kube.get(INFERENCE_SERVICE, namespace, owner)
+        if parent is None or parent["metadata"].get("deletionTimestamp"):
+            return  # being garbage-collected with its owner: nothing to restore
+        if event["type"] == "DELETED":
+            _run_pass(ctx, parent)
+            return
+        with ctx.lock(namespace, owner):
+            refresh_status(ctx.kube, parent)
+    except KubeError as exc:
+        # Event handlers are not retried; the resync timer catches up.
+        log.warning("refreshing %s/%s after a child event failed: %s", namespace, owner, exc)
+    except kopf.TemporaryError as exc:
+        log.warning(
+            "restoring a child of %s/%s failed, resync will retry: %s", namespace, owner, exc
+        )
+
+
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    """Keep kopf's bookkeeping in pagefleet.io annotations (status is pruned to our schema)."""
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration"
+    )
+    settings.persistence.finalizer = f"{GROUP}/finalizer"
+    settings.posting.level = logging.INFO
+    # Re-list periodically so a missed watch event cannot leave the operator blind.
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+
+
+def register(registry: kopf.OperatorRegistry, resync_s: float) -> kopf.OperatorRegistry:
+    """Attach every handler to `registry` (the resync period is a run-time choice, so the
+    decorators are applied here rather than at import)."""
+    kopf.on.startup(registry=registry)(configure)
+    for decorate in (
+        kopf.on.create(GROUP, VERSION, PLURAL, registry=registry, id="reconcile"),
+        kopf.on.update(GROUP, VERSION, PLURAL, field="spec", registry=registry, id="reconcile"),
+        kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry, id="reconcile"),
+    ):
+        decorate(on_change)
+    kopf.timer(
+        GROUP,
+        VERSION,
+        PLURAL,
+        interval=resync_s,
+        initial_delay=resync_s,
+        registry=registry,
+        id="resync",
+    )(on_resync)
+    owned = {LABEL_MANAGED_BY: MANAGED_BY}
+    for group_version, plural in (("apps/v1", "deployments"), ("v1", "services")):
+        kopf.on.event(group_version, plural, labels=owned, registry=registry, id=f"child-{plural}")(
+            on_child_event
+        )
+    return registry

@@ -1,0 +1,192 @@
+"""The InferenceService's status, computed from its child Deployments.
+
+Conditions follow the Kubernetes convention: `Ready` (every role and the gateway have all
+their desired pods ready on the current template), `Progressing` (a rollout or scale is
+under way), `Degraded` (something needs a person: a spec the operator cannot realise, an
+API error, a Deployment that exceeded its progress deadline), plus `<Role>Ready` per role.
+`lastTransitionTime` changes only when a condition's status flips.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from pagefleet.operator.naming import GATEWAY
+
+Manifest = dict[str, Any]
+
+
+@dataclass(slots=True)
+class WorkloadState:
+    """Replica counts of one Deployment (a role or the gateway)."""
+
+    name: str
+    desired: int
+    ready: int
+    updated: int
+    available: int
+    rolled_out: bool  # the Deployment controller has seen the current template
+    failure: str | None = None  # ProgressDeadlineExceeded / ReplicaFailure message
+
+    @property
+    def ready_now(self) -> bool:
+        return (
+            self.rolled_out
+            and self.ready >= self.desired
+            and self.updated >= self.desired
+            and self.failure is None
+        )
+
+    @classmethod
+    def from_deployment(cls, name: str, deploy: Manifest | None) -> WorkloadState:
+        if deploy is None:
+            return cls(name, desired=0, ready=0, updated=0, available=0, rolled_out=False)
+        spec, st = deploy.get("spec", {}), deploy.get("status", {}) or {}
+        generation = deploy.get("metadata", {}).get("generation", 0)
+        failure = None
+        for cond in st.get("conditions", []) or []:
+            stuck = cond.get("type") == "Progressing" and cond.get("reason") == (
+                "ProgressDeadlineExceeded"
+            )
+            replica_failure = cond.get("type") == "ReplicaFailure" and cond.get("status") == "True"
+            if stuck or replica_failure:
+                failure = f"{cond.get('reason')}: {cond.get('message', '')}".strip()
+        total = st.get("replicas", 0) or 0
+        updated = st.get("updatedReplicas", 0) or 0
+        desired = spec.get("replicas", 1)
+        # Old pods still terminating mean the rollout is not finished yet.
+        rolled_out = (st.get("observedGeneration", 0) or 0) >= generation and total <= desired
+        return cls(
+            name=name,
+            desired=desired,
+            ready=st.get("readyReplicas", 0) or 0,
+            updated=updated,
+            available=st.get("availableReplicas", 0) or 0,
+            rolled_out=rolled_out,
+            failure=failure,
+        )
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def condition(
+    type_: str,
+    ok: bool,
+    reason: str,
+    message: str,
+    generation: int,
+    previous: list[Manifest],
+    now: str | None = None,
+) -> Manifest:
+    """One condition; keeps the previous lastTransitionTime while the status is unchanged."""
+    status = "True" if ok else "False"
+    stamp = now or _now()
+    for old in previous:
+        if old.get("type") == type_ and old.get("status") == status:
+            stamp = old.get("lastTransitionTime") or stamp
+    return {
+        "type": type_,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": stamp,
+        "observedGeneration": generation,
+    }
+
+
+def _role_condition_type(role: str) -> str:
+    return f"{role.capitalize()}Ready"
+
+
+def compute_status(
+    generation: int,
+    roles: list[WorkloadState],
+    gateway: WorkloadState | None,
+    url: str,
+    previous: Manifest | None,
+    degraded_reason: str | None = None,
+    degraded_message: str = "",
+) -> Manifest:
+    """Full status of one InferenceService (a JSON merge patch replaces it as a whole)."""
+    prev_conds: list[Manifest] = list((previous or {}).get("conditions", []) or [])
+    conds: list[Manifest] = []
+    failures = [w for w in [*roles, *([gateway] if gateway else [])] if w.failure]
+    if degraded_reason is None and failures:
+        degraded_reason = "RolloutFailed"
+        degraded_message = "; ".join(f"{w.name}: {w.failure}" for w in failures)
+    degraded = degraded_reason is not None
+
+    for w in roles:
+        conds.append(
+            condition(
+                _role_condition_type(w.name),
+                w.ready_now,
+                "PodsReady" if w.ready_now else "PodsNotReady",
+                f"{w.ready}/{w.desired} pods ready, {w.updated} on the current template",
+                generation,
+                prev_conds,
+            )
+        )
+    workloads = [*roles, *([gateway] if gateway else [])]
+    all_ready = bool(roles) and gateway is not None and all(w.ready_now for w in workloads)
+    waiting = [w for w in workloads if not w.ready_now]
+    progressing = not degraded and bool(waiting)
+    conds.append(
+        condition(
+            "Progressing",
+            progressing,
+            "RollingOut" if progressing else ("Stalled" if degraded else "Complete"),
+            (
+                "waiting for "
+                + ", ".join(f"{w.name} ({w.ready}/{w.desired} ready)" for w in waiting)
+                if progressing
+                else ("blocked: see Degraded" if degraded else "all workloads on the current spec")
+            ),
+            generation,
+            prev_conds,
+        )
+    )
+    conds.append(
+        condition(
+            "Degraded",
+            degraded,
+            degraded_reason or "AsExpected",
+            degraded_message if degraded else "",
+            generation,
+            prev_conds,
+        )
+    )
+    ready = all_ready and not degraded
+    conds.append(
+        condition(
+            "Ready",
+            ready,
+            "AllReplicasReady" if ready else ("Degraded" if degraded else "Progressing"),
+            "every role and the gateway are ready" if ready else "not every pod is ready yet",
+            generation,
+            prev_conds,
+        )
+    )
+    return {
+        "observedGeneration": generation,
+        "conditions": conds,
+        "roles": [
+            {
+                "name": w.name,
+                "desiredReplicas": w.desired,
+                "readyReplicas": w.ready,
+                "updatedReplicas": w.updated,
+            }
+            for w in roles
+        ],
+        "readyRoles": f"{sum(w.ready_now for w in roles)}/{len(roles)}",
+        "replicas": " ".join(f"{w.name}:{w.ready}/{w.desired}" for w in roles),
+        "url": url,
+    }
+
+
+__all__ = ["GATEWAY", "WorkloadState", "compute_status", "condition"]
