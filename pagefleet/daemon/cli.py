@@ -1,0 +1,133 @@
+"""``pagefleet daemon``: serve one model over the OpenAI API until SIGTERM.
+
+Shutdown (SIGTERM or SIGINT): /ready turns 503, new requests get 503, in-flight ones finish
+within --drain-timeout (aborted after), the pod leaves the prefix index, exit status 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+import click
+from aiohttp import web
+
+from pagefleet.daemon.config import DaemonConfig
+
+logger = logging.getLogger(__name__)
+
+
+async def serve(config: DaemonConfig) -> None:
+    """Run the daemon until a stop signal, then drain and clean up."""
+    from pagefleet.daemon.server import Daemon
+
+    daemon = Daemon(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    # handler_cancellation: a client that hangs up cancels its handler, which aborts its
+    # engine requests (their blocks go back to the pool at once).
+    runner = web.AppRunner(daemon.app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()  # /health answers while the model loads; /ready waits for it
+    logger.warning("pagefleet daemon listening on http://%s:%d", config.host, config.port)
+    start = asyncio.create_task(daemon.start())
+    stop_wait = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait({start, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+    if start in done and start.exception() is not None:
+        await runner.cleanup()
+        raise click.ClickException(f"the engine failed to start: {start.exception()}")
+    await stop.wait()
+    logger.warning("stop signal: draining (up to %.0fs)", config.drain_timeout_s)
+    if not start.done():
+        start.cancel()
+    await daemon.drain()
+    await daemon.stop()
+    await runner.cleanup()
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--model",
+    default="tiny",
+    show_default=True,
+    help="Checkpoint directory or a tiny preset (tiny, tiny-qwen2, tiny-qwen3).",
+)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option(
+    "--role",
+    type=click.Choice(["unified", "prefill", "decode"]),
+    default="unified",
+    show_default=True,
+)
+@click.option("--served-model-name", default=None, help="Model name in the API (default: --model).")
+@click.option(
+    "--redis-url",
+    default=None,
+    help="Publish KV events and heartbeats to this Redis (no publishing without it).",
+)
+@click.option(
+    "--kv-namespace", default="", help="Block-key namespace (default: the served model name)."
+)
+@click.option(
+    "--pod-name",
+    default=None,
+    help="This pod's name in the index (default: $POD_NAME, else host:port).",
+)
+@click.option("--block-size", default=16, show_default=True, type=int)
+@click.option("--max-num-seqs", default=64, show_default=True, type=int)
+@click.option("--max-num-batched-tokens", default=2048, show_default=True, type=int)
+@click.option("--max-model-len", default=None, type=int, help="Default: the model's maximum.")
+@click.option("--kv-cache-memory-mb", default=256, show_default=True, type=int)
+@click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True)
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+    default="auto",
+    show_default=True,
+)
+@click.option("--device", default="cpu", show_default=True)
+@click.option(
+    "--max-queue",
+    default=256,
+    show_default=True,
+    type=int,
+    help="Requests that may wait beyond the running batch; past it, 429.",
+)
+@click.option("--attention-backend", default=None, help="torch | triton (default: by device).")
+@click.option(
+    "--drain-timeout",
+    "drain_timeout_s",
+    default=30.0,
+    show_default=True,
+    type=float,
+    help="Seconds to finish in-flight requests on SIGTERM.",
+)
+@click.option(
+    "--log-level",
+    default="warning",
+    show_default=True,
+    type=click.Choice(["debug", "info", "warning", "error"]),
+)
+def command(**kwargs: object) -> None:
+    """Run one inference daemon: the engine plus the OpenAI-compatible API."""
+    logging.basicConfig(
+        level=str(kwargs["log_level"]).upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        config = DaemonConfig(**kwargs)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from exc
+    if config.role != "unified":
+        raise click.UsageError(
+            f"--role {config.role} is not available yet: prefill/decode disaggregation is "
+            "not implemented in this build; run with --role unified"
+        )
+    asyncio.run(serve(config))

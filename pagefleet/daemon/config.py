@@ -1,0 +1,80 @@
+"""The daemon's configuration: one pydantic model, filled from the command line or a test.
+
+Invariant: a DaemonConfig that validated can build an EngineConfig (``engine_config()``)
+and a server; ranges are checked here so a bad flag fails before the model loads.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pagefleet.engine.config import EngineConfig
+
+Role = Literal["unified", "prefill", "decode"]
+
+
+class DaemonConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: str = "tiny"
+    served_model_name: str | None = None  # default: the model argument
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    role: Role = "unified"
+    redis_url: str | None = None
+    kv_namespace: str = ""  # default: the served model name
+    pod_name: str | None = None  # default: $POD_NAME, else hostname:port
+    block_size: int = Field(default=16, ge=1)
+    max_num_seqs: int = Field(default=64, ge=1)
+    max_num_batched_tokens: int = Field(default=2048, ge=1)
+    max_model_len: int | None = Field(default=None, ge=2)
+    kv_cache_memory_mb: int = Field(default=256, ge=1)
+    num_gpu_blocks: int | None = Field(default=None, ge=1)
+    enable_prefix_caching: bool = True
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = "cpu"
+    attention_backend: str | None = None
+    # How many requests may wait beyond the running batch before new ones get 429.
+    max_queue: int = Field(default=256, ge=0)
+    max_body_bytes: int = Field(default=4 << 20, ge=1024)
+    drain_timeout_s: float = Field(default=30.0, ge=0)
+    heartbeat_s: float = Field(default=1.0, gt=0)
+    heartbeat_ttl_s: float = Field(default=5.0, gt=0)
+    log_level: str = "warning"
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    @property
+    def namespace(self) -> str:
+        return self.kv_namespace or self.model_name
+
+    @property
+    def pod(self) -> str:
+        return self.pod_name or os.environ.get("POD_NAME") or f"{socket.gethostname()}:{self.port}"
+
+    @property
+    def max_inflight(self) -> int:
+        """Requests admitted at once: the running batch plus the bounded waiting queue."""
+        return self.max_num_seqs + self.max_queue
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=self.model,
+            dtype=self.dtype,
+            device=self.device,
+            attention_backend=self.attention_backend,
+            block_size=self.block_size,
+            num_gpu_blocks=self.num_gpu_blocks,
+            kv_cache_memory_bytes=self.kv_cache_memory_mb << 20,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            enable_prefix_caching=self.enable_prefix_caching,
+            kv_namespace=self.namespace,
+        )

@@ -1,0 +1,304 @@
+"""The engine thread and its bridge to asyncio.
+
+The engine is single-threaded (docs/internals.md): only the thread that calls ``step()`` may
+touch it. So every call from the event loop (add a request, abort one, read a snapshot) is a
+command on a thread-safe queue that the engine thread drains between steps, and every result
+travels back with ``loop.call_soon_threadsafe``. The engine thread steps while there is work
+and blocks on a condition variable when idle; the event loop never waits on the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from pagefleet.engine.outputs import RequestOutput
+from pagefleet.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class EngineLike(Protocol):
+    """What the loop needs from ``LLMEngine`` (pagefleet/engine/engine.py)."""
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        lora_id: str | None = None,
+    ) -> None: ...
+
+    def abort(self, request_id: str) -> bool: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def stats(self) -> Any: ...
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (crash or shutdown); the request cannot complete."""
+
+
+@dataclass(slots=True)
+class StreamItem:
+    """One engine output for a request, stamped when the engine thread handed it over."""
+
+    output: RequestOutput
+    t: float  # time.monotonic() at hand-over, for inter-token latency
+
+
+@dataclass(slots=True)
+class RequestStream:
+    """The asyncio side of one engine request: outputs arrive in order, then it finishes."""
+
+    request_id: str
+    queue: asyncio.Queue[StreamItem | BaseException] = field(default_factory=asyncio.Queue)
+    finished: bool = False
+
+    async def get(self) -> StreamItem:
+        """Next output; raises EngineDeadError if the engine died before this request ended."""
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.output.finished:
+            self.finished = True
+        return item
+
+
+@dataclass(slots=True)
+class _Command:
+    fn: Callable[[Any], Any]
+    future: asyncio.Future[Any] | None  # None: fire and forget (abort)
+
+
+class EngineLoop:
+    """Runs an engine in a dedicated thread; the asyncio API is safe from the event loop only.
+
+    Invariant: each request id has at most one live RequestStream, which receives every
+    output of its request in engine order and is then removed; if the engine thread dies,
+    every live stream receives EngineDeadError (no waiter hangs).
+    """
+
+    def __init__(
+        self,
+        engine_factory: Callable[[], EngineLike],
+        loop: asyncio.AbstractEventLoop,
+        on_step: Callable[[Any], None] | None = None,
+        name: str = "pagefleet-engine",
+    ) -> None:
+        self._factory = engine_factory
+        self._loop = loop
+        self._on_step = on_step
+        self._cv = threading.Condition()
+        self._commands: deque[_Command] = deque()
+        self._stopping = False
+        self._streams: dict[str, RequestStream] = {}  # touched on the event loop only
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.engine: EngineLike | None = None  # set once loaded; read-only outside the thread
+        self.loaded = asyncio.Event()
+        self.load_error: BaseException | None = None
+        self.dead = False
+
+    # -- event-loop side ------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self.dead
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    async def wait_loaded(self) -> None:
+        """Wait for the engine to finish loading; re-raise the load error if it failed."""
+        await self.loaded.wait()
+        if self.load_error is not None:
+            raise self.load_error
+
+    async def call(self, fn: Callable[[Any], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread between steps and return its result."""
+        fut: asyncio.Future[T] = self._loop.create_future()
+        self._push(_Command(fn, fut))
+        return await fut
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        lora_id: str | None = None,
+        queue: asyncio.Queue[StreamItem | BaseException] | None = None,
+    ) -> RequestStream:
+        """Admit a request; its outputs flow into the returned stream.
+
+        Several requests may share one ``queue`` (an HTTP request with many prompts reads
+        them merged). Raises ValueError (from the engine: prompt too long, empty, duplicate
+        id) without admitting anything.
+        """
+        if request_id in self._streams:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        stream = RequestStream(request_id) if queue is None else RequestStream(request_id, queue)
+        # Register before the engine can emit, so no output is ever orphaned.
+        self._streams[request_id] = stream
+        try:
+            await self.call(
+                lambda eng: eng.add_request(request_id, prompt, params, lora_id=lora_id)
+            )
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request if still live; its blocks return to the pool on the next step."""
+        if self._streams.pop(request_id, None) is None:
+            return
+        self._push(_Command(lambda eng: eng.abort(request_id), None))
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        """Stop the thread after its current step; live streams get EngineDeadError."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        self._fail_all(EngineDeadError("the engine stopped"))
+
+    def _push(self, cmd: _Command) -> None:
+        if self.dead:
+            err = EngineDeadError("the engine is not running; retry on another replica")
+            if cmd.future is not None:
+                cmd.future.set_exception(err)
+            return
+        with self._cv:
+            self._commands.append(cmd)
+            self._cv.notify()
+
+    def _deliver(self, items: list[tuple[str, StreamItem]]) -> None:
+        for rid, item in items:
+            stream = self._streams.get(rid)
+            if stream is None:
+                continue  # aborted by the caller; late outputs are dropped
+            stream.queue.put_nowait(item)
+            if item.output.finished:
+                del self._streams[rid]
+
+    def _fail_all(self, err: BaseException) -> None:
+        def fail() -> None:
+            for stream in self._streams.values():
+                stream.queue.put_nowait(err)
+            self._streams.clear()
+
+        if self._loop.is_closed():
+            return
+        try:
+            if _running_loop() is self._loop:
+                fail()
+            else:
+                self._loop.call_soon_threadsafe(fail)
+        except RuntimeError:
+            pass  # the loop closed meanwhile; nobody is waiting any more
+
+    # -- engine-thread side ---------------------------------------------------------------
+
+    def _resolve(self, fut: asyncio.Future[Any] | None, result: Any, exc: BaseException | None):
+        if fut is None:
+            return
+
+        def settle() -> None:
+            if fut.done():
+                return
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+
+        self._loop.call_soon_threadsafe(settle)
+
+    def _run(self) -> None:
+        try:
+            engine = self._factory()
+        except BaseException as exc:  # loading failed: report it, do not hang waiters
+            logger.exception("engine failed to load")
+            self.load_error = exc
+            self.dead = True
+            self._loop.call_soon_threadsafe(self.loaded.set)
+            return
+        self.engine = engine
+        self._loop.call_soon_threadsafe(self.loaded.set)
+        try:
+            self._serve(engine)
+        except BaseException as exc:
+            logger.exception("engine thread crashed; failing all in-flight requests")
+            self.dead = True
+            self._drain_commands_with(EngineDeadError(f"the engine crashed: {exc}"))
+            self._fail_all(EngineDeadError(f"the engine crashed: {exc}"))
+            return
+        self.dead = True
+        self._drain_commands_with(EngineDeadError("the engine stopped"))
+
+    def _drain_commands_with(self, err: BaseException) -> None:
+        with self._cv:
+            pending = list(self._commands)
+            self._commands.clear()
+        for cmd in pending:
+            self._resolve(cmd.future, None, err)
+
+    def _serve(self, engine: EngineLike) -> None:
+        while True:
+            with self._cv:
+                # Block only when there is nothing to step and nothing to do: no busy spin.
+                while not self._commands and not self._stopping and not engine.has_unfinished():
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                commands = list(self._commands)
+                self._commands.clear()
+            for cmd in commands:
+                try:
+                    result = cmd.fn(engine)
+                except Exception as exc:  # the caller's error (e.g. ValueError): hand it back
+                    self._resolve(cmd.future, None, exc)
+                else:
+                    self._resolve(cmd.future, result, None)
+            if not engine.has_unfinished():
+                if commands:  # e.g. an abort emptied the engine: publish the new load
+                    self._loop.call_soon_threadsafe(self._after_step, [], engine.stats())
+                continue
+            outputs = engine.step()
+            now = time.monotonic()
+            stats = engine.stats()
+            items = [(o.request_id, StreamItem(o, now)) for o in outputs]
+            # One hop per step keeps cross-thread wakeups at one per step, not per request.
+            self._loop.call_soon_threadsafe(self._after_step, items, stats)
+
+    def _after_step(self, items: list[tuple[str, StreamItem]], stats: Any) -> None:
+        self._deliver(items)
+        if self._on_step is not None:
+            try:
+                self._on_step(stats)
+            except Exception:
+                logger.exception("on_step callback failed")
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None

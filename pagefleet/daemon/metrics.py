@@ -1,0 +1,214 @@
+"""Prometheus metrics of one daemon, in a registry owned by its app (no global registry).
+
+Names are vLLM's (``vllm:*``), so the Gateway API Inference Extension's endpoint picker,
+production-stack dashboards and existing alerts read a pagefleet pod as they read a vLLM
+pod; what vLLM has no name for is ``pagefleet:*``. docs/metrics.md lists every series.
+Labels: ``model_name`` (vLLM's label), ``role`` and ``pod``.
+
+Invariant: per-request series (histograms, finish reasons) are observed once per finished
+request by the HTTP layer; engine-wide counters and gauges are read from the latest
+``EngineStats`` snapshot at scrape time, so they never drift from the engine's own counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from pagefleet.engine.outputs import RequestMetrics
+
+LABELS = ("model_name", "role", "pod")
+
+# Seconds. Dense below one second where CPU and GPU serving both live, sparse above.
+_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 1.5, 2.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
+)  # fmt: skip
+_TOKEN_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+    0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+
+
+class _EngineStatsCollector(Collector):
+    """Exports the latest EngineStats snapshot; aliases keep older vLLM names working."""
+
+    def __init__(self, owner: DaemonMetrics) -> None:
+        self._owner = owner
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._owner.latest_stats
+        values = self._owner.label_values
+        if stats is None:
+            return
+
+        def gauge(name: str, doc: str, value: float) -> Metric:
+            g = GaugeMetricFamily(name, doc, labels=LABELS)
+            g.add_metric(values, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> Metric:
+            c = CounterMetricFamily(name, doc, labels=LABELS)
+            c.add_metric(values, value)
+            return c
+
+        yield gauge(
+            "vllm:num_requests_running", "Requests in the running batch.", stats.num_running
+        )
+        yield gauge(
+            "vllm:num_requests_waiting",
+            "Requests admitted by the engine and waiting to be scheduled (incl. preempted).",
+            stats.num_waiting,
+        )
+        usage = float(stats.kv_usage)
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0-1 (blocks in use).", usage)
+        yield gauge("vllm:gpu_cache_usage_perc", "Alias of vllm:kv_cache_usage_perc.", usage)
+        yield gauge("pagefleet:kv_cache_num_blocks", "KV blocks in the pool.", stats.num_blocks)
+        yield gauge(
+            "pagefleet:kv_cache_free_blocks",
+            "KV blocks free or cached-but-unreferenced.",
+            stats.num_free_blocks,
+        )
+        yield counter(
+            "vllm:prompt_tokens", "Prompt tokens processed (prefill).", stats.prompt_tokens_total
+        )
+        yield counter("vllm:generation_tokens", "Tokens generated.", stats.generation_tokens_total)
+        for prefix in ("vllm:prefix_cache", "vllm:gpu_prefix_cache"):
+            yield counter(
+                f"{prefix}_queries",
+                "Prompt tokens looked up in the prefix cache.",
+                stats.prefix_queries_tokens,
+            )
+            yield counter(
+                f"{prefix}_hits",
+                "Prompt tokens served from the prefix cache.",
+                stats.prefix_hits_tokens,
+            )
+        yield counter(
+            "vllm:num_preemptions", "Requests preempted (recompute).", stats.num_preempted_total
+        )
+        yield counter(
+            "pagefleet:kv_cache_evictions", "Cached blocks evicted (LRU).", stats.evictions_total
+        )
+        yield counter("pagefleet:engine_steps", "Engine steps run.", stats.steps_total)
+
+
+class DaemonMetrics:
+    """Every metric of one daemon, bound to its labels, in ``self.registry``."""
+
+    def __init__(self, model_name: str, role: str, pod: str) -> None:
+        self.registry = CollectorRegistry()
+        self.label_values = [model_name, role, pod]
+        self.latest_stats: Any = None
+        r = self.registry
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(name, doc, LABELS, buckets=buckets, registry=r).labels(
+                *self.label_values
+            )
+
+        self.ttft = hist(
+            "vllm:time_to_first_token_seconds",
+            "Time to first token: arrival to first generated token.",
+            _LATENCY_BUCKETS,
+        )
+        self.tpot = hist(
+            "vllm:request_time_per_output_token_seconds",
+            "Time per output token after the first, per request (decode time / (tokens-1)).",
+            _TOKEN_BUCKETS,
+        )
+        self.itl = hist(
+            "vllm:inter_token_latency_seconds",
+            "Time between consecutive tokens of a sequence.",
+            _TOKEN_BUCKETS,
+        )
+        self.e2e = hist(
+            "vllm:e2e_request_latency_seconds",
+            "End-to-end request latency inside the engine: arrival to finish.",
+            _LATENCY_BUCKETS,
+        )
+        self.queue_time = hist(
+            "vllm:request_queue_time_seconds",
+            "Time from arrival to first scheduled.",
+            _LATENCY_BUCKETS,
+        )
+        self.prefill_time = hist(
+            "vllm:request_prefill_time_seconds",
+            "Time from first scheduled to first token (prefill, incl. chunking).",
+            _LATENCY_BUCKETS,
+        )
+        self.decode_time = hist(
+            "vllm:request_decode_time_seconds",
+            "Time from first token to last token.",
+            _LATENCY_BUCKETS,
+        )
+        self._success = Counter(
+            "vllm:request_success",
+            "Finished sequences by finish reason (stop, length, abort).",
+            [*LABELS, "finished_reason"],
+            registry=r,
+        )
+        self._rejected = Counter(
+            "pagefleet:requests_rejected",
+            "Requests refused before admission, by reason (queue_full, draining, invalid).",
+            [*LABELS, "reason"],
+            registry=r,
+        )
+        self.inflight = Gauge(
+            "pagefleet:http_requests_inflight",
+            "HTTP generation requests being served (admitted, not yet answered).",
+            LABELS,
+            registry=r,
+        ).labels(*self.label_values)
+        self.kv_events_published = Counter(
+            "pagefleet:kv_events_published",
+            "KV events applied to the global prefix index.",
+            LABELS,
+            registry=r,
+        ).labels(*self.label_values)
+        self.index_up = Gauge(
+            "pagefleet:kv_index_up",
+            "1 while the prefix index is reachable and in sync, else 0.",
+            LABELS,
+            registry=r,
+        ).labels(*self.label_values)
+        self.index_resyncs = Counter(
+            "pagefleet:kv_index_resyncs",
+            "Full block-set resynchronisations sent to the prefix index.",
+            LABELS,
+            registry=r,
+        ).labels(*self.label_values)
+        r.register(_EngineStatsCollector(self))
+
+    def update_stats(self, stats: Any) -> None:
+        """Remember the latest EngineStats (called on the event loop after each step)."""
+        self.latest_stats = stats
+
+    def finished(self, reason: str | None) -> None:
+        self._success.labels(*self.label_values, reason or "unknown").inc()
+
+    def rejected(self, reason: str) -> None:
+        self._rejected.labels(*self.label_values, reason).inc()
+
+    def observe_request(self, m: RequestMetrics, num_output_tokens: int) -> None:
+        """Latency histograms of one finished request, from the engine's own timestamps."""
+        if m.first_token_time is not None:
+            self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
+        if m.first_scheduled_time is not None:
+            self.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+            if m.first_token_time is not None:
+                self.prefill_time.observe(max(0.0, m.first_token_time - m.first_scheduled_time))
+        if m.first_token_time is not None and m.last_token_time is not None:
+            decode = max(0.0, m.last_token_time - m.first_token_time)
+            self.decode_time.observe(decode)
+            if num_output_tokens > 1:
+                self.tpot.observe(decode / (num_output_tokens - 1))
+        if m.finished_time is not None:
+            self.e2e.observe(max(0.0, m.finished_time - m.arrival_time))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

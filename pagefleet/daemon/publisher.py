@@ -1,0 +1,249 @@
+"""KV events and heartbeats from one daemon to the global prefix index.
+
+The engine's ``event_sink`` runs on the engine thread; it hands each ``KVEventBatch`` to the
+event loop (``call_soon_threadsafe``), where one task applies batches to the index in order.
+
+Invariant: while the index is reachable, the pod's entry in it equals the engine's cached
+block set as of the last applied batch. When the index fails, queued batches are dropped
+(replaying a partial history cannot be trusted) and, once it answers again, the whole set is
+replaced by a fresh snapshot (``engine.cached_block_hashes()``). The snapshot is taken on
+the engine thread and enters the same queue as the batches, so batches emitted before it are
+skipped (the snapshot contains them) and batches after it are applied on top: no gap, no
+double count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pagefleet.kvindex.events import KVEventBatch
+from pagefleet.kvindex.index import KVIndex, PodLoad
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Snapshot:
+    token: object
+    block_hashes: set[int]
+
+
+@dataclass(slots=True)
+class _Wake:
+    """Nudges the apply task to re-check whether a resync is due."""
+
+
+_STOP = object()
+
+Item = KVEventBatch | _Snapshot | _Wake | object
+# Runs fn(engine) on the engine thread (EngineLoop.call).
+RunOnEngine = Callable[[Callable[[Any], Any]], Awaitable[Any]]
+
+
+class KVEventPublisher:
+    """Applies a pod's KV events to an index, heartbeats its load, resyncs after outages."""
+
+    def __init__(
+        self,
+        index: KVIndex,
+        pod: str,
+        loop: asyncio.AbstractEventLoop,
+        load_fn: Callable[[], PodLoad],
+        run_on_engine: RunOnEngine,
+        metrics: Any | None = None,
+        heartbeat_s: float = 1.0,
+        ttl_s: float = 5.0,
+        resync_interval_s: float = 60.0,
+        op_timeout_s: float = 5.0,
+        backoff_initial_s: float = 0.2,
+        backoff_max_s: float = 5.0,
+    ) -> None:
+        self.index = index
+        self.pod = pod
+        self._loop = loop
+        self._load_fn = load_fn
+        self._run_on_engine = run_on_engine
+        self._metrics = metrics
+        self._heartbeat_s = heartbeat_s
+        self._ttl_s = ttl_s
+        self._resync_interval_s = resync_interval_s
+        self._op_timeout_s = op_timeout_s
+        self._backoff_initial_s = backoff_initial_s
+        self._backoff_max_s = backoff_max_s
+        self._queue: asyncio.Queue[Item] = asyncio.Queue()
+        self._need_resync = False
+        self._last_resync = time.monotonic()
+        self._down_logged = False
+        self._tasks: list[asyncio.Task[None]] = []
+        self.in_sync = asyncio.Event()
+        self.events_applied = 0
+        self.resyncs = 0
+
+    # -- engine thread --------------------------------------------------------------------
+
+    def sink(self, batch: KVEventBatch) -> None:
+        """The engine's event_sink: called on the engine thread, never blocks."""
+        self._put_threadsafe(batch)
+
+    def _put_threadsafe(self, item: Item) -> None:
+        # A closed loop means the daemon is gone, and so is its index entry.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    # -- event loop -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Clear the pod's stale entries (a previous life's), then start publishing."""
+        try:
+            await self._op(self.index.clear_pod(self.pod))
+            self._mark_up()
+        except Exception as exc:
+            self._mark_down("clearing stale entries", exc)
+        self._tasks = [
+            asyncio.create_task(self._apply_loop(), name=f"kv-publisher-{self.pod}"),
+            asyncio.create_task(self._heartbeat_loop(), name=f"kv-heartbeat-{self.pod}"),
+        ]
+
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Apply what is queued, then remove the pod's entries and close the index."""
+        if not self._tasks:
+            return
+        apply_task, heartbeat_task = self._tasks
+        heartbeat_task.cancel()
+        self._queue.put_nowait(_STOP)
+        try:
+            await asyncio.wait_for(apply_task, timeout_s)
+        except (TimeoutError, asyncio.CancelledError):
+            apply_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await heartbeat_task
+        try:
+            await self._op(self.index.clear_pod(self.pod))
+        except Exception as exc:
+            logger.warning("could not remove pod %s from the prefix index: %s", self.pod, exc)
+        with contextlib.suppress(Exception):
+            await self.index.close()
+        self._tasks = []
+
+    async def resync_now(self) -> None:
+        """Ask for a full resync (e.g. after an operator flushed the index)."""
+        self._need_resync = True
+        self._queue.put_nowait(_Wake())
+
+    async def _op(self, coro: Awaitable[Any]) -> Any:
+        # A hung connection must not stall publishing forever; a timeout counts as down.
+        return await asyncio.wait_for(coro, self._op_timeout_s)
+
+    def _mark_down(self, what: str, exc: BaseException) -> None:
+        self._need_resync = True
+        self.in_sync.clear()
+        if self._metrics is not None:
+            self._metrics.index_up.set(0)
+        if not self._down_logged:
+            self._down_logged = True
+            logger.warning(
+                "prefix index unreachable while %s (%s: %s); still serving, retrying with "
+                "backoff and resyncing the full block set when it returns",
+                what,
+                type(exc).__name__,
+                exc,
+            )
+
+    def _mark_up(self) -> None:
+        if self._down_logged:
+            logger.warning("prefix index reachable again for pod %s", self.pod)
+        self._down_logged = False
+        if not self._need_resync:
+            self.in_sync.set()
+            if self._metrics is not None:
+                self._metrics.index_up.set(1)
+
+    async def _apply_loop(self) -> None:
+        while True:
+            periodic = (
+                self._resync_interval_s > 0
+                and time.monotonic() - self._last_resync > self._resync_interval_s
+            )
+            if self._need_resync or periodic:
+                if not await self._recover():
+                    return
+                continue
+            item = await self._queue.get()
+            if item is _STOP:
+                return
+            if isinstance(item, KVEventBatch):
+                try:
+                    await self._op(self.index.apply(self.pod, item))
+                except Exception as exc:
+                    self._mark_down("applying KV events", exc)
+                    continue
+                self.events_applied += len(item.events)
+                if self._metrics is not None:
+                    self._metrics.kv_events_published.inc(len(item.events))
+                self._mark_up()
+            # A stale _Snapshot (from an abandoned recovery) or a _Wake: nothing to apply.
+
+    async def _recover(self) -> bool:
+        """Replace the pod's set with a fresh engine snapshot; retry with backoff.
+
+        Returns False when asked to stop meanwhile.
+        """
+        delay = self._backoff_initial_s
+        while True:
+            token = object()
+            try:
+                await self._run_on_engine(
+                    lambda eng, token=token: self._put_threadsafe(
+                        _Snapshot(token, set(eng.cached_block_hashes()))
+                    )
+                )
+            except Exception as exc:
+                logger.warning("cannot snapshot the engine's block set (%s); not resyncing", exc)
+                return await self._drain_until_stop()
+            snapshot: _Snapshot | None = None
+            while snapshot is None:
+                item = await self._queue.get()
+                if item is _STOP:
+                    return False
+                if isinstance(item, _Snapshot) and item.token is token:
+                    snapshot = item
+                # Batches before the snapshot are contained in it: drop them.
+            try:
+                await self._op(self.index.resync(self.pod, snapshot.block_hashes))
+            except Exception as exc:
+                self._mark_down("resyncing", exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self._backoff_max_s)
+                continue
+            self.resyncs += 1
+            self._last_resync = time.monotonic()
+            if self._metrics is not None:
+                self._metrics.index_resyncs.inc()
+            self._need_resync = False
+            self._mark_up()
+            return True
+
+    async def _drain_until_stop(self) -> bool:
+        while True:
+            if await self._queue.get() is _STOP:
+                return False
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            try:
+                await self._op(self.index.heartbeat(self.pod, self._load_fn(), self._ttl_s))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._mark_down("sending the heartbeat", exc)
+                self._queue.put_nowait(_Wake())
+            else:
+                if self._need_resync:
+                    self._queue.put_nowait(_Wake())  # the index is back: resync now
+            await asyncio.sleep(self._heartbeat_s)

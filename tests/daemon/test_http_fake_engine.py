@@ -1,0 +1,242 @@
+"""HTTP-layer unit tests against a scripted engine (tests/daemon/fake_engine.py).
+
+Fast and exact: the plumbing (SSE framing, n, logprobs shape, errors, aborts, 429, the
+publisher's ordering and resync) is checked here; test_daemon_real.py repeats the
+user-facing checks against the real engine on the tiny model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+from pagefleet.daemon.config import DaemonConfig
+from pagefleet.kvindex.memory import MemoryKVIndex
+
+from .conftest import free_port, live_daemon
+from .fake_engine import FakeEngine
+
+
+def _cfg(**kw) -> DaemonConfig:
+    base = dict(model="tiny", served_model_name="fake", port=free_port(), pod_name="pod-a",
+                max_num_seqs=4, max_queue=4)  # fmt: skip
+    base.update(kw)
+    return DaemonConfig(**base)
+
+
+def _factory(tok, holder: list, **kw):
+    def make(cfg, sink):
+        eng = FakeEngine(tok, event_sink=sink, **kw)
+        holder.append(eng)
+        return eng
+
+    return make
+
+
+async def test_completion_n_and_usage(tiny_tokenizer):
+    engines: list[FakeEngine] = []
+    async with (
+        live_daemon(_cfg(), _factory(tiny_tokenizer, engines)) as d,
+        aiohttp.ClientSession() as s,
+    ):
+        body = {"model": "fake", "prompt": [[1, 2, 3], [4, 5]], "n": 2, "max_tokens": 3,
+                "logprobs": 1, "router_field": "x"}  # fmt: skip
+        async with s.post(f"{d.base_url}/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+            out = await r.json()
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    assert out["usage"]["prompt_tokens"] == 5
+    assert out["usage"]["completion_tokens"] == 12
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    for c in out["choices"]:
+        assert c["finish_reason"] == "length"
+        assert len(c["logprobs"]["tokens"]) == 3
+        assert c["logprobs"]["token_logprobs"] == [-0.5] * 3
+    # Sequence 1 of prompt 0 starts at (6 + 7) % 200 + 300.
+    assert out["choices"][1]["text"].startswith(tiny_tokenizer.decode([313]))
+
+
+async def test_stream_framing_and_usage(tiny_tokenizer):
+    async with live_daemon(_cfg(), _factory(tiny_tokenizer, [])) as d, aiohttp.ClientSession() as s:
+        body = {"messages": [{"role": "user", "content": "hi"}], "stream": True,
+                "max_tokens": 4, "stream_options": {"include_usage": True}}  # fmt: skip
+        async with s.post(f"{d.base_url}/chat/completions", json=body) as r:
+            assert r.status == 200
+            assert r.headers["Content-Type"].startswith("text/event-stream")
+            raw = (await r.read()).decode()
+    events = [e for e in raw.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        (b"{not json", 400, None),
+        (b"[1, 2]", 400, None),
+        (b'{"prompt": 5}', 400, "prompt"),
+        (b'{"prompt": "x", "n": 0}', 400, "n"),
+        (b'{"prompt": "x", "n": "2"}', 400, "n"),
+        (b'{"prompt": "x", "temperature": -0.1}', 400, "temperature"),
+        (b'{"prompt": "x", "max_tokens": 0}', 400, "max_tokens"),
+        (b'{"prompt": "x", "max_tokens": 100000}', 400, "max_tokens"),
+        (b'{"prompt": [1, 2, 99999999]}', 400, "prompt"),
+        (b'{"prompt": "x", "model": "nope"}', 404, "model"),
+    ],
+)
+async def test_bad_input(tiny_tokenizer, body, status, param):
+    async with live_daemon(_cfg(), _factory(tiny_tokenizer, [])) as d, aiohttp.ClientSession() as s:
+        async with s.post(f"{d.base_url}/completions", data=body) as r:
+            assert r.status == status
+            err = (await r.json())["error"]
+            assert set(err) == {"message", "type", "param", "code"}
+            assert err["param"] == param and err["message"]
+        async with s.post(f"{d.base_url}/completions", json={"prompt": "ok"}) as r:
+            assert r.status == 200
+
+
+async def test_body_too_large_and_unknown_route(tiny_tokenizer):
+    async with (
+        live_daemon(_cfg(max_body_bytes=2048), _factory(tiny_tokenizer, [])) as d,
+        aiohttp.ClientSession() as s,
+    ):
+        big = json.dumps({"prompt": "x" * 5000})
+        async with s.post(f"{d.base_url}/completions", data=big) as r:
+            assert r.status == 413
+            assert "too large" in (await r.json())["error"]["message"]
+        async with s.get(f"{d.url}/v1/nothing") as r:
+            assert r.status == 404
+            assert (await r.json())["error"]["code"] == "not_found"
+
+
+async def test_disconnect_aborts(tiny_tokenizer):
+    engines: list[FakeEngine] = []
+    factory = _factory(tiny_tokenizer, engines, step_delay_s=0.02)
+    async with live_daemon(_cfg(), factory) as d, aiohttp.ClientSession() as s:
+        body = {"prompt": [1, 2, 3, 4, 5], "max_tokens": 200, "stream": True}
+        async with s.post(f"{d.base_url}/completions", json=body) as r:
+            await r.content.readline()  # first chunk arrived: the request is running
+        for _ in range(100):
+            if engines[0].aborted:
+                break
+            await asyncio.sleep(0.02)
+        assert len(engines[0].aborted) == 1
+        assert not engines[0].has_unfinished()
+        assert d.daemon._inflight == 0
+
+
+async def test_flood_gets_429_and_accepted_complete(tiny_tokenizer):
+    factory = _factory(tiny_tokenizer, [], step_delay_s=0.01)
+    async with (
+        live_daemon(_cfg(max_num_seqs=2, max_queue=3), factory) as d,
+        aiohttp.ClientSession() as s,
+    ):
+
+        async def one(i):
+            body = {"prompt": [i + 1], "max_tokens": 10}
+            async with s.post(f"{d.base_url}/completions", json=body) as r:
+                return r.status, r.headers.get("Retry-After"), await r.json()
+
+        results = await asyncio.gather(*(one(i) for i in range(20)))
+    ok = [r for r in results if r[0] == 200]
+    busy = [r for r in results if r[0] == 429]
+    assert len(ok) + len(busy) == 20
+    assert 1 <= len(ok) <= 20 and busy, "the flood must hit the bound"
+    assert all(r[1] == "1" for r in busy)
+    assert all(r[2]["choices"][0]["finish_reason"] == "length" for r in ok)
+
+
+async def test_publisher_mirrors_engine_and_clears(tiny_tokenizer):
+    engines: list[FakeEngine] = []
+    index = MemoryKVIndex()
+    await index.apply("pod-a", _stale_batch())  # a previous life's entries
+    async with (
+        live_daemon(_cfg(), _factory(tiny_tokenizer, engines), index=index) as d,
+        aiohttp.ClientSession() as s,
+    ):
+        for p in ([1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9, 1]):
+            body = {"prompt": p, "max_tokens": 2}
+            async with s.post(f"{d.base_url}/completions", json=body) as r:
+                assert r.status == 200
+        await _settle(d.daemon.publisher)
+        assert index.block_set("pod-a") == engines[0].cached_block_hashes()
+        assert len(index.block_set("pod-a")) == 3
+        assert "pod-a" in await index.pods()
+    assert index.block_set("pod-a") == set()
+
+
+async def _settle(publisher, timeout=5.0) -> None:
+    for _ in range(int(timeout / 0.02)):
+        if publisher._queue.empty() and not publisher._need_resync:
+            await asyncio.sleep(0.05)
+            if publisher._queue.empty():
+                return
+        await asyncio.sleep(0.02)
+    raise AssertionError("publisher did not settle")
+
+
+def _stale_batch():
+    from pagefleet.kvindex.events import BlockStored, KVEventBatch
+
+    return KVEventBatch(0.0, 1, [BlockStored([12345], None, [1, 2, 3, 4], 4)])
+
+
+class _FlakyIndex(MemoryKVIndex):
+    """A memory index that can be switched off, failing every call like a dead Redis."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = False
+
+    def _check(self) -> None:
+        if self.down:
+            raise ConnectionError("index down")
+
+    async def apply(self, pod, batch):
+        self._check()
+        await super().apply(pod, batch)
+
+    async def heartbeat(self, pod, load, ttl_s):
+        self._check()
+        await super().heartbeat(pod, load, ttl_s)
+
+    async def resync(self, pod, block_hashes):
+        self._check()
+        # An index that came back empty (Redis restarted without persistence).
+        await super().resync(pod, block_hashes)
+
+
+async def test_publisher_resyncs_after_outage(tiny_tokenizer):
+    engines: list[FakeEngine] = []
+    index = _FlakyIndex()
+    cfg = _cfg(heartbeat_s=0.05)
+    async with live_daemon(cfg, _factory(tiny_tokenizer, engines), index=index) as d:
+        pub = d.daemon.publisher
+        pub._backoff_initial_s = 0.02
+        async with aiohttp.ClientSession() as s:
+            body = {"prompt": [1, 2, 3, 4, 5, 6, 7, 8], "max_tokens": 2}
+            async with s.post(f"{d.base_url}/completions", json=body) as r:
+                assert r.status == 200
+            await _settle(pub)
+            index.down = True
+            index._pod_blocks.clear()  # the restarted Redis lost everything
+            index._block_pods.clear()
+            for p in ([5, 5, 5, 5], [6, 6, 6, 6, 6, 6, 6, 6]):  # served while the index is down
+                async with s.post(f"{d.base_url}/completions", json={"prompt": p}) as r:
+                    assert r.status == 200
+            await asyncio.sleep(0.2)
+            assert not pub.in_sync.is_set()
+            index.down = False
+            await asyncio.wait_for(pub.in_sync.wait(), 5)
+            await _settle(pub)
+        assert pub.resyncs >= 1
+        assert index.block_set("pod-a") == engines[0].cached_block_hashes()
+        assert len(index.block_set("pod-a")) == 5
