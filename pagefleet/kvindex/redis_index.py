@@ -1,0 +1,239 @@
+"""Redis backend of the global prefix index (ARCHITECTURE §3), redis-py asyncio.
+
+Layout, all keys under the namespace prefix ``P = pf:{ns=<namespace>}:`` (one hash tag, so
+one Redis Cluster slot, so one Lua script may touch them all):
+
+``P b:<bucket>``  HASH  block table. The bucket is the top ``bucket_bits`` bits of the block
+                        hash; the field is the rest of the hash's bytes (7 bytes); the value
+                        is the sorted 2-byte ids of the pods holding the block. Small hashes
+                        stay in Redis' listpack encoding: ~13 bytes per block instead of the
+                        ~330 bytes of one Redis key per block.
+``P r:<id>``      LIST  the pod's reverse log: packed 8-byte hashes it added, so clearing a
+                        pod costs O(its blocks); compacted when removals dominate.
+``P pod`` / ``P pid``  HASH  pod name -> id / id -> name (ids are small and reused).
+``P hb:<id>``     STRING  the pod's last load (JSON) with the heartbeat TTL.
+``P exp``         HASH  id -> ms after which the pod counts as dead (gc's grace starts here).
+``P st``          HASH  per-id counters: held blocks, logged hashes.
+``P dead``        SET   retired ids whose entries gc() still has to sweep.
+``P cfg``         STRING  bucket_bits, fixed by the first writer so all clients agree.
+
+A pod counts only while ``hb:<id>`` exists, so dead pods vanish from lookups the moment
+their heartbeat expires; ``gc()`` removes their entries later. Clearing a pod (an
+AllBlocksCleared event, ``clear_pod``, ``resync``) gives it a fresh id, which hides the old
+entries at once in O(1); gc sweeps them in bounded slices.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import redis.asyncio as aredis
+from redis.exceptions import NoScriptError, ResponseError
+
+from pagefleet.kvindex import redis_lua
+from pagefleet.kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from pagefleet.kvindex.index import PodLoad
+
+logger = logging.getLogger(__name__)
+
+# Hashes per script call: bounds how long one call holds Redis (a few ms).
+CHUNK = 4096
+# Hash removals per gc() script call.
+GC_BUDGET = 20_000
+
+
+def key_prefix(namespace: str) -> str:
+    """Prefix of every key of ``namespace``; its ``{...}`` is the Cluster hash tag."""
+    return f"pf:{{ns={namespace}}}:"
+
+
+def pack_hashes(hashes: Sequence[int] | set[int]) -> bytes:
+    """Block hashes as 8-byte big-endian strings, concatenated."""
+    try:
+        return struct.pack(f">{len(hashes)}Q", *hashes)
+    except struct.error as exc:
+        bad = next((h for h in hashes if not (isinstance(h, int) and 0 <= h < 1 << 64)), None)
+        raise ValueError(
+            f"block hash {bad!r} is not an unsigned 64-bit int; compute keys with "
+            "pagefleet.kvindex.hashing.block_hashes"
+        ) from exc
+
+
+class _Script:
+    """One Lua script, run by EVALSHA; reloaded when the server lost its script cache."""
+
+    def __init__(self, name: str, body: str) -> None:
+        self.name = name
+        self.body = body
+        self.sha = ""
+
+    async def load(self, client: aredis.Redis) -> str:
+        self.sha = str(await client.script_load(self.body))
+        return self.sha
+
+    async def __call__(self, client: aredis.Redis, prefix: str, *args: Any) -> Any:
+        if not self.sha:
+            await self.load(client)
+        try:
+            return await client.evalsha(self.sha, 1, prefix, *args)
+        except NoScriptError:
+            await self.load(client)  # Redis restarted or SCRIPT FLUSH
+            return await client.evalsha(self.sha, 1, prefix, *args)
+
+
+class RedisKVIndex:
+    """KVIndex on Redis; one instance per namespace; safe to share within one event loop."""
+
+    def __init__(
+        self,
+        client: aredis.Redis,
+        namespace: str = "",
+        bucket_bits: int = 14,
+        owns_client: bool = False,
+    ) -> None:
+        if not 8 <= bucket_bits <= 16:
+            raise ValueError(f"bucket_bits must be within 8..16, got {bucket_bits}")
+        self.client = client
+        self.namespace = namespace
+        # Only the first writer's value counts (stored under P cfg); see module docstring.
+        self.bucket_bits = bucket_bits
+        self.prefix = key_prefix(namespace)
+        self._owns_client = owns_client
+        self._apply = _Script("apply", redis_lua.APPLY)
+        self._lookup = _Script("lookup", redis_lua.LOOKUP)
+        self._heartbeat = _Script("heartbeat", redis_lua.HEARTBEAT)
+        self._pods = _Script("pods", redis_lua.PODS)
+        self._gc = _Script("gc", redis_lua.GC)
+
+    @classmethod
+    def from_url(cls, url: str, namespace: str = "", bucket_bits: int = 14) -> RedisKVIndex:
+        """Connect lazily to ``url`` (redis://, rediss:// or unix://)."""
+        client = aredis.Redis.from_url(url, decode_responses=False)
+        return cls(client, namespace=namespace, bucket_bits=bucket_bits, owns_client=True)
+
+    # -- writes -------------------------------------------------------------------------
+
+    async def apply(self, pod: str, batch: KVEventBatch) -> None:
+        await self._run_events(pod, _encode_events(batch.events))
+
+    async def resync(self, pod: str, block_hashes: set[int]) -> None:
+        packed = pack_hashes(list(block_hashes))
+        await self._run_events(pod, [b"C", *_chunked(b"S", packed)])
+        await self._sweep()
+
+    async def clear_pod(self, pod: str) -> None:
+        await self._run_events(pod, [b"C"])
+        await self._sweep()
+
+    async def heartbeat(self, pod: str, load: PodLoad, ttl_s: float) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"heartbeat ttl_s must be positive, got {ttl_s}")
+        ttl_ms = max(1, round(ttl_s * 1000))
+        await self._heartbeat(
+            self.client, self.prefix, self.bucket_bits, pod, load.to_json(), ttl_ms
+        )
+
+    async def gc(self, grace_s: float = 30.0) -> int:
+        retired, _left = await self._gc_once(grace_s)
+        await self._sweep()
+        return retired
+
+    async def close(self) -> None:
+        if self._owns_client:
+            await self.client.aclose()
+
+    # -- reads --------------------------------------------------------------------------
+
+    async def lookup(self, block_hashes: list[int]) -> dict[str, int]:
+        if not block_hashes:
+            return {}
+        flat = await self._lookup(self.client, self.prefix, pack_hashes(block_hashes))
+        return {flat[k].decode(): int(flat[k + 1]) for k in range(0, len(flat), 2)}
+
+    async def pods(self) -> dict[str, PodLoad]:
+        flat = await self._pods(self.client, self.prefix)
+        return {flat[k].decode(): PodLoad.from_json(flat[k + 1]) for k in range(0, len(flat), 2)}
+
+    # -- internals ----------------------------------------------------------------------
+
+    async def _run_events(self, pod: str, args: list[bytes]) -> None:
+        """Run the apply script over ``args`` in CHUNK-sized calls, all in one round trip.
+
+        Pipelined calls run in order. Re-running a prefix of them after NOSCRIPT is safe:
+        replaying store/remove/clear events leaves the same final set.
+        """
+        calls = _group(args)
+        if not calls:
+            return
+        if not self._apply.sha:
+            await self._apply.load(self.client)
+        for _attempt in range(2):
+            pipe = self.client.pipeline(transaction=False)
+            for call in calls:
+                pipe.evalsha(self._apply.sha, 1, self.prefix, self.bucket_bits, pod, *call)
+            results = await pipe.execute(raise_on_error=False)
+            failed = next((i for i, r in enumerate(results) if isinstance(r, Exception)), None)
+            if failed is None:
+                return
+            err = results[failed]
+            if not isinstance(err, NoScriptError):
+                raise err
+            calls = calls[failed:]
+            await self._apply.load(self.client)
+        raise ResponseError("pagefleet index: apply script kept missing after SCRIPT LOAD")
+
+    async def _gc_once(self, grace_s: float) -> tuple[int, int]:
+        retired, left = await self._gc(
+            self.client, self.prefix, max(0, round(grace_s * 1000)), GC_BUDGET
+        )
+        return int(retired), int(left)
+
+    async def _sweep(self) -> None:
+        """Sweep retired ids' entries in bounded slices until none are left."""
+        left = 1
+        while left:
+            # grace is huge: only sweep here, never retire a merely late pod.
+            _, left = await self._gc_once(1e12)
+
+
+def _encode_events(events: Sequence[BlockStored | BlockRemoved | AllBlocksCleared]) -> list[bytes]:
+    # Packing everything before sending means a bad hash never leaves a batch half applied.
+    out: list[bytes] = []
+    for event in events:
+        if isinstance(event, BlockStored):
+            out += _chunked(b"S", pack_hashes(event.block_hashes))
+        elif isinstance(event, BlockRemoved):
+            out += _chunked(b"R", pack_hashes(event.block_hashes))
+        elif isinstance(event, AllBlocksCleared):
+            out.append(b"C")
+        else:
+            raise TypeError(
+                f"unknown KV event {event!r}; expected BlockStored, BlockRemoved or "
+                "AllBlocksCleared"
+            )
+    return out
+
+
+def _chunked(kind: bytes, packed: bytes) -> list[bytes]:
+    step = CHUNK * 8
+    return [kind + packed[i : i + step] for i in range(0, len(packed), step)]
+
+
+def _group(args: list[bytes]) -> list[list[bytes]]:
+    """Split event arguments into script calls of at most ~CHUNK hashes each."""
+    calls: list[list[bytes]] = []
+    cur: list[bytes] = []
+    size = 0
+    for arg in args:
+        n = (len(arg) - 1) // 8
+        if cur and size + n > CHUNK:
+            calls.append(cur)
+            cur, size = [], 0
+        cur.append(arg)
+        size += n
+    if cur:
+        calls.append(cur)
+    return calls

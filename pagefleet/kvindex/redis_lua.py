@@ -1,0 +1,377 @@
+"""Server-side Lua scripts of the Redis index (see redis_index.py for the layout).
+
+Every script takes one key, KEYS[1] = the namespace prefix ``pf:{ns=<ns>}:``. All keys the
+scripts touch start with it, so they share the prefix's hash tag and therefore one Redis
+Cluster slot, and the client routes the script by KEYS[1].
+
+Block hashes travel as 8-byte big-endian strings (Lua numbers are doubles and would lose
+precision). A pod is a 2-byte big-endian id inside block values.
+"""
+
+from __future__ import annotations
+
+# Shared helpers, prepended to every script.
+_COMMON = r"""
+local P = KEYS[1]
+
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- bucket key divisor and where the field starts inside the 8-byte hash: the bucket is
+-- the top `bits` bits (8..16) of the hash; the field keeps every byte the bucket does not
+-- fully cover, so (bucket, field) identifies the hash exactly.
+local function layout(bits)
+  local fstart = 2
+  if bits == 16 then fstart = 3 end
+  return 2 ^ (16 - bits), fstart - 1
+end
+
+local function id_at(v, j)
+  local a, b = string.byte(v, j, j + 1)
+  return a * 256 + b
+end
+
+local function enc_id(n)
+  return string.char(math.floor(n / 256), n % 256)
+end
+
+-- Add pod `idn` (2-byte string id2) to a block's value, keeping ids sorted so equal pod
+-- sets give equal strings. Returns 1 when the pod was not there yet.
+local function add_pod(key, field, id2, idn)
+  local v = redis.call('HGET', key, field)
+  if not v then
+    redis.call('HSET', key, field, id2)
+    return 1
+  end
+  for j = 1, #v, 2 do
+    local c = id_at(v, j)
+    if c == idn then return 0 end
+    if c > idn then
+      redis.call('HSET', key, field, string.sub(v, 1, j - 1) .. id2 .. string.sub(v, j))
+      return 1
+    end
+  end
+  redis.call('HSET', key, field, v .. id2)
+  return 1
+end
+
+-- Remove pod `idn` from a block's value; drops the field when no pod is left.
+local function remove_pod(key, field, idn)
+  local v = redis.call('HGET', key, field)
+  if not v then return 0 end
+  for j = 1, #v, 2 do
+    local c = id_at(v, j)
+    if c == idn then
+      if #v == 2 then
+        redis.call('HDEL', key, field)
+      else
+        redis.call('HSET', key, field, string.sub(v, 1, j - 1) .. string.sub(v, j + 2))
+      end
+      return 1
+    end
+    if c > idn then return 0 end
+  end
+  return 0
+end
+
+local function holds(key, field, idn)
+  local v = redis.call('HGET', key, field)
+  if not v then return false end
+  for j = 1, #v, 2 do
+    local c = id_at(v, j)
+    if c == idn then return true end
+    if c > idn then return false end
+  end
+  return false
+end
+
+local function bits_or(default)
+  redis.call('SET', P .. 'cfg', default, 'NX')
+  return tonumber(redis.call('GET', P .. 'cfg'))
+end
+
+-- Lowest id that is neither registered nor still being swept.
+local function new_id(name)
+  local i = 0
+  while redis.call('HEXISTS', P .. 'pid', i) == 1 or redis.call('SISMEMBER', P .. 'dead', i) == 1 do
+    i = i + 1
+  end
+  if i > 65535 then
+    return redis.error_reply('pagefleet index: 65536 pod ids in use in ' .. P ..
+      '; call gc() so dead pods release theirs')
+  end
+  redis.call('HSET', P .. 'pod', name, i)
+  redis.call('HSET', P .. 'pid', i, name)
+  return i
+end
+
+local function touch(id, until_ms)
+  local old = tonumber(redis.call('HGET', P .. 'exp', id) or '0')
+  if until_ms > old then redis.call('HSET', P .. 'exp', id, until_ms) end
+end
+"""
+
+# ARGV: default bucket bits, pod name, then one argument per event: a kind byte
+# ('S' stored, 'R' removed, 'C' all cleared) followed by the packed hashes.
+# An 'C' on a pod that holds entries gives the pod a fresh id: the old id's entries stop
+# counting at once (no live heartbeat under it) and gc() sweeps them later, so clearing is
+# O(1) inside this script however many blocks the pod held.
+APPLY = (
+    _COMMON
+    + r"""
+local name = ARGV[2]
+local bits = bits_or(ARGV[1])
+local div, foff = layout(bits)
+local id = redis.call('HGET', P .. 'pod', name)
+local idn, id2
+if id then idn = tonumber(id); id2 = enc_id(idn) end
+local now = now_ms()
+local log = {}
+local nlog, delta = 0, 0
+
+local function flush()
+  if idn == nil then return end
+  if nlog > 0 then
+    local step = 128
+    for s = 1, nlog, step do
+      redis.call('RPUSH', P .. 'r:' .. idn, table.concat(log, '', s, math.min(s + step - 1, nlog)))
+    end
+    redis.call('HINCRBY', P .. 'st', 'l' .. idn, nlog)
+  end
+  if delta ~= 0 then redis.call('HINCRBY', P .. 'st', 'n' .. idn, delta) end
+  log = {}
+  nlog, delta = 0, 0
+end
+
+for a = 3, #ARGV do
+  local ev = ARGV[a]
+  local kind = string.sub(ev, 1, 1)
+  if kind == 'S' then
+    if idn == nil then
+      idn = new_id(name)
+      id2 = enc_id(idn)
+    end
+    for p = 2, #ev, 8 do
+      local b1, b2 = string.byte(ev, p, p + 1)
+      local key = P .. 'b:' .. math.floor((b1 * 256 + b2) / div)
+      if add_pod(key, string.sub(ev, p + foff, p + 7), id2, idn) == 1 then
+        nlog = nlog + 1
+        log[nlog] = string.sub(ev, p, p + 7)
+        delta = delta + 1
+      end
+    end
+  elseif kind == 'R' then
+    if idn ~= nil then
+      for p = 2, #ev, 8 do
+        local b1, b2 = string.byte(ev, p, p + 1)
+        local key = P .. 'b:' .. math.floor((b1 * 256 + b2) / div)
+        delta = delta - remove_pod(key, string.sub(ev, p + foff, p + 7), idn)
+      end
+    end
+  elseif kind == 'C' then
+    if idn ~= nil then
+      flush()
+      if redis.call('EXISTS', P .. 'r:' .. idn) == 1 then
+        local old = idn
+        redis.call('SADD', P .. 'dead', old)
+        redis.call('HDEL', P .. 'pid', old)
+        redis.call('HDEL', P .. 'st', 'n' .. old, 'l' .. old)
+        idn = new_id(name)
+        id2 = enc_id(idn)
+        if redis.call('EXISTS', P .. 'hb:' .. old) == 1 then
+          redis.call('RENAME', P .. 'hb:' .. old, P .. 'hb:' .. idn)
+        end
+        touch(idn, tonumber(redis.call('HGET', P .. 'exp', old) or '0'))
+        redis.call('HDEL', P .. 'exp', old)
+      end
+    end
+  else
+    return redis.error_reply('pagefleet index: unknown event kind ' .. kind)
+  end
+end
+flush()
+if idn == nil then return 0 end
+touch(idn, now)
+
+-- Removals leave stale hashes in the pod's log; rewrite it once they dominate, so the log
+-- stays O(blocks held) (amortized O(1) per event).
+local st = redis.call('HMGET', P .. 'st', 'n' .. idn, 'l' .. idn)
+local held, logged = tonumber(st[1] or '0'), tonumber(st[2] or '0')
+if logged > 2 * held + 1024 then
+  local chunks = redis.call('LRANGE', P .. 'r:' .. idn, 0, -1)
+  local seen, keep, nkeep = {}, {}, 0
+  for _, chunk in ipairs(chunks) do
+    for p = 1, #chunk, 8 do
+      local h = string.sub(chunk, p, p + 7)
+      if not seen[h] then
+        seen[h] = true
+        local b1, b2 = string.byte(h, 1, 2)
+        local key = P .. 'b:' .. math.floor((b1 * 256 + b2) / div)
+        if holds(key, string.sub(h, 1 + foff), idn) then
+          nkeep = nkeep + 1
+          keep[nkeep] = h
+        end
+      end
+    end
+  end
+  redis.call('DEL', P .. 'r:' .. idn)
+  for s = 1, nkeep, 128 do
+    redis.call('RPUSH', P .. 'r:' .. idn, table.concat(keep, '', s, math.min(s + 127, nkeep)))
+  end
+  redis.call('HSET', P .. 'st', 'l' .. idn, nkeep, 'n' .. idn, nkeep)
+end
+return 1
+"""
+)
+
+# ARGV: packed hashes of the prompt's blocks, in chain order.
+# Returns a flat array: pod name, matched leading blocks, ... (pods with >= 1 block only).
+LOOKUP = (
+    _COMMON
+    + r"""
+local bits = tonumber(redis.call('GET', P .. 'cfg') or '0')
+if bits == 0 then return {} end
+local div, foff = layout(bits)
+local hs = ARGV[1]
+local nb = #hs / 8
+local alive = nil
+local matched = {}
+local prev = nil
+local i = 0
+while i < nb do
+  local p = i * 8 + 1
+  local b1, b2 = string.byte(hs, p, p + 1)
+  local v = redis.call('HGET', P .. 'b:' .. math.floor((b1 * 256 + b2) / div),
+                       string.sub(hs, p + foff, p + 7))
+  if not v then break end
+  -- Along a chain consecutive blocks usually have the same holders: same string, no work.
+  if v ~= prev then
+    local still, n = {}, 0
+    if alive == nil then
+      for j = 1, #v, 2 do
+        local id = id_at(v, j)
+        if redis.call('EXISTS', P .. 'hb:' .. id) == 1 then
+          still[id] = true
+          n = n + 1
+        end
+      end
+    else
+      for j = 1, #v, 2 do
+        local id = id_at(v, j)
+        if alive[id] then
+          still[id] = true
+          n = n + 1
+        end
+      end
+      for id in pairs(alive) do
+        if not still[id] then matched[id] = i end
+      end
+    end
+    alive = still
+    prev = v
+    if n == 0 then break end
+  end
+  i = i + 1
+end
+if alive ~= nil then
+  for id in pairs(alive) do matched[id] = i end
+end
+local out = {}
+for id, n in pairs(matched) do
+  if n > 0 then
+    local name = redis.call('HGET', P .. 'pid', id)
+    if name then
+      out[#out + 1] = name
+      out[#out + 1] = n
+    end
+  end
+end
+return out
+"""
+)
+
+# ARGV: default bucket bits, pod name, load json, ttl in ms.
+HEARTBEAT = (
+    _COMMON
+    + r"""
+bits_or(ARGV[1])
+local name = ARGV[2]
+local ttl = tonumber(ARGV[4])
+local id = redis.call('HGET', P .. 'pod', name)
+if not id then id = new_id(name) end
+redis.call('SET', P .. 'hb:' .. id, ARGV[3], 'PX', ttl)
+touch(id, now_ms() + ttl)
+return 1
+"""
+)
+
+# Returns a flat array: pod name, load json, ... for pods with a live heartbeat.
+PODS = (
+    _COMMON
+    + r"""
+local all = redis.call('HGETALL', P .. 'pid')
+local out = {}
+for k = 1, #all, 2 do
+  local load = redis.call('GET', P .. 'hb:' .. all[k])
+  if load then
+    out[#out + 1] = all[k + 1]
+    out[#out + 1] = load
+  end
+end
+return out
+"""
+)
+
+# ARGV: grace in ms, budget (hash removals this call). Moves pods whose heartbeat expired
+# more than `grace` ago to the graveyard, then sweeps graveyard ids' entries within the
+# budget so one call never blocks Redis for long. Returns {pods retired, ids left to sweep}.
+GC = (
+    _COMMON
+    + r"""
+local bits = tonumber(redis.call('GET', P .. 'cfg') or '0')
+local now = now_ms()
+local grace = tonumber(ARGV[1])
+local budget = tonumber(ARGV[2])
+local retired = 0
+local all = redis.call('HGETALL', P .. 'pid')
+for k = 1, #all, 2 do
+  local id, name = all[k], all[k + 1]
+  if redis.call('EXISTS', P .. 'hb:' .. id) == 0 then
+    local e = tonumber(redis.call('HGET', P .. 'exp', id) or '0')
+    if e + grace <= now then
+      redis.call('HDEL', P .. 'pid', id)
+      redis.call('HDEL', P .. 'pod', name)
+      redis.call('HDEL', P .. 'exp', id)
+      redis.call('HDEL', P .. 'st', 'n' .. id, 'l' .. id)
+      redis.call('SADD', P .. 'dead', id)
+      retired = retired + 1
+    end
+  end
+end
+if bits > 0 then
+  local div, foff = layout(bits)
+  for _, id in ipairs(redis.call('SMEMBERS', P .. 'dead')) do
+    if budget <= 0 then break end
+    local idn = tonumber(id)
+    while budget > 0 do
+      local chunk = redis.call('LPOP', P .. 'r:' .. id)
+      if not chunk then break end
+      for p = 1, #chunk, 8 do
+        local b1, b2 = string.byte(chunk, p, p + 1)
+        local key = P .. 'b:' .. math.floor((b1 * 256 + b2) / div)
+        remove_pod(key, string.sub(chunk, p + foff, p + 7), idn)
+      end
+      budget = budget - #chunk / 8
+    end
+    if redis.call('EXISTS', P .. 'r:' .. id) == 0 then
+      redis.call('SREM', P .. 'dead', id)
+    end
+  end
+else
+  redis.call('DEL', P .. 'dead')
+end
+return {retired, redis.call('SCARD', P .. 'dead')}
+"""
+)
