@@ -1,0 +1,86 @@
+"""Session fixtures for the e2e suite: one real control plane + node agent for all tests.
+
+Fixtures (documented in e2e/README.md):
+- `cluster` (session): a started `e2e.cluster.ControlPlane` whose node agent runs pods
+  (`cluster.node_agent`).
+- `node_agent` (session): that `e2e.node_agent.NodeAgentProcess` (pod log paths).
+- `kube` (session): an admin `e2e.kube_client.KubeClient`.
+- `namespace` (function): a fresh namespace, deleted after the test.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+
+import pytest
+
+from e2e.cluster import BinariesMissingError, ControlPlane, tail
+from e2e.kube_client import KubeAPIError, KubeClient
+from e2e.node_agent import NodeAgentProcess
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    # Logs go under pytest's tmp dir (kept for the last 3 runs) so failures can be inspected
+    # after the control plane's own work directory is gone.
+    logs = tmp_path_factory.mktemp("k8s-logs")
+    cp = ControlPlane(logs_in=logs / "control-plane")
+    try:
+        cp.start()
+    except BinariesMissingError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    try:
+        cp.start_node_agent(log_dir=logs / "node-agent")
+        yield cp
+    finally:
+        cp.stop()
+
+
+@pytest.fixture(scope="session")
+def node_agent(cluster: ControlPlane) -> NodeAgentProcess:
+    assert cluster.node_agent is not None
+    return cluster.node_agent
+
+
+@pytest.fixture(scope="session")
+def kube(cluster: ControlPlane) -> KubeClient:
+    return KubeClient.from_kubeconfig(cluster.kubeconfig_path)
+
+
+@pytest.fixture
+def namespace(
+    cluster: ControlPlane, kube: KubeClient, request: pytest.FixtureRequest
+) -> Iterator[str]:
+    """A fresh namespace named after the test; its deletion is requested, not awaited."""
+    base = "".join(ch if ch.isalnum() else "-" for ch in request.node.name.lower())
+    name = f"{base[:40].strip('-')}-{secrets.token_hex(3)}"
+    kube.create("/api/v1/namespaces", {"metadata": {"name": name}})
+    try:
+        yield name
+    finally:
+        try:
+            kube.delete(f"/api/v1/namespaces/{name}")
+        except KubeAPIError as exc:
+            if exc.status != 404:
+                raise
+        cluster.check_alive()
+        if cluster.node_agent is not None:
+            cluster.node_agent.check_alive()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Attach control-plane and node-agent log tails to a failed e2e test's report."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed:
+        return
+    cp = getattr(item, "funcargs", {}).get("cluster")
+    if not isinstance(cp, ControlPlane):
+        return
+    report.sections.append(("control plane logs", cp.logs_tail(lines=20)))
+    agent = cp.node_agent
+    if agent is not None:
+        title = f"node agent log ({agent.log_path}; pod logs under {agent.log_dir / 'pods'})"
+        report.sections.append((title, tail(agent.log_path, 40)))
