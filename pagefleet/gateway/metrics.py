@@ -36,7 +36,6 @@ class GatewayMetrics:
     responses: Counter = field(init=False)
     retries: Counter = field(init=False)
     predicted_hit_tokens: Histogram = field(init=False)
-    predicted_hit_tokens_total: Counter = field(init=False)
     prompt_tokens_total: Counter = field(init=False)
     decision_seconds: Histogram = field(init=False)
     upstream_ttft_seconds: Histogram = field(init=False)
@@ -71,9 +70,6 @@ class GatewayMetrics:
             "Prefix tokens the index said the chosen pod holds.",
             buckets=_TOKEN_BUCKETS,
             registry=r,
-        )
-        self.predicted_hit_tokens_total = Counter(
-            p + "predicted_hit_tokens_sum", "Sum of predicted prefix-hit tokens.", registry=r
         )
         self.prompt_tokens_total = Counter(
             p + "prompt_tokens", "Prompt tokens seen by the router.", registry=r

@@ -165,6 +165,11 @@ class Gateway:
 
     def _prompt_ids(self, parsed: CompletionRequest | ChatCompletionRequest) -> list[int] | None:
         if self.tokenizer is None:
+            # Token-id prompts need no tokenizer; text prompts then route on load only.
+            if isinstance(parsed, CompletionRequest):
+                first = parsed.prompts()[0]
+                if isinstance(first, list):
+                    return list(first)
             return None
         try:
             if isinstance(parsed, ChatCompletionRequest):
@@ -336,7 +341,6 @@ class Gateway:
         self.metrics.requests.labels(policy=decision.policy, pod=ep.pod).inc()
         self.metrics.responses.labels(pod=ep.pod, code=str(status)).inc()
         self.metrics.predicted_hit_tokens.observe(predicted_hit)
-        self.metrics.predicted_hit_tokens_total.inc(predicted_hit)
 
 
 def _session_from_body(parsed: CompletionRequest | ChatCompletionRequest) -> str | None:

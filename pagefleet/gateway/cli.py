@@ -1,0 +1,237 @@
+"""``pagefleet gateway``: the cache-aware OpenAI front door for a fleet of daemons.
+
+Never imports torch: a tiny preset's checkpoint directory (for its tokenizer files) is
+resolved in a short child process when it is not a plain directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Literal
+
+import click
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from pagefleet.gateway.policies import POLICY_NAMES, RoutingWeights
+
+logger = logging.getLogger(__name__)
+
+
+class GatewayConfig(BaseModel):
+    """Everything ``pagefleet gateway`` is configured with (flags, or the operator's env)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = "0.0.0.0"
+    port: int = Field(8080, ge=0, le=65535)
+    policy: Literal["cache_aware", "least_load", "round_robin", "session"] = "cache_aware"
+    redis_url: str | None = None
+    kv_namespace: str = ""
+    model: str | None = "tiny"
+    served_model_name: str | None = None
+    block_size: int = Field(16, ge=1)
+    discovery: Literal["static", "k8s"] = "static"
+    endpoints: list[str] = Field(default_factory=list)
+    namespace: str = "default"
+    service: str | None = None
+    target_port: str | None = None
+    weights: RoutingWeights = Field(default_factory=RoutingWeights)
+    max_attempts: int = Field(3, ge=1)
+    index_timeout_ms: float = Field(100.0, gt=0)
+    seed: int | None = None
+    log_level: str = "warning"
+
+    @model_validator(mode="after")
+    def _check(self) -> GatewayConfig:
+        if self.discovery == "static" and not self.endpoints:
+            raise ValueError("--discovery static needs --endpoints URL,URL,...")
+        if self.discovery == "k8s" and not self.service:
+            raise ValueError("--discovery k8s needs --service (the daemons' Service name)")
+        return self
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model or "model"
+
+    @property
+    def namespace_key(self) -> str:
+        # Same default as the daemon: the block-key namespace is the served model name.
+        return self.kv_namespace or self.model_name
+
+    @property
+    def target_port_value(self) -> int | str | None:
+        if self.target_port is None:
+            return None
+        return int(self.target_port) if self.target_port.isdigit() else self.target_port
+
+
+def resolve_model_dir(spec: str) -> Path:
+    """A checkpoint directory for ``spec``; tiny presets resolve in a child process so that
+    this process never imports torch (the preset writer needs it)."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path
+    code = (
+        "from pagefleet.engine.loader import resolve_model as r; import sys; print(r(sys.argv[1]))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, spec], capture_output=True, text=True, timeout=600
+    )
+    if proc.returncode != 0:
+        raise click.ClickException(
+            f"cannot resolve model {spec!r} for the gateway's tokenizer: "
+            f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}"
+        )
+    return Path(proc.stdout.strip().splitlines()[-1])
+
+
+def build_gateway(config: GatewayConfig):  # -> Gateway (imports kept local for start-up cost)
+    from pagefleet.gateway.discovery import KubernetesDiscovery, StaticDiscovery
+    from pagefleet.gateway.policies import make_policy
+    from pagefleet.gateway.prompts import PromptTokenizer
+    from pagefleet.gateway.router import Router
+    from pagefleet.gateway.server import Gateway, ProxySettings
+    from pagefleet.kvindex.memory import MemoryKVIndex
+
+    if config.discovery == "static":
+        discovery = StaticDiscovery(config.endpoints)
+    else:
+        assert config.service is not None
+        discovery = KubernetesDiscovery(config.namespace, config.service, config.target_port_value)
+    if config.redis_url:
+        from pagefleet.kvindex.redis_index import RedisKVIndex
+
+        index = RedisKVIndex.from_url(config.redis_url, namespace=config.namespace_key)
+    else:
+        # Nothing feeds a private in-memory index (daemons publish to Redis only), so
+        # cache_aware then routes on this gateway's in-flight counts alone.
+        logger.warning("no --redis-url: the prefix index is empty; cache_aware routes on load")
+        index = MemoryKVIndex(config.namespace_key)
+    tokenizer = PromptTokenizer.from_dir(resolve_model_dir(config.model)) if config.model else None
+    router = Router(
+        discovery=discovery,
+        policy=make_policy(config.policy, config.weights),
+        index=index,
+        block_size=config.block_size,
+        kv_namespace=config.namespace_key,
+        lookup_timeout_s=config.index_timeout_ms / 1000.0,
+        seed=config.seed,
+    )
+    return Gateway(
+        router=router,
+        tokenizer=tokenizer,
+        served_model_name=config.model_name,
+        proxy=ProxySettings(max_attempts=config.max_attempts),
+    )
+
+
+async def serve(config: GatewayConfig) -> None:
+    gateway = build_gateway(config)
+    runner = web.AppRunner(gateway.make_app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    logger.warning(
+        "pagefleet gateway listening on http://%s:%d (policy %s, index %s)",
+        config.host,
+        config.port,
+        config.policy,
+        "redis" if config.redis_url else "none",
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+
+
+def _split(value: str | None) -> list[str]:
+    return [v.strip() for v in (value or "").split(",") if v.strip()]
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--host", default="0.0.0.0", show_default=True)
+@click.option("--port", default=8080, show_default=True, type=int)
+@click.option("--policy", type=click.Choice(POLICY_NAMES), default="cache_aware", show_default=True)
+@click.option(
+    "--redis-url",
+    default=None,
+    help="The daemons' prefix index. Without it cache_aware routes on load only.",
+)
+@click.option(
+    "--kv-namespace",
+    default="",
+    help="Block-key namespace (default: the served model name, as the daemons).",
+)
+@click.option(
+    "--model",
+    default="tiny",
+    show_default=True,
+    help="Checkpoint directory or tiny preset: its tokenizer computes block keys.",
+)
+@click.option("--served-model-name", default=None, help="Model name in the API (default: --model).")
+@click.option(
+    "--block-size",
+    default=16,
+    show_default=True,
+    type=int,
+    help="Must equal the daemons' --block-size.",
+)
+@click.option(
+    "--discovery", type=click.Choice(["static", "k8s"]), default="static", show_default=True
+)
+@click.option("--endpoints", default=None, help="Static discovery: daemon URLs, comma separated.")
+@click.option(
+    "--namespace",
+    default="default",
+    show_default=True,
+    help="k8s discovery: the Service's namespace.",
+)
+@click.option("--service", default=None, help="k8s discovery: the daemons' Service.")
+@click.option(
+    "--target-port", default=None, help="k8s discovery: EndpointSlice port name or number."
+)
+@click.option(
+    "--weights",
+    default=None,
+    help="cache_aware cost weights, e.g. prefill=1,queue=0.25,kv=0.5,imbalance_abs=4.",
+)
+@click.option(
+    "--max-attempts",
+    default=3,
+    show_default=True,
+    type=int,
+    help="Pods tried per request when they fail before the first byte.",
+)
+@click.option("--index-timeout-ms", default=100.0, show_default=True, type=float)
+@click.option("--seed", default=None, type=int, help="Seed the tie-break RNG (tests, benchmarks).")
+@click.option(
+    "--log-level",
+    default="warning",
+    show_default=True,
+    type=click.Choice(["debug", "info", "warning", "error"]),
+)
+def command(**kw: object) -> None:
+    """Run the cache-aware OpenAI-compatible gateway in front of pagefleet daemons."""
+    logging.basicConfig(
+        level=str(kw["log_level"]).upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        weights = RoutingWeights.parse(kw.pop("weights"))  # type: ignore[arg-type]
+        config = GatewayConfig(
+            **{k: v for k, v in kw.items() if k != "endpoints"},  # type: ignore[arg-type]
+            endpoints=_split(kw["endpoints"]),  # type: ignore[arg-type]
+            weights=weights,
+        )
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from exc
+    asyncio.run(serve(config))

@@ -1,0 +1,370 @@
+"""``pagefleet bench``: drive a seeded chat workload through a gateway; print a report.
+
+Uses the official ``openai`` client (async, streaming) the way an application would.
+Conversations run closed-loop: ``--concurrency`` workers each take the next conversation
+and send its turns one after another (turn k+1 only after turn k finished), so a chat's
+prompt grows exactly as in real use.
+
+Figures: TTFT = first streamed token; ITL = gaps between streamed tokens; TPOT =
+(end-to-end - TTFT) / (output tokens - 1); goodput = requests meeting both SLOs per second;
+cluster prefix hit rate = sum(cached_tokens) / sum(prompt_tokens) from the usage the
+daemons report; per-pod share from the gateway's ``x-pagefleet-pod`` header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+from pydantic import BaseModel, ConfigDict, Field
+
+from pagefleet.gateway.workload import Conversation, WorkloadSpec, build_conversations
+
+logger = logging.getLogger(__name__)
+
+POD_HEADER = "x-pagefleet-pod"
+
+
+class BenchOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+    url: str
+    model: str = "tiny"
+    num_requests: int = Field(48, ge=1, description="conversations are added until this many turns")
+    concurrency: int = Field(8, ge=1)
+    seed: int = 0
+    num_tenants: int = Field(16, ge=1)
+    system_prompt_words: int = Field(120, ge=1)
+    max_turns: int = Field(3, ge=1)
+    max_tokens: int = Field(16, ge=1)
+    zipf_s: float = 1.1
+    salt: str = ""
+    slo_ttft_ms: float = 500.0
+    slo_tpot_ms: float = 100.0
+    plot_dir: Path | None = None
+    tokenizer_dir: str | None = None
+    progress: bool = True
+    timeout_s: float = 120.0
+
+    def workload(self) -> WorkloadSpec:
+        return WorkloadSpec(
+            num_conversations=self.num_requests,  # trimmed to num_requests turns below
+            num_tenants=self.num_tenants,
+            system_prompt_words=self.system_prompt_words,
+            max_turns=self.max_turns,
+            zipf_s=self.zipf_s,
+            max_tokens=self.max_tokens,
+            seed=self.seed,
+            salt=self.salt,
+        )
+
+
+@dataclass(slots=True)
+class RequestResult:
+    conversation: int
+    turn: int
+    tenant: int
+    ok: bool
+    error: str = ""
+    pod: str = ""
+    start: float = 0.0
+    ttft: float = math.nan
+    e2e: float = math.nan
+    itls: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def tpot(self) -> float:
+        if self.completion_tokens <= 1 or math.isnan(self.e2e):
+            return math.nan
+        return (self.e2e - self.ttft) / (self.completion_tokens - 1)
+
+
+def trim(convs: list[Conversation], num_requests: int) -> list[Conversation]:
+    """The first conversations whose turns add up to ``num_requests`` (last one cut short)."""
+    out: list[Conversation] = []
+    left = num_requests
+    for c in convs:
+        if left <= 0:
+            break
+        turns = c.turns[:left]
+        left -= len(turns)
+        out.append(Conversation(c.id, c.tenant, turns))
+    return out
+
+
+async def _one_turn(client: Any, model: str, turn: Any, timeout_s: float) -> RequestResult:
+    res = RequestResult(turn.conversation, turn.index, turn.tenant, ok=False)
+    t0 = time.perf_counter()
+    res.start = t0
+    try:
+        raw = await client.chat.completions.with_raw_response.create(
+            model=model,
+            messages=turn.as_openai(),
+            max_tokens=turn.max_tokens,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+            timeout=timeout_s,
+        )
+        res.pod = raw.headers.get(POD_HEADER, "")
+        last = None
+        async for chunk in raw.parse():
+            now = time.perf_counter()
+            if chunk.choices:
+                if last is None:
+                    res.ttft = now - t0
+                else:
+                    res.itls.append(now - last)
+                last = now
+            if chunk.usage is not None:
+                res.prompt_tokens = chunk.usage.prompt_tokens
+                res.completion_tokens = chunk.usage.completion_tokens
+                details = chunk.usage.prompt_tokens_details
+                res.cached_tokens = (details.cached_tokens or 0) if details else 0
+        res.e2e = time.perf_counter() - t0
+        res.ok = not math.isnan(res.ttft)
+        if not res.ok:
+            res.error = "stream ended without a token"
+    except Exception as exc:  # a failed request is a data point, not a crash of the bench
+        res.error = f"{type(exc).__name__}: {exc}"
+        res.e2e = time.perf_counter() - t0
+    return res
+
+
+async def run_workload(
+    url: str,
+    model: str,
+    convs: list[Conversation],
+    concurrency: int,
+    progress: bool = True,
+    timeout_s: float = 120.0,
+) -> tuple[list[RequestResult], float]:
+    """Run conversations closed-loop; returns per-turn results and the wall time."""
+    import openai
+
+    client = openai.AsyncOpenAI(
+        base_url=url.rstrip("/") + "/v1", api_key="pagefleet", max_retries=0, timeout=timeout_s
+    )
+    queue: asyncio.Queue[Conversation] = asyncio.Queue()
+    for c in convs:
+        queue.put_nowait(c)
+    total = sum(len(c.turns) for c in convs)
+    results: list[RequestResult] = []
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, desc="requests", unit="req", leave=False)
+
+    async def worker() -> None:
+        while True:
+            try:
+                conv = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            for turn in conv.turns:
+                r = await _one_turn(client, model, turn, timeout_s)
+                results.append(r)
+                if bar is not None:
+                    bar.update(1)
+
+    t0 = time.perf_counter()
+    try:
+        await asyncio.gather(*(worker() for _ in range(min(concurrency, len(convs)))))
+    finally:
+        wall = time.perf_counter() - t0
+        if bar is not None:
+            bar.close()
+        await client.close()
+    return results, wall
+
+
+def _pct(values: list[float], q: float) -> float:
+    vals = sorted(v for v in values if not math.isnan(v))
+    if not vals:
+        return math.nan
+    k = (len(vals) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return vals[lo] + (vals[hi] - vals[lo]) * (k - lo)
+
+
+def summarize(
+    results: list[RequestResult],
+    wall_s: float,
+    slo_ttft_ms: float = 500.0,
+    slo_tpot_ms: float = 100.0,
+) -> dict[str, Any]:
+    """Report figures (times in ms) from per-request results."""
+    ok = [r for r in results if r.ok]
+    ttft = [r.ttft * 1000 for r in ok]
+    tpot = [r.tpot * 1000 for r in ok]
+    itl = [x * 1000 for r in ok for x in r.itls]
+    prompt = sum(r.prompt_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
+    out_tokens = sum(r.completion_tokens for r in ok)
+    good = [
+        r
+        for r in ok
+        if r.ttft * 1000 <= slo_ttft_ms and (math.isnan(r.tpot) or r.tpot * 1000 <= slo_tpot_ms)
+    ]
+    pods = Counter(r.pod for r in ok)
+    report: dict[str, Any] = {
+        "requests": len(results),
+        "failed": len(results) - len(ok),
+        "wall_s": round(wall_s, 3),
+        "throughput_req_s": round(len(ok) / wall_s, 3) if wall_s > 0 else 0.0,
+        "throughput_out_tok_s": round(out_tokens / wall_s, 2) if wall_s > 0 else 0.0,
+        "goodput_req_s": round(len(good) / wall_s, 3) if wall_s > 0 else 0.0,
+        "slo_attainment": round(len(good) / len(results), 4) if results else 0.0,
+        "prefix_hit_rate": round(cached / prompt, 4) if prompt else 0.0,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "pod_share": {p: round(n / len(ok), 4) for p, n in sorted(pods.items())} if ok else {},
+        "max_pod_share": round(max(pods.values()) / len(ok), 4) if ok else 0.0,
+        "errors": sorted({r.error for r in results if r.error})[:5],
+    }
+    for name, vals in (("ttft_ms", ttft), ("tpot_ms", tpot), ("itl_ms", itl)):
+        for q in (0.5, 0.9, 0.99):
+            v = _pct(vals, q)
+            report[f"{name}_p{int(q * 100)}"] = None if math.isnan(v) else round(v, 2)
+    return report
+
+
+def print_report(report: dict[str, Any], title: str = "pagefleet bench") -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    t = Table(title=title, show_header=True)
+    t.add_column("metric")
+    t.add_column("p50", justify="right")
+    t.add_column("p90", justify="right")
+    t.add_column("p99", justify="right")
+    for name in ("ttft_ms", "tpot_ms", "itl_ms"):
+        t.add_row(name, *(str(report.get(f"{name}_p{q}")) for q in (50, 90, 99)))
+    console.print(t)
+    console.print(
+        f"requests {report['requests']} (failed {report['failed']}) in {report['wall_s']} s | "
+        f"throughput {report['throughput_req_s']} req/s, {report['throughput_out_tok_s']} tok/s"
+        f" | goodput {report['goodput_req_s']} req/s ({report['slo_attainment']:.0%} within SLO)"
+    )
+    console.print(
+        f"cluster prefix hit rate {report['prefix_hit_rate']:.1%} "
+        f"({report['cached_tokens']}/{report['prompt_tokens']} prompt tokens) | per-pod share "
+        + ", ".join(f"{p or '?'} {s:.0%}" for p, s in report["pod_share"].items())
+    )
+    if report["errors"]:
+        console.print(f"[red]errors: {report['errors']}[/red]")
+
+
+def write_plots(results: list[RequestResult], report: dict[str, Any], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ok = [r for r in results if r.ok]
+    paths = []
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for ax, (label, vals) in zip(
+        axes,
+        (
+            ("TTFT (ms)", [r.ttft * 1000 for r in ok]),
+            ("TPOT (ms)", [r.tpot * 1000 for r in ok if not math.isnan(r.tpot)]),
+            ("ITL (ms)", [x * 1000 for r in ok for x in r.itls]),
+        ),
+        strict=True,
+    ):
+        vals = sorted(vals)
+        if vals:
+            ax.plot(vals, [(i + 1) / len(vals) for i in range(len(vals))])
+        ax.set_xlabel(label)
+        ax.set_ylabel("CDF")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    paths.append(out_dir / "latency_cdf.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(5, 3.6))
+    share = report["pod_share"]
+    ax.bar(range(len(share)), list(share.values()))
+    ax.set_xticks(range(len(share)), list(share), rotation=20, fontsize=8)
+    ax.set_ylabel("share of requests")
+    ax.set_title(f"per-pod share (prefix hit rate {report['prefix_hit_rate']:.0%})")
+    fig.tight_layout()
+    paths.append(out_dir / "pod_share.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+async def run_bench(opts: BenchOptions) -> tuple[dict[str, Any], list[RequestResult]]:
+    convs = trim(build_conversations(opts.workload()), opts.num_requests)
+    results, wall = await run_workload(
+        opts.url, opts.model, convs, opts.concurrency, opts.progress, opts.timeout_s
+    )
+    report = summarize(results, wall, opts.slo_ttft_ms, opts.slo_tpot_ms)
+    return report, results
+
+
+def run_bench_sync(opts: BenchOptions) -> dict[str, Any]:
+    report, results = asyncio.run(run_bench(opts))
+    print_report(report, f"pagefleet bench: {report['requests']} chat requests via {opts.url}")
+    if opts.plot_dir is not None:
+        for p in write_plots(results, report, opts.plot_dir):
+            click.echo(f"wrote {p}", err=True)
+    return report
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--url", required=True, help="Gateway (or daemon) base URL, e.g. http://127.0.0.1:8080"
+)
+@click.option("--model", default="tiny", show_default=True, help="Served model name.")
+@click.option("-n", "--num-requests", default=48, show_default=True, type=int)
+@click.option("-c", "--concurrency", default=8, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option(
+    "--num-tenants", default=16, show_default=True, type=int, help="Distinct shared system prompts."
+)
+@click.option("--system-prompt-words", default=120, show_default=True, type=int)
+@click.option("--max-turns", default=3, show_default=True, type=int)
+@click.option("--max-tokens", default=16, show_default=True, type=int)
+@click.option(
+    "--zipf-s", default=1.1, show_default=True, type=float, help="Tenant popularity skew."
+)
+@click.option("--slo-ttft-ms", default=500.0, show_default=True, type=float)
+@click.option("--slo-tpot-ms", default=100.0, show_default=True, type=float)
+@click.option(
+    "--plot",
+    "plot_dir",
+    default=None,
+    type=click.Path(path_type=Path),
+    help="Write PNG plots into this directory.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Also print the report as one JSON line.")
+@click.option("--no-progress", is_flag=True)
+def command(as_json: bool, no_progress: bool, **kw: Any) -> None:
+    """Drive a seeded multi-tenant chat workload through a gateway and print a report."""
+    opts = BenchOptions(progress=not no_progress, **kw)
+    report = run_bench_sync(opts)
+    if as_json:
+        click.echo(json.dumps(report))
+    if report["failed"] == report["requests"]:
+        raise click.ClickException(f"every request failed: {report['errors']}")
+
+
+__all__ = ["BenchOptions", "RequestResult", "run_bench", "summarize"]

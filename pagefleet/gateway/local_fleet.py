@@ -1,0 +1,420 @@
+"""``pagefleet up``: Redis, N daemons and a gateway on one machine, as child processes.
+
+Invariant: every process this module starts is stopped by ``LocalFleet.stop()`` (gateway
+first, then daemons, then Redis), also on Ctrl-C and on a failed start; children run in
+their own sessions so a terminal's Ctrl-C reaches only us and we stop them in order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import click
+
+logger = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_ok(url: str, timeout: float = 1.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return 200 <= r.status < 300
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+@dataclass(slots=True)
+class Child:
+    name: str
+    argv: list[str]
+    url: str
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    _log: IO[bytes] | None = None
+
+    def start(self) -> None:
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the child
+        env = dict(os.environ)
+        # Each daemon gets the machine's cores to itself only in name: cap torch threads so
+        # N daemons on a small box do not oversubscribe the CPU.
+        env.setdefault("OMP_NUM_THREADS", "1")
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def kill(self) -> None:
+        """SIGKILL, as a crashed pod: no draining, no goodbye to the index."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+
+    def log_tail(self, n: int = 20) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+
+@dataclass(slots=True)
+class FleetSpec:
+    num_daemons: int = 2
+    model: str = "tiny"
+    served_model_name: str | None = None
+    redis_url: str | None = None
+    use_redis: bool = True
+    policy: str = "cache_aware"
+    weights: str | None = None
+    host: str = "127.0.0.1"
+    gateway_port: int = 0
+    block_size: int = 16
+    kv_cache_memory_mb: int | None = None
+    kv_namespace: str = ""
+    daemon_args: list[str] = field(default_factory=list)
+    gateway_args: list[str] = field(default_factory=list)
+    log_dir: Path | None = None
+    ready_timeout_s: float = 180.0
+    seed: int | None = None
+
+
+class LocalFleet:
+    """Start with ``start()`` (blocks until every process is ready), stop with ``stop()``."""
+
+    def __init__(self, spec: FleetSpec) -> None:
+        self.spec = spec
+        self.log_dir = spec.log_dir or Path(tempfile.mkdtemp(prefix="pagefleet-up-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.daemons: list[Child] = []
+        self.gateway: Child | None = None
+        self.redis_url: str | None = spec.redis_url
+        self._redis = None  # a LocalRedis we own
+        self.model_dir: str = spec.model
+
+    # -- urls -----------------------------------------------------------------------------
+
+    @property
+    def gateway_url(self) -> str:
+        assert self.gateway is not None, "fleet not started"
+        return self.gateway.url
+
+    @property
+    def daemon_urls(self) -> list[str]:
+        return [d.url for d in self.daemons]
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> LocalFleet:
+        try:
+            self._start_redis()
+            self.daemons = [self._daemon(i) for i in range(self.spec.num_daemons)]
+            for d in self.daemons:
+                d.start()
+            # The gateway needs the checkpoint directory for its tokenizer; resolving a tiny
+            # preset imports torch in a child, so do it while the daemons load.
+            self._resolve_model()
+            self._wait_ready(self.daemons)
+            self.start_gateway()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_redis(self) -> None:
+        if self.redis_url or not self.spec.use_redis:
+            return
+        from pagefleet.kvindex.redis_server import LocalRedis
+
+        self._redis = LocalRedis()
+        self.redis_url = self._redis.start()
+
+    def _resolve_model(self) -> None:
+        # Concurrent writers of a tiny preset are safe (atomic rename in the writer).
+        from pagefleet.gateway.cli import resolve_model_dir
+
+        self.model_dir = str(resolve_model_dir(self.spec.model))
+
+    def _daemon(self, i: int) -> Child:
+        port = free_port()
+        host = self.spec.host
+        argv = [
+            sys.executable,
+            "-m",
+            "pagefleet.cli",
+            "daemon",
+            "--model",
+            self.spec.model,
+            "--served-model-name",
+            self.served_model_name,
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--pod-name",
+            f"{host}:{port}",
+            "--block-size",
+            str(self.spec.block_size),
+            "--kv-namespace",
+            self.namespace,
+        ]
+        if self.redis_url:
+            argv += ["--redis-url", self.redis_url]
+        if self.spec.kv_cache_memory_mb is not None:
+            argv += ["--kv-cache-memory-mb", str(self.spec.kv_cache_memory_mb)]
+        argv += self.spec.daemon_args
+        return Child(f"daemon-{i}", argv, f"http://{host}:{port}", self.log_dir / f"daemon-{i}.log")
+
+    @property
+    def served_model_name(self) -> str:
+        return self.spec.served_model_name or self.spec.model
+
+    @property
+    def namespace(self) -> str:
+        return self.spec.kv_namespace or self.served_model_name
+
+    def start_gateway(self, policy: str | None = None, weights: str | None = None) -> str:
+        """(Re)start the gateway, e.g. with another policy; returns its URL."""
+        if self.gateway is not None:
+            self.gateway.stop()
+        port = self.spec.gateway_port or free_port()
+        host = self.spec.host
+        argv = [
+            sys.executable,
+            "-m",
+            "pagefleet.cli",
+            "gateway",
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--policy",
+            policy or self.spec.policy,
+            "--model",
+            self.model_dir,
+            "--served-model-name",
+            self.served_model_name,
+            "--kv-namespace",
+            self.namespace,
+            "--block-size",
+            str(self.spec.block_size),
+            "--endpoints",
+            ",".join(self.daemon_urls),
+        ]
+        if self.redis_url:
+            argv += ["--redis-url", self.redis_url]
+        if weights or self.spec.weights:
+            argv += ["--weights", weights or self.spec.weights or ""]
+        if self.spec.seed is not None:
+            argv += ["--seed", str(self.spec.seed)]
+        argv += self.spec.gateway_args
+        self.gateway = Child("gateway", argv, f"http://{host}:{port}", self.log_dir / "gateway.log")
+        self.gateway.start()
+        self._wait_ready([self.gateway])
+        return self.gateway.url
+
+    def _wait_ready(self, children: list[Child]) -> None:
+        deadline = time.monotonic() + self.spec.ready_timeout_s
+        pending = list(children)
+        while pending:
+            for c in list(pending):
+                if not c.alive:
+                    raise RuntimeError(
+                        f"{c.name} exited during start-up; its log ({c.log_path}) ends:\n"
+                        f"{c.log_tail()}"
+                    )
+                if http_ok(c.url + "/ready"):
+                    pending.remove(c)
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(c.name for c in pending)
+                raise TimeoutError(
+                    f"{names} not ready after {self.spec.ready_timeout_s:.0f}s; logs in "
+                    f"{self.log_dir}"
+                )
+            if pending:
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.gateway is not None:
+            self.gateway.stop()
+        for d in self.daemons:
+            d.stop()
+        if self._redis is not None:
+            self._redis.stop()
+            self._redis = None
+
+    def stop_redis(self) -> None:
+        """Stop the fleet's own Redis (tests: the index going away mid-run)."""
+        if self._redis is None:
+            raise RuntimeError("this fleet does not own its Redis (--redis-url was given)")
+        self._redis.stop()
+        self._redis = None
+
+    def __enter__(self) -> LocalFleet:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-n", "--num-daemons", default=2, show_default=True, type=int)
+@click.option(
+    "--model", default="tiny", show_default=True, help="Checkpoint directory or tiny preset."
+)
+@click.option("--served-model-name", default=None)
+@click.option("--redis-url", default=None, help="Use this Redis instead of starting one.")
+@click.option(
+    "--policy",
+    default="cache_aware",
+    show_default=True,
+    type=click.Choice(["cache_aware", "least_load", "round_robin", "session"]),
+)
+@click.option(
+    "--weights", default=None, help="Gateway cache_aware weights (see pagefleet gateway)."
+)
+@click.option(
+    "--port",
+    "gateway_port",
+    default=8080,
+    show_default=True,
+    type=int,
+    help="Gateway port (0: any free port).",
+)
+@click.option("--kv-cache-memory-mb", default=None, type=int, help="Per-daemon KV budget (MiB).")
+@click.option(
+    "--log-dir",
+    default=None,
+    type=click.Path(path_type=Path),
+    help="Where the children's logs go (default: a temp dir).",
+)
+@click.option(
+    "--bench",
+    "run_bench",
+    is_flag=True,
+    help="Run a short `pagefleet bench` against the fleet, print its report, stop.",
+)
+@click.option("--bench-requests", default=48, show_default=True, type=int)
+@click.option(
+    "--plot",
+    default=None,
+    type=click.Path(path_type=Path),
+    help="With --bench: write PNG plots here.",
+)
+def command(
+    num_daemons: int,
+    model: str,
+    served_model_name: str | None,
+    redis_url: str | None,
+    policy: str,
+    weights: str | None,
+    gateway_port: int,
+    kv_cache_memory_mb: int | None,
+    log_dir: Path | None,
+    run_bench: bool,
+    bench_requests: int,
+    plot: Path | None,
+) -> None:
+    """Start Redis, N daemons and a gateway on this machine; Ctrl-C stops them all."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if gateway_port and not run_bench:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", gateway_port)) == 0:
+                raise click.UsageError(f"port {gateway_port} is in use; pass --port 0 or another")
+    elif run_bench:
+        gateway_port = 0
+    spec = FleetSpec(
+        num_daemons=num_daemons,
+        model=model,
+        served_model_name=served_model_name,
+        redis_url=redis_url,
+        policy=policy,
+        weights=weights,
+        gateway_port=gateway_port,
+        kv_cache_memory_mb=kv_cache_memory_mb,
+        log_dir=log_dir,
+    )
+    fleet = LocalFleet(spec)
+    click.echo(
+        f"starting Redis, {num_daemons} daemon(s) and a gateway (logs: {fleet.log_dir})", err=True
+    )
+    t0 = time.monotonic()
+    try:
+        fleet.start()
+    except (RuntimeError, TimeoutError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    except KeyboardInterrupt:
+        click.echo("interrupted during start-up; stopped everything", err=True)
+        return
+    try:
+        click.echo(
+            f"fleet ready in {time.monotonic() - t0:.1f}s: redis {fleet.redis_url}, "
+            f"daemons {', '.join(fleet.daemon_urls)}",
+            err=True,
+        )
+        click.echo(
+            f"gateway: {fleet.gateway_url}  (OpenAI base_url {fleet.gateway_url}/v1, "
+            f"model {fleet.served_model_name!r})"
+        )
+        if run_bench:
+            from pagefleet.gateway.loadgen import BenchOptions, run_bench_sync
+
+            run_bench_sync(
+                BenchOptions(
+                    url=fleet.gateway_url,
+                    model=fleet.served_model_name,
+                    num_requests=bench_requests,
+                    plot_dir=plot,
+                    tokenizer_dir=fleet.model_dir,
+                )
+            )
+            return
+        click.echo("Ctrl-C to stop", err=True)
+        with contextlib.suppress(KeyboardInterrupt):
+            while all(d.alive for d in fleet.daemons) and fleet.gateway and fleet.gateway.alive:
+                time.sleep(0.5)
+        dead = [c.name for c in [*fleet.daemons, fleet.gateway] if c and not c.alive]
+        if dead:
+            click.echo(
+                f"{', '.join(dead)} exited; stopping the fleet (logs: {fleet.log_dir})", err=True
+            )
+    finally:
+        fleet.stop()
+        click.echo("fleet stopped", err=True)
