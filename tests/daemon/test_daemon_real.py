@@ -1,0 +1,236 @@
+"""The daemon on the real engine and the tiny model, driven by the official openai client.
+
+One daemon serves the whole module (loading the model once keeps the file fast).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import aiohttp
+import openai
+import pytest
+import pytest_asyncio
+
+from pagefleet.daemon.config import DaemonConfig
+
+from .conftest import LiveDaemon, free_port, live_daemon
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+MODEL = "tiny-test"
+PROMPT = "The quick brown fox jumps over the lazy dog and then"
+
+
+def config(**kw) -> DaemonConfig:
+    base = dict(model="tiny", served_model_name=MODEL, port=free_port(), pod_name="pod-r",
+                block_size=8, num_gpu_blocks=96, max_model_len=256, max_num_seqs=8,
+                max_queue=8)  # fmt: skip
+    base.update(kw)
+    return DaemonConfig(**base)
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def live():
+    async with live_daemon(config()) as d:
+        yield d
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def client(live: LiveDaemon):
+    c = openai.AsyncOpenAI(base_url=live.base_url, api_key="none", max_retries=0)
+    yield c
+    await c.close()
+
+
+async def metrics_text(live: LiveDaemon) -> str:
+    async with aiohttp.ClientSession() as s, s.get(f"{live.url}/metrics") as r:
+        assert r.status == 200
+        return await r.text()
+
+
+def sample(text: str, name: str) -> float:
+    m = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M)
+    assert m, f"{name} missing from /metrics"
+    return float(m.group(1))
+
+
+async def test_completion_usage_and_cached_tokens(client):
+    first = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0)
+    assert first.choices[0].finish_reason in ("length", "stop")
+    assert first.usage.completion_tokens == 5 or first.choices[0].finish_reason == "stop"
+    n_prompt = first.usage.prompt_tokens
+    assert n_prompt > 8
+    again = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0)
+    assert again.choices[0].text == first.choices[0].text  # greedy is deterministic
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached == (n_prompt - 1) // 8 * 8 or cached == n_prompt // 8 * 8
+    assert cached >= 8
+
+
+async def test_chat_and_stream_equals_nonstream(client):
+    msgs = [{"role": "user", "content": "Tell me a story about a cat."}]
+    full = await client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=12, temperature=0.9, seed=7
+    )
+    assert full.choices[0].message.role == "assistant"
+    text = full.choices[0].message.content
+    assert text
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=12, temperature=0.9, seed=7, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    parts, usage, finish = [], None, None
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            parts.append(ch.delta.content or "")
+            finish = ch.finish_reason or finish
+    assert "".join(parts) == text
+    assert finish == full.choices[0].finish_reason
+    assert usage.completion_tokens == full.usage.completion_tokens
+    assert usage.prompt_tokens == full.usage.prompt_tokens
+
+
+async def test_completion_stream_equals_nonstream(client):
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=1.0, seed=123)
+    full = await client.completions.create(**kw)
+    parts = [c.choices[0].text async for c in await client.completions.create(stream=True, **kw)
+             if c.choices]  # fmt: skip
+    assert "".join(parts) == full.choices[0].text
+
+
+async def test_n3_and_seed(client):
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, n=3, seed=42)
+    a = await client.completions.create(**kw)
+    b = await client.completions.create(**kw)
+    assert sorted(c.index for c in a.choices) == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert len({c.text for c in a.choices}) > 1, "n samples should differ at temperature 1"
+    assert a.usage.completion_tokens == sum(
+        8 if c.finish_reason == "length" else 1 for c in a.choices
+    ) or all(c.finish_reason in ("length", "stop") for c in a.choices)
+    other = await client.completions.create(**{**kw, "seed": 43})
+    assert [c.text for c in other.choices] != [c.text for c in a.choices]
+
+
+async def test_stop_string(client):
+    base = await client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+    )
+    text = base.choices[0].text
+    assert len(text) > 4
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    cut = await client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop],
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == text[: text.index(stop)]
+
+
+async def test_logprobs(client):
+    c = await client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == 4 == len(lp.token_logprobs) == len(lp.top_logprobs)
+    assert all(v <= 0 for v in lp.token_logprobs)
+    assert all(1 <= len(t) <= 2 for t in lp.top_logprobs)
+    # Greedy: the sampled token is the most likely one.
+    assert all(
+        abs(max(t.values()) - v) < 1e-4
+        for t, v in zip(lp.top_logprobs, lp.token_logprobs, strict=True)
+    )
+    assert "".join(lp.tokens) == c.choices[0].text
+    chat = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0,
+        logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3
+    assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
+
+
+async def test_bad_inputs_on_real_engine(client, live):
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.completions.create(model=MODEL, prompt="word " * 400, max_tokens=4)
+    assert e.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=250)
+    assert e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.NotFoundError):
+        await client.completions.create(model="other", prompt=PROMPT)
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(model=MODEL, messages=[], max_tokens=2)
+    assert e.value.body["param"] == "messages"
+    with pytest.raises(openai.BadRequestError):
+        await client.completions.create(model=MODEL, prompt=PROMPT, temperature=-1)
+    ok = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    assert ok.choices[0].text is not None
+
+
+async def test_disconnect_mid_stream_frees_blocks(live):
+    total = sample(await metrics_text(live), "pagefleet:kv_cache_num_blocks")
+    async with aiohttp.ClientSession() as s:
+        body = {"model": MODEL, "prompt": PROMPT * 3, "max_tokens": 200, "stream": True,
+                "ignore_eos": True}  # fmt: skip
+        async with s.post(f"{live.base_url}/completions", json=body) as r:
+            assert r.status == 200
+            seen = 0
+            while seen < 3:  # three chunks: the request is decoding
+                line = await r.content.readline()
+                assert line.startswith(b"data: ") or line == b"\n"
+                seen += line.startswith(b"data: ")
+            mid = await metrics_text(live)
+            assert sample(mid, "vllm:num_requests_running") == 1
+            assert sample(mid, "vllm:kv_cache_usage_perc") > 0
+    for _ in range(100):
+        text = await metrics_text(live)
+        if sample(text, "vllm:kv_cache_usage_perc") == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert sample(text, "vllm:kv_cache_usage_perc") == 0
+    assert sample(text, "vllm:num_requests_running") == 0
+    assert sample(text, "pagefleet:kv_cache_free_blocks") == total
+    assert live.daemon._inflight == 0
+    stats = await live.daemon.engine_loop.call(lambda eng: eng.stats())
+    assert stats.num_free_blocks == stats.num_blocks
+
+
+async def test_metrics_names_after_traffic(client, live):
+    await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4)
+    text = await metrics_text(live)
+    for name in [
+        "vllm:time_to_first_token_seconds_bucket", "vllm:request_time_per_output_token_seconds_count",
+        "vllm:inter_token_latency_seconds_count", "vllm:e2e_request_latency_seconds_count",
+        "vllm:request_queue_time_seconds_count", "vllm:request_prefill_time_seconds_count",
+        "vllm:request_decode_time_seconds_count", "vllm:num_requests_running",
+        "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc",
+        "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+        "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+        "vllm:num_preemptions_total", "vllm:request_success_total",
+    ]:  # fmt: skip
+        assert re.search(rf"^{re.escape(name)}\{{", text, re.M), name
+    assert f'model_name="{MODEL}"' in text and 'role="unified"' in text and 'pod="pod-r"' in text
+    assert sample(text, "vllm:e2e_request_latency_seconds_count") >= 1
+    assert sample(text, "vllm:prompt_tokens_total") > 0
+    assert sample(text, "vllm:prefix_cache_hits_total") > 0  # the repeated prompt above hit
+
+
+async def test_probes_models_tokenize(live):
+    async with aiohttp.ClientSession() as s:
+        for path in ("/health", "/ready", "/version", "/get_model_info", "/get_server_info"):
+            async with s.get(live.url + path) as r:
+                assert r.status == 200, path
+        async with s.get(f"{live.base_url}/models") as r:
+            data = (await r.json())["data"]
+            assert data[0]["id"] == MODEL and data[0]["max_model_len"] == 256
+        async with s.post(f"{live.url}/tokenize", json={"prompt": PROMPT}) as r:
+            tok = await r.json()
+            assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] == 256
+        async with s.post(f"{live.url}/detokenize", json={"tokens": tok["tokens"]}) as r:
+            assert PROMPT in (await r.json())["prompt"]
