@@ -272,7 +272,7 @@ class RoutingPolicy(StrEnum):
     CACHE_AWARE = "cache_aware"
     LEAST_LOAD = "least_load"
     ROUND_ROBIN = "round_robin"
-    SESSION_AFFINITY = "session_affinity"
+    SESSION = "session"
 
 
 class ServiceType(StrEnum):
@@ -287,12 +287,14 @@ class RouterSpec(_Model):
     policy: RoutingPolicy = RoutingPolicy.CACHE_AWARE
     """How the gateway picks a daemon for each request."""
     weights: dict[str, float] = Field(default_factory=dict)
-    """Scorer weights of the cache-aware policy by name (e.g. prefix: 3, load: 2); written
-    to the router config in the ConfigMap."""
+    """Cost weights of the cache_aware policy by name, passed to the gateway's --weights
+    (e.g. prefill: 1, queue: 0.25, kv: 0.5, imbalance_abs: 4)."""
     service_type: ServiceType = ServiceType.CLUSTER_IP
     """Type of the gateway Service."""
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
     """CPU and memory requests/limits of each gateway pod."""
+    env: list[EnvVar] = Field(default_factory=list)
+    """Extra environment variables for the gateway container."""
 
 
 # ---------------------------------------------------------------------------------- index

@@ -321,7 +321,7 @@ def build_gateway(
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy.value,
         "command": gateway_command(spec, names, roles, redis_url),
-        "env": _common_env(spec),
+        "env": _common_env(spec) + [e.model_dump() for e in spec.router.env],
         "ports": [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"}],
         "readinessProbe": _http_probe("/ready", period=5, failures=3),
         "livenessProbe": _http_probe("/health", period=10, failures=3),

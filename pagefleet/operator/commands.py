@@ -75,10 +75,16 @@ def daemon_command(
     return cmd
 
 
+def gateway_role(roles: list[str]) -> str:
+    """The role whose Service the gateway routes to: the decode pool when disaggregated
+    (decode daemons pull prompt KV from prefill daemons), else the unified pool."""
+    return "decode" if "decode" in roles else roles[0]
+
+
 def gateway_command(
     spec: InferenceServiceSpec, names: Names, roles: list[str], redis_url: str
 ) -> list[str]:
-    """`pagefleet gateway ...` discovering the role Services' ready endpoints."""
+    """`pagefleet gateway ...` discovering the routed role Service's ready endpoints."""
     cmd = [
         *spec.command,
         "gateway",
@@ -92,12 +98,10 @@ def gateway_command(
         "k8s",
         "--namespace",
         names.namespace,
-    ]
-    for role in roles:
-        cmd += ["--service", names.role(role)]
-    cmd += [
+        "--service",
+        names.role(gateway_role(roles)),
         "--target-port",
-        str(DAEMON_PORT),
+        "http",
         "--redis-url",
         redis_url,
         "--kv-namespace",
@@ -106,5 +110,10 @@ def gateway_command(
         spec.model.source.path,
         "--served-model-name",
         served_model_name(spec, names),
+        "--block-size",
+        str(spec.engine.block_size),
     ]
+    if spec.router.weights:
+        weights = ",".join(f"{k}={v:g}" for k, v in sorted(spec.router.weights.items()))
+        cmd += ["--weights", weights]
     return cmd

@@ -1,0 +1,29 @@
+{{- define "pagefleet.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pagefleet.labels" -}}
+app.kubernetes.io/name: pagefleet
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "pagefleet.operatorSelector" -}}
+app.kubernetes.io/name: pagefleet
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{- define "pagefleet.serviceAccountName" -}}
+{{- default (printf "%s-operator" (include "pagefleet.fullname" .)) .Values.serviceAccount.name -}}
+{{- end -}}
+
+{{- define "pagefleet.redisURL" -}}
+{{- printf "redis://%s-redis.%s.svc:6379/0" (include "pagefleet.fullname" .) .Release.Namespace -}}
+{{- end -}}

@@ -1,0 +1,289 @@
+"""Child objects produced for one InferenceService: names, labels, owners, commands, probes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fake_kube import REDIS
+
+from pagefleet.api.inferenceservice import parse_spec
+from pagefleet.operator.builders import (
+    BuildSettings,
+    Owner,
+    SpecError,
+    build_children,
+    role_replicas,
+)
+
+OWNER = Owner(name="llama", namespace="ml", uid="uid-123")
+SETTINGS = BuildSettings()
+
+
+def children(spec: dict[str, Any], **kw: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    objs = build_children(parse_spec(spec), OWNER, kw.pop("settings", SETTINGS), **kw)
+    return {(o["kind"], o["metadata"]["name"]): o for o in objs}
+
+
+def flag(cmd: list[str], name: str) -> str:
+    return cmd[cmd.index(name) + 1]
+
+
+def test_unified_children_are_one_role_plus_gateway_and_config(unified_spec):
+    objs = children(unified_spec)
+    assert sorted(objs) == [
+        ("ConfigMap", "llama-config"),
+        ("Deployment", "llama-gateway"),
+        ("Deployment", "llama-unified"),
+        ("Role", "llama-gateway"),
+        ("RoleBinding", "llama-gateway"),
+        ("Service", "llama-gateway"),
+        ("Service", "llama-unified"),
+        ("ServiceAccount", "llama-gateway"),
+    ]
+    assert objs[("Deployment", "llama-unified")]["spec"]["replicas"] == 2
+
+
+def test_pd_children_have_one_deployment_and_headless_service_per_role(pd_spec):
+    objs = children(pd_spec)
+    deployments = sorted(n for k, n in objs if k == "Deployment")
+    assert deployments == ["llama-decode", "llama-gateway", "llama-prefill"]
+    for role in ("prefill", "decode"):
+        svc = objs[("Service", f"llama-{role}")]
+        assert svc["spec"]["clusterIP"] == "None"
+        assert svc["spec"]["ports"] == [
+            {"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}
+        ]
+        assert svc["spec"]["selector"] == {
+            "pagefleet.io/service": "llama",
+            "app.kubernetes.io/component": role,
+        }
+    # autoscaled decode starts at minReplicas
+    assert objs[("Deployment", "llama-decode")]["spec"]["replicas"] == 2
+    gw = objs[("Deployment", "llama-gateway")]["spec"]["template"]["spec"]["containers"][0]
+    # requests enter through the decode pool, which pulls prompt KV from prefill
+    assert flag(gw["command"], "--service") == "llama-decode"
+
+
+def test_every_child_has_labels_and_a_controller_owner_reference(pd_spec):
+    for (kind, name), obj in children(pd_spec).items():
+        meta = obj["metadata"]
+        assert meta["namespace"] == "ml"
+        labels = meta["labels"]
+        assert labels["app.kubernetes.io/name"] == "pagefleet"
+        assert labels["app.kubernetes.io/instance"] == "llama"
+        assert labels["app.kubernetes.io/managed-by"] == "pagefleet-operator"
+        assert labels["pagefleet.io/service"] == "llama"
+        assert labels["app.kubernetes.io/component"], (kind, name)
+        if kind in ("Deployment", "Service"):
+            assert labels["pagefleet.io/role"] in ("prefill", "decode", "gateway")
+        assert meta["ownerReferences"] == [
+            {
+                "apiVersion": "pagefleet.io/v1alpha1",
+                "kind": "InferenceService",
+                "name": "llama",
+                "uid": "uid-123",
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
+        if kind == "Deployment":
+            sel = obj["spec"]["selector"]["matchLabels"]
+            pod_labels = obj["spec"]["template"]["metadata"]["labels"]
+            assert sel.items() <= pod_labels.items()
+
+
+def test_daemon_pod_command_env_and_probes(unified_spec):
+    unified_spec["engine"] = {"blockSize": 32, "maxNumSeqs": 8, "enablePrefixCaching": False}
+    unified_spec["model"]["maxModelLen"] = 512
+    unified_spec["roles"]["unified"]["env"] = [{"name": "LOG_LEVEL", "value": "debug"}]
+    dep = children(unified_spec)[("Deployment", "llama-unified")]
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    cmd = c["command"]
+    assert cmd[:2] == ["pagefleet", "daemon"]
+    assert flag(cmd, "--model") == "tiny"
+    assert flag(cmd, "--host") == "$(POD_IP)"
+    assert flag(cmd, "--port") == "8000"
+    assert flag(cmd, "--role") == "unified"
+    assert flag(cmd, "--served-model-name") == "tiny-llama"
+    assert flag(cmd, "--redis-url") == REDIS
+    assert flag(cmd, "--kv-namespace") == "ml/llama"
+    assert flag(cmd, "--pod-name") == "$(POD_NAME)"
+    assert flag(cmd, "--block-size") == "32"
+    assert flag(cmd, "--max-num-seqs") == "8"
+    assert flag(cmd, "--max-num-batched-tokens") == "2048"
+    assert flag(cmd, "--max-model-len") == "512"
+    assert flag(cmd, "--kv-cache-memory-mb") == "256"
+    assert "--no-enable-prefix-caching" in cmd and "--enable-prefix-caching" not in cmd
+    env = {e["name"]: e for e in c["env"]}
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["LOG_LEVEL"]["value"] == "debug"
+    assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert c["image"] == "pagefleet:test"
+    ann = dep["spec"]["template"]["metadata"]["annotations"]
+    assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/port"] == "8000"
+
+
+def test_gateway_command_and_service(unified_spec):
+    unified_spec["router"] = {"policy": "least_load", "serviceType": "NodePort"}
+    objs = children(unified_spec)
+    dep = objs[("Deployment", "llama-gateway")]
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "llama-gateway"
+    cmd = pod["containers"][0]["command"]
+    assert cmd[:2] == ["pagefleet", "gateway"]
+    assert flag(cmd, "--port") == "8080"
+    assert flag(cmd, "--policy") == "least_load"
+    assert flag(cmd, "--discovery") == "k8s"
+    assert flag(cmd, "--namespace") == "ml"
+    assert flag(cmd, "--service") == "llama-unified"
+    assert flag(cmd, "--target-port") == "http"
+    assert flag(cmd, "--block-size") == "16"
+    assert "--weights" not in cmd
+    assert flag(cmd, "--redis-url") == REDIS
+    assert flag(cmd, "--model") == "tiny"
+    svc = objs[("Service", "llama-gateway")]
+    assert svc["spec"]["type"] == "NodePort" and "clusterIP" not in svc["spec"]
+    assert svc["spec"]["ports"][0]["name"] == "http"
+    rules = objs[("Role", "llama-gateway")]["rules"]
+    assert rules == [
+        {
+            "apiGroups": ["discovery.k8s.io"],
+            "resources": ["endpointslices"],
+            "verbs": ["get", "list", "watch"],
+        }
+    ]
+
+
+def test_command_override_is_the_entrypoint(unified_spec):
+    unified_spec["command"] = ["/venv/bin/pagefleet"]
+    objs = children(unified_spec)
+    for name in ("llama-unified", "llama-gateway"):
+        cmd = objs[("Deployment", name)]["spec"]["template"]["spec"]["containers"][0]["command"]
+        assert cmd[0] == "/venv/bin/pagefleet"
+
+
+def test_pvc_model_is_mounted_read_only(unified_spec):
+    unified_spec["model"]["source"] = {
+        "path": "/models/llama-3-8b",
+        "persistentVolumeClaim": {"claimName": "weights"},
+    }
+    pod = children(unified_spec)[("Deployment", "llama-unified")]["spec"]["template"]["spec"]
+    vols = {v["name"]: v for v in pod["volumes"]}
+    assert vols["model"]["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
+    mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
+    assert mounts["model"] == {"name": "model", "mountPath": "/models", "readOnly": True}
+
+
+def test_redis_password_comes_from_the_secret_not_the_spec(unified_spec):
+    unified_spec["index"]["passwordSecretRef"] = {"name": "redis-auth"}
+    c = children(unified_spec)[("Deployment", "llama-unified")]["spec"]["template"]["spec"][
+        "containers"
+    ][0]
+    assert flag(c["command"], "--redis-url") == (
+        "redis://:$(PAGEFLEET_REDIS_PASSWORD)@redis.infra:6379/0"
+    )
+    env = {e["name"]: e for e in c["env"]}
+    assert env["PAGEFLEET_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+        "name": "redis-auth",
+        "key": "password",
+    }
+
+
+def test_scheduling_and_resources(unified_spec):
+    unified_spec["roles"]["unified"].update(
+        nodeSelector={"gpu": "h100"},
+        tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        resources={"limits": {"nvidia.com/gpu": 1, "memory": "32Gi"}},
+    )
+    pod = children(unified_spec)[("Deployment", "llama-unified")]["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"gpu": "h100"}
+    assert pod["tolerations"] == [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    ]
+    assert pod["containers"][0]["resources"] == {
+        "limits": {"nvidia.com/gpu": "1", "memory": "32Gi"}
+    }
+
+
+def test_no_redis_anywhere_is_a_spec_error_naming_the_fix(unified_spec):
+    del unified_spec["index"]
+    with pytest.raises(SpecError, match=r"spec.index.redisURL.*redis.enabled=true"):
+        children(unified_spec)
+    objs = children(unified_spec, settings=BuildSettings(default_redis_url="redis://bundled:6379"))
+    cmd = objs[("Deployment", "llama-unified")]["spec"]["template"]["spec"]["containers"][0][
+        "command"
+    ]
+    assert flag(cmd, "--redis-url") == "redis://bundled:6379"
+
+
+def test_builders_are_deterministic(pd_spec):
+    assert children(pd_spec) == children(pd_spec)
+
+
+def test_config_change_rolls_the_pods(unified_spec):
+    before = children(unified_spec)
+    unified_spec["router"] = {"weights": {"prefill": 1.0, "queue": 0.25}}
+    after = children(unified_spec)
+    gw = after[("Deployment", "llama-gateway")]["spec"]["template"]["spec"]["containers"][0]
+    assert flag(gw["command"], "--weights") == "prefill=1,queue=0.25"
+    key = "pagefleet.io/config-hash"
+    for name in ("llama-unified", "llama-gateway"):
+        a = before[("Deployment", name)]["spec"]["template"]["metadata"]["annotations"][key]
+        b = after[("Deployment", name)]["spec"]["template"]["metadata"]["annotations"][key]
+        assert a != b
+    assert '"queue": 0.25' in after[("ConfigMap", "llama-config")]["data"]["router.json"]
+
+
+@pytest.mark.parametrize(
+    ("role", "current", "expected"),
+    [
+        ({"replicas": 3}, 7, 3),
+        ({}, None, 1),
+        ({"autoscaling": {"minReplicas": 2, "maxReplicas": 5}}, None, 2),
+        ({"autoscaling": {"minReplicas": 2, "maxReplicas": 5}}, 4, 4),
+        ({"autoscaling": {"minReplicas": 2, "maxReplicas": 5}}, 9, 5),
+        ({"autoscaling": {"minReplicas": 2, "maxReplicas": 5}}, 0, 2),
+    ],
+)
+def test_role_replicas_respects_autoscaler_within_bounds(role, current, expected):
+    from pagefleet.api.inferenceservice import RoleSpec
+
+    assert role_replicas(RoleSpec.model_validate(role), current) == expected
+
+
+def _subcommand_args(cmd: list[str], sub: str) -> list[str]:
+    args = cmd[cmd.index(sub) + 1 :]
+    return [a.replace("$(POD_IP)", "10.0.0.7").replace("$(POD_NAME)", "llama-x") for a in args]
+
+
+def test_daemon_and_gateway_clis_accept_the_operators_command_lines(pd_spec):
+    """The seam to the daemon and gateway: their real click commands parse what we build."""
+    from pagefleet.daemon.cli import command as daemon_cli
+    from pagefleet.gateway.cli import command as gateway_cli
+
+    pd_spec["router"] = {"weights": {"prefill": 1.0, "queue": 0.25}}
+    pd_spec["model"]["maxModelLen"] = 256
+    objs = children(pd_spec)
+    for role in ("prefill", "decode"):
+        cmd = objs[("Deployment", f"llama-{role}")]["spec"]["template"]["spec"]["containers"][0][
+            "command"
+        ]
+        ctx = daemon_cli.make_context("daemon", _subcommand_args(cmd, "daemon"))
+        assert ctx.params["role"] == role and ctx.params["max_model_len"] == 256
+        assert ctx.params["kv_namespace"] == "ml/llama"
+    gw = objs[("Deployment", "llama-gateway")]["spec"]["template"]["spec"]["containers"][0]
+    ctx = gateway_cli.make_context("gateway", _subcommand_args(gw["command"], "gateway"))
+    assert ctx.params["discovery"] == "k8s" and ctx.params["service"] == "llama-decode"
+    assert ctx.params["weights"] == "prefill=1,queue=0.25"
+    for policy in ("cache_aware", "least_load", "round_robin", "session"):
+        pd_spec["router"] = {"policy": policy}
+        gw = children(pd_spec)[("Deployment", "llama-gateway")]
+        args = _subcommand_args(
+            gw["spec"]["template"]["spec"]["containers"][0]["command"], "gateway"
+        )
+        assert gateway_cli.make_context("gateway", args).params["policy"] == policy

@@ -1,0 +1,185 @@
+"""The Helm chart and the RBAC manifest.
+
+Static checks always run; `helm lint` / `helm template` run when a helm binary is available
+(PATH, $HELM, or the cache that `GOBIN=~/.cache/pagefleet/helm go install
+helm.sh/helm/v3/cmd/helm@v3.16.4` fills).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from pagefleet.operator.kube import CHILD_KINDS, DEPLOYMENT, SERVICE
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "pagefleet"
+
+
+def _helm() -> str | None:
+    for cand in (
+        os.environ.get("HELM"),
+        shutil.which("helm"),
+        str(Path.home() / ".cache/pagefleet/helm/helm"),
+    ):
+        if cand and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def _canon(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
+    return {
+        (group, res, verb)
+        for r in rules
+        for group in r["apiGroups"]
+        for res in r["resources"]
+        for verb in r["verbs"]
+    }
+
+
+def _manifest_rules() -> set[tuple[str, str, str]]:
+    docs = list(yaml.safe_load_all((ROOT / "deploy" / "rbac.yaml").read_text()))
+    (role,) = [d for d in docs if d["kind"] == "ClusterRole"]
+    return _canon(role["rules"])
+
+
+def test_rbac_manifest_is_consistent_and_bound():
+    docs = {d["kind"]: d for d in yaml.safe_load_all((ROOT / "deploy" / "rbac.yaml").read_text())}
+    assert set(docs) == {"Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding"}
+    binding = docs["ClusterRoleBinding"]
+    assert binding["roleRef"]["name"] == docs["ClusterRole"]["metadata"]["name"]
+    (subject,) = binding["subjects"]
+    assert subject["name"] == docs["ServiceAccount"]["metadata"]["name"]
+    assert subject["namespace"] == docs["ServiceAccount"]["metadata"]["namespace"]
+
+
+def test_rbac_grants_what_the_reconciler_uses_and_no_wildcards():
+    rules = _manifest_rules()
+    assert not any("*" in part for rule in rules for part in rule)
+    group = {"v1": ""}
+    for kind in CHILD_KINDS:
+        g = group.get(kind.api_version, kind.api_version.split("/")[0])
+        # list (observe), create+patch (server-side apply), delete (prune)
+        for verb in ("list", "create", "patch", "delete"):
+            assert (g, kind.plural, verb) in rules, (kind.plural, verb)
+    for kind in (DEPLOYMENT, SERVICE):  # kopf watches these to restore deleted children
+        g = group.get(kind.api_version, kind.api_version.split("/")[0])
+        assert (g, kind.plural, "watch") in rules
+    for verb in ("get", "list", "watch", "patch"):
+        assert ("pagefleet.io", "inferenceservices", verb) in rules
+    assert ("pagefleet.io", "inferenceservices/status", "patch") in rules
+    assert ("", "events", "create") in rules
+    # the gateway Role's permissions must be held to be granted (RBAC escalation check)
+    for verb in ("get", "list", "watch"):
+        assert ("discovery.k8s.io", "endpointslices", verb) in rules
+    # nothing the operator never does
+    assert ("", "secrets", "get") not in rules and ("", "pods", "delete") not in rules
+
+
+def test_chart_rules_equal_the_rbac_manifest():
+    chart = _canon(yaml.safe_load((CHART / "files" / "namespaced-rules.yaml").read_text()))
+    chart |= _canon(yaml.safe_load((CHART / "files" / "cluster-rules.yaml").read_text()))
+    assert chart == _manifest_rules()
+
+
+def test_chart_static_files_parse():
+    meta = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert meta["apiVersion"] == "v2" and meta["name"] == "pagefleet"
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["redis"]["enabled"] is False
+    for path in (CHART / "crds").glob("*.yaml"):
+        assert yaml.safe_load(path.read_text())["kind"] == "CustomResourceDefinition"
+    dashboards = list((CHART / "dashboards").glob("*.json"))
+    assert dashboards
+    for path in dashboards:
+        dash = json.loads(path.read_text())
+        exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+        assert any("vllm:time_to_first_token_seconds" in e for e in exprs)
+        assert dash["uid"] and dash["title"]
+
+
+def _template(*args: str) -> list[dict[str, Any]]:
+    helm = _helm()
+    if helm is None:
+        pytest.skip("helm binary not available (see this module's docstring to build it)")
+    out = subprocess.run(
+        [helm, "template", "pf", str(CHART), "--namespace", "pagefleet-system", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def test_helm_lint():
+    helm = _helm()
+    if helm is None:
+        pytest.skip("helm binary not available (see this module's docstring to build it)")
+    res = subprocess.run(
+        [helm, "lint", "--strict", str(CHART)], capture_output=True, text=True, timeout=60
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_helm_template_default_install():
+    docs = _template()
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == [
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "ConfigMap",
+        "Deployment",
+        "ServiceAccount",
+    ]
+    (dep,) = [d for d in docs if d["kind"] == "Deployment"]
+    cmd = dep["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert cmd[:3] == ["pagefleet", "operator", "--all-namespaces"]
+    (role,) = [d for d in docs if d["kind"] == "ClusterRole"]
+    assert _canon(role["rules"]) == _manifest_rules()
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    json.loads(next(iter(cm["data"].values())))
+
+
+def test_helm_template_with_redis_namespaces_and_monitoring_apis():
+    docs = _template(
+        "--set",
+        "redis.enabled=true",
+        "--set",
+        "operator.watchNamespaces={team-a,team-b}",
+        "--api-versions",
+        "monitoring.coreos.com/v1/PodMonitor",
+        "--api-versions",
+        "monitoring.coreos.com/v1/PrometheusRule",
+    )
+    by_kind: dict[str, list[dict[str, Any]]] = {}
+    for d in docs:
+        by_kind.setdefault(d["kind"], []).append(d)
+    assert sorted(r["metadata"]["namespace"] for r in by_kind["Role"]) == ["team-a", "team-b"]
+    assert len(by_kind["RoleBinding"]) == 2
+    (cluster_role,) = by_kind["ClusterRole"]
+    assert ("apps", "deployments", "create") not in _canon(cluster_role["rules"])
+    op = next(d for d in by_kind["Deployment"] if d["metadata"]["name"].endswith("-operator"))
+    c = op["spec"]["template"]["spec"]["containers"][0]
+    assert "--namespace=team-a" in c["command"] and "--namespace=team-b" in c["command"]
+    assert c["env"] == [
+        {
+            "name": "PAGEFLEET_DEFAULT_REDIS_URL",
+            "value": "redis://pf-pagefleet-redis.pagefleet-system.svc:6379/0",
+        }
+    ]
+    assert any(s["metadata"]["name"] == "pf-pagefleet-redis" for s in by_kind["Service"])
+    assert by_kind["PodMonitor"][0]["spec"]["selector"]["matchLabels"] == {
+        "app.kubernetes.io/managed-by": "pagefleet-operator"
+    }
+    rules = by_kind["PrometheusRule"][0]["spec"]["groups"][0]["rules"]
+    alerts = {r["alert"] for r in rules if "alert" in r}
+    assert {"PagefleetTTFTSLOBreached", "PagefleetTPOTSLOBreached"} <= alerts

@@ -1,0 +1,247 @@
+"""The reconcile pass against an in-memory API: idempotence, rollouts, repair, status."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+from fake_kube import FakeKube
+
+from pagefleet.operator.builders import BuildSettings
+from pagefleet.operator.kube import KubeError
+from pagefleet.operator.reconcile import reconcile, refresh_status
+
+SETTINGS = BuildSettings()
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, str]] = []
+
+    def __call__(self, type_: str, reason: str, message: str) -> None:
+        self.events.append((type_, reason, message))
+
+    def reasons(self) -> list[str]:
+        return [r for _, r, _ in self.events]
+
+
+def create_is(kube: FakeKube, spec: dict[str, Any]) -> dict[str, Any]:
+    return kube.add(
+        {
+            "apiVersion": "pagefleet.io/v1alpha1",
+            "kind": "InferenceService",
+            "metadata": {"name": "llama", "namespace": "ml", "generation": 1},
+            "spec": copy.deepcopy(spec),
+        }
+    )
+
+
+def body(kube: FakeKube) -> dict[str, Any]:
+    obj = kube.obj("InferenceService", "ml", "llama")
+    assert obj is not None
+    return copy.deepcopy(obj)
+
+
+def edit_spec(kube: FakeKube, fn) -> None:
+    obj = kube.obj("InferenceService", "ml", "llama")
+    fn(obj["spec"])
+    obj["metadata"]["generation"] += 1
+
+
+def cond(kube: FakeKube, type_: str) -> dict[str, Any]:
+    status = body(kube)["status"]
+    return next(c for c in status["conditions"] if c["type"] == type_)
+
+
+def test_first_pass_creates_everything_and_reports_progress(kube, unified_spec):
+    create_is(kube, unified_spec)
+    rec = Recorder()
+    result = reconcile(kube, body(kube), SETTINGS, rec)
+    assert kube.names("Deployment") == ["llama-gateway", "llama-unified"]
+    assert kube.names("Service") == ["llama-gateway", "llama-unified"]
+    assert kube.names("ConfigMap") == ["llama-config"]
+    assert {v for v, _, _ in result.actions} == {"Created"}
+    assert len(rec.events) == 8 and set(rec.reasons()) == {"Created"}
+    status = body(kube)["status"]
+    assert status["observedGeneration"] == 1
+    assert status["url"] == "http://llama-gateway.ml.svc:8080/v1"
+    assert cond(kube, "Ready")["status"] == "False"
+    assert cond(kube, "Progressing")["status"] == "True"
+    assert cond(kube, "Degraded")["status"] == "False"
+
+
+def test_second_pass_is_a_no_op(kube, unified_spec):
+    create_is(kube, unified_spec)
+    reconcile(kube, body(kube), SETTINGS, Recorder())
+    snapshot = copy.deepcopy(kube.objects)
+    kube.calls.clear()
+    rec = Recorder()
+    result = reconcile(kube, body(kube), SETTINGS, rec)
+    assert result.actions == [] and rec.events == []
+    assert kube.objects == snapshot  # no resourceVersion moved
+    assert ("patch_status", "InferenceService", "llama") not in kube.calls
+
+
+def test_ready_once_deployments_report_ready_pods(kube, unified_spec):
+    create_is(kube, unified_spec)
+    reconcile(kube, body(kube), SETTINGS, Recorder())
+    kube.mark_deployments_ready()
+    status = refresh_status(kube, body(kube))
+    assert status is not None
+    assert cond(kube, "Ready")["status"] == "True"
+    assert cond(kube, "UnifiedReady")["status"] == "True"
+    assert cond(kube, "Progressing")["status"] == "False"
+    st = body(kube)["status"]
+    assert st["roles"] == [
+        {"name": "unified", "desiredReplicas": 2, "readyReplicas": 2, "updatedReplicas": 2}
+    ]
+    assert st["readyRoles"] == "1/1" and st["replicas"] == "unified:2/2"
+
+
+def test_spec_change_rolls_out_and_keeps_transition_times(kube, unified_spec):
+    create_is(kube, unified_spec)
+    reconcile(kube, body(kube), SETTINGS, Recorder())
+    kube.mark_deployments_ready()
+    refresh_status(kube, body(kube))
+    ready_since = cond(kube, "Degraded")["lastTransitionTime"]
+
+    def scale_and_tune(spec):
+        spec["roles"]["unified"]["replicas"] = 3
+        spec["engine"] = {"maxNumSeqs": 8}
+
+    edit_spec(kube, scale_and_tune)
+    rec = Recorder()
+    result = reconcile(kube, body(kube), SETTINGS, rec)
+    assert ("Updated", "Deployment", "llama-unified") in result.actions
+    dep = kube.obj("Deployment", "ml", "llama-unified")
+    assert dep["spec"]["replicas"] == 3
+    cmd = dep["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert cmd[cmd.index("--max-num-seqs") + 1] == "8"
+    assert body(kube)["status"]["observedGeneration"] == 2
+    # the Deployment controller has not caught up: not Ready, Progressing
+    assert cond(kube, "Ready")["status"] == "False"
+    assert cond(kube, "Progressing")["status"] == "True"
+    assert cond(kube, "Degraded")["lastTransitionTime"] == ready_since
+    assert any("spec generation 2" in m for _, _, m in rec.events)
+
+
+def test_deleted_child_is_restored(kube, unified_spec):
+    create_is(kube, unified_spec)
+    reconcile(kube, body(kube), SETTINGS, Recorder())
+    kube.objects.pop(("Deployment", "ml", "llama-unified"))
+    rec = Recorder()
+    result = reconcile(kube, body(kube), SETTINGS, rec)
+    assert result.actions == [("Restored", "Deployment", "llama-unified")]
+    assert kube.obj("Deployment", "ml", "llama-unified") is not None
+    assert rec.events[0][0] == "Normal" and "was missing" in rec.events[0][2]
+
+
+def test_hand_edited_child_is_repaired(kube, unified_spec):
+    create_is(kube, unified_spec)
+    reconcile(kube, body(kube), SETTINGS, Recorder())
+    dep = kube.obj("Deployment", "ml", "llama-unified")
+    dep["spec"]["replicas"] = 7
+    dep["spec"]["template"]["spec"]["containers"][0]["image"] = "evil:latest"
+    result = reconcile(kube, body(kube), SETTINGS, Recorder())
+    assert result.actions == [("DriftRepaired", "Deployment", "llama-unified")]
+    dep = kube.obj("Deployment", "ml", "llama-unified")
+    assert dep["spec"]["replicas"] == 2
+    assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == "pagefleet:test"
+
+
+def test_switching_to_prefill_decode_replaces_the_role_workloads(kube, unified_spec):
+    create_is(kube, unified_spec)
+    reconcile(kube, body(kube), SETTINGS, Recorder())
+    # A foreign object with our labels but another owner must survive pruning.
+    kube.add(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {
+                "name": "llama-extra",
+                "namespace": "ml",
+                "labels": {
+                    "pagefleet.io/service": "llama",
+                    "app.kubernetes.io/managed-by": "pagefleet-operator",
+                },
+            },
+            "spec": {},
+        }
+    )
+
+    def to_pd(spec):
+        spec["roles"] = {"prefill": {"replicas": 1}, "decode": {"replicas": 2}}
+
+    edit_spec(kube, to_pd)
+    result = reconcile(kube, body(kube), SETTINGS, Recorder())
+    assert kube.names("Deployment") == ["llama-decode", "llama-gateway", "llama-prefill"]
+    assert kube.names("Service") == [
+        "llama-decode",
+        "llama-extra",
+        "llama-gateway",
+        "llama-prefill",
+    ]
+    assert ("Deleted", "Deployment", "llama-unified") in result.actions
+    assert ("Deleted", "Service", "llama-unified") in result.actions
+    gw = kube.obj("Deployment", "ml", "llama-gateway")["spec"]["template"]["spec"]["containers"][0]
+    assert gw["command"][gw["command"].index("--service") + 1] == "llama-decode"
+    st = body(kube)["status"]
+    assert [r["name"] for r in st["roles"]] == ["prefill", "decode"]
+    assert {c["type"] for c in st["conditions"]} >= {"PrefillReady", "DecodeReady"}
+
+
+def test_autoscaled_role_keeps_the_autoscalers_count(kube, pd_spec):
+    create_is(kube, pd_spec)
+    reconcile(kube, body(kube), SETTINGS, Recorder())
+    assert kube.obj("Deployment", "ml", "llama-decode")["spec"]["replicas"] == 2
+    kube.obj("Deployment", "ml", "llama-decode")["spec"]["replicas"] = 3  # the autoscaler
+    result = reconcile(kube, body(kube), SETTINGS, Recorder())
+    assert result.actions == []
+    assert kube.obj("Deployment", "ml", "llama-decode")["spec"]["replicas"] == 3
+    kube.obj("Deployment", "ml", "llama-decode")["spec"]["replicas"] = 10  # beyond max
+    reconcile(kube, body(kube), SETTINGS, Recorder())
+    assert kube.obj("Deployment", "ml", "llama-decode")["spec"]["replicas"] == 4
+
+
+def test_unrealisable_spec_sets_degraded_without_raising(kube, unified_spec):
+    del unified_spec["index"]
+    create_is(kube, unified_spec)
+    rec = Recorder()
+    result = reconcile(kube, body(kube), SETTINGS, rec)
+    assert result.degraded and "spec.index.redisURL" in result.degraded
+    assert kube.names("Deployment") == []
+    assert cond(kube, "Degraded")["status"] == "True"
+    assert cond(kube, "Degraded")["reason"] == "InvalidSpec"
+    assert cond(kube, "Ready")["status"] == "False"
+    assert rec.events[0][:2] == ("Warning", "InvalidSpec")
+    # the same problem again is not re-announced (no Event flood from the resync timer)
+    rec2 = Recorder()
+    reconcile(kube, body(kube), SETTINGS, rec2)
+    assert rec2.events == []
+    # fixing the spec clears Degraded
+    edit_spec(kube, lambda s: s.update(index={"redisURL": "redis://r:6379"}))
+    reconcile(kube, body(kube), SETTINGS, Recorder())
+    assert cond(kube, "Degraded")["status"] == "False"
+    assert kube.names("Deployment") == ["llama-gateway", "llama-unified"]
+
+
+def test_schema_escape_is_degraded_not_a_crash(kube, unified_spec):
+    unified_spec["roles"]["unified"]["autoscaling"] = {"maxReplicas": 2}  # CEL would refuse
+    create_is(kube, unified_spec)
+    result = reconcile(kube, body(kube), SETTINGS, Recorder())
+    assert "either replicas or autoscaling" in (result.degraded or "")
+
+
+def test_api_rejection_is_degraded_and_transient_errors_raise(kube, unified_spec):
+    create_is(kube, unified_spec)
+    kube.fail_next["apply"] = KubeError(422, 'HTTP 422: quantities must match "^([+-]?[0-9.]+)"')
+    result = reconcile(kube, body(kube), SETTINGS, Recorder())
+    assert cond(kube, "Degraded")["reason"] == "ApplyFailed"
+    assert "422" in (result.degraded or "")
+    kube.fail_next["apply"] = KubeError(503, "HTTP 503: etcd leader changed")
+    with pytest.raises(KubeError):
+        reconcile(kube, body(kube), SETTINGS, Recorder())
+    # and the next good pass recovers
+    reconcile(kube, body(kube), SETTINGS, Recorder())
+    assert cond(kube, "Degraded")["status"] == "False"
