@@ -205,7 +205,8 @@ async def test_metrics_names_after_traffic(client, live):
     await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4)
     text = await metrics_text(live)
     for name in [
-        "vllm:time_to_first_token_seconds_bucket", "vllm:request_time_per_output_token_seconds_count",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:request_time_per_output_token_seconds_count",
         "vllm:inter_token_latency_seconds_count", "vllm:e2e_request_latency_seconds_count",
         "vllm:request_queue_time_seconds_count", "vllm:request_prefill_time_seconds_count",
         "vllm:request_decode_time_seconds_count", "vllm:num_requests_running",
