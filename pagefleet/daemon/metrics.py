@@ -12,6 +12,7 @@ request by the HTTP layer; engine-wide counters and gauges are read from the lat
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -95,13 +96,30 @@ class _EngineStatsCollector(Collector):
             "pagefleet:kv_cache_evictions", "Cached blocks evicted (LRU).", stats.evictions_total
         )
         yield counter("pagefleet:engine_steps", "Engine steps run.", stats.steps_total)
+        # Info series the GIE endpoint picker reads: block size (prefix-cache scorer) and the
+        # LoRA adapters (none yet; the value is a timestamp, as vLLM's is).
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "KV-cache configuration.",
+            labels=[*LABELS, "block_size", "num_gpu_blocks"],
+        )
+        info.add_metric([*values, str(self._owner.block_size), str(stats.num_blocks)], 1.0)
+        yield info
+        lora = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "Running and waiting LoRA adapters (none are served yet).",
+            labels=[*LABELS, "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        )
+        lora.add_metric([*values, "0", "", ""], time.time())
+        yield lora
 
 
 class DaemonMetrics:
     """Every metric of one daemon, bound to its labels, in ``self.registry``."""
 
-    def __init__(self, model_name: str, role: str, pod: str) -> None:
+    def __init__(self, model_name: str, role: str, pod: str, block_size: int = 16) -> None:
         self.registry = CollectorRegistry()
+        self.block_size = block_size
         self.label_values = [model_name, role, pod]
         self.latest_stats: Any = None
         r = self.registry

@@ -178,7 +178,7 @@ class Daemon:
         self.config = config
         self._engine_factory = engine_factory
         self._index = index
-        self.metrics = DaemonMetrics(config.model_name, config.role, config.pod)
+        self.metrics = DaemonMetrics(config.model_name, config.role, config.pod, config.block_size)
         self.engine_loop: EngineLoop | None = None
         self.publisher: KVEventPublisher | None = None
         self.ready = False
@@ -530,7 +530,11 @@ class Daemon:
         if req.suffix:
             raise APIError(400, "suffix is not supported by this model", param="suffix")
         tok = self._loop().engine.tokenizer  # type: ignore[union-attr]
-        prompts = [p if isinstance(p, list) else tok.encode(p) for p in req.prompts()]
+        raw = req.prompts()
+        size = sum(len(p) for p in raw if isinstance(p, str))
+        prompts = await _offload(
+            lambda: [p if isinstance(p, list) else tok.encode(p) for p in raw], size
+        )
         self._check_lengths(prompts, req.max_tokens)
         params = self._sampling_params(req, req.max_tokens, req.logprobs)
         self._admission_check(len(prompts))
@@ -569,8 +573,11 @@ class Daemon:
                     400, "only text content parts are supported", param=f"messages.{i}.content"
                 )
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        prompt = self._chat_prompt_ids(
-            messages, req.add_generation_prompt, req.chat_template_kwargs
+        prompt = await _offload(
+            lambda: self._chat_prompt_ids(
+                messages, req.add_generation_prompt, req.chat_template_kwargs
+            ),
+            sum(len(m["content"]) for m in messages),
         )
         max_tokens = req.effective_max_tokens()
         self._check_lengths([prompt], max_tokens)
@@ -757,6 +764,19 @@ class Daemon:
                 finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
             )],
         )  # fmt: skip
+
+
+_INLINE_TOKENIZE_CHARS = 16_384
+
+
+async def _offload(fn: Callable[[], Any], size: int) -> Any:
+    """Run tokenization inline when small, on a worker thread when large.
+
+    A megabyte prompt takes long enough to stall every other stream on the event loop.
+    """
+    if size <= _INLINE_TOKENIZE_CHARS:
+        return fn()
+    return await asyncio.get_running_loop().run_in_executor(None, fn)
 
 
 async def _send(resp: web.StreamResponse, chunk: Any, include_usage: bool) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import aiohttp
 import pytest
@@ -240,3 +241,46 @@ async def test_publisher_resyncs_after_outage(tiny_tokenizer):
         assert pub.resyncs >= 1
         assert index.block_set("pod-a") == engines[0].cached_block_hashes()
         assert len(index.block_set("pod-a")) == 5
+
+
+async def test_unknown_fields_logged_once_and_long_prompt(tiny_tokenizer, caplog):
+    caplog.set_level(logging.INFO, logger="pagefleet.daemon.server")
+    async with live_daemon(_cfg(), _factory(tiny_tokenizer, [])) as d, aiohttp.ClientSession() as s:
+        for _ in range(3):
+            body = {"prompt": [1, 2], "max_tokens": 1, "sglang_rid": "abc"}
+            async with s.post(f"{d.base_url}/completions", json=body) as r:
+                assert r.status == 200
+        # Large enough to be tokenized off the event loop; still refused by length.
+        async with s.post(f"{d.base_url}/completions", json={"prompt": "hello " * 4000}) as r:
+            assert r.status == 400
+            assert (await r.json())["error"]["param"] == "prompt"
+    logged = [m for m in caplog.messages if "sglang_rid" in m]
+    assert len(logged) == 1
+
+
+async def test_nonstream_disconnect_aborts(tiny_tokenizer):
+    engines: list[FakeEngine] = []
+    factory = _factory(tiny_tokenizer, engines, step_delay_s=0.02)
+    async with live_daemon(_cfg(), factory) as d:
+        timeout = aiohttp.ClientTimeout(total=0.3)
+        async with aiohttp.ClientSession(timeout=timeout) as s:
+            with pytest.raises(TimeoutError):
+                body = {"prompt": [1, 2, 3], "max_tokens": 200}
+                async with s.post(f"{d.base_url}/completions", json=body) as r:
+                    await r.read()
+        for _ in range(100):
+            if engines[0].aborted:
+                break
+            await asyncio.sleep(0.02)
+        assert len(engines[0].aborted) == 1
+        assert d.daemon._inflight == 0
+
+
+def test_cli_refuses_pd_roles():
+    from click.testing import CliRunner
+
+    from pagefleet.daemon.cli import command
+
+    result = CliRunner().invoke(command, ["--role", "prefill"])
+    assert result.exit_code == 2
+    assert "not available yet" in result.output

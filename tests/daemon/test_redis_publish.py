@@ -139,7 +139,7 @@ async def test_redis_restart_triggers_resync(tmp_path):
             assert (
                 'pagefleet:kv_index_up{model_name="tiny-redis",pod="pod-2",role="unified"} 1.0'
                 in metrics
-            )  # noqa: E501
+            )
     finally:
         proc.kill()
         proc.wait(10)
