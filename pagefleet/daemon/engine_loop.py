@@ -171,6 +171,13 @@ class EngineLoop:
             return
         self._push(_Command(lambda eng: eng.abort(request_id), None))
 
+    def abort_all(self) -> int:
+        """Abort every live request (shutdown past its grace); returns how many."""
+        rids = list(self._streams)
+        for rid in rids:
+            self.abort(rid)
+        return len(rids)
+
     def stop(self, timeout: float | None = 10.0) -> None:
         """Stop the thread after its current step; live streams get EngineDeadError."""
         with self._cv:

@@ -99,12 +99,10 @@ class KVEventPublisher:
     # -- event loop -----------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Clear the pod's stale entries (a previous life's), then start publishing."""
-        try:
-            await self._op(self.index.clear_pod(self.pod))
-            self._mark_up()
-        except Exception as exc:
-            self._mark_down("clearing stale entries", exc)
+        """Start publishing; the first act clears the pod's stale entries (a previous life's).
+
+        Does not wait for the index: an unreachable Redis must not delay serving.
+        """
         self._tasks = [
             asyncio.create_task(self._apply_loop(), name=f"kv-publisher-{self.pod}"),
             asyncio.create_task(self._heartbeat_loop(), name=f"kv-heartbeat-{self.pod}"),
@@ -165,6 +163,11 @@ class KVEventPublisher:
                 self._metrics.index_up.set(1)
 
     async def _apply_loop(self) -> None:
+        try:
+            await self._op(self.index.clear_pod(self.pod))
+            self._mark_up()
+        except Exception as exc:
+            self._mark_down("clearing stale entries", exc)
         while True:
             periodic = (
                 self._resync_interval_s > 0

@@ -233,8 +233,7 @@ class Daemon:
         except TimeoutError:
             logger.warning("drain grace (%.1fs) over: aborting %d requests", grace, self._inflight)
             if self.engine_loop is not None:
-                for rid in list(self.engine_loop._streams):
-                    self.engine_loop.abort(rid)
+                self.engine_loop.abort_all()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), 5.0)
 

@@ -205,3 +205,39 @@ async def _wait_ready(s: aiohttp.ClientSession, base: str, proc: subprocess.Pope
             pass
         await asyncio.sleep(0.2)
     pytest.fail("daemon never became ready")
+
+
+async def test_serves_without_redis_then_syncs_when_it_appears(tmp_path, tiny_tokenizer):
+    from .fake_engine import FakeEngine
+
+    engines: list[FakeEngine] = []
+
+    def factory(cfg, sink):
+        engines.append(FakeEngine(tiny_tokenizer, event_sink=sink))
+        return engines[-1]
+
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"  # nothing listens there yet
+    proc = None
+    try:
+        async with live_daemon(config(url, "pod-4"), factory) as d:
+            pub = d.daemon.publisher
+            pub._backoff_initial_s = pub._backoff_max_s = 0.1
+            async with aiohttp.ClientSession() as s:
+                async with s.get(f"{d.url}/ready") as r:
+                    assert r.status == 200
+                for p in ([1, 2, 3, 4, 5, 6, 7, 8], [8, 7, 6, 5]):
+                    body = {"prompt": p, "max_tokens": 2}
+                    async with s.post(f"{d.url}/v1/completions", json=body) as r:
+                        assert r.status == 200
+            assert not pub.in_sync.is_set()
+            proc = _start_redis(port, str(tmp_path))
+            await asyncio.wait_for(pub.in_sync.wait(), 15)
+            await settle(pub)
+            cached = engines[0].cached_block_hashes()
+            held, found = await held_in_redis(url, "pod-4", cached)
+            assert held == found == len(cached) == 3
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.wait(10)
