@@ -3,11 +3,12 @@
 Layout, all keys under the namespace prefix ``P = pf:{ns=<namespace>}:`` (one hash tag, so
 one Redis Cluster slot, so one Lua script may touch them all):
 
-``P b:<bucket>``  HASH  block table. The bucket is the top ``bucket_bits`` bits of the block
-                        hash; the field is the rest of the hash's bytes (7 bytes); the value
-                        is the sorted 2-byte ids of the pods holding the block. Small hashes
-                        stay in Redis' listpack encoding: ~13 bytes per block instead of the
-                        ~330 bytes of one Redis key per block.
+``P b<2 bytes>``  HASH  block table. The bucket is the hash's first two bytes with all but
+                        the top ``bucket_bits`` bits zeroed (binary, so the script builds the
+                        key without number formatting); the field is the hash's last 7 bytes;
+                        the value is the sorted 2-byte ids of the pods holding the block.
+                        Small hashes stay in Redis' listpack encoding: ~13 bytes per block
+                        instead of the ~100+ bytes of one Redis key per block.
 ``P r:<id>``      LIST  the pod's reverse log: packed 8-byte hashes it added, so clearing a
                         pod costs O(its blocks); compacted when removals dominate.
 ``P pod`` / ``P pid``  HASH  pod name -> id / id -> name (ids are small and reused).
@@ -26,6 +27,7 @@ entries at once in O(1); gc sweeps them in bounded slices.
 from __future__ import annotations
 
 import logging
+import math
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -43,6 +45,16 @@ logger = logging.getLogger(__name__)
 CHUNK = 4096
 # Hash removals per gc() script call.
 GC_BUDGET = 20_000
+
+
+def suggest_bucket_bits(expected_blocks: int, per_bucket: int = 64) -> int:
+    """Bucket bits that put ~``per_bucket`` blocks in each bucket hash.
+
+    Fewer blocks per bucket: faster field scans, more per-key overhead; more: the reverse.
+    ~64 keeps both small and stays under the listpack limit of a stock server (128).
+    """
+    want = max(1, expected_blocks // per_bucket)
+    return min(16, max(8, round(math.log2(want))))
 
 
 def key_prefix(namespace: str) -> str:

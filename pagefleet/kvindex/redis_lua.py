@@ -19,9 +19,9 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
--- bucket key divisor and where the field starts inside the 8-byte hash: the bucket is
--- the top `bits` bits (8..16) of the hash; the field keeps every byte the bucket does not
--- fully cover, so (bucket, field) identifies the hash exactly.
+-- Bucket divisor and the field's offset inside the 8-byte hash. The bucket key ends with
+-- the hash's first two bytes, low (16 - bits) bits zeroed; the field keeps every byte the
+-- bucket does not fully cover, so (bucket, field) identifies the hash exactly.
 local function layout(bits)
   local fstart = 2
   if bits == 16 then fstart = 3 end
@@ -40,11 +40,9 @@ end
 -- Add pod `idn` (2-byte string id2) to a block's value, keeping ids sorted so equal pod
 -- sets give equal strings. Returns 1 when the pod was not there yet.
 local function add_pod(key, field, id2, idn)
+  -- Most stored blocks are new to the index: one call settles those.
+  if redis.call('HSETNX', key, field, id2) == 1 then return 1 end
   local v = redis.call('HGET', key, field)
-  if not v then
-    redis.call('HSET', key, field, id2)
-    return 1
-  end
   for j = 1, #v, 2 do
     local c = id_at(v, j)
     if c == idn then return 0 end
@@ -155,7 +153,7 @@ for a = 3, #ARGV do
     end
     for p = 2, #ev, 8 do
       local b1, b2 = string.byte(ev, p, p + 1)
-      local key = P .. 'b:' .. math.floor((b1 * 256 + b2) / div)
+      local key = P .. 'b' .. string.char(b1, b2 - b2 % div)
       if add_pod(key, string.sub(ev, p + foff, p + 7), id2, idn) == 1 then
         nlog = nlog + 1
         log[nlog] = string.sub(ev, p, p + 7)
@@ -166,7 +164,7 @@ for a = 3, #ARGV do
     if idn ~= nil then
       for p = 2, #ev, 8 do
         local b1, b2 = string.byte(ev, p, p + 1)
-        local key = P .. 'b:' .. math.floor((b1 * 256 + b2) / div)
+        local key = P .. 'b' .. string.char(b1, b2 - b2 % div)
         delta = delta - remove_pod(key, string.sub(ev, p + foff, p + 7), idn)
       end
     end
@@ -208,7 +206,7 @@ if logged > 2 * held + 1024 then
       if not seen[h] then
         seen[h] = true
         local b1, b2 = string.byte(h, 1, 2)
-        local key = P .. 'b:' .. math.floor((b1 * 256 + b2) / div)
+        local key = P .. 'b' .. string.char(b1, b2 - b2 % div)
         if holds(key, string.sub(h, 1 + foff), idn) then
           nkeep = nkeep + 1
           keep[nkeep] = h
@@ -243,7 +241,7 @@ local i = 0
 while i < nb do
   local p = i * 8 + 1
   local b1, b2 = string.byte(hs, p, p + 1)
-  local v = redis.call('HGET', P .. 'b:' .. math.floor((b1 * 256 + b2) / div),
+  local v = redis.call('HGET', P .. 'b' .. string.char(b1, b2 - b2 % div),
                        string.sub(hs, p + foff, p + 7))
   if not v then break end
   -- Along a chain consecutive blocks usually have the same holders: same string, no work.
@@ -360,7 +358,7 @@ if bits > 0 then
       if not chunk then break end
       for p = 1, #chunk, 8 do
         local b1, b2 = string.byte(chunk, p, p + 1)
-        local key = P .. 'b:' .. math.floor((b1 * 256 + b2) / div)
+        local key = P .. 'b' .. string.char(b1, b2 - b2 % div)
         remove_pod(key, string.sub(chunk, p + foff, p + 7), idn)
       end
       budget = budget - #chunk / 8
