@@ -151,7 +151,7 @@ class LocalFleet:
             # The gateway needs the checkpoint directory for its tokenizer; resolving a tiny
             # preset imports torch in a child, so do it while the daemons load.
             self._resolve_model()
-            self._wait_ready(self.daemons)
+            self.wait_ready(self.daemons)
             self.start_gateway()
         except BaseException:
             self.stop()
@@ -211,33 +211,34 @@ class LocalFleet:
         return self.spec.kv_namespace or self.served_model_name
 
     def start_gateway(self, policy: str | None = None, weights: str | None = None) -> str:
-        """(Re)start the gateway, e.g. with another policy; returns its URL."""
+        """(Re)start the fleet's gateway, e.g. with another policy; returns its URL."""
         if self.gateway is not None:
             self.gateway.stop()
-        port = self.spec.gateway_port or free_port()
+        self.gateway = self.spawn_gateway(policy, weights, name="gateway")
+        self.wait_ready([self.gateway])
+        return self.gateway.url
+
+    def spawn_gateway(
+        self,
+        policy: str | None = None,
+        weights: str | None = None,
+        name: str = "gateway",
+        port: int | None = None,
+    ) -> Child:
+        """Start one more gateway over the same daemons and index, without waiting for it
+        (several replicas, or one per policy in a benchmark). The caller stops it."""
+        port = port or (self.spec.gateway_port if name == "gateway" else 0) or free_port()
         host = self.spec.host
         argv = [
-            sys.executable,
-            "-m",
-            "pagefleet.cli",
-            "gateway",
-            "--host",
-            host,
-            "--port",
-            str(port),
-            "--policy",
-            policy or self.spec.policy,
-            "--model",
-            self.model_dir,
-            "--served-model-name",
-            self.served_model_name,
-            "--kv-namespace",
-            self.namespace,
-            "--block-size",
-            str(self.spec.block_size),
-            "--endpoints",
-            ",".join(self.daemon_urls),
-        ]
+            sys.executable, "-m", "pagefleet.cli", "gateway",
+            "--host", host, "--port", str(port),
+            "--policy", policy or self.spec.policy,
+            "--model", self.model_dir,
+            "--served-model-name", self.served_model_name,
+            "--kv-namespace", self.namespace,
+            "--block-size", str(self.spec.block_size),
+            "--endpoints", ",".join(self.daemon_urls),
+        ]  # fmt: skip
         if self.redis_url:
             argv += ["--redis-url", self.redis_url]
         if weights or self.spec.weights:
@@ -245,12 +246,11 @@ class LocalFleet:
         if self.spec.seed is not None:
             argv += ["--seed", str(self.spec.seed)]
         argv += self.spec.gateway_args
-        self.gateway = Child("gateway", argv, f"http://{host}:{port}", self.log_dir / "gateway.log")
-        self.gateway.start()
-        self._wait_ready([self.gateway])
-        return self.gateway.url
+        child = Child(name, argv, f"http://{host}:{port}", self.log_dir / f"{name}.log")
+        child.start()
+        return child
 
-    def _wait_ready(self, children: list[Child]) -> None:
+    def wait_ready(self, children: list[Child]) -> None:
         deadline = time.monotonic() + self.spec.ready_timeout_s
         pending = list(children)
         while pending:

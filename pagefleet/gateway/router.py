@@ -79,7 +79,9 @@ class Router:
     breaker_cooldown_s: float = 1.0
     seed: int | None = None
     metrics: GatewayMetrics | None = None
+    eject_s: float = 5.0
     inflight: dict[str, int] = field(default_factory=dict)
+    _ejected: dict[str, float] = field(default_factory=dict)
     _loads: dict[str, PodLoad] = field(default_factory=dict)
     _rng: random.Random = field(default_factory=random.Random)
     _breaker: _Breaker = field(default_factory=lambda: _Breaker(1.0))
@@ -138,6 +140,25 @@ class Router:
             self.inflight[ep.pod] = left
         else:
             self.inflight.pop(ep.pod, None)
+
+    def mark_failed(self, ep: Endpoint) -> None:
+        """A pod refused or dropped a request: rank it last for ``eject_s`` seconds, so a
+        crashed pod costs one failed attempt, not one per request until discovery notices."""
+        self._ejected[ep.pod] = time.monotonic() + self.eject_s
+
+    def mark_ok(self, ep: Endpoint) -> None:
+        self._ejected.pop(ep.pod, None)
+
+    def _demote_ejected(self, ranked: list[Scored]) -> list[Scored]:
+        if not self._ejected:
+            return ranked
+        now = time.monotonic()
+        for pod, until in list(self._ejected.items()):
+            if until <= now:
+                del self._ejected[pod]
+        healthy = [s for s in ranked if s.endpoint.pod not in self._ejected]
+        # Never drop candidates: if every pod is ejected, still try them in order.
+        return healthy + [s for s in ranked if s.endpoint.pod in self._ejected]
 
     # -- routing --------------------------------------------------------------------------
 
@@ -200,7 +221,7 @@ class Router:
         req = RouteRequest(
             prompt_tokens=len(tokens), block_size=self.block_size, session_key=session_key
         )
-        ranked = self.policy.rank(candidates, req, self._rng)
+        ranked = self._demote_ejected(self.policy.rank(candidates, req, self._rng))
         decision = RoutingDecision(
             ranked=ranked,
             policy=self.policy.name,

@@ -241,8 +241,10 @@ class Gateway:
                 self.router.release(ep)
                 self.metrics.inflight.labels(pod=ep.pod).dec()
             if isinstance(result, web.StreamResponse):
+                self.router.mark_ok(ep)
                 return result
             last_error = result
+            self.router.mark_failed(ep)
             self.metrics.retries.labels(pod=ep.pod).inc()
             logger.info(
                 "pod %s failed before the first byte (%s); %s",

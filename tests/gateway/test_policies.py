@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections import Counter
 
@@ -265,3 +266,21 @@ def test_cache_aware_cost_trades_hits_against_queue() -> None:
     # ... but not with 5 queued (cost 1.25).
     ranked = policy.rank([Candidate(ep[0], 10, running=5), Candidate(ep[1])], req, random.Random(0))
     assert ranked[0].endpoint == ep[1]
+
+
+async def test_failed_pod_is_ranked_last_until_ejection_expires() -> None:
+    index = MemoryKVIndex(NS)
+    await _beat(index)
+    prompt = _prompt(4, 8 * BS)
+    await _store(index, PODS[0], prompt)
+    router = await _router("cache_aware", index, eject_s=0.3)
+    try:
+        assert (await router.route(prompt)).ranked[0].endpoint.pod == PODS[0]
+        router.mark_failed(Endpoint(PODS[0], URLS[0]))
+        d = await router.route(prompt)
+        assert d.ranked[0].endpoint.pod != PODS[0]
+        assert d.ranked[-1].endpoint.pod == PODS[0]  # demoted, still a last resort
+        await asyncio.sleep(0.35)
+        assert (await router.route(prompt)).ranked[0].endpoint.pod == PODS[0]
+    finally:
+        await router.close()

@@ -1,0 +1,201 @@
+"""Cache-aware routing vs round robin vs least load on one seeded multi-tenant chat trace.
+
+    .venv/bin/python bench/routing.py --quick
+
+A real fleet: 4 daemons (tiny model) + real Redis + one gateway per policy, all started by
+pagefleet's LocalFleet. Each daemon's KV pool is sized below the trace's prefix working
+set while the fleet's total is above it (sizes printed), the regime where routing decides
+the hit rate. Every policy replays the same trace; a per-policy salt at the start of every
+system prompt gives each run a cold, disjoint set of prefixes without restarting daemons
+(earlier runs' blocks are unreferenced, so LRU evicts them first).
+
+Baseline and ceiling, both measured here: round robin and least load on the same trace,
+and `ideal_hit_rate`, one unbounded cache replaying the trace in order. The last run sends
+one identical prompt many times through the cache_aware gateway to check that a hot
+prompt spreads (`max_pod_share_single_prompt`). Last line: one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+import urllib.request
+from dataclasses import replace
+
+from pagefleet.api.openai import ChatCompletionRequest
+from pagefleet.gateway.loadgen import run_workload, summarize, trim
+from pagefleet.gateway.local_fleet import FleetSpec, LocalFleet
+from pagefleet.gateway.prompts import PromptTokenizer
+from pagefleet.gateway.workload import (
+    WorkloadSpec,
+    build_conversations,
+    flatten,
+    ideal_hit_rate,
+    single_prompt_trace,
+)
+from pagefleet.kvindex.hashing import block_hashes
+
+POLICIES = ("cache_aware", "round_robin", "least_load")
+
+
+def _token_ids(tok: PromptTokenizer, convs: list) -> list[list[int]]:
+    return [
+        tok.chat_ids(ChatCompletionRequest(model="tiny", messages=t.as_openai()))
+        for t in flatten(convs)
+    ]
+
+
+def _server_info(url: str) -> dict:
+    with urllib.request.urlopen(url + "/get_server_info", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small trace, under ~60 s")
+    ap.add_argument("--daemons", type=int, default=4)
+    ap.add_argument("--requests", type=int, default=None, help="turns per policy")
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--kv-cache-memory-mb", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--weights", default=None, help="cache_aware weights for the gateway")
+    args = ap.parse_args()
+
+    t_start = time.perf_counter()
+    n_req = args.requests or (64 if args.quick else 240)
+    spec = WorkloadSpec(
+        num_conversations=n_req,
+        num_tenants=16,
+        system_prompt_words=140,  # ~600 tokens (~38 blocks) with the tiny tokenizer
+        user_turn_words=8,
+        assistant_turn_words=12,
+        max_turns=4,
+        zipf_s=1.1,
+        max_tokens=4,
+        seed=args.seed,
+    )
+    kv_mb = args.kv_cache_memory_mb or 6  # tiny: 32 KiB per 16-token block -> 192 blocks
+    fleet = LocalFleet(
+        FleetSpec(
+            num_daemons=args.daemons,
+            kv_cache_memory_mb=kv_mb,
+            seed=args.seed,
+            weights=args.weights,
+            gateway_port=0,
+        )
+    )
+    gateways = {}
+    try:
+        fleet.start()
+        gateways["cache_aware"] = fleet.gateway
+        for policy in POLICIES[1:]:
+            gateways[policy] = fleet.spawn_gateway(policy, name=f"gateway-{policy}")
+        fleet.wait_ready([g for g in gateways.values() if g is not None])
+        t_ready = time.perf_counter() - t_start
+        tok = PromptTokenizer.from_dir(fleet.model_dir)
+        blocks_per_daemon = int(_server_info(fleet.daemon_urls[0]).get("num_blocks", 0))
+
+        base = trim(build_conversations(spec), n_req)
+        ids = _token_ids(tok, base)
+        seen: set[int] = set()
+        for x in ids:
+            seen.update(block_hashes(x, 16, fleet.namespace))
+        ideal = ideal_hit_rate(ids, 16, fleet.namespace)
+        sys_tokens = sorted(len(x) for x in _token_ids(tok, [c for c in base if c.turns]))
+        print(
+            f"fleet ready in {t_ready:.1f}s; {args.daemons} daemons x {blocks_per_daemon} "
+            f"KV blocks = {args.daemons * blocks_per_daemon} fleet blocks; trace working "
+            f"set {len(seen)} blocks; {len(ids)} requests, prompt tokens "
+            f"min {sys_tokens[0]} max {sys_tokens[-1]}"
+        )
+        if not blocks_per_daemon < len(seen) < args.daemons * blocks_per_daemon:
+            print("WARNING: not in the routing regime (per-daemon < working set < fleet)")
+
+        # Warm every daemon's first-forward costs so no policy pays them.
+        warm = trim(
+            build_conversations(
+                WorkloadSpec(num_conversations=2 * args.daemons, max_turns=1, salt="warm ")
+            ),
+            2 * args.daemons,
+        )
+        asyncio.run(
+            run_workload(
+                gateways["round_robin"].url,
+                fleet.served_model_name,
+                warm,
+                args.daemons,
+                progress=False,
+            )
+        )
+
+        reports = {}
+        for i, policy in enumerate(POLICIES):
+            salted = replace(spec, salt=f"run {i} {policy}. ")
+            convs = trim(build_conversations(salted), n_req)
+            results, wall = asyncio.run(
+                run_workload(
+                    gateways[policy].url,
+                    fleet.served_model_name,
+                    convs,
+                    args.concurrency,
+                    progress=False,
+                )
+            )
+            reports[policy] = summarize(results, wall)
+            r = reports[policy]
+            print(
+                f"{policy:12s} hit {r['prefix_hit_rate']:.3f}  ttft p50 {r['ttft_ms_p50']} ms"
+                f" p90 {r['ttft_ms_p90']} ms  wall {r['wall_s']} s  failed {r['failed']}  "
+                f"max pod share {r['max_pod_share']:.2f}"
+            )
+
+        single = single_prompt_trace(48 if args.quick else 160, words=140, salt="single ")
+        results, wall = asyncio.run(
+            run_workload(
+                gateways["cache_aware"].url,
+                fleet.served_model_name,
+                single,
+                args.concurrency,
+                progress=False,
+            )
+        )
+        single_report = summarize(results, wall)
+        print(
+            f"single prompt via cache_aware: pod share {single_report['pod_share']} "
+            f"hit {single_report['prefix_hit_rate']:.3f}"
+        )
+    finally:
+        for name, g in gateways.items():
+            if g is not None and name != "cache_aware":
+                g.stop()
+        fleet.stop()
+
+    ca, rr, ll = (reports[p] for p in POLICIES)
+    out = {
+        "ideal_hit_rate": round(ideal, 4),
+        "cache_aware_hit_rate": ca["prefix_hit_rate"],
+        "round_robin_hit_rate": rr["prefix_hit_rate"],
+        "least_load_hit_rate": ll["prefix_hit_rate"],
+        "cache_aware_frac_of_ideal": round(ca["prefix_hit_rate"] / ideal, 4) if ideal else 0.0,
+        "ttft_p50_ms_cache_aware": ca["ttft_ms_p50"],
+        "ttft_p50_ms_round_robin": rr["ttft_ms_p50"],
+        "ttft_p50_ms_least_load": ll["ttft_ms_p50"],
+        "ttft_p50_ratio_rr_over_ca": round(rr["ttft_ms_p50"] / ca["ttft_ms_p50"], 3)
+        if ca["ttft_ms_p50"]
+        else None,
+        "max_pod_share_single_prompt": single_report["max_pod_share"],
+        "failed_requests": sum(r["failed"] for r in (ca, rr, ll, single_report)),
+        "requests_per_policy": n_req,
+        "daemons": args.daemons,
+        "kv_blocks_per_daemon": blocks_per_daemon,
+        "working_set_blocks": len(seen),
+        "wall_s": round(time.perf_counter() - t_start, 1),
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
