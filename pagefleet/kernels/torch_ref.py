@@ -83,8 +83,8 @@ def paged_attention(
         kc = kc.transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, S, D]
         vc = vc.transpose(0, 1).repeat_interleave(group, dim=0)
         # Query row r sits at position seq_len - qlen + r and sees keys 0..that position.
-        qpos = torch.arange(seq_len - qlen, seq_len).unsqueeze(1)
-        kpos = torch.arange(seq_len).unsqueeze(0)
+        qpos = torch.arange(seq_len - qlen, seq_len, device=q.device).unsqueeze(1)
+        kpos = torch.arange(seq_len, device=q.device).unsqueeze(0)
         mask = kpos <= qpos
         o = F.scaled_dot_product_attention(qi, kc, vc, attn_mask=mask, scale=scale)
         out[start:end] = o.transpose(0, 1).to(q.dtype)
@@ -112,7 +112,7 @@ def _decode_batched(
     # [nd, Hkv, group, D] x [nd, Hkv, S, D] -> [nd, Hkv, group, S]
     qf = q.float().view(nd, hkv, group, d)
     scores = torch.einsum("bhgd,bshd->bhgs", qf, kc) * scale
-    valid = torch.arange(max_len).unsqueeze(0) < seq_lens.unsqueeze(1)  # [nd, S]
+    valid = torch.arange(max_len, device=q.device).unsqueeze(0) < seq_lens.unsqueeze(1)  # [nd, S]
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     o = torch.einsum("bhgs,bshd->bhgd", probs, vc)
