@@ -114,14 +114,15 @@ class RestKube:
         from kubernetes.client.exceptions import ApiException
 
         headers = {"Accept": "application/json", "Content-Type": content_type}
-        payload = None if body is None else json.dumps(body)
+        # A dict body: the REST layer serialises it once for JSON and structured-YAML
+        # content types (a pre-serialised string would be JSON-encoded a second time).
         try:
             req = self._api.param_serialize(
                 method=method,
                 resource_path=path,
                 query_params=query or [],
                 header_params=headers,
-                body=payload,
+                body=body,
                 auth_settings=["BearerToken"],
             )
             resp = self._api.call_api(*req, _request_timeout=30)
