@@ -114,7 +114,9 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         prefix=GROUP, key="last-handled-configuration"
     )
     settings.persistence.finalizer = f"{GROUP}/finalizer"
-    settings.posting.level = logging.INFO
+    # Our own Events (kopf.event) always post; kopf's per-handler log lines become Events
+    # only when they are warnings, so `kubectl describe` shows what happened and why.
+    settings.posting.level = logging.WARNING
     # Re-list periodically so a missed watch event cannot leave the operator blind.
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
