@@ -11,6 +11,7 @@ one Redis Cluster slot, so one Lua script may touch them all):
                         instead of the ~100+ bytes of one Redis key per block.
 ``P r:<id>``      LIST  the pod's reverse log: packed 8-byte hashes it added, so clearing a
                         pod costs O(its blocks); compacted when removals dominate.
+``P r2:<id>``     LIST  the new set while a resync is in flight (replaces ``r:<id>``).
 ``P pod`` / ``P pid``  HASH  pod name -> id / id -> name (ids are small and reused).
 ``P hb:<id>``     STRING  the pod's last load (JSON) with the heartbeat TTL.
 ``P exp``         HASH  id -> ms after which the pod counts as dead (gc's grace starts here).
@@ -20,8 +21,9 @@ one Redis Cluster slot, so one Lua script may touch them all):
 
 A pod counts only while ``hb:<id>`` exists, so dead pods vanish from lookups the moment
 their heartbeat expires; ``gc()`` removes their entries later. Clearing a pod (an
-AllBlocksCleared event, ``clear_pod``, ``resync``) gives it a fresh id, which hides the old
-entries at once in O(1); gc sweeps them in bounded slices.
+AllBlocksCleared event, ``clear_pod``) gives it a fresh id, which hides the old entries at
+once in O(1); gc sweeps them in bounded slices. ``resync`` instead applies the difference,
+so the blocks a pod keeps never blink out of lookups (daemons resync periodically).
 """
 
 from __future__ import annotations
@@ -132,9 +134,13 @@ class RedisKVIndex:
         await self._run_events(pod, _encode_events(batch.events))
 
     async def resync(self, pod: str, block_hashes: set[int]) -> None:
+        """Replace the pod's set by difference, in one pipeline of bounded script calls.
+
+        Blocks in both the old and the new set never drop out of lookups meanwhile; blocks
+        only in the new set appear chunk by chunk; the rest go in the last call.
+        """
         packed = pack_hashes(list(block_hashes))
-        await self._run_events(pod, [b"C", *_chunked(b"S", packed)])
-        await self._sweep()
+        await self._run_events(pod, [b"B", *_chunked(b"A", packed), b"F"])
 
     async def clear_pod(self, pod: str) -> None:
         await self._run_events(pod, [b"C"])

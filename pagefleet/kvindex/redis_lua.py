@@ -39,10 +39,20 @@ end
 
 -- Add pod `idn` (2-byte string id2) to a block's value, keeping ids sorted so equal pod
 -- sets give equal strings. Returns 1 when the pod was not there yet.
-local function add_pod(key, field, id2, idn)
-  -- Most stored blocks are new to the index: one call settles those.
-  if redis.call('HSETNX', key, field, id2) == 1 then return 1 end
-  local v = redis.call('HGET', key, field)
+local function add_pod(key, field, id2, idn, likely_new)
+  local v
+  if likely_new then
+    -- Most stored blocks are new to the index: one call settles those.
+    if redis.call('HSETNX', key, field, id2) == 1 then return 1 end
+    v = redis.call('HGET', key, field)
+  else
+    -- A resync mostly re-asserts blocks the pod already holds: read first.
+    v = redis.call('HGET', key, field)
+    if not v then
+      redis.call('HSET', key, field, id2)
+      return 1
+    end
+  end
   for j = 1, #v, 2 do
     local c = id_at(v, j)
     if c == idn then return 0 end
@@ -146,15 +156,16 @@ end
 for a = 3, #ARGV do
   local ev = ARGV[a]
   local kind = string.sub(ev, 1, 1)
-  if kind == 'S' then
+  if kind == 'S' or kind == 'A' then
     if idn == nil then
       idn = new_id(name)
       id2 = enc_id(idn)
     end
+    if kind == 'A' then redis.call('RPUSH', P .. 'r2:' .. idn, string.sub(ev, 2)) end
     for p = 2, #ev, 8 do
       local b1, b2 = string.byte(ev, p, p + 1)
       local key = P .. 'b' .. string.char(b1, b2 - b2 % div)
-      if add_pod(key, string.sub(ev, p + foff, p + 7), id2, idn) == 1 then
+      if add_pod(key, string.sub(ev, p + foff, p + 7), id2, idn, kind == 'S') == 1 then
         nlog = nlog + 1
         log[nlog] = string.sub(ev, p, p + 7)
         delta = delta + 1
@@ -184,6 +195,45 @@ for a = 3, #ARGV do
         touch(idn, tonumber(redis.call('HGET', P .. 'exp', old) or '0'))
         redis.call('HDEL', P .. 'exp', old)
       end
+    end
+  elseif kind == 'B' then
+    -- Resync begins: 'A' chunks add the new set and record it in r2, then 'F' drops
+    -- whatever the pod held outside it. Blocks held before and after never disappear.
+    if idn == nil then
+      idn = new_id(name)
+      id2 = enc_id(idn)
+    end
+    redis.call('DEL', P .. 'r2:' .. idn)
+  elseif kind == 'F' then
+    if idn ~= nil then
+      flush()
+      local want, nwant = {}, 0
+      for _, chunk in ipairs(redis.call('LRANGE', P .. 'r2:' .. idn, 0, -1)) do
+        for p = 1, #chunk, 8 do
+          local h = string.sub(chunk, p, p + 7)
+          if not want[h] then
+            want[h] = true
+            nwant = nwant + 1
+          end
+        end
+      end
+      local seen = {}
+      for _, chunk in ipairs(redis.call('LRANGE', P .. 'r:' .. idn, 0, -1)) do
+        for p = 1, #chunk, 8 do
+          local h = string.sub(chunk, p, p + 7)
+          if not want[h] and not seen[h] then
+            seen[h] = true
+            local b1, b2 = string.byte(h, 1, 2)
+            remove_pod(P .. 'b' .. string.char(b1, b2 - b2 % div), string.sub(h, 1 + foff), idn)
+          end
+        end
+      end
+      if nwant > 0 then
+        redis.call('RENAME', P .. 'r2:' .. idn, P .. 'r:' .. idn)
+      else
+        redis.call('DEL', P .. 'r:' .. idn, P .. 'r2:' .. idn)
+      end
+      redis.call('HSET', P .. 'st', 'n' .. idn, nwant, 'l' .. idn, nwant)
     end
   else
     return redis.error_reply('pagefleet index: unknown event kind ' .. kind)
@@ -343,6 +393,7 @@ for k = 1, #all, 2 do
       redis.call('HDEL', P .. 'pod', name)
       redis.call('HDEL', P .. 'exp', id)
       redis.call('HDEL', P .. 'st', 'n' .. id, 'l' .. id)
+      redis.call('DEL', P .. 'r2:' .. id)  -- an unfinished resync; r covers its adds
       redis.call('SADD', P .. 'dead', id)
       retired = retired + 1
     end

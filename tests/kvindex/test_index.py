@@ -317,3 +317,21 @@ async def test_event_stream_replay_reproduces_the_set(index: KVIndex) -> None:
     for h in universe:
         want = {p: 1 for p in pods if h in model[p]}
         assert await index.lookup([h]) == want
+
+
+async def test_resync_by_difference_with_large_overlap(index: KVIndex) -> None:
+    old = chain(6000, seed=17)
+    new = old[:5000] + chain(2000, seed=18)
+    await live(index, "a", "b")
+    await index.apply("b", batch(stored(old[:100])))
+    await index.resync("fresh", set(old[:10]))  # a pod the index never saw
+    await live(index, "fresh")
+    assert await index.lookup(old[:20]) == {"b": 20, "fresh": 10}
+    await index.apply("a", batch(stored(old)))
+    await index.resync("a", set(new))
+    assert await index.lookup(old) == {"a": 5000, "b": 100, "fresh": 10}
+    assert await index.lookup(new[5000:]) == {"a": 2000}
+    for h in old[5000:5100]:
+        assert await index.lookup([h]) == {}
+    await index.resync("a", set(new))  # idempotent
+    assert await index.lookup(new) == {"a": 7000, "b": 100, "fresh": 10}

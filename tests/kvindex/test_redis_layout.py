@@ -238,3 +238,21 @@ def test_pack_rejects_out_of_range() -> None:
         pack_hashes([1 << 64])
     with pytest.raises(ValueError, match="bucket_bits"):
         RedisKVIndex(aredis.Redis(), bucket_bits=7)
+
+
+async def test_resync_rewrites_counters_and_log(idx: RedisKVIndex, admin: aredis.Redis) -> None:
+    old, extra = rand_hashes(3000, 30), rand_hashes(1000, 31)
+    await idx.heartbeat("a", PodLoad(), 60)
+    await idx.apply("a", stored(old))
+    # An interrupted resync (no finish) must not break the next one.
+    await idx._run_events("a", [b"B", b"A" + pack_hashes(extra[:500])])
+    new = set(old[:1000]) | set(extra)
+    await idx.resync("a", new)
+    pid = (await admin.hget(idx.prefix + "pod", "a")).decode()
+    st = await admin.hgetall(idx.prefix + "st")
+    assert int(st[f"n{pid}".encode()]) == int(st[f"l{pid}".encode()]) == len(new)
+    log = b"".join(await admin.lrange(f"{idx.prefix}r:{pid}", 0, -1))
+    assert {int.from_bytes(log[i : i + 8], "big") for i in range(0, len(log), 8)} == new
+    assert not await admin.exists(f"{idx.prefix}r2:{pid}")
+    assert await idx.lookup(old) == {"a": 1000}
+    assert await idx.lookup(extra) == {"a": 1000}
