@@ -61,6 +61,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--kv-cache-memory-mb", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--zipf-s", type=float, default=0.8, help="tenant popularity skew")
     ap.add_argument("--weights", default=None, help="cache_aware weights for the gateway")
     args = ap.parse_args()
 
@@ -73,11 +74,11 @@ def main() -> None:
         user_turn_words=8,
         assistant_turn_words=12,
         max_turns=4,
-        zipf_s=1.1,
+        zipf_s=args.zipf_s,
         max_tokens=4,
         seed=args.seed,
     )
-    kv_mb = args.kv_cache_memory_mb or 6  # tiny: 32 KiB per 16-token block -> 192 blocks
+    kv_mb = args.kv_cache_memory_mb or 8  # tiny: 32 KiB per 16-token block -> 256 blocks
     fleet = LocalFleet(
         FleetSpec(
             num_daemons=args.daemons,
@@ -167,11 +168,15 @@ def main() -> None:
             f"single prompt via cache_aware: pod share {single_report['pod_share']} "
             f"hit {single_report['prefix_hit_rate']:.3f}"
         )
+        t_runs = time.perf_counter() - t_start - t_ready
     finally:
         for name, g in gateways.items():
             if g is not None and name != "cache_aware":
-                g.stop()
+                g.terminate()
         fleet.stop()
+        for g in gateways.values():
+            if g is not None:
+                g.stop()
 
     ca, rr, ll = (reports[p] for p in POLICIES)
     out = {
@@ -192,6 +197,8 @@ def main() -> None:
         "daemons": args.daemons,
         "kv_blocks_per_daemon": blocks_per_daemon,
         "working_set_blocks": len(seen),
+        "start_s": round(t_ready, 1),
+        "runs_s": round(t_runs, 1),
         "wall_s": round(time.perf_counter() - t_start, 1),
     }
     print(json.dumps(out))

@@ -68,6 +68,11 @@ class Child:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def terminate(self) -> None:
+        """Send SIGTERM without waiting (stop several children in parallel)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
     def stop(self, timeout: float = 10.0) -> None:
         proc, self.proc = self.proc, None
         if proc is not None and proc.poll() is None:
@@ -274,6 +279,9 @@ class LocalFleet:
     def stop(self) -> None:
         if self.gateway is not None:
             self.gateway.stop()
+        # Daemons drain in parallel: SIGTERM to all first, then wait for each.
+        for d in self.daemons:
+            d.terminate()
         for d in self.daemons:
             d.stop()
         if self._redis is not None:

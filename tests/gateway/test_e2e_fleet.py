@@ -147,6 +147,31 @@ async def test_requests_sharing_a_prefix_land_on_the_pod_that_holds_it(fleet: Lo
         await client.close()
 
 
+async def test_bench_report_from_a_real_run(fleet: LocalFleet, tmp_path) -> None:
+    from pagefleet.gateway.loadgen import BenchOptions, run_bench, write_plots
+
+    opts = BenchOptions(
+        url=fleet.gateway_url,
+        num_requests=12,
+        concurrency=4,
+        max_tokens=4,
+        num_tenants=3,
+        system_prompt_words=60,
+        progress=False,
+    )
+    report, results = await run_bench(opts)
+    assert report["requests"] == 12 and report["failed"] == 0, report["errors"]
+    # 3 tenants over 12 turns: later turns reuse earlier prefixes on the same pod.
+    assert 0.2 < report["prefix_hit_rate"] < 1.0
+    assert set(report["pod_share"]) <= {u.removeprefix("http://") for u in fleet.daemon_urls}
+    assert abs(sum(report["pod_share"].values()) - 1.0) < 1e-3
+    assert report["ttft_ms_p50"] > 0 and report["tpot_ms_p50"] > 0
+    assert report["ttft_ms_p50"] <= report["ttft_ms_p90"] <= report["ttft_ms_p99"]
+    assert all(r.completion_tokens == 4 for r in results)
+    paths = write_plots(results, report, tmp_path / "plots")
+    assert all(p.stat().st_size > 1000 for p in paths)
+
+
 async def test_redis_stopped_mid_run_degrades_to_load_only(fleet: LocalFleet) -> None:
     client = _client(fleet)
     failures: list[str] = []
