@@ -48,8 +48,11 @@ class KVEventBatch:
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> KVEventBatch:
-        kinds = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved,
-                 "AllBlocksCleared": AllBlocksCleared}
+        kinds = {
+            "BlockStored": BlockStored,
+            "BlockRemoved": BlockRemoved,
+            "AllBlocksCleared": AllBlocksCleared,
+        }
         events: list[KVEvent] = []
         for e in d["events"]:
             e = dict(e)
