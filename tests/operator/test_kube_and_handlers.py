@@ -202,3 +202,15 @@ def test_transient_api_errors_become_kopf_retries(ctx):
     kube.fail_next["apply"] = KubeError(409, "HTTP 409: conflict")
     with pytest.raises(kopf.TemporaryError):
         handlers.on_change(body=kopf.Body(copy.deepcopy(body)), memo=kopf.Memo(ctx=ctx))
+
+
+def test_operator_cli_requires_a_watch_scope():
+    from click.testing import CliRunner
+
+    from pagefleet.operator.cli import command
+
+    result = CliRunner().invoke(command, [])
+    assert result.exit_code == 2
+    assert "--namespace NS" in result.output and "--all-namespaces" in result.output
+    result = CliRunner().invoke(command, ["-n", "a", "--all-namespaces"])
+    assert result.exit_code == 2
