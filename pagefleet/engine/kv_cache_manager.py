@@ -43,6 +43,13 @@ class KVCacheManager:
         self._tables: dict[int, list[KVBlock]] = {}
         self._num_hashed: dict[int, int] = {}  # leading blocks already processed for caching
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block ids, this step
+        # Blocks hashed during the current step: their KV is written by this step's forward.
+        # Another sequence may attend to them in the same step (backends store a layer's K/V
+        # before attending) but must not copy them, because copies run before the forward.
+        self._inflight: set[int] = set()
+
+    def begin_step(self) -> None:
+        self._inflight.clear()
 
     # --- queries -----------------------------------------------------------------------
 
@@ -72,6 +79,10 @@ class KVCacheManager:
                 break
             hits.append(block)
         num_hit_tokens = len(hits) * self.block_size
+        if num_hit_tokens >= seq.num_tokens and hits[-1].block_id in self._inflight:
+            # The last block would be copied on write, but its KV does not exist yet.
+            hits.pop()
+            num_hit_tokens -= self.block_size
         return hits, min(num_hit_tokens, seq.num_tokens - 1)
 
     def num_cached_prefix_tokens(self, seq: Sequence) -> int:
@@ -150,6 +161,7 @@ class KVCacheManager:
         group: list[int] = []  # consecutive block indices registered now
         for i in range(first, num_full):
             if self.pool.cache_block(table[i], hashes[i]):
+                self._inflight.add(table[i].block_id)
                 if group and group[-1] != i - 1:
                     self._emit_stored(seq, group, hashes)
                     group = []

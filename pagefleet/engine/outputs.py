@@ -47,3 +47,25 @@ class RequestOutput:
     finished: bool  # every sequence of the request has finished
     metrics: RequestMetrics
     num_generated_tokens: int = 0  # over all n sequences, so far
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One finished sequence, as ``LLMEngine.generate`` returns it."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass(slots=True)
+class GenerateResult:
+    """A whole request after it finished: its ``n`` outputs in index order."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    metrics: RequestMetrics

@@ -100,6 +100,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         cfg = self.config
+        self.kv.begin_step()
         budget = cfg.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []

@@ -39,3 +39,102 @@ def make_seq() -> SeqFactory:
         return seq
 
     return make
+
+
+class ByteTokenizer:
+    """A real byte-level tokenizer: token i < 256 is byte i, id 0 is the EOS special token.
+
+    Multi-byte UTF-8 characters span several tokens, which is what the detokenizer must
+    handle."""
+
+    vocab_size = 256
+    eos_token_ids = (0,)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        data = bytes(i for i in ids if not (skip_special_tokens and i == 0))
+        return data.decode("utf-8", errors="replace")
+
+
+class FakeKVRunner:
+    """A model-free runner that still exercises the paged KV bookkeeping for real.
+
+    It keeps a fake KV cache of ``(position, token)`` per slot, applies the step's block
+    copies first, stores every scheduled token at its slot, then for each sampling sequence
+    reads its whole context back through its block table and asserts it is exactly its
+    tokens (so a wrong table, a missed copy-on-write or a bad prefix hit fails loudly). The
+    logits are a pseudo-random function of that context, sampled by the real ``Sampler``:
+    outputs are deterministic per context, like a model's.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, vocab: int, eos: tuple[int, ...]):
+        import torch
+
+        from pagefleet.engine.sampler import Sampler
+
+        self.torch = torch
+        self.bs = block_size
+        self.vocab = vocab
+        self.cache: list[list[tuple[int, int] | None]] = [
+            [None] * block_size for _ in range(num_blocks)
+        ]
+        self.sampler = Sampler(eos)
+        self.eos_boost = 0.0  # > 0 makes EOS likely (finish schedules)
+        self.logits_hook = None
+
+    def execute(self, sched, kv):
+        torch = self.torch
+        for src, dst in sched.copies:
+            self.cache[dst] = list(self.cache[src])
+        bs = self.bs
+        for it in sched.scheduled:
+            table = kv.block_ids(it.seq)
+            for p in range(it.start, it.start + it.num_new_tokens):
+                self.cache[table[p // bs]][p % bs] = (p, it.seq.token_ids[p])
+        seqs, rows = [], []
+        for it in sched.scheduled:
+            if not it.samplers:
+                continue
+            end = it.start + it.num_new_tokens
+            table = kv.block_ids(it.seq)
+            ctx = [self.cache[table[p // bs]][p % bs] for p in range(end)]
+            want = list(enumerate(it.seq.token_ids[:end]))
+            assert ctx == want, f"sequence {it.seq.seq_id} reads wrong KV from its blocks"
+            g = torch.Generator().manual_seed(hash(tuple(it.seq.token_ids[:end])) & 0xFFFFFFFF)
+            row = torch.randn(self.vocab, generator=g) * 3
+            row[0] += self.eos_boost
+            for s in it.samplers:
+                seqs.append(s)
+                rows.append(row)
+        if not seqs:
+            return []
+        return list(zip(seqs, self.sampler(torch.stack(rows), seqs), strict=True))
+
+
+@pytest.fixture
+def fake_engine():
+    """Build an LLMEngine over ``FakeKVRunner`` and ``ByteTokenizer`` (no model)."""
+    from pagefleet.engine.config import EngineConfig
+    from pagefleet.engine.engine import LLMEngine
+
+    def make(
+        num_blocks: int = 64, block_size: int = 4, max_model_len: int = 256, event_sink=None, **cfg
+    ):
+        config = EngineConfig(
+            block_size=block_size, num_gpu_blocks=num_blocks, max_model_len=max_model_len, **cfg
+        )
+        runner = FakeKVRunner(num_blocks, block_size, 256, (0,))
+        return LLMEngine.from_runner(
+            config,
+            runner,
+            ByteTokenizer(),
+            eos_token_ids=(0,),
+            vocab_size=256,
+            model_max_len=max_model_len,
+            num_blocks=num_blocks,
+            event_sink=event_sink,
+        )
+
+    return make

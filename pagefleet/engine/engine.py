@@ -1,0 +1,507 @@
+"""LLMEngine: requests in, per-step deltas out, over the paged-KV scheduler and model runner.
+
+One ``step()`` = schedule, run the model once, append each sampled token, check stop
+conditions, hand back deltas, publish the step's KV events as one batch. The engine is
+single-threaded: only the thread that calls ``step()`` may call ``add_request`` and
+``abort``.
+
+Invariants:
+- every accepted request ends with exactly one delta per sequence carrying a
+  ``finish_reason`` ("stop", "length" or "abort"), and nothing follows it;
+- a finished or aborted sequence holds no KV block;
+- the KV events handed to ``event_sink``, replayed in order, give exactly
+  ``cached_block_hashes()``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pagefleet.engine.config import EngineConfig
+from pagefleet.engine.detokenizer import Decoder, IncrementalDetokenizer
+from pagefleet.engine.kv_cache_manager import KVCacheManager
+from pagefleet.engine.model_runner import ModelRunner, Runner, kv_cache_bytes_per_block
+from pagefleet.engine.outputs import (
+    CompletionDelta,
+    CompletionOutput,
+    GenerateResult,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprob,
+)
+from pagefleet.engine.request import Request, SeqIdCounter, Sequence
+from pagefleet.engine.sampler import Sampler, SampleResult
+from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.engine.scheduler import Scheduler
+from pagefleet.kvindex.events import KVEventBatch
+
+logger = logging.getLogger(__name__)
+
+EventSink = Callable[[KVEventBatch], None]
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_preempted_total: int
+    kv_usage: float  # fraction of blocks referenced by live requests
+    num_blocks: int
+    num_free_blocks: int
+    prefix_queries_tokens: int  # cumulative
+    prefix_hits_tokens: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    evictions_total: int
+    steps_total: int
+
+
+class LLMEngine:
+    tokenizer: Decoder
+    max_model_len: int
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        event_sink: EventSink | None = None,
+        *,
+        loaded: tuple[Any, Any, Any] | None = None,
+    ) -> None:
+        """Load ``config.model`` (or reuse ``loaded`` = ``load_model``'s result, so several
+        engines can share one set of weights), size the KV pool, build scheduler and runner.
+        """
+        from pagefleet.engine.loader import load_model, resolve_model
+
+        try:
+            from pagefleet.kernels import get_backend
+        except ImportError:  # kernels package without the selector: torch reference path
+            from pagefleet.kernels.backend import get_backend
+
+        if loaded is None:
+            loaded = load_model(resolve_model(config.model), config.dtype, config.device)
+        model, mc, tokenizer = loaded
+        device = torch.device(config.device)
+        per_block = kv_cache_bytes_per_block(
+            mc.num_hidden_layers, config.block_size, mc.num_key_value_heads, mc.head_dim, mc.dtype
+        )
+        num_blocks = config.num_gpu_blocks or config.kv_cache_memory_bytes // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds no KV block "
+                f"({per_block} bytes each); raise it or set num_gpu_blocks"
+            )
+        runner = ModelRunner(
+            model,
+            num_layers=mc.num_hidden_layers,
+            num_kv_heads=mc.num_key_value_heads,
+            head_dim=mc.head_dim,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            backend=get_backend(config.attention_backend, device),
+            sampler=Sampler(mc.eos_token_ids),
+            device=device,
+            dtype=mc.dtype,
+        )
+        self.model_config = mc
+        self._setup(
+            config,
+            runner,
+            tokenizer,
+            eos_token_ids=mc.eos_token_ids,
+            vocab_size=mc.vocab_size,
+            model_max_len=mc.max_position_embeddings,
+            num_blocks=num_blocks,
+            event_sink=event_sink,
+        )
+
+    @classmethod
+    def from_runner(
+        cls,
+        config: EngineConfig,
+        runner: Runner,
+        tokenizer: Decoder,
+        *,
+        eos_token_ids: Seq[int],
+        vocab_size: int,
+        model_max_len: int,
+        num_blocks: int,
+        event_sink: EventSink | None = None,
+    ) -> LLMEngine:
+        """An engine over a given runner (tests use a model-free one)."""
+        self = cls.__new__(cls)
+        self.model_config = None
+        self._setup(
+            config,
+            runner,
+            tokenizer,
+            eos_token_ids=eos_token_ids,
+            vocab_size=vocab_size,
+            model_max_len=model_max_len,
+            num_blocks=num_blocks,
+            event_sink=event_sink,
+        )
+        return self
+
+    def _setup(
+        self,
+        config: EngineConfig,
+        runner: Runner,
+        tokenizer: Decoder,
+        *,
+        eos_token_ids: Seq[int],
+        vocab_size: int,
+        model_max_len: int,
+        num_blocks: int,
+        event_sink: EventSink | None,
+    ) -> None:
+        self.config = config
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(eos_token_ids)
+        self.vocab_size = vocab_size
+        max_len = config.max_model_len or model_max_len
+        capacity = num_blocks * config.block_size
+        if max_len > capacity:
+            # A lone sequence must always fit, or preemption could never make progress.
+            logger.warning(
+                "max_model_len %d exceeds the KV pool (%d blocks x %d = %d tokens); capping it",
+                max_len,
+                num_blocks,
+                config.block_size,
+                capacity,
+            )
+            max_len = capacity
+        self.max_model_len = max_len
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_len:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens "
+                f"({config.max_num_batched_tokens}) must be >= max_model_len ({max_len}), or "
+                "long prompts could never be scheduled; enable chunked prefill or raise it"
+            )
+        self.kv = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, config.kv_namespace
+        )
+        self.scheduler = Scheduler(config, self.kv, fork=self._fork)
+        self.event_sink = event_sink
+        self._event_seq = 0
+        self._seq_ids = SeqIdCounter()
+        self._requests: dict[str, Request] = {}
+        self._aborted: list[RequestOutput] = []
+        self._arrivals = 0
+        self._gen_counter = 0
+        self._seed_rng = torch.Generator().manual_seed(config.seed)
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.steps_total = 0
+
+    # --- requests ------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        lora_id: str | None = None,
+    ) -> None:
+        """Queue a request. Raises ValueError (naming the problem) for a duplicate id, an
+        empty or too long prompt, or token ids outside the vocabulary; never half-admits."""
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(
+                f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}: the samples "
+                "could never run together; lower n or raise max_num_seqs"
+            )
+        if isinstance(prompt, str):
+            encode = getattr(self.tokenizer, "encode", None)
+            if encode is None:
+                raise ValueError("this engine has no tokenizer; pass prompt token ids")
+            token_ids = list(encode(prompt))
+        else:
+            token_ids = [int(t) for t in prompt]
+        if not token_ids:
+            raise ValueError("the prompt is empty; send at least one token")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens but this model accepts at most "
+                f"{self.max_model_len - 1} (max_model_len {self.max_model_len} includes at "
+                "least one generated token); shorten the prompt"
+            )
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(
+                f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        metrics = RequestMetrics(
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time
+        )
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            params=params,
+            metrics=metrics,
+            lora_id=lora_id,
+            forked=params.n == 1,
+        )
+        req.seqs.append(self._new_seq(req, 0, list(token_ids)))
+        self._requests[request_id] = req
+        self.scheduler.add(req.seqs[0])
+        self._arrivals += 1
+
+    def _new_seq(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
+        p = req.params
+        gen: torch.Generator | None = None
+        if not p.greedy:
+            if p.seed is not None:
+                # Independent streams per (seed, index); the same seed always replays.
+                digest = hashlib.blake2b(f"{p.seed}:{index}".encode(), digest_size=8).digest()
+                seed = int.from_bytes(digest, "little") & ((1 << 63) - 1)
+            else:
+                seed = int(torch.randint(0, 1 << 62, (1,), generator=self._seed_rng).item())
+            gen = torch.Generator().manual_seed(seed)
+        return Sequence(
+            seq_id=self._seq_ids(),
+            request=req,
+            index=index,
+            token_ids=token_ids,
+            num_prompt_tokens=len(req.prompt_token_ids),
+            generator=gen,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p),
+            logprobs=[] if p.logprobs is not None else None,
+            arrival_order=self._arrivals,
+        )
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        req = parent.request
+        children = [self._new_seq(req, i, list(parent.token_ids)) for i in range(1, req.params.n)]
+        for c in children:
+            c.arrival_order = parent.arrival_order
+        req.seqs.extend(children)
+        return children
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks; its final "abort" deltas come out of the
+        next ``step()``. False if the id is unknown or already finished."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        now = time.monotonic()
+        deltas: list[CompletionDelta] = []
+        for seq in req.seqs:
+            if seq.is_finished and seq.reported_finish:
+                continue
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+                seq.finish_reason = "abort"
+            deltas.append(self._delta(seq, finished=True))
+        # Siblings of an unforked n > 1 request never existed; each still gets its ending.
+        for index in range(len(req.seqs), req.params.n):
+            deltas.append(CompletionDelta(index, [], "", None, "abort"))
+        req.metrics.finished_time = now
+        self._aborted.append(self._request_output(req, deltas, finished=True))
+        return True
+
+    # --- stepping ------------------------------------------------------------------------
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; return the deltas of every request that produced any."""
+        outputs, self._aborted = self._aborted, []
+        sched = self.scheduler.schedule()
+        if not sched.is_empty or sched.copies:
+            self.steps_total += 1
+            now = time.monotonic()
+            for it in sched.scheduled:
+                m = it.seq.request.metrics
+                if m.first_scheduled_time is None:
+                    m.first_scheduled_time = now
+                if it.seq.num_preemptions == 0 and it.seq.index == 0:
+                    self.prompt_tokens_total += (
+                        it.num_new_tokens if it.start < it.seq.num_prompt_tokens else 0
+                    )
+            results = self.runner.execute(sched, self.kv)
+            now = time.monotonic()
+            touched: dict[str, Request] = {}
+            for seq, res in results:
+                self._append_token(seq, res, now)
+                touched[seq.request.request_id] = seq.request
+            for req in touched.values():
+                deltas = [
+                    self._delta(s, finished=s.is_finished)
+                    for s in req.seqs
+                    if s.pending_token_ids or (s.is_finished and not s.reported_finish)
+                ]
+                finished = req.is_finished
+                if finished:
+                    req.metrics.finished_time = now
+                    self._requests.pop(req.request_id, None)
+                outputs.append(self._request_output(req, deltas, finished))
+        self._publish_events()
+        return outputs
+
+    def _append_token(self, seq: Sequence, res: SampleResult, now: float) -> None:
+        req = seq.request
+        p = req.params
+        tok = res.token_id
+        seq.token_ids.append(tok)
+        seq.pending_token_ids.append(tok)
+        self.generation_tokens_total += 1
+        m = req.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.last_token_time = now
+        if seq.logprobs is not None and res.logprob is not None:
+            lp = TokenLogprob(
+                token_id=tok,
+                token=self._token_text(tok),
+                logprob=res.logprob,
+                top=[(t, self._token_text(t), v) for t, v in res.top],
+            )
+            seq.logprobs.append(lp)
+            seq.pending_logprobs.append(lp)
+        n_out = seq.num_output_tokens
+        can_stop = n_out >= p.min_tokens
+        assert seq.detokenizer is not None
+        if can_stop and not p.ignore_eos and tok in self.eos_token_ids:
+            self._finish(seq, "stop", None)
+            return
+        if can_stop and tok in p.stop_token_ids:
+            self._finish(seq, "stop", tok)
+            return
+        stop_str = seq.detokenizer.add_token(tok)
+        if stop_str is not None and can_stop:
+            self._finish(seq, "stop", stop_str)
+        elif (
+            p.max_tokens is not None and n_out >= p.max_tokens
+        ) or seq.num_tokens >= self.max_model_len:
+            self._finish(seq, "length", None)
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None) -> None:
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        self.scheduler.finish(seq)
+
+    def _token_text(self, tok: int) -> str:
+        return self.tokenizer.decode([tok], False)
+
+    def _delta(self, seq: Sequence, finished: bool) -> CompletionDelta:
+        assert seq.detokenizer is not None
+        delta = CompletionDelta(
+            index=seq.index,
+            new_token_ids=seq.pending_token_ids,
+            new_text=seq.detokenizer.take_delta(finished),
+            logprobs=seq.pending_logprobs if seq.logprobs is not None else None,
+            finish_reason=seq.finish_reason if finished else None,
+            stop_reason=seq.stop_reason if finished else None,
+        )
+        seq.pending_token_ids = []
+        seq.pending_logprobs = []
+        if finished:
+            seq.reported_finish = True
+        return delta
+
+    def _request_output(
+        self, req: Request, deltas: list[CompletionDelta], finished: bool
+    ) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            deltas=deltas,
+            finished=finished,
+            metrics=req.metrics,
+            num_generated_tokens=sum(s.num_output_tokens for s in req.seqs),
+        )
+
+    def _publish_events(self) -> None:
+        events = self.kv.take_events()
+        if not events or self.event_sink is None:
+            return
+        batch = KVEventBatch(ts=time.time(), seq=self._event_seq, events=events)
+        self._event_seq += 1
+        self.event_sink(batch)
+
+    # --- introspection -------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        pool = self.kv.pool
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_preempted_total=self.scheduler.num_preempted_total,
+            kv_usage=pool.usage(),
+            num_blocks=pool.num_blocks,
+            num_free_blocks=pool.num_free_blocks,
+            prefix_queries_tokens=self.scheduler.prefix_queries_tokens,
+            prefix_hits_tokens=self.scheduler.prefix_hits_tokens,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            evictions_total=pool.num_evictions,
+            steps_total=self.steps_total,
+        )
+
+    def cached_block_hashes(self) -> set[int]:
+        """Keys of every block this engine holds as cached (what the pod advertises)."""
+        return self.kv.cached_block_hashes()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block; emits AllBlocksCleared with the next step's batch."""
+        self.kv.reset_prefix_cache()
+
+    def check_integrity(self) -> None:
+        """Assert the KV bookkeeping invariants (tests call this after every step)."""
+        live = [s for r in self._requests.values() for s in r.seqs if not s.is_finished]
+        self.kv.check_integrity([s for s in live if self.kv.has_table(s) or s.num_computed_tokens])
+        queued = set(map(id, self.scheduler.waiting)) | set(map(id, self.scheduler.running))
+        assert queued == set(map(id, live)), "a live sequence is in neither queue (or both)"
+        assert len(self.scheduler.running) <= self.config.max_num_seqs
+
+    # --- offline convenience -------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams],
+    ) -> list[GenerateResult]:
+        """Run ``prompts`` to completion; results in prompt order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
+        ids: list[str] = []
+        for prompt, p in zip(prompts, plist, strict=True):
+            rid = f"generate-{self._gen_counter}"
+            self._gen_counter += 1
+            self.add_request(rid, prompt, p)
+            ids.append(rid)
+        results: dict[str, GenerateResult] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                res = results.get(out.request_id)
+                if res is None:
+                    n = plist[ids.index(out.request_id)].n
+                    res = results[out.request_id] = GenerateResult(
+                        out.request_id,
+                        out.prompt_token_ids,
+                        [CompletionOutput(i, [], "") for i in range(n)],
+                        out.metrics,
+                    )
+                for d in out.deltas:
+                    o = res.outputs[d.index]
+                    o.token_ids.extend(d.new_token_ids)
+                    o.text += d.new_text
+                    if d.logprobs is not None:
+                        o.logprobs = (o.logprobs or []) + d.logprobs
+                    if d.finish_reason is not None:
+                        o.finish_reason = d.finish_reason
+                        o.stop_reason = d.stop_reason
+        return [results[r] for r in ids]

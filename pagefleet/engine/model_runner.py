@@ -1,0 +1,154 @@
+"""Runs one scheduled step on the model: packs the batch, applies block copies, forwards,
+samples.
+
+The packed batch puts the single-token (decode) sequences first, as the attention contract
+requires (``kernels/metadata.py``). Every sequence's new tokens sit at positions
+``start .. start + num_new - 1`` and their K/V go to slot
+``table[p // block_size] * block_size + p % block_size``. Copy-on-write copies are applied
+before the forward, because this step's writes land in the copies.
+
+Only sequences whose scheduled chunk reaches the end of their tokens get logits and a
+sampled token; a prefill chunk short of the prompt's end samples nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from pagefleet.engine.kv_cache_manager import KVCacheManager
+from pagefleet.engine.request import Sequence
+from pagefleet.engine.sampler import Sampler, SampleResult
+from pagefleet.engine.scheduler import ScheduledSeq, SchedulerOutput
+from pagefleet.kernels.metadata import AttentionBackend, AttentionMetadata
+
+StepResult = list[tuple[Sequence, SampleResult]]
+
+
+class Runner(Protocol):
+    """What the engine needs from a runner (tests substitute a model-free one)."""
+
+    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> StepResult: ...
+
+
+def kv_cache_bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    """K and V of one block across all layers."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int,
+        backend: AttentionBackend,
+        sampler: Sampler,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.model = model
+        self.backend = backend
+        self.sampler = sampler
+        self.device = device
+        self.block_size = block_size
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        # Allocated once for the engine's life: the KV pool *is* this memory.
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
+            for _ in range(num_layers)
+        ]
+        # Tests hook in here to compare logits with a reference model.
+        self.logits_hook: Callable[[list[Sequence], torch.Tensor], None] | None = None
+
+    def build_batch(
+        self, items: list[ScheduledSeq], kv: KVCacheManager
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """input_ids, positions and attention metadata of ``items`` (decodes first)."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        for it in items:
+            end = it.start + it.num_new_tokens
+            input_ids.extend(it.seq.token_ids[it.start : end])
+            positions.extend(range(it.start, end))
+            query_lens.append(it.num_new_tokens)
+            seq_lens.append(end)
+            tables.append(kv.block_ids(it.seq))
+        width = max(len(t) for t in tables)
+        table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        pos_t = torch.tensor(positions, dtype=torch.int64)
+        row_of_token = torch.repeat_interleave(
+            torch.arange(len(items)), torch.tensor(query_lens, dtype=torch.int64)
+        )
+        slots = table_t[row_of_token, pos_t // bs].long() * bs + pos_t % bs
+        qsl = [0]
+        for q in query_lens:
+            qsl.append(qsl[-1] + q)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=slots.to(dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=table_t.to(dev),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+            num_decodes=sum(1 for q in query_lens if q == 1),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            block_size=bs,
+        )
+        ids_t = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        return ids_t, pos_t.to(dev), meta
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> StepResult:
+        if sched.copies:
+            src = torch.tensor([s for s, _ in sched.copies], dtype=torch.int64, device=self.device)
+            dst = torch.tensor([d for _, d in sched.copies], dtype=torch.int64, device=self.device)
+            self.backend.copy_blocks(
+                [k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], src, dst
+            )
+        if not sched.scheduled:
+            return []
+        items = sorted(sched.scheduled, key=lambda it: not it.is_decode)  # stable
+        input_ids, positions, meta = self.build_batch(items, kv)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        rows: list[int] = []
+        samplers: list[Sequence] = []
+        end = 0
+        for it in items:
+            end += it.num_new_tokens
+            if it.samplers:
+                rows.append(end - 1)  # the last new token's row predicts the next token
+        if not rows:
+            return []
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        expand: list[int] = []
+        j = 0
+        for it in items:
+            if it.samplers:
+                for s in it.samplers:
+                    samplers.append(s)
+                    expand.append(j)
+                j += 1
+        if len(expand) != len(rows):
+            logits = logits[torch.tensor(expand, device=logits.device)]
+        logits = logits.cpu()
+        if self.logits_hook is not None:
+            self.logits_hook(samplers, logits)
+        return list(zip(samplers, self.sampler(logits, samplers), strict=True))
