@@ -62,6 +62,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory-mb", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--zipf-s", type=float, default=0.8, help="tenant popularity skew")
+    ap.add_argument("--system-prompt-words", type=int, default=140,
+                    help="~4.3 tokens per word with the tiny tokenizer")
     ap.add_argument("--weights", default=None, help="cache_aware weights for the gateway")
     args = ap.parse_args()
 
@@ -70,7 +72,7 @@ def main() -> None:
     spec = WorkloadSpec(
         num_conversations=n_req,
         num_tenants=16,
-        system_prompt_words=140,  # ~600 tokens (~38 blocks) with the tiny tokenizer
+        system_prompt_words=args.system_prompt_words,
         user_turn_words=8,
         assistant_turn_words=12,
         max_turns=4,

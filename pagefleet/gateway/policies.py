@@ -8,16 +8,18 @@ Cost model of ``cache_aware`` (lower is better), per ready pod ``p`` and prompt 
 tokens of which the index says ``m_p`` leading blocks of ``B`` tokens are cached on ``p``:
 
     uncached_frac = (L - m_p * B) / L                  # prefill work still to do, 0..1
-    queue         = max(running_p + waiting_p, inflight_p)
+    queue         = inflight_p + max(0, running_p + waiting_p - inflight_p(at heartbeat))
     cost          = w_prefill * uncached_frac + w_queue * queue + w_kv * kv_usage_p
 
-``queue`` takes the larger of the pod's last heartbeat and this gateway's own in-flight
-count: the heartbeat already contains our requests once it catches up, so adding them would
-double count, while the in-flight count reacts at once between heartbeats. With the default
-weights a full prefix hit is worth about four queued requests. The imbalance guard falls
-back to pure load when the pod with the best cache is busier than the least-loaded pod by
-more than ``imbalance_abs`` requests: a single hugely popular prompt therefore spills over
-to the other pods, which then cache it too, and exact ties are broken at random.
+``queue`` is this gateway's own in-flight count now (exact, instant) plus whatever the
+pod's last heartbeat saw beyond our own requests at the moment it was taken (other gateway
+replicas' traffic). A heartbeat is up to a second old; using it raw would count our
+finished requests as still queued and push traffic away from a pod that is in fact idle.
+With the default weights a full prefix hit is worth about four queued requests. The
+imbalance guard falls back to pure load when the pods holding the longest prefix are all
+busier than the least-loaded pod by more than ``imbalance_abs`` requests: a single hugely
+popular prompt therefore spills over to the other pods, which then cache it too, and exact
+ties are broken at random.
 """
 
 from __future__ import annotations
@@ -76,11 +78,14 @@ class Candidate:
     waiting: int = 0
     kv_usage: float = 0.0
     inflight: int = 0
+    own_at_heartbeat: int = 0  # this gateway's in-flight count when the heartbeat was taken
     has_heartbeat: bool = False
 
     @property
     def queue(self) -> int:
-        return max(self.running + self.waiting, self.inflight)
+        """Requests ahead of this one: ours now, plus what the heartbeat saw beyond ours."""
+        others = max(0, self.running + self.waiting - self.own_at_heartbeat)
+        return self.inflight + others
 
 
 @dataclass(slots=True, frozen=True)

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import random
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -27,6 +28,9 @@ if TYPE_CHECKING:
     from pagefleet.gateway.metrics import GatewayMetrics
 
 logger = logging.getLogger(__name__)
+
+# In-flight changes remembered per pod, to line heartbeats up with our own traffic.
+_HISTORY_LEN = 512
 
 
 @dataclass(slots=True)
@@ -82,6 +86,7 @@ class Router:
     eject_s: float = 5.0
     inflight: dict[str, int] = field(default_factory=dict)
     _ejected: dict[str, float] = field(default_factory=dict)
+    _history: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)
     _loads: dict[str, PodLoad] = field(default_factory=dict)
     _rng: random.Random = field(default_factory=random.Random)
     _breaker: _Breaker = field(default_factory=lambda: _Breaker(1.0))
@@ -132,14 +137,26 @@ class Router:
     # -- in-flight accounting -------------------------------------------------------------
 
     def acquire(self, ep: Endpoint) -> None:
-        self.inflight[ep.pod] = self.inflight.get(ep.pod, 0) + 1
+        self._set_inflight(ep.pod, self.inflight.get(ep.pod, 0) + 1)
 
     def release(self, ep: Endpoint) -> None:
-        left = self.inflight.get(ep.pod, 0) - 1
-        if left > 0:
-            self.inflight[ep.pod] = left
+        self._set_inflight(ep.pod, max(0, self.inflight.get(ep.pod, 0) - 1))
+
+    def _set_inflight(self, pod: str, n: int) -> None:
+        if n > 0:
+            self.inflight[pod] = n
         else:
-            self.inflight.pop(ep.pod, None)
+            self.inflight.pop(pod, None)
+        # Wall clock: heartbeats carry the pod's wall-clock time of measurement.
+        hist = self._history.setdefault(pod, deque(maxlen=_HISTORY_LEN))
+        hist.append((time.time(), n))
+
+    def inflight_at(self, pod: str, ts: float) -> int:
+        """This gateway's in-flight count to ``pod`` at wall-clock time ``ts``."""
+        for t, n in reversed(self._history.get(pod, ())):
+            if t <= ts:
+                return n
+        return 0
 
     def mark_failed(self, ep: Endpoint) -> None:
         """A pod refused or dropped a request: rank it last for ``eject_s`` seconds, so a
@@ -215,6 +232,7 @@ class Router:
                     waiting=load.waiting if load else 0,
                     kv_usage=load.kv_usage if load else 0.0,
                     inflight=self.inflight.get(ep.pod, 0),
+                    own_at_heartbeat=self.inflight_at(ep.pod, load.ts) if load else 0,
                     has_heartbeat=load is not None,
                 )
             )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections import Counter
 
 import pytest
@@ -282,5 +283,35 @@ async def test_failed_pod_is_ranked_last_until_ejection_expires() -> None:
         assert d.ranked[-1].endpoint.pod == PODS[0]  # demoted, still a last resort
         await asyncio.sleep(0.35)
         assert (await router.route(prompt)).ranked[0].endpoint.pod == PODS[0]
+    finally:
+        await router.close()
+
+
+async def test_heartbeat_load_is_not_double_counted_with_own_inflight() -> None:
+    index = MemoryKVIndex(NS)
+    router = await _router("least_load", index)
+    try:
+        ep = Endpoint(PODS[0], URLS[0])
+        for _ in range(3):
+            router.acquire(ep)
+        # The pod reports our 3 requests: queue is 3, not 6.
+        await index.heartbeat(PODS[0], PodLoad(running=3), ttl_s=30)
+        await router.refresh_loads()
+        d = await router.route([1] * 40)
+        assert {s.endpoint.pod: s.queue for s in d.ranked}[PODS[0]] == 3
+        # An older heartbeat (taken before we sent anything) saw 2 other requests: 3 + 2.
+        await index.heartbeat(PODS[0], PodLoad(running=2, ts=time.time() - 60), ttl_s=30)
+        await router.refresh_loads()
+        d = await router.route([1] * 40)
+        assert {s.endpoint.pod: s.queue for s in d.ranked}[PODS[0]] == 5
+        # The heartbeat was taken while our 3 ran; they finished since: the pod is idle.
+        taken = time.time()
+        await asyncio.sleep(0.01)
+        for _ in range(3):
+            router.release(ep)
+        await index.heartbeat(PODS[0], PodLoad(running=3, ts=taken), ttl_s=30)
+        await router.refresh_loads()
+        d = await router.route([1] * 40)
+        assert {s.endpoint.pod: s.queue for s in d.ranked}[PODS[0]] == 0
     finally:
         await router.close()
