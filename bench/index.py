@@ -242,7 +242,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, float | int | str]:
     w = make_workload(args.pods, entries, rng)
     prompts = lookup_prompts(w, n_lookups, rng)
     wn = make_workload(args.pods, naive_entries, rng)
-    naive_prompts = lookup_prompts(wn, 100, rng)
+    naive_prompts = lookup_prompts(wn, 30 if args.quick else 100, rng)
     distinct = len({h for b in w.pod_blocks.values() for h in b})
     args.bucket_bits = args.bucket_bits or suggest_bucket_bits(distinct)
     print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
