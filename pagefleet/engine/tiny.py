@@ -205,12 +205,24 @@ def _random_tensor(
 
 
 def _plan_shards(
-    shapes: dict[str, tuple[int, ...]], itemsize: int, max_shard_bytes: int | None
+    shapes: dict[str, tuple[int, ...]],
+    itemsize: int,
+    max_shard_bytes: int | None,
+    num_shards: int | None,
 ) -> list[list[str]]:
+    sizes = {n: itemsize * int(torch.Size(s).numel()) for n, s in shapes.items()}
+    if num_shards is not None and num_shards > 1:
+        # Even split by bytes: a tensor goes to the shard where its first byte falls.
+        total = sum(sizes.values())
+        split: list[list[str]] = [[] for _ in range(num_shards)]
+        offset = 0
+        for name, nbytes in sizes.items():
+            split[min(num_shards - 1, offset * num_shards // total)].append(name)
+            offset += nbytes
+        return [s for s in split if s]
     shards: list[list[str]] = [[]]
     size = 0
-    for name, shape in shapes.items():
-        nbytes = itemsize * int(torch.Size(shape).numel())
+    for name, nbytes in sizes.items():
         if max_shard_bytes is not None and shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
@@ -259,10 +271,7 @@ def write_random_checkpoint(
     config = ModelConfig.from_dict(cfg)
     shapes = checkpoint_tensor_shapes(config)
     itemsize = torch.empty((), dtype=store_dtype).element_size()
-    if num_shards is not None and num_shards > 1:
-        total = sum(itemsize * int(torch.Size(s).numel()) for s in shapes.values())
-        max_shard_bytes = -(-total // num_shards)
-    shards = _plan_shards(shapes, itemsize, max_shard_bytes)
+    shards = _plan_shards(shapes, itemsize, max_shard_bytes, num_shards)
     dev = torch.device(device)
 
     weight_map: dict[str, str] = {}
