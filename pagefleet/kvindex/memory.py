@@ -19,9 +19,22 @@ class MemoryKVIndex:
     ``clock`` is monotonic seconds; tests may inject a fake one.
     """
 
-    def __init__(self, namespace: str = "", clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        namespace: str = "",
+        clock: Callable[[], float] = time.monotonic,
+        auto_gc_interval_s: float | None = 30.0,
+        auto_gc_grace_s: float = 30.0,
+    ) -> None:
+        """``auto_gc_interval_s``: as in RedisKVIndex, heartbeat()/pods() run gc at most
+        this often. None disables it."""
         self.namespace = namespace
         self._clock = clock
+        self._auto_gc_interval_s = auto_gc_interval_s
+        self._auto_gc_grace_s = auto_gc_grace_s
+        self._next_auto_gc = (
+            clock() + auto_gc_interval_s if auto_gc_interval_s is not None else float("inf")
+        )
         self._block_pods: dict[int, set[str]] = {}
         self._pod_blocks: dict[str, set[int]] = {}
         self._loads: dict[str, PodLoad] = {}
@@ -59,6 +72,7 @@ class MemoryKVIndex:
         self._loads[pod] = load
         self._live_until[pod] = until
         self._expires[pod] = max(self._expires.get(pod, until), until)
+        await self._maybe_auto_gc()
 
     async def clear_pod(self, pod: str) -> None:
         self._clear(pod)
@@ -112,6 +126,7 @@ class MemoryKVIndex:
         return {p: n for p, n in matched.items() if n > 0}
 
     async def pods(self) -> dict[str, PodLoad]:
+        await self._maybe_auto_gc()
         now = self._clock()
         return {p: load for p, load in self._loads.items() if self._is_live(p, now)}
 
@@ -120,6 +135,13 @@ class MemoryKVIndex:
         return set(self._pod_blocks.get(pod, ()))
 
     # -- internals ----------------------------------------------------------------------
+
+    async def _maybe_auto_gc(self) -> None:
+        now = self._clock()
+        if self._auto_gc_interval_s is None or now < self._next_auto_gc:
+            return
+        self._next_auto_gc = now + self._auto_gc_interval_s
+        await self.gc(self._auto_gc_grace_s)
 
     def _is_live(self, pod: str, now: float) -> bool:
         return self._live_until.get(pod, float("-inf")) > now

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import math
 import struct
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -107,7 +108,12 @@ class RedisKVIndex:
         namespace: str = "",
         bucket_bits: int = 14,
         owns_client: bool = False,
+        auto_gc_interval_s: float | None = 30.0,
+        auto_gc_grace_s: float = 30.0,
     ) -> None:
+        """``auto_gc_interval_s``: at most this often, a heartbeat() or pods() call also
+        runs one bounded gc step, so dead pods get cleaned without anyone scheduling gc()
+        (every daemon heartbeats; any replica may do it). None disables it."""
         if not 8 <= bucket_bits <= 16:
             raise ValueError(f"bucket_bits must be within 8..16, got {bucket_bits}")
         self.client = client
@@ -121,12 +127,19 @@ class RedisKVIndex:
         self._heartbeat = _Script("heartbeat", redis_lua.HEARTBEAT)
         self._pods = _Script("pods", redis_lua.PODS)
         self._gc = _Script("gc", redis_lua.GC)
+        self._auto_gc_interval_s = auto_gc_interval_s
+        self._auto_gc_grace_s = auto_gc_grace_s
+        self._next_auto_gc = (
+            time.monotonic() + auto_gc_interval_s if auto_gc_interval_s is not None else math.inf
+        )
 
     @classmethod
-    def from_url(cls, url: str, namespace: str = "", bucket_bits: int = 14) -> RedisKVIndex:
+    def from_url(
+        cls, url: str, namespace: str = "", bucket_bits: int = 14, **kwargs: Any
+    ) -> RedisKVIndex:
         """Connect lazily to ``url`` (redis://, rediss:// or unix://)."""
         client = aredis.Redis.from_url(url, decode_responses=False)
-        return cls(client, namespace=namespace, bucket_bits=bucket_bits, owns_client=True)
+        return cls(client, namespace=namespace, bucket_bits=bucket_bits, owns_client=True, **kwargs)
 
     # -- writes -------------------------------------------------------------------------
 
@@ -153,6 +166,7 @@ class RedisKVIndex:
         await self._heartbeat(
             self.client, self.prefix, self.bucket_bits, pod, load.to_json(), ttl_ms
         )
+        await self._maybe_auto_gc()
 
     async def gc(self, grace_s: float = 30.0) -> int:
         retired, _left = await self._gc_once(grace_s)
@@ -173,6 +187,7 @@ class RedisKVIndex:
 
     async def pods(self) -> dict[str, PodLoad]:
         flat = await self._pods(self.client, self.prefix)
+        await self._maybe_auto_gc()
         return {flat[k].decode(): PodLoad.from_json(flat[k + 1]) for k in range(0, len(flat), 2)}
 
     # -- internals ----------------------------------------------------------------------
@@ -208,6 +223,25 @@ class RedisKVIndex:
             self.client, self.prefix, max(0, round(grace_s * 1000)), GC_BUDGET
         )
         return int(retired), int(left)
+
+    async def _maybe_auto_gc(self) -> None:
+        now = time.monotonic()
+        if now < self._next_auto_gc:
+            return
+        assert self._auto_gc_interval_s is not None
+        self._next_auto_gc = now + self._auto_gc_interval_s
+        try:
+            retired, left = await self._gc_once(self._auto_gc_grace_s)
+        except ResponseError as exc:  # gc is housekeeping: never fail the caller's call
+            logger.warning("pagefleet index %s: background gc failed: %s", self.prefix, exc)
+            return
+        if retired or left:
+            logger.debug(
+                "index %s: gc retired %d dead pods, %d ids left to sweep",
+                self.prefix,
+                retired,
+                left,
+            )
 
     async def _sweep(self) -> None:
         """Sweep retired ids' entries in bounded slices until none are left."""

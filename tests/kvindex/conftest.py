@@ -61,7 +61,7 @@ async def make_index(backend: str, request: pytest.FixtureRequest) -> AsyncItera
         ns = namespace if namespace is not None else f"test-{uuid.uuid4().hex[:12]}"
         index: KVIndex
         if backend == "memory":
-            index = MemoryKVIndex(namespace=ns)
+            index = MemoryKVIndex(namespace=ns, **kwargs)  # type: ignore[arg-type]
         else:
             from pagefleet.kvindex.redis_index import RedisKVIndex
 

@@ -335,3 +335,16 @@ async def test_resync_by_difference_with_large_overlap(index: KVIndex) -> None:
         assert await index.lookup([h]) == {}
     await index.resync("a", set(new))  # idempotent
     assert await index.lookup(new) == {"a": 7000, "b": 100, "fresh": 10}
+
+
+async def test_auto_gc_cleans_dead_pods_without_a_gc_call(make_index: IndexFactory) -> None:
+    index = await make_index(auto_gc_interval_s=0.05, auto_gc_grace_s=0.0)
+    c = chain(5, seed=19)
+    await index.heartbeat("dead", PodLoad(), 0.1)
+    await index.apply("dead", batch(stored(c)))
+    await asyncio.sleep(0.2)
+    await live(index, "alive")  # this heartbeat also runs a gc step
+    await index.pods()
+    # Had its entries survived, the renewed heartbeat would make them count again.
+    await live(index, "dead")
+    assert await index.lookup(c) == {}
