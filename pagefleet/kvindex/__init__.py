@@ -1,8 +1,10 @@
 """pagefleet.kvindex: block hashing, KV events and the global prefix index backends.
 
-The Redis backend is imported lazily (``from pagefleet.kvindex.redis_index import
-RedisKVIndex``) so importing this package does not need a Redis client.
+``RedisKVIndex`` is resolved lazily, so importing this package (the engine does, for
+hashing) never imports the Redis client.
 """
+
+from typing import TYPE_CHECKING, Any
 
 from pagefleet.kvindex.events import (
     AllBlocksCleared,
@@ -16,6 +18,18 @@ from pagefleet.kvindex.index import KVIndex, PodLoad
 from pagefleet.kvindex.memory import MemoryKVIndex
 from pagefleet.kvindex.redis_server import LocalRedis, find_redis_server
 
+if TYPE_CHECKING:
+    from pagefleet.kvindex.redis_index import RedisKVIndex
+
+
+def __getattr__(name: str) -> Any:
+    if name == "RedisKVIndex":
+        from pagefleet.kvindex.redis_index import RedisKVIndex
+
+        return RedisKVIndex
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "AllBlocksCleared",
     "BlockRemoved",
@@ -26,6 +40,7 @@ __all__ = [
     "LocalRedis",
     "MemoryKVIndex",
     "PodLoad",
+    "RedisKVIndex",
     "block_hashes",
     "chain_hash",
     "find_redis_server",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import redis
@@ -59,3 +61,13 @@ async def test_async_context_manager() -> None:
         assert await client.ping()
         await client.aclose()
     assert not server.running
+
+
+def test_package_import_does_not_load_redis_client() -> None:
+    # The engine imports kvindex for hashing; it must not pay for (or need) redis-py.
+    code = (
+        "import sys, pagefleet.kvindex as k\n"
+        "assert 'redis' not in sys.modules, 'redis imported eagerly'\n"
+        "assert k.RedisKVIndex.__name__ == 'RedisKVIndex'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
