@@ -107,7 +107,7 @@ local function new_id(name)
     i = i + 1
   end
   if i > 65535 then
-    return redis.error_reply('pagefleet index: 65536 pod ids in use in ' .. P ..
+    error('pagefleet index: 65536 pod ids in use in ' .. P ..
       '; call gc() so dead pods release theirs')
   end
   redis.call('HSET', P .. 'pod', name, i)
@@ -121,9 +121,10 @@ local function touch(id, until_ms)
 end
 """
 
-# ARGV: default bucket bits, pod name, then one argument per event: a kind byte
-# ('S' stored, 'R' removed, 'C' all cleared) followed by the packed hashes.
-# An 'C' on a pod that holds entries gives the pod a fresh id: the old id's entries stop
+# ARGV: default bucket bits, pod name, then one argument per event: a kind byte followed by
+# the packed hashes. Kinds: 'S' stored, 'R' removed, 'C' all cleared; a resync is 'B'
+# (begin), 'A' (add a chunk of the new set), 'F' (finish: drop what is not in the new set).
+# A 'C' on a pod that holds entries gives the pod a fresh id: the old id's entries stop
 # counting at once (no live heartbeat under it) and gc() sweeps them later, so clearing is
 # O(1) inside this script however many blocks the pod held.
 APPLY = (

@@ -256,3 +256,13 @@ async def test_resync_rewrites_counters_and_log(idx: RedisKVIndex, admin: aredis
     assert not await admin.exists(f"{idx.prefix}r2:{pid}")
     assert await idx.lookup(old) == {"a": 1000}
     assert await idx.lookup(extra) == {"a": 1000}
+
+
+async def test_pod_id_exhaustion_is_a_clear_error(idx: RedisKVIndex, admin: aredis.Redis) -> None:
+    # Pretend 65536 ids are taken (registered or awaiting a sweep) without making them all.
+    await admin.sadd(idx.prefix + "dead", *range(65536))
+    with pytest.raises(aredis.ResponseError, match="65536 pod ids in use"):
+        await idx.heartbeat("newcomer", PodLoad(), 60)
+    await admin.delete(idx.prefix + "dead")
+    await idx.heartbeat("newcomer", PodLoad(), 60)
+    assert set(await idx.pods()) == {"newcomer"}
