@@ -348,3 +348,51 @@ async def test_auto_gc_cleans_dead_pods_without_a_gc_call(make_index: IndexFacto
     # Had its entries survived, the renewed heartbeat would make them count again.
     await live(index, "dead")
     assert await index.lookup(c) == {}
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_random_ops_agree_with_a_plain_model(index: KVIndex, seed: int) -> None:
+    """Random stores/removes/clears/resyncs/clear_pods over chains that share prefixes;
+    every chain's lookup must equal what per-pod sets predict."""
+    rng = random.Random(1000 + seed)
+    trunk = chain(40, seed=seed)
+    # Branches share the trunk's first k blocks, then diverge.
+    chains = [trunk] + [
+        trunk[: rng.randrange(1, 40)] + chain(10, seed=seed * 100 + b) for b in range(4)
+    ]
+    universe = sorted({h for c in chains for h in c})
+    pods = ["p0", "p1", "p2"]
+    await live(index, *pods)
+    model: dict[str, set[int]] = {p: set() for p in pods}
+    for _ in range(40):
+        pod = rng.choice(pods)
+        r = rng.random()
+        if r < 0.45:
+            c = rng.choice(chains)
+            lo = rng.randrange(len(c))
+            hs = c[lo : rng.randrange(lo + 1, len(c) + 1)]
+            await index.apply(pod, batch(stored(hs)))
+            model[pod].update(hs)
+        elif r < 0.8:
+            hs = rng.sample(universe, rng.randint(1, 6))
+            await index.apply(pod, batch(BlockRemoved(block_hashes=hs)))
+            model[pod].difference_update(hs)
+        elif r < 0.88:
+            await index.apply(pod, batch(AllBlocksCleared()))
+            model[pod].clear()
+        elif r < 0.96:
+            new = set(rng.sample(universe, rng.randint(0, 30)))
+            await index.resync(pod, new)
+            model[pod] = new
+        else:
+            await index.clear_pod(pod)
+            model[pod].clear()
+    for c in chains:
+        want: dict[str, int] = {}
+        for p in pods:
+            n = 0
+            while n < len(c) and c[n] in model[p]:
+                n += 1
+            if n:
+                want[p] = n
+        assert await index.lookup(c) == want
