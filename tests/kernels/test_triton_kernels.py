@@ -199,3 +199,26 @@ def test_large_num_blocks_offsets_are_int64(device, tol):
     assert torch.equal(b.v_cache.view(-1, hkv, d)[slots], b.v)
     ref = torch_ref.paged_attention(b.q, b.k_cache, b.v_cache, b.meta, 0.125)
     torch.testing.assert_close(out, ref, **tol(dtype))
+
+
+def test_gpu_16bit_dot_path_matches_reference(monkeypatch, device, tol):
+    """On CUDA, 16-bit inputs keep 16-bit dot operands (tensor cores). Force that path here
+    too (fp16: the interpreter's fp16 dot is sound, unlike bf16) so CPU runs cover it."""
+    import triton.language as tl
+
+    from pagefleet.kernels import triton_attention as ta
+
+    monkeypatch.setattr(
+        ta,
+        "_compute_dtype",
+        lambda dtype, dev: tl.float16 if dtype == torch.float16 else tl.float32,
+    )
+    dtype = torch.float16
+    b = _batch([1, 1, 24], [40, 7, 90], 8, 2, 128, 16, dtype, device)
+    kc, vc = b.k_cache.clone(), b.v_cache.clone()
+    ref = torch_ref.TorchAttentionBackend().forward(b.q, b.k, b.v, kc, vc, b.meta, 0.09)
+    out = TritonAttentionBackend(
+        decode=DecodeConfig(block_n=16, num_kv_splits=2),
+        prefill=PrefillConfig(block_m=32, block_n=32),
+    ).forward(b.q, b.k, b.v, b.k_cache, b.v_cache, b.meta, 0.09)
+    torch.testing.assert_close(out, ref, **tol(dtype))
