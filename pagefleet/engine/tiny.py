@@ -242,11 +242,13 @@ def write_random_checkpoint(
     max_shard_bytes: int | None = None,
     num_shards: int | None = None,
     write_tokenizer: bool = True,
+    tokenizer_style: str | None = None,
 ) -> Path:
     """Write a complete HF checkpoint directory with seeded random weights into ``path``.
 
     ``config_dict`` is a config.json body; missing ``vocab_size``/token ids come from the
-    tiny tokenizer (written alongside when ``write_tokenizer``). The same name and seed give
+    tiny tokenizer (written alongside when ``write_tokenizer``; Qwen-style for qwen model
+    types unless ``tokenizer_style`` says otherwise). The same name and seed give
     the same tensor whatever the sharding. Tensors are generated one shard at a time on
     ``device`` in ``dtype`` (default: the config's torch_dtype), so peak memory is one
     shard. ``num_shards`` splits evenly by bytes; ``max_shard_bytes`` caps each shard.
@@ -257,12 +259,15 @@ def write_random_checkpoint(
     path.mkdir(parents=True, exist_ok=True)
     cfg = dict(config_dict)
     if write_tokenizer:
-        ids = tiny_tokenizer.write_tokenizer_files(path)
+        style = tokenizer_style or (
+            "qwen" if str(cfg.get("model_type", "")).startswith("qwen") else "llama"
+        )
+        ids = tiny_tokenizer.write_tokenizer_files(path, style)
         cfg.setdefault("vocab_size", ids["vocab_size"])
-        cfg.setdefault("bos_token_id", ids[tiny_tokenizer.BOS_TOKEN])
-        cfg.setdefault("eos_token_id", ids[tiny_tokenizer.EOS_TOKEN])
-        cfg.setdefault("pad_token_id", ids[tiny_tokenizer.PAD_TOKEN])
-        eos_ids = [ids[tiny_tokenizer.EOS_TOKEN], ids[tiny_tokenizer.IM_END]]
+        cfg.setdefault("bos_token_id", ids["bos"])
+        cfg.setdefault("eos_token_id", ids["eos"])
+        cfg.setdefault("pad_token_id", ids["pad"])
+        eos_ids = ids["eos_ids"]
     else:
         eos = cfg.get("eos_token_id")
         eos_ids = eos if isinstance(eos, list) else [eos] if eos is not None else []

@@ -11,19 +11,34 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 # Bumping this changes every tiny checkpoint's cache directory name.
-TOKENIZER_VERSION = 1
+TOKENIZER_VERSION = 2
 
 PAD_TOKEN = "<pad>"
 BOS_TOKEN = "<s>"
 EOS_TOKEN = "</s>"
+ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
-SPECIAL_TOKENS = [PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, IM_START, IM_END]
 
-# ChatML with a leading BOS added by the post-processor (not the template), so a prompt
-# rendered here and encoded with add_special_tokens=True carries exactly one BOS.
+# Two families of real tokenizers, mirrored so the presets behave like the real models:
+# "llama": GPT-2 byte-level split, BOS prepended by the post-processor, EOS "</s>";
+# "qwen": Qwen's digit-by-digit split regex + NFC, no BOS, EOS "<|im_end|>" (what
+# transformers' Qwen2Tokenizer rebuilds from the vocab, so ids agree with it).
+STYLES = ("llama", "qwen")
+SPECIAL_TOKENS = {
+    "llama": [PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, IM_START, IM_END],
+    "qwen": [ENDOFTEXT, IM_START, IM_END],
+}
+QWEN_PRETOKENIZE_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# ChatML. For "llama" the leading BOS comes from the post-processor, not the template, so
+# a prompt rendered here and encoded with add_special_tokens=True carries exactly one BOS.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
@@ -103,63 +118,132 @@ def corpus() -> list[str]:
     return [p for p in _CORPUS.split("\n\n") if p.strip()]
 
 
-def build_tokenizer():  # -> tokenizers.Tokenizer
+def _check_style(style: str) -> None:
+    if style not in STYLES:
+        raise ValueError(f"unknown tokenizer style {style!r}: choose one of {', '.join(STYLES)}")
+
+
+def build_tokenizer(style: str = "llama"):  # -> tokenizers.Tokenizer
     """Train the tiny byte-level BPE tokenizer; same merges and ids on every call."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    _check_style(style)
+    from tokenizers import (
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if style == "qwen":
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(
+                    Regex(QWEN_PRETOKENIZE_REGEX), behavior="isolated", invert=False
+                ),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=TARGET_VOCAB_SIZE,
         min_frequency=1,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS[style],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(corpus(), trainer=trainer)
-    bos_id = tok.token_to_id(BOS_TOKEN)
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS_TOKEN} $A",
-        pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
-        special_tokens=[(BOS_TOKEN, bos_id)],
-    )
+    if style == "llama":
+        bos_id = tok.token_to_id(BOS_TOKEN)
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{BOS_TOKEN} $A",
+            pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
+            special_tokens=[(BOS_TOKEN, bos_id)],
+        )
+    else:
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
     return tok
 
 
-def tokenizer_config() -> dict:
-    """tokenizer_config.json content matching ``build_tokenizer``'s special tokens."""
+def tokenizer_config(style: str = "llama", tok: Any = None) -> dict:
+    """tokenizer_config.json content matching ``build_tokenizer(style)``'s special tokens."""
+    _check_style(style)
+    tok = tok if tok is not None else build_tokenizer(style)
+    added = {
+        str(tok.token_to_id(t)): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for t in SPECIAL_TOKENS[style]
+    }
+    common = {
+        "added_tokens_decoder": added,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": MODEL_MAX_LENGTH,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    if style == "qwen":
+        return {
+            **common,
+            "tokenizer_class": "Qwen2Tokenizer",
+            "bos_token": None,
+            "eos_token": IM_END,
+            "pad_token": ENDOFTEXT,
+            "unk_token": None,
+            "additional_special_tokens": [IM_START, IM_END],
+            "errors": "replace",
+            "split_special_tokens": False,
+        }
     return {
+        **common,
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS_TOKEN,
         "eos_token": EOS_TOKEN,
         "pad_token": PAD_TOKEN,
         "add_bos_token": True,
         "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": MODEL_MAX_LENGTH,
         "additional_special_tokens": [IM_START, IM_END],
-        "chat_template": CHAT_TEMPLATE,
     }
 
 
-def write_tokenizer_files(directory: Path) -> dict[str, int]:
+def write_tokenizer_files(directory: Path, style: str = "llama") -> dict[str, int | None]:
     """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json.
 
-    Returns the ids of the special tokens, which the model config refers to.
+    Returns the ids the model config refers to: ``bos``/``eos``/``pad`` token ids (bos may
+    be None), ``eos_ids`` for generation_config.json, and ``vocab_size``.
     """
     directory = Path(directory)
-    tok = build_tokenizer()
+    tok = build_tokenizer(style)
     tok.save(str(directory / "tokenizer.json"), pretty=False)
-    cfg = tokenizer_config()
+    cfg = tokenizer_config(style, tok)
     (directory / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
     special_map = {
-        "bos_token": BOS_TOKEN,
-        "eos_token": EOS_TOKEN,
-        "pad_token": PAD_TOKEN,
-        "additional_special_tokens": [IM_START, IM_END],
+        k: cfg[k]
+        for k in ("bos_token", "eos_token", "pad_token", "additional_special_tokens")
+        if cfg.get(k) is not None
     }
     (directory / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2))
-    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
-    ids["vocab_size"] = tok.get_vocab_size(with_added_tokens=True)
+    ids: dict[str, Any] = {
+        "vocab_size": tok.get_vocab_size(with_added_tokens=True),
+        "pad": tok.token_to_id(cfg["pad_token"]),
+    }
+    if style == "qwen":
+        # Qwen's config.json names <|endoftext|> as BOS though the tokenizer adds none.
+        ids["bos"] = tok.token_to_id(ENDOFTEXT)
+        ids["eos"] = tok.token_to_id(IM_END)
+        ids["eos_ids"] = [tok.token_to_id(IM_END), tok.token_to_id(ENDOFTEXT)]
+    else:
+        ids["bos"] = tok.token_to_id(BOS_TOKEN)
+        ids["eos"] = tok.token_to_id(EOS_TOKEN)
+        ids["eos_ids"] = [tok.token_to_id(EOS_TOKEN), tok.token_to_id(IM_END)]
     return ids
