@@ -87,10 +87,9 @@ def load_model(
     target = torch.device(device)
     with torch.device("meta"):
         model = model_cls(config)
-    # Allocate real storage once in the run dtype, then rebuild non-persistent buffers
-    # (RoPE tables) which meta construction left empty.
-    model = model.to_empty(device=target)
-    model.to(run_dtype)
+    # Cast on meta (free), then allocate real storage once, directly in the run dtype: an
+    # 8B model never exists in fp32. RoPE tables are rebuilt after to_empty wiped them.
+    model = model.to(dtype=run_dtype).to_empty(device=target)
     model.model.rotary_emb.reset_cache(target)
 
     loaded = model.load_weights(

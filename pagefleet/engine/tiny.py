@@ -239,7 +239,7 @@ def write_random_checkpoint(
     dtype: str | torch.dtype | None = None,
     device: str | torch.device = "cpu",
     std: float = DEFAULT_STD,
-    max_shard_bytes: int | None = None,
+    max_shard_bytes: int | None = 4 << 30,
     num_shards: int | None = None,
     write_tokenizer: bool = True,
     tokenizer_style: str | None = None,
@@ -251,7 +251,8 @@ def write_random_checkpoint(
     types unless ``tokenizer_style`` says otherwise). The same name and seed give
     the same tensor whatever the sharding. Tensors are generated one shard at a time on
     ``device`` in ``dtype`` (default: the config's torch_dtype), so peak memory is one
-    shard. ``num_shards`` splits evenly by bytes; ``max_shard_bytes`` caps each shard.
+    shard. ``num_shards`` splits evenly by bytes; otherwise ``max_shard_bytes`` caps each shard
+    (None: one file).
     """
     from safetensors.torch import save_file
 
