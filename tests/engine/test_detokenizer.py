@@ -1,0 +1,77 @@
+"""Incremental detokenization: multi-byte characters, stop strings across tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagefleet.engine.detokenizer import IncrementalDetokenizer
+from pagefleet.engine.sampling_params import SamplingParams
+
+from .conftest import ByteTokenizer
+
+
+def _feed(text_tokens: list[int], params: SamplingParams, prompt=(72, 105)):
+    detok = IncrementalDetokenizer(ByteTokenizer(), list(prompt), params)
+    deltas, stopped = [], None
+    for t in text_tokens:
+        stopped = detok.add_token(t)
+        deltas.append(detok.take_delta(finished=stopped is not None))
+        if stopped:
+            break
+    else:
+        deltas.append(detok.take_delta(finished=True))
+    return deltas, stopped
+
+
+def test_multibyte_characters_are_never_split() -> None:
+    text = "héllo → 世界 🎉!"
+    deltas, _ = _feed(list(text.encode()), SamplingParams())
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)
+    # The 4-byte emoji arrives as one delta, after its last byte.
+    assert "🎉" in deltas
+
+
+def test_incomplete_character_at_the_end_is_flushed_as_replacement() -> None:
+    deltas, _ = _feed([104, 105, 0xE4, 0xB8], SamplingParams())
+    assert deltas[:4] == ["h", "i", "", ""]
+    assert deltas[-1] == "\ufffd"
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_across_token_boundaries(include) -> None:
+    params = SamplingParams(stop=["END", "xyz"], include_stop_str_in_output=include)
+    deltas, stopped = _feed(list(b"abcEN") + list(b"Dmore"), params)
+    assert stopped == "END"
+    assert "".join(deltas) == ("abcEND" if include else "abc")
+    # "E" and "EN" could start "END": they were held back, never emitted then retracted.
+    assert deltas[:5] == ["a", "b", "c", "", ""]
+
+
+def test_held_back_prefix_is_released_when_it_cannot_match() -> None:
+    deltas, stopped = _feed(list(b"aENx"), SamplingParams(stop=["END"]))
+    assert stopped is None
+    assert deltas == ["a", "", "", "ENx", ""]
+
+
+def test_stop_string_inside_a_multibyte_run() -> None:
+    deltas, stopped = _feed(list("ab世界cd".encode()), SamplingParams(stop=["界"]))
+    assert stopped == "界" and "".join(deltas) == "ab世"
+
+
+def test_real_tokenizer_deltas_concatenate_to_decode() -> None:
+    from pagefleet.engine.loader import resolve_model
+    from pagefleet.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(resolve_model("tiny"))
+    text = "Ünïcode wörks: naïve café — 東京 ok"
+    ids = tok.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, tok.encode("Prompt:"), SamplingParams())
+    out = ""
+    for t in ids:
+        detok.add_token(t)
+        d = detok.take_delta(False)
+        assert "\ufffd" not in d
+        out += d
+    out += detok.take_delta(True)
+    assert out == tok.decode(ids)
