@@ -202,6 +202,9 @@ def main() -> None:
         "ttft_p50_ratio_rr_over_ca": round(rr["ttft_ms_p50"] / ca["ttft_ms_p50"], 3)
         if ca["ttft_ms_p50"]
         else None,
+        "ttft_mean_ratio_rr_over_ca": round(rr["ttft_ms_mean"] / ca["ttft_ms_mean"], 3)
+        if ca["ttft_ms_mean"]
+        else None,
         "max_pod_share_single_prompt": single_report["max_pod_share"],
         "failed_requests": sum(r["failed"] for r in (ca, rr, ll, single_report)),
         "requests_per_policy": n_req,

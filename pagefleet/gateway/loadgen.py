@@ -235,6 +235,7 @@ def summarize(
         "max_pod_share": round(max(pods.values()) / len(ok), 4) if ok else 0.0,
         "errors": sorted({r.error for r in results if r.error})[:5],
     }
+    report["ttft_ms_mean"] = round(sum(ttft) / len(ttft), 2) if ttft else None
     for name, vals in (("ttft_ms", ttft), ("tpot_ms", tpot), ("itl_ms", itl)):
         for q in (0.5, 0.9, 0.99):
             v = _pct(vals, q)
