@@ -203,9 +203,8 @@ class Tokenizer:
             for k, v in self.config.items()
             if k.endswith("_token") and isinstance(v, str | dict)
         }
+        # Caller's variables (tools, documents, a date, ...) override the config's tokens.
+        context = {**special, **kwargs}
         return self._template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            **special,
-            **kwargs,
+            messages=messages, add_generation_prompt=add_generation_prompt, **context
         )

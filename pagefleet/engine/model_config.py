@@ -173,6 +173,8 @@ class ModelConfig:
             [int(e) for e in eos] if isinstance(eos, list) else ([] if eos is None else [int(eos)])
         )
         torch_dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+        if torch_dtype == "auto":  # seen in hand-written configs; the weights decide on GPU
+            torch_dtype = "bfloat16"
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
