@@ -46,6 +46,8 @@ logger = logging.getLogger(__name__)
 
 # Hashes per script call: bounds how long one call holds Redis (a few ms).
 CHUNK = 4096
+# Blocks per lookup script call (see lookup()).
+LOOKUP_SEGMENT = 4096
 # Hash removals per gc() script call.
 GC_BUDGET = 20_000
 
@@ -182,8 +184,23 @@ class RedisKVIndex:
     async def lookup(self, block_hashes: list[int]) -> dict[str, int]:
         if not block_hashes:
             return {}
-        flat = await self._lookup(self.client, self.prefix, pack_hashes(block_hashes))
-        return {flat[k].decode(): int(flat[k + 1]) for k in range(0, len(flat), 2)}
+        packed = pack_hashes(block_hashes)
+        matched: dict[str, int] = {}
+        carry = b""
+        # Prompts up to LOOKUP_SEGMENT blocks take one round trip. Longer ones walk a
+        # segment per call, and only while some pod still matches, so no single script
+        # holds Redis for more than a few milliseconds.
+        step = LOOKUP_SEGMENT * 8
+        for start in range(0, len(packed), step):
+            flat = await self._lookup(
+                self.client, self.prefix, packed[start : start + step], start // 8, carry
+            )
+            carry = flat[0]
+            for k in range(1, len(flat), 2):
+                matched[flat[k].decode()] = int(flat[k + 1])
+            if not carry:
+                break
+        return matched
 
     async def pods(self) -> dict[str, PodLoad]:
         flat = await self._pods(self.client, self.prefix)

@@ -275,17 +275,25 @@ return 1
 """
 )
 
-# ARGV: packed hashes of the prompt's blocks, in chain order.
-# Returns a flat array: pod name, matched leading blocks, ... (pods with >= 1 block only).
+# ARGV: packed hashes of one segment of the prompt's blocks, in chain order; the number of
+# blocks before this segment; the packed ids of pods still matching after the previous
+# segment ('' for the first segment: candidates are then the live holders of block 0).
+# Returns {ids still matching at the segment's end, packed ('' if none), then pod name,
+# matched leading blocks (counted from the prompt's start), ...} for pods with >= 1 block.
 LOOKUP = (
     _COMMON
     + r"""
 local bits = tonumber(redis.call('GET', P .. 'cfg') or '0')
-if bits == 0 then return {} end
+if bits == 0 then return {''} end
 local div, foff = layout(bits)
 local hs = ARGV[1]
 local nb = #hs / 8
+local offset = tonumber(ARGV[2])
 local alive = nil
+if ARGV[3] ~= '' then
+  alive = {}
+  for j = 1, #ARGV[3], 2 do alive[id_at(ARGV[3], j)] = true end
+end
 local matched = {}
 local prev = nil
 local i = 0
@@ -326,16 +334,20 @@ while i < nb do
   end
   i = i + 1
 end
+local carry = {}
 if alive ~= nil then
-  for id in pairs(alive) do matched[id] = i end
+  for id in pairs(alive) do
+    matched[id] = i
+    if i == nb then carry[#carry + 1] = enc_id(id) end
+  end
 end
-local out = {}
+local out = {table.concat(carry)}
 for id, n in pairs(matched) do
-  if n > 0 then
+  if offset + n > 0 then
     local name = redis.call('HGET', P .. 'pid', id)
     if name then
       out[#out + 1] = name
-      out[#out + 1] = n
+      out[#out + 1] = offset + n
     end
   end
 end

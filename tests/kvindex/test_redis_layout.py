@@ -266,3 +266,26 @@ async def test_pod_id_exhaustion_is_a_clear_error(idx: RedisKVIndex, admin: ared
     await admin.delete(idx.prefix + "dead")
     await idx.heartbeat("newcomer", PodLoad(), 60)
     assert set(await idx.pods()) == {"newcomer"}
+
+
+async def test_long_prompt_walks_in_segments(
+    idx: RedisKVIndex, admin: aredis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pagefleet.kvindex.redis_index as ri
+
+    monkeypatch.setattr(ri, "LOOKUP_SEGMENT", 100)
+    hs = rand_hashes(350, 40)
+    await idx.heartbeat("a", PodLoad(), 60)
+    await idx.heartbeat("b", PodLoad(), 60)
+    await idx.heartbeat("c", PodLoad(), 60)
+    await idx.apply("a", stored(hs))  # all 350: four segments
+    await idx.apply("b", stored(hs[:100]))  # stops exactly at a segment boundary
+    await idx.apply("c", stored(hs[:150]))  # stops inside the second segment
+    await idx.lookup(hs[:1])
+    assert await idx.lookup(hs) == {"a": 350, "b": 100, "c": 150}
+    assert await round_trips(admin, monkeypatch, idx.lookup(hs)) == (4, 4)
+    # Once nobody matches any more, later segments are not asked for.
+    await idx.apply("a", KVEventBatch(0.0, 1, [BlockRemoved(hs[120:121])]))
+    assert await idx.lookup(hs) == {"a": 120, "b": 100, "c": 150}
+    assert await round_trips(admin, monkeypatch, idx.lookup(hs)) == (2, 2)
+    assert await round_trips(admin, monkeypatch, idx.lookup(rand_hashes(350, 41))) == (1, 1)
