@@ -113,7 +113,10 @@ class RedisKVIndex:
         auto_gc_interval_s: float | None = 30.0,
         auto_gc_grace_s: float = 30.0,
     ) -> None:
-        """``auto_gc_interval_s``: at most this often, a heartbeat() or pods() call also
+        """``bucket_bits``: 2^bits bucket hashes; 14 suits ~0.5-2M distinct blocks (see
+        suggest_bucket_bits); the namespace's first writer fixes it for every client.
+
+        ``auto_gc_interval_s``: at most this often, a heartbeat() or pods() call also
         runs one bounded gc step, so dead pods get cleaned without anyone scheduling gc()
         (every daemon heartbeats; any replica may do it). None disables it."""
         if not 8 <= bucket_bits <= 16:
