@@ -172,10 +172,14 @@ class EngineLoop:
         self._push(_Command(lambda eng: eng.abort(request_id), None))
 
     def abort_all(self) -> int:
-        """Abort every live request (shutdown past its grace); returns how many."""
+        """Abort every live request (shutdown past its grace); returns how many.
+
+        Unlike ``abort``, the streams stay registered: the engine's final "abort" outputs
+        reach their handlers, which then end their responses properly.
+        """
         rids = list(self._streams)
         for rid in rids:
-            self.abort(rid)
+            self._push(_Command(lambda eng, rid=rid: eng.abort(rid), None))
         return len(rids)
 
     def stop(self, timeout: float | None = 10.0) -> None:

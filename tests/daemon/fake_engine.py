@@ -60,6 +60,7 @@ class FakeEngine:
         self._pending: list = []
         self.s = FakeStats()
         self.aborted: list[str] = []
+        self._aborted_outputs: list[RequestOutput] = []
 
     def add_request(self, request_id, prompt, params, arrival_time=None, lora_id=None) -> None:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -83,6 +84,15 @@ class FakeEngine:
         if r is None:
             return False
         self.aborted.append(request_id)
+        # Like the real engine: the request's final "abort" deltas come out of the next step.
+        ends = [
+            CompletionDelta(i, [], "", None, "abort") for i in range(r.params.n) if not r.done[i]
+        ]
+        r.metrics.finished_time = time.monotonic()
+        self._aborted_outputs.append(
+            RequestOutput(request_id, r.prompt, ends, True, r.metrics,
+                          sum(len(g) for g in r.generated))
+        )  # fmt: skip
         # Aborting drops the request's blocks from the cache (unlike the real engine) so the
         # publisher has BlockRemoved events to carry.
         gone = [h for h in r.hashes if h in self._cached]
@@ -93,7 +103,7 @@ class FakeEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self._reqs)
+        return bool(self._reqs) or bool(self._aborted_outputs)
 
     def cached_block_hashes(self) -> set[int]:
         return set(self._cached)
@@ -108,7 +118,8 @@ class FakeEngine:
         if self._delay:
             time.sleep(self._delay)
         now = time.monotonic()
-        outs: list[RequestOutput] = []
+        outs: list[RequestOutput] = self._aborted_outputs
+        self._aborted_outputs = []
         for rid, r in list(self._reqs.items()):
             if r.metrics.first_scheduled_time is None:
                 r.metrics.first_scheduled_time = now

@@ -126,7 +126,7 @@ async def test_disconnect_aborts(tiny_tokenizer):
         async with s.post(f"{d.base_url}/completions", json=body) as r:
             await r.content.readline()  # first chunk arrived: the request is running
         for _ in range(100):
-            if engines[0].aborted:
+            if engines[0].aborted and not engines[0].has_unfinished():
                 break
             await asyncio.sleep(0.02)
         assert len(engines[0].aborted) == 1
@@ -284,3 +284,20 @@ def test_cli_refuses_pd_roles():
     result = CliRunner().invoke(command, ["--role", "prefill"])
     assert result.exit_code == 2
     assert "not available yet" in result.output
+
+
+async def test_drain_past_grace_aborts_and_ends_streams(tiny_tokenizer):
+    engines: list[FakeEngine] = []
+    factory = _factory(tiny_tokenizer, engines, step_delay_s=0.02)
+    async with live_daemon(_cfg(), factory) as d, aiohttp.ClientSession() as s:
+        body = {"prompt": [1, 2, 3], "max_tokens": 200, "stream": True}
+        async with s.post(f"{d.base_url}/completions", json=body) as r:
+            await r.content.readline()
+            drain = asyncio.create_task(d.daemon.drain(grace_s=0.2))
+            async with s.get(f"{d.url}/ready") as rr:
+                assert rr.status == 503
+            rest = (await r.read()).decode()
+            await drain
+        assert '"finish_reason":"abort"' in rest
+        assert rest.rstrip().endswith("data: [DONE]")
+        assert engines[0].aborted and d.daemon._inflight == 0

@@ -154,13 +154,14 @@ async def test_sigterm_drains_and_exits_zero():
                 [sys.executable, "-m", "pagefleet.cli", "daemon", "--model", "tiny",
                  "--port", str(port), "--max-model-len", "256", "--block-size", "4",
                  "--redis-url", redis_srv.url, "--kv-namespace", NS, "--pod-name", "pod-3",
-                 "--served-model-name", "m", "--drain-timeout", "20"],
-                stdout=log, stderr=log, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                 "--served-model-name", "m", "--drain-timeout", "60"],
+                stdout=log, stderr=log,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
             )  # fmt: skip
             try:
                 async with aiohttp.ClientSession() as s:
                     await _wait_ready(s, base, proc)
-                    body = {"prompt": PROMPTS[0], "max_tokens": 40, "stream": True,
+                    body = {"prompt": PROMPTS[0], "max_tokens": 200, "stream": True,
                             "ignore_eos": True}  # fmt: skip
                     async with s.post(f"{base}/v1/completions", json=body) as r:
                         assert r.status == 200
@@ -171,9 +172,12 @@ async def test_sigterm_drains_and_exits_zero():
                             await asyncio.sleep(0.05)
                         assert (await held_in_redis(redis_srv.url, "pod-3", set()))[0] > 0
                         proc.send_signal(signal.SIGTERM)
-                        await asyncio.sleep(0.5)
-                        async with s.get(f"{base}/ready") as rr:
-                            assert rr.status == 503  # draining: routers stop sending
+                        for _ in range(100):  # the signal lands asynchronously
+                            async with s.get(f"{base}/ready") as rr:
+                                if rr.status == 503:  # draining: routers stop sending
+                                    break
+                            await asyncio.sleep(0.01)
+                        assert rr.status == 503
                         async with s.post(f"{base}/v1/completions", json={"prompt": "x"}) as rr:
                             assert rr.status == 503
                             assert rr.headers["Retry-After"] == "1"
