@@ -314,7 +314,13 @@ class Gateway:
             await resp.write(first)
             try:
                 async for chunk in upstream.content.iter_any():
-                    await resp.write(chunk)
+                    try:
+                        await resp.write(chunk)
+                    except (ConnectionResetError, RuntimeError) as exc:
+                        # The client hung up; leaving here closes the upstream connection,
+                        # which makes the daemon abort the request and free its blocks.
+                        logger.debug("client went away while streaming from %s: %s", ep.pod, exc)
+                        return resp
             except (TimeoutError, aiohttp.ClientError) as exc:
                 # Bytes already reached the client: nothing to retry; end the stream.
                 logger.warning(
@@ -323,9 +329,6 @@ class Gateway:
                     time.perf_counter() - t0,
                     exc,
                 )
-            except (ConnectionResetError, RuntimeError) as exc:
-                logger.debug("client went away while streaming from %s: %s", ep.pod, exc)
-                return resp
             self.metrics.upstream_latency_seconds.labels(pod=ep.pod).observe(
                 time.perf_counter() - t0
             )

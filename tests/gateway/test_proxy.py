@@ -45,6 +45,7 @@ class Upstream:
     behaviour: str
     port: int = 0
     hits: int = 0
+    disconnected: bool = False
     bodies: list[dict] = field(default_factory=list)
     runner: web.AppRunner | None = None
 
@@ -97,6 +98,18 @@ class Upstream:
             return web.Response()
         if not body.get("stream"):
             return web.json_response(_completion(self.pod))
+        if self.behaviour == "slow":
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            try:
+                for i in range(100):
+                    await resp.write(f'data: {{"n": {i}}}\n\n'.encode())
+                    await asyncio.sleep(0.05)
+            except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+                self.disconnected = True
+                return resp
+            await resp.write_eof()
+            return resp
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for i in range(5):
@@ -331,3 +344,22 @@ def test_gateway_import_does_not_load_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+async def test_client_hangup_mid_stream_closes_the_upstream_request(make_fleet) -> None:
+    fleet = await make_fleet(["slow"])
+    up = fleet.upstreams[0]
+    async with aiohttp.ClientSession() as s:
+        resp = await s.post(
+            fleet.url + "/v1/completions", json={"model": "tiny", "prompt": PROMPT, "stream": True}
+        )
+        assert resp.status == 200
+        first = await resp.content.readany()
+        assert first.startswith(b"data: ")
+        resp.close()  # hang up after the first chunk
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not up.disconnected:
+        await asyncio.sleep(0.05)
+    # The daemon would see its client (the gateway) go away and abort the request.
+    assert up.disconnected
+    assert fleet.gateway.router.inflight == {}
