@@ -10,7 +10,8 @@ When a running sequence cannot get a block, the newest running sequence is preem
 recompute: its blocks are freed, its ``num_computed_tokens`` reset, and it goes to the front
 of the waiting queue. It keeps its tokens and sampler state, so the recomputed sequence
 continues exactly. Nothing accepted is ever dropped: a sequence leaves only by finishing or
-being aborted. A step that preempted admits nobody new (memory is short).
+being aborted. A step that preempted admits nobody new (memory is short), and while
+others run an admission must leave a small watermark of blocks free.
 
 Invariant: ``num_computed_tokens`` of every scheduled sequence is advanced here, at
 schedule time, to what it will be once the step's forward has run.
@@ -25,6 +26,11 @@ from dataclasses import dataclass, field
 from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.kv_cache_manager import KVCacheManager
 from pagefleet.engine.request import Sequence, SequenceStatus
+
+# Fraction of the pool a new admission must leave free while others run. Without it the
+# pool fills to the last block and every block boundary a decode crosses preempts someone
+# (on the kv_utilization trace: 288 preemptions at 0, 117 at 1%, utilization unchanged).
+WATERMARK_FRACTION = 0.01
 
 
 @dataclass(slots=True)
@@ -67,6 +73,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preempted_total = 0
+        self.watermark_blocks = int(WATERMARK_FRACTION * kv.num_blocks)
         self.prefix_queries_tokens = 0
         self.prefix_hits_tokens = 0
 
@@ -143,6 +150,8 @@ class Scheduler:
                     if not cfg.enable_chunked_prefill:
                         break
                     num_new = budget
+                if self.running and not self._leaves_headroom(num_cached + num_new, hits):
+                    break
                 if not self.kv.allocate_slots(seq, num_new, hits, num_cached):
                     break
                 self.waiting.popleft()
@@ -165,6 +174,12 @@ class Scheduler:
             preempted=preempted,
             num_batched_tokens=cfg.max_num_batched_tokens - budget,
         )
+
+    def _leaves_headroom(self, num_tokens: int, hits: list) -> bool:
+        """Admit only if the blocks left afterwards stay above the watermark, so running
+        sequences can keep growing for a while without being preempted by a newcomer."""
+        need = -(-num_tokens // self.kv.block_size) - len(hits)
+        return self.kv.pool.num_free_blocks - need >= self.watermark_blocks
 
     def _schedule_one(self, seq: Sequence, num_new: int, forked: list[Sequence]) -> ScheduledSeq:
         start = seq.num_computed_tokens
