@@ -593,3 +593,41 @@ def eventually(
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} not reached after {timeout_s:.0f}s; last seen: {last!r}")
         time.sleep(interval_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m e2e.cluster`: run the control plane + node agent until Ctrl-C.
+
+    Prints the admin kubeconfig path, so `kubectl --kubeconfig ...` works from another shell.
+    `--once` stops right after everything is ready (a start-up timing check).
+    """
+    import argparse
+    import threading
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--once", action="store_true", help="exit as soon as it is ready")
+    parser.add_argument("--no-node", action="store_true", help="do not start the node agent")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    t0 = time.monotonic()
+    with ControlPlane() as cp:
+        t_cp = time.monotonic() - t0
+        if not args.no_node:
+            cp.start_node_agent()
+        t_all = time.monotonic() - t0
+        print(f"control plane ready in {t_cp:.1f}s, with node agent in {t_all:.1f}s", flush=True)
+        print(f"export KUBECONFIG={cp.kubeconfig_path}", flush=True)
+        if not args.once:
+            stop = threading.Event()
+            signal.signal(signal.SIGTERM, lambda *_: stop.set())
+            try:
+                while not stop.wait(1.0):
+                    cp.check_alive()
+            except KeyboardInterrupt:
+                pass
+    print(json.dumps({"control_plane_ready_s": round(t_cp, 2), "with_node_s": round(t_all, 2)}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

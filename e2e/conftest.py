@@ -79,7 +79,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     cp = getattr(item, "funcargs", {}).get("cluster")
     if not isinstance(cp, ControlPlane):
         return
-    report.sections.append(("control plane logs", cp.logs_tail(lines=20)))
+    report.sections.append(("control plane logs", cp.logs_tail(lines=12)))
     agent = cp.node_agent
     if agent is not None:
         title = f"node agent log ({agent.log_path}; pod logs under {agent.log_dir / 'pods'})"

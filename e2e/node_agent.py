@@ -56,6 +56,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
 
+import yaml
+
 from e2e.kube_client import JSON, KubeAPIError, KubeClient
 
 logger = logging.getLogger(__name__)
@@ -299,6 +301,13 @@ class NodeAgent:
             },
         }
         self.client.merge_patch(f"/api/v1/nodes/{self.node_name}/status", {"status": status})
+        # Admission (TaintNodesByCondition) taints every new Node not-ready; normally the
+        # node-lifecycle controller lifts it, but that controller is off in this cluster.
+        node_obj = self.client.get(f"/api/v1/nodes/{self.node_name}")
+        taints = node_obj["spec"].get("taints") or []
+        kept = [t for t in taints if t["key"] != "node.kubernetes.io/not-ready"]
+        if kept != taints:
+            self.client.merge_patch(f"/api/v1/nodes/{self.node_name}", {"spec": {"taints": kept}})
         logger.info("registered node %s (pods in %s)", self.node_name, self.subnet)
 
     def _renew_lease(self) -> None:
@@ -473,6 +482,7 @@ class NodeAgent:
     def _start(self, run: PodRun, c: ContainerRun) -> None:
         try:
             env = self._container_env(run, c.spec)
+            kubeconfig = self._service_account_kubeconfig(run)
         except ContainerConfigError as exc:
             c.waiting_reason, c.waiting_message = "CreateContainerConfigError", str(exc)
             c.next_start_at = time.monotonic() + 1.0
@@ -495,7 +505,7 @@ class NodeAgent:
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     cwd=cwd,
-                    env={**os.environ, **env},
+                    env=self._process_env(env, kubeconfig),
                     start_new_session=True,
                     preexec_fn=_die_with_parent,
                 )
@@ -517,7 +527,8 @@ class NodeAgent:
 
     def _container_env(self, run: PodRun, spec: JSON) -> dict[str, str]:
         """The container's environment as the kubelet would build it (envFrom, then env)."""
-        env: dict[str, str] = {}
+        # POD_IP first, so env values and args can reference $(POD_IP) without declaring it.
+        env: dict[str, str] = {"POD_IP": run.ip}
         ns = run.namespace
         for src in spec.get("envFrom", []):
             prefix = src.get("prefix", "")
@@ -539,8 +550,73 @@ class NodeAgent:
                 env[name] = value
             else:
                 env[name] = expand_vars(var.get("value", ""), env)
-        env.setdefault("POD_IP", run.ip)
         return env
+
+    def _service_account_kubeconfig(self, run: PodRun) -> Path | None:
+        """A kubeconfig holding a token for the pod's ServiceAccount, bound to the pod.
+
+        Stands in for the projected token volume (which needs a mount namespace): clients
+        fall back to $KUBECONFIG when the in-cluster token file is absent, so a pod talks to
+        the apiserver with exactly its ServiceAccount's RBAC.
+        """
+        if run.pod["spec"].get("automountServiceAccountToken") is False:
+            return None
+        path = self.log_dir / "pods" / f"{run.namespace}_{run.name}" / "kubeconfig"
+        if path.exists():
+            return path
+        sa = run.pod["spec"].get("serviceAccountName") or "default"
+        request = {
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenRequest",
+            "spec": {
+                "expirationSeconds": 7200,
+                "boundObjectRef": {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "name": run.name,
+                    "uid": run.uid,
+                },
+            },
+        }
+        try:
+            resp = self.client.create(
+                f"/api/v1/namespaces/{run.namespace}/serviceaccounts/{sa}/token", request
+            )
+        except KubeAPIError as exc:
+            raise ContainerConfigError(f"token for serviceaccount {sa!r}: {exc}") from exc
+        cfg = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [
+                {
+                    "name": "cluster",
+                    "cluster": {
+                        "server": self.client.config.server,
+                        "certificate-authority": self.client.config.ca_path,
+                    },
+                }
+            ],
+            "users": [{"name": sa, "user": {"token": resp["status"]["token"]}}],
+            "contexts": [
+                {
+                    "name": sa,
+                    "context": {"cluster": "cluster", "user": sa, "namespace": run.namespace},
+                }
+            ],
+            "current-context": sa,
+        }
+        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        path.chmod(0o600)
+        return path
+
+    @staticmethod
+    def _process_env(env: dict[str, str], kubeconfig: Path | None) -> dict[str, str]:
+        # Inherit the host environment (PATH, the venv, model caches), but never the
+        # agent's own credentials.
+        base = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
+        if kubeconfig is not None:
+            base["KUBECONFIG"] = str(kubeconfig)
+        return {**base, **env}
 
     def _value_from(self, run: PodRun, spec: JSON, src: JSON) -> str | None:
         ns = run.namespace
@@ -835,7 +911,8 @@ class NodeAgentProcess:
             self.check_alive()
             node = client.get_or_none(f"/api/v1/nodes/{self.node_name}")
             conds = (node or {}).get("status", {}).get("conditions", [])
-            if any(c["type"] == "Ready" and c["status"] == "True" for c in conds):
+            ready = any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
+            if ready and not (node or {}).get("spec", {}).get("taints"):
                 return self
             time.sleep(0.1)
         raise RuntimeError(

@@ -7,6 +7,8 @@
 #   scripts/control-plane.sh dir      print the cache directory (the e2e harness reads the same path)
 #   scripts/control-plane.sh check    exit 0 only if every cached binary reports the pinned version
 #   scripts/control-plane.sh gen      regenerate ci/k8s-bins and ci/etcd-bin go.mod/go.sum for the pins
+#   scripts/control-plane.sh up       build if needed, then run the control plane + node agent in
+#                                     the foreground (prints KUBECONFIG; Ctrl-C stops; --once)
 #
 # Pins live here and in e2e/cluster.py (K8S_VERSION); change both together, then run `gen`.
 set -euo pipefail
@@ -119,5 +121,10 @@ case "${1:-build}" in
   check) etcd_ok && k8s_ok ;;
   dir) printf '%s\n' "${OUT}" ;;
   gen) cmd_gen ;;
-  *) echo "usage: $0 {build|check|dir|gen}" >&2; exit 2 ;;
+  up)
+    cmd_build
+    shift
+    cd "${ROOT}" && exec "${PYTHON:-${ROOT}/.venv/bin/python}" -m e2e.cluster "$@"
+    ;;
+  *) echo "usage: $0 {build|check|dir|gen|up [--once] [--no-node]}" >&2; exit 2 ;;
 esac

@@ -1,0 +1,131 @@
+"""Fast checks of the node agent's pure parts (env building, `$(VAR)` expansion, IP
+allocation, the pod network). The same behaviour is exercised for real in test_cluster.py."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from pathlib import Path
+
+import pytest
+
+from e2e.kube_client import JSON, KubeAPIError
+from e2e.node_agent import (
+    POD_NETWORK,
+    ContainerConfigError,
+    NodeAgent,
+    ensure_pod_network,
+    expand_vars,
+    random_pod_subnet,
+)
+
+
+class FakeClient:
+    """Serves fixed ConfigMaps/Secrets by path; anything else is a 404."""
+
+    def __init__(self, objects: dict[str, JSON]) -> None:
+        self.objects = objects
+
+    def get_or_none(self, path: str) -> JSON | None:
+        return self.objects.get(path)
+
+    def get(self, path: str) -> JSON:
+        if path not in self.objects:
+            raise KubeAPIError("GET", path, 404, "{}")
+        return self.objects[path]
+
+
+def make_agent(tmp_path: Path, objects: dict[str, JSON] | None = None) -> NodeAgent:
+    subnet = ipaddress.IPv4Network("198.18.7.0/24")
+    return NodeAgent(FakeClient(objects or {}), "n1", subnet, tmp_path)  # type: ignore[arg-type]
+
+
+def pod(containers: list[JSON]) -> JSON:
+    return {
+        "metadata": {"name": "p", "namespace": "ns", "uid": "u1", "labels": {"app": "x"}},
+        "spec": {"containers": containers, "serviceAccountName": "sa"},
+    }
+
+
+def test_expand_vars_follows_kubernetes_rules() -> None:
+    env = {"A": "1", "B": "two"}
+    assert expand_vars("$(A)-$(B)", env) == "1-two"
+    assert expand_vars("$(MISSING)", env) == "$(MISSING)"
+    assert expand_vars("$$(A)", env) == "$(A)"
+    assert expand_vars("cost $5 and $(A)", env) == "cost $5 and 1"
+
+
+def test_container_env_order_sources_and_downward_api(tmp_path: Path) -> None:
+    objects = {
+        "/api/v1/namespaces/ns/configmaps/cm": {"data": {"k": "from-cm", "SHARED": "cm"}},
+        "/api/v1/namespaces/ns/secrets/s": {"data": {"pw": "c2VjcmV0"}},  # "secret"
+    }
+    agent = make_agent(tmp_path, objects)
+    spec = {
+        "name": "c",
+        "envFrom": [{"configMapRef": {"name": "cm"}, "prefix": "CM_"}],
+        "env": [
+            {"name": "NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            {"name": "APP", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['app']"}}},
+            {"name": "K", "valueFrom": {"configMapKeyRef": {"name": "cm", "key": "k"}}},
+            {"name": "PW", "valueFrom": {"secretKeyRef": {"name": "s", "key": "pw"}}},
+            {
+                "name": "OPT",
+                "valueFrom": {"configMapKeyRef": {"name": "nope", "key": "x", "optional": True}},
+            },
+            {"name": "URL", "value": "http://$(IP):8000/$(CM_SHARED)"},
+        ],
+    }
+    run = agent._admit(pod([spec]))
+    env = agent._container_env(run, spec)
+    assert env == {
+        "CM_k": "from-cm",
+        "CM_SHARED": "cm",
+        "NAME": "p",
+        "IP": run.ip,
+        "APP": "x",
+        "K": "from-cm",
+        "PW": "secret",
+        "URL": f"http://{run.ip}:8000/cm",
+        "POD_IP": run.ip,
+    }
+
+
+def test_missing_configmap_is_a_config_error(tmp_path: Path) -> None:
+    agent = make_agent(tmp_path)
+    spec = {"name": "c", "envFrom": [{"configMapRef": {"name": "absent"}}]}
+    run = agent._admit(pod([spec]))
+    with pytest.raises(ContainerConfigError, match='configmap "absent" not found'):
+        agent._container_env(run, spec)
+
+
+def test_ip_allocation_is_distinct_and_walks_forward(tmp_path: Path) -> None:
+    agent = make_agent(tmp_path)
+
+    def named(name: str) -> JSON:
+        return {**pod([{"name": "c"}]), "metadata": {"name": name, "namespace": "ns", "uid": name}}
+
+    runs = [agent._admit(named(f"u{i}")) for i in range(3)]
+    assert [r.ip for r in runs] == ["198.18.7.2", "198.18.7.3", "198.18.7.4"]
+    del agent._runs["u0"]
+    # A freed address is not handed out again straight away.
+    nxt = agent._admit(named("q"))
+    assert nxt.ip == "198.18.7.5"
+
+
+def test_random_subnet_is_inside_pod_network() -> None:
+    for _ in range(20):
+        net = random_pod_subnet()
+        assert net.prefixlen == 24 and net.subnet_of(POD_NETWORK)
+
+
+def test_pod_network_addresses_bind_locally() -> None:
+    ensure_pod_network()
+    ip = "198.19.254.9"
+    with socket.socket() as srv:
+        srv.bind((ip, 0))
+        srv.listen()
+        with socket.create_connection(srv.getsockname(), timeout=2):
+            conn, _ = srv.accept()
+            conn.close()
