@@ -48,11 +48,13 @@ class _Req:
 
 class FakeEngine:
     def __init__(self, tokenizer: Tokenizer, event_sink=None, step_delay_s: float = 0.0,
-                 max_model_len: int = 256, block_size: int = 4) -> None:  # fmt: skip
+                 max_model_len: int = 256, block_size: int = 4,
+                 crash_at_step: int | None = None) -> None:  # fmt: skip
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self._sink = event_sink
         self._delay = step_delay_s
+        self._crash_at = crash_at_step
         self._bs = block_size
         self._reqs: dict[str, _Req] = {}
         self._cached: set[int] = set()
@@ -117,6 +119,8 @@ class FakeEngine:
     def step(self) -> list[RequestOutput]:
         if self._delay:
             time.sleep(self._delay)
+        if self._crash_at is not None and self.s.steps_total >= self._crash_at:
+            raise RuntimeError("simulated CUDA error")
         now = time.monotonic()
         outs: list[RequestOutput] = self._aborted_outputs
         self._aborted_outputs = []

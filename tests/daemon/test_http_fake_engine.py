@@ -301,3 +301,18 @@ async def test_drain_past_grace_aborts_and_ends_streams(tiny_tokenizer):
         assert '"finish_reason":"abort"' in rest
         assert rest.rstrip().endswith("data: [DONE]")
         assert engines[0].aborted and d.daemon._inflight == 0
+
+
+async def test_engine_crash_fails_requests_and_health(tiny_tokenizer):
+    factory = _factory(tiny_tokenizer, [], crash_at_step=2)
+    async with live_daemon(_cfg(), factory) as d, aiohttp.ClientSession() as s:
+        body = {"prompt": [1, 2, 3], "max_tokens": 50}
+        async with s.post(f"{d.base_url}/completions", json=body) as r:
+            assert r.status == 503
+            assert "crashed" in (await r.json())["error"]["message"]
+        async with s.get(f"{d.url}/health") as r:
+            assert r.status == 503
+        async with s.get(f"{d.url}/ready") as r:
+            assert r.status == 503
+        async with s.post(f"{d.base_url}/completions", json=body) as r:
+            assert r.status == 503  # refused at once, not hung
