@@ -110,7 +110,17 @@ def _template(*args: str) -> list[dict[str, Any]]:
     if helm is None:
         pytest.skip("helm binary not available (see this module's docstring to build it)")
     out = subprocess.run(
-        [helm, "template", "pf", str(CHART), "--namespace", "pagefleet-system", *args],
+        [
+            helm,
+            "template",
+            "pf",
+            str(CHART),
+            "-n",
+            "pagefleet-system",
+            "--kube-version",
+            "1.31.0",
+            *args,
+        ],
         capture_output=True,
         text=True,
         timeout=60,
