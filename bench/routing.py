@@ -63,6 +63,7 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory-mb", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--zipf-s", type=float, default=0.8, help="tenant popularity skew")
+    ap.add_argument("--tenants", type=int, default=16)
     ap.add_argument(
         "--system-prompt-words",
         type=int,
@@ -76,7 +77,7 @@ def main() -> None:
     n_req = args.requests or (64 if args.quick else 240)
     spec = WorkloadSpec(
         num_conversations=n_req,
-        num_tenants=16,
+        num_tenants=args.tenants,
         system_prompt_words=args.system_prompt_words,
         user_turn_words=8,
         assistant_turn_words=12,
