@@ -11,7 +11,8 @@ one Redis Cluster slot, so one Lua script may touch them all):
                         instead of the ~100+ bytes of one Redis key per block.
 ``P r:<id>``      LIST  the pod's reverse log: packed 8-byte hashes it added, so clearing a
                         pod costs O(its blocks); compacted when removals dominate.
-``P r2:<id>``     LIST  the new set while a resync is in flight (replaces ``r:<id>``).
+``P r2:<id>``     LIST  the new set's log while a resync is in flight (then becomes ``r:<id>``).
+``P rs:<id>``     SET   the new set's members while a resync is in flight (temporary).
 ``P pod`` / ``P pid``  HASH  pod name -> id / id -> name (ids are small and reused).
 ``P hb:<id>``     STRING  the pod's last load (JSON) with the heartbeat TTL.
 ``P exp``         HASH  id -> ms after which the pod counts as dead (gc's grace starts here).
@@ -45,7 +46,7 @@ from pagefleet.kvindex.index import PodLoad
 logger = logging.getLogger(__name__)
 
 # Hashes per script call: bounds how long one call holds Redis (a few ms).
-CHUNK = 4096
+CHUNK = 1024
 # Blocks per lookup script call (see lookup()).
 LOOKUP_SEGMENT = 4096
 # Hash removals per gc() script call.
@@ -152,13 +153,17 @@ class RedisKVIndex:
         await self._run_events(pod, _encode_events(batch.events))
 
     async def resync(self, pod: str, block_hashes: set[int]) -> None:
-        """Replace the pod's set by difference, in one pipeline of bounded script calls.
+        """Replace the pod's set by difference, in bounded script calls.
 
-        Blocks in both the old and the new set never drop out of lookups meanwhile; blocks
-        only in the new set appear chunk by chunk; the rest go in the last call.
+        One pipeline adds the new set chunk by chunk; then finish calls drop what the pod
+        held outside it, a slice each (one more round trip per ~1024 old hashes beyond the
+        first slice). Blocks in both sets never drop out of lookups meanwhile; the pod may
+        briefly count as holding old blocks too, never fewer.
         """
         packed = pack_hashes(list(block_hashes))
-        await self._run_events(pod, [b"B", *_chunked(b"A", packed), b"F"])
+        more = await self._run_events(pod, [b"B", *_chunked(b"A", packed), b"F"])
+        while more:
+            more = await self._run_events(pod, [b"F"])
 
     async def clear_pod(self, pod: str) -> None:
         await self._run_events(pod, [b"C"])
@@ -212,15 +217,16 @@ class RedisKVIndex:
 
     # -- internals ----------------------------------------------------------------------
 
-    async def _run_events(self, pod: str, args: list[bytes]) -> None:
+    async def _run_events(self, pod: str, args: list[bytes]) -> int:
         """Run the apply script over ``args`` in CHUNK-sized calls, all in one round trip.
 
-        Pipelined calls run in order. Re-running a prefix of them after NOSCRIPT is safe:
-        replaying store/remove/clear events leaves the same final set.
+        Returns the last call's result: 1 when a resync finish ('F') has more to do.
+        Pipelined calls run in order. Re-running a suffix of them after NOSCRIPT is safe:
+        the failed calls never ran.
         """
         calls = _group(args)
         if not calls:
-            return
+            return 0
         if not self._apply.sha:
             await self._apply.load(self.client)
         for _attempt in range(2):
@@ -230,7 +236,7 @@ class RedisKVIndex:
             results = await pipe.execute(raise_on_error=False)
             failed = next((i for i, r in enumerate(results) if isinstance(r, Exception)), None)
             if failed is None:
-                return
+                return int(results[-1])
             err = results[failed]
             if not isinstance(err, NoScriptError):
                 raise err

@@ -115,6 +115,16 @@ local function new_id(name)
   return i
 end
 
+-- An interrupted resync leaves part of the pod's log in r2 (and the wanted set in rs):
+-- fold it back into r so every hash the pod may hold stays reachable for clearing.
+local function merge_resync(id)
+  local r2 = P .. 'r2:' .. id
+  for _, chunk in ipairs(redis.call('LRANGE', r2, 0, -1)) do
+    redis.call('RPUSH', P .. 'r:' .. id, chunk)
+  end
+  redis.call('DEL', r2, P .. 'rs:' .. id)
+end
+
 local function touch(id, until_ms)
   local old = tonumber(redis.call('HGET', P .. 'exp', id) or '0')
   if until_ms > old then redis.call('HSET', P .. 'exp', id, until_ms) end
@@ -139,6 +149,7 @@ if id then idn = tonumber(id); id2 = enc_id(idn) end
 local now = now_ms()
 local log = {}
 local nlog, delta = 0, 0
+local more = 0  -- 1 when a resync's finish ran out of budget and must be called again
 
 local function flush()
   if idn == nil then return end
@@ -162,7 +173,14 @@ for a = 3, #ARGV do
       idn = new_id(name)
       id2 = enc_id(idn)
     end
-    if kind == 'A' then redis.call('RPUSH', P .. 'r2:' .. idn, string.sub(ev, 2)) end
+    if kind == 'A' then
+      redis.call('RPUSH', P .. 'r2:' .. idn, string.sub(ev, 2))
+      local members = {}
+      for p = 2, #ev, 8 do members[#members + 1] = string.sub(ev, p, p + 7) end
+      for s = 1, #members, 1024 do
+        redis.call('SADD', P .. 'rs:' .. idn, unpack(members, s, math.min(s + 1023, #members)))
+      end
+    end
     for p = 2, #ev, 8 do
       local b1, b2 = string.byte(ev, p, p + 1)
       local key = P .. 'b' .. string.char(b1, b2 - b2 % div)
@@ -198,43 +216,46 @@ for a = 3, #ARGV do
       end
     end
   elseif kind == 'B' then
-    -- Resync begins: 'A' chunks add the new set and record it in r2, then 'F' drops
-    -- whatever the pod held outside it. Blocks held before and after never disappear.
+    -- Resync begins: 'A' chunks add the new set (logged in r2, members in the set rs);
+    -- 'F' calls then pop the old log r in slices and drop every hash not in rs. Blocks
+    -- held before and after never disappear from lookups.
     if idn == nil then
       idn = new_id(name)
       id2 = enc_id(idn)
     end
-    redis.call('DEL', P .. 'r2:' .. idn)
+    merge_resync(idn)
   elseif kind == 'F' then
     if idn ~= nil then
-      flush()
-      local want, nwant = {}, 0
-      for _, chunk in ipairs(redis.call('LRANGE', P .. 'r2:' .. idn, 0, -1)) do
-        for p = 1, #chunk, 8 do
-          local h = string.sub(chunk, p, p + 7)
-          if not want[h] then
-            want[h] = true
-            nwant = nwant + 1
+      local r, rs = P .. 'r:' .. idn, P .. 'rs:' .. idn
+      local budget = 1024  -- hashes per call: a few ms, then the client calls again
+      while true do
+        local chunk = redis.call('LPOP', r)
+        if not chunk then
+          flush()
+          local n = redis.call('SCARD', rs)
+          if n > 0 then
+            redis.call('RENAME', P .. 'r2:' .. idn, r)
+          else
+            redis.call('DEL', P .. 'r2:' .. idn)
           end
+          redis.call('DEL', rs)
+          redis.call('HSET', P .. 'st', 'n' .. idn, n, 'l' .. idn, n)
+          break
         end
-      end
-      local seen = {}
-      for _, chunk in ipairs(redis.call('LRANGE', P .. 'r:' .. idn, 0, -1)) do
         for p = 1, #chunk, 8 do
           local h = string.sub(chunk, p, p + 7)
-          if not want[h] and not seen[h] then
-            seen[h] = true
+          if redis.call('SISMEMBER', rs, h) == 0 then
             local b1, b2 = string.byte(h, 1, 2)
-            remove_pod(P .. 'b' .. string.char(b1, b2 - b2 % div), string.sub(h, 1 + foff), idn)
+            delta = delta - remove_pod(P .. 'b' .. string.char(b1, b2 - b2 % div),
+                                       string.sub(h, 1 + foff), idn)
           end
         end
+        budget = budget - #chunk / 8
+        if budget <= 0 then
+          more = 1
+          break
+        end
       end
-      if nwant > 0 then
-        redis.call('RENAME', P .. 'r2:' .. idn, P .. 'r:' .. idn)
-      else
-        redis.call('DEL', P .. 'r:' .. idn, P .. 'r2:' .. idn)
-      end
-      redis.call('HSET', P .. 'st', 'n' .. idn, nwant, 'l' .. idn, nwant)
     end
   else
     return redis.error_reply('pagefleet index: unknown event kind ' .. kind)
@@ -248,7 +269,8 @@ touch(idn, now)
 -- stays O(blocks held) (amortized O(1) per event).
 local st = redis.call('HMGET', P .. 'st', 'n' .. idn, 'l' .. idn)
 local held, logged = tonumber(st[1] or '0'), tonumber(st[2] or '0')
-if logged > 2 * held + 1024 then
+-- Not while a resync is in flight: its finish is popping this log in slices.
+if logged > 2 * held + 1024 and redis.call('EXISTS', P .. 'r2:' .. idn) == 0 then
   local chunks = redis.call('LRANGE', P .. 'r:' .. idn, 0, -1)
   local seen, keep, nkeep = {}, {}, 0
   for _, chunk in ipairs(chunks) do
@@ -271,7 +293,7 @@ if logged > 2 * held + 1024 then
   end
   redis.call('HSET', P .. 'st', 'l' .. idn, nkeep, 'n' .. idn, nkeep)
 end
-return 1
+return more
 """
 )
 
@@ -408,7 +430,7 @@ for k = 1, #all, 2 do
       redis.call('HDEL', P .. 'pod', name)
       redis.call('HDEL', P .. 'exp', id)
       redis.call('HDEL', P .. 'st', 'n' .. id, 'l' .. id)
-      redis.call('DEL', P .. 'r2:' .. id)  -- an unfinished resync; r covers its adds
+      merge_resync(id)
       redis.call('SADD', P .. 'dead', id)
       retired = retired + 1
     end

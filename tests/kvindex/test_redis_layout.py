@@ -289,3 +289,28 @@ async def test_long_prompt_walks_in_segments(
     assert await idx.lookup(hs) == {"a": 120, "b": 100, "c": 150}
     assert await round_trips(admin, monkeypatch, idx.lookup(hs)) == (2, 2)
     assert await round_trips(admin, monkeypatch, idx.lookup(rand_hashes(350, 41))) == (1, 1)
+
+
+async def test_big_resync_finishes_in_slices_and_leaks_nothing(
+    idx: RedisKVIndex, admin: aredis.Redis
+) -> None:
+    old = rand_hashes(10_000, 50)
+    new = old[:3000] + rand_hashes(2000, 51)
+    await idx.heartbeat("a", PodLoad(), 60)
+    await idx.apply("a", stored(old))
+    # A finish that stops after its first slice, then the daemon dies and resyncs anew.
+    assert await idx._run_events("a", [b"B", b"A" + pack_hashes(new), b"F"]) == 1
+    newer = new[:1000] + rand_hashes(500, 52)
+    await idx.resync("a", set(newer))
+    assert await idx.lookup(newer[:1000]) == {"a": 1000}
+    assert await idx.lookup(newer[1000:]) == {"a": 500}
+    for h in old[1000:1200] + new[3000:3200]:
+        assert await idx.lookup([h]) == {}, h
+    pid = (await admin.hget(idx.prefix + "pod", "a")).decode()
+    st = await admin.hgetall(idx.prefix + "st")
+    assert int(st[f"n{pid}".encode()]) == int(st[f"l{pid}".encode()]) == 1500
+    assert not await admin.exists(f"{idx.prefix}r2:{pid}", f"{idx.prefix}rs:{pid}")
+    # Everything the pod ever added stays reachable: clearing leaves no block entry.
+    await idx.clear_pod("a")
+    pattern = idx.prefix.replace("{", "\\{") + "b*"
+    assert [k async for k in admin.scan_iter(match=pattern)] == []
