@@ -104,6 +104,9 @@ def _rope_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
         return emb.cos() * attention_scaling, emb.sin() * attention_scaling
 
 
+RopeTables = tuple[torch.Tensor, torch.Tensor]
+
+
 class RotaryEmbedding(nn.Module):
     """RoPE (rotate-half / NeoX layout) with cos/sin precomputed for every position."""
 
@@ -121,13 +124,18 @@ class RotaryEmbedding(nn.Module):
         self.cos_cache = cos.to(device)
         self.sin_cache = sin.to(device)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q ``[T, Hq, D]`` and k ``[T, Hkv, D]`` by their tokens' positions."""
-        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        """cos/sin rows ``[T, 1, D]`` for the tokens' positions, gathered once per forward
+        and shared by every layer."""
+        cos = self.cos_cache[positions].unsqueeze(1).to(dtype)
+        sin = self.sin_cache[positions].unsqueeze(1).to(dtype)
+        return cos, sin
+
+
+def rotate_half_rope(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
+    """Rotate heads ``x [T, H, D]`` by their tokens' positions (rotate-half layout)."""
+    cos, sin = rope
+    return _rotate(x, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -160,23 +168,24 @@ class LlamaAttention(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
         hidden: torch.Tensor,
-        rotary: RotaryEmbedding,
+        rope: RopeTables,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
         t = hidden.shape[0]
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q, k = rotary(positions, q, k)
+            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            qk = torch.cat([self.q_norm(q.view(t, hq, d)), self.k_norm(k.view(t, hkv, d))], 1)
+        else:
+            qk = qkv[:, : self.q_size + self.kv_size].view(t, hq + hkv, d)
+        # q and k heads rotate together: one pass of the elementwise ops instead of two.
+        qk = rotate_half_rope(qk, rope)
+        q, k = qk.split([hq, hkv], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, hkv, d)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -204,18 +213,15 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
         hidden: torch.Tensor,
-        rotary: RotaryEmbedding,
+        rope: RopeTables,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
         # Residual adds stay in the order HF uses so fp32 results agree to rounding.
         residual = hidden
-        hidden = self.self_attn(
-            positions, self.input_layernorm(hidden), rotary, kv_cache, meta, backend
-        )
+        hidden = self.self_attn(self.input_layernorm(hidden), rope, kv_cache, meta, backend)
         hidden = residual + hidden
         residual = hidden
         hidden = self.mlp(self.post_attention_layernorm(hidden))
@@ -266,9 +272,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` of the packed tokens; stores their K/V in the cache."""
         hidden = self.model.embed_tokens(input_ids)
-        rotary = self.model.rotary_emb
+        rope = self.model.rotary_emb(positions, hidden.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden = layer(positions, hidden, rotary, kv_cache, meta, backend)
+            hidden = layer(hidden, rope, kv_cache, meta, backend)
         return self.model.norm(hidden)
 
     @torch.inference_mode()

@@ -48,8 +48,8 @@ class PagedSequenceRunner:
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         self.kv_caches = [
             (
-                torch.zeros(shape, dtype=dtype, device=self.device),
-                torch.zeros(shape, dtype=dtype, device=self.device),
+                torch.empty(shape, dtype=dtype, device=self.device),
+                torch.empty(shape, dtype=dtype, device=self.device),
             )
             for _ in range(config.num_hidden_layers)
         ]
