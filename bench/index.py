@@ -182,6 +182,22 @@ async def bench_layout(
     for prompt in full:
         await index.lookup(prompt)
     rcpu1, ccpu1 = await redis_cpu(admin), time.process_time()
+
+    # A daemon's periodic resync: the same pod set, 5% of it replaced.
+    pod = w.pods[-1]
+    held = w.pod_blocks[pod]
+    keep = held[: len(held) * 19 // 20]
+    rng = random.Random(1)
+    new = set(keep) | {rng.getrandbits(64) for _ in range(len(held) - len(keep))}
+    await admin.config_resetstat()
+    t0 = time.perf_counter()
+    await index.resync(pod, new)
+    resync_ms = (time.perf_counter() - t0) * 1000
+    resync_calls = (await script_usec(admin))[0]
+    resync_call_max = (await server_percentiles(admin)).get("p99.9", float("nan"))
+    got = await index.lookup(keep[:50])
+    assert got.get(pod) == 50, got
+
     allv = [x for v in lat.values() for x in v]
     server_ms = (usec1 - usec0) / max(1, calls1 - calls0) / 1000
     await index.close()
@@ -199,6 +215,10 @@ async def bench_layout(
         "lookup_full_hit_client_cpu_ms": (ccpu1 - ccpu0) / len(full) * 1000,
         "ping_p50_ms": pct(rtt, 50),
         "ping_p99_ms": pct(rtt, 99),
+        "resync_blocks": len(new),
+        "resync_ms": resync_ms,
+        "resync_script_calls": resync_calls,
+        "resync_longest_call_ms": resync_call_max,
     }
 
 
@@ -293,6 +313,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, float | int | str]:
         "lookup_full_hit_client_cpu_ms": round(ours["lookup_full_hit_client_cpu_ms"], 4),
         "ping_p50_ms": round(ours["ping_p50_ms"], 4),
         "ping_p99_ms": round(ours["ping_p99_ms"], 4),
+        "resync_blocks": ours["resync_blocks"],
+        "resync_ms": round(ours["resync_ms"], 1),
+        "resync_script_calls": ours["resync_script_calls"],
+        "resync_longest_call_ms": round(ours["resync_longest_call_ms"], 2),
         "load_avg_1m": round(os.getloadavg()[0], 1),
         "ingest_blocks_per_s": round(ours["ingest_blocks_per_s"]),
         "bytes_per_entry": round(ours["bytes_per_entry"], 2),
