@@ -2,9 +2,11 @@
 
 Invariants:
 - A request is retried on the next-ranked pod only while nothing has reached the client:
-  connection refused/reset, a 503 from the pod, or a stream that dies before its first
-  body byte. After the first byte the stream is passed through as is.
-- Upstream error responses (4xx, and 5xx once no other pod is left) reach the client with
+  connection refused/reset, a 503 or 429 from the pod (draining, or its queue is full:
+  nothing was computed), or a stream that dies before its first body byte. After the
+  first byte the stream is passed through as is.
+- Upstream error responses (other 4xx and 5xx, and 429/503 once no other pod is left)
+  reach the client with
   their status and body unchanged.
 - Every response names the pod that served it in ``x-pagefleet-pod``.
 """
@@ -286,8 +288,8 @@ class Gateway:
             out_headers[POD_HEADER] = ep.pod
             out_headers[POLICY_HEADER] = decision.policy
             out_headers[HIT_HEADER] = str(predicted_hit)
-            if upstream.status == 503 and more_left:
-                return f"HTTP 503 from pod: {(await upstream.read())[:200]!r}"
+            if upstream.status in (429, 503) and more_left:
+                return f"HTTP {upstream.status} from pod: {(await upstream.read())[:200]!r}"
             if upstream.status >= 400 or not stream:
                 try:
                     payload = await upstream.read()

@@ -78,6 +78,18 @@ class Upstream:
                 {"error": {"message": "boom", "type": "server_error", "param": None, "code": None}},
                 status=500,
             )
+        if self.behaviour == "busy429":
+            return web.json_response(
+                {
+                    "error": {
+                        "message": "queue full",
+                        "type": "overloaded",
+                        "param": None,
+                        "code": None,
+                    }
+                },
+                status=429,
+            )
         if self.behaviour == "busy503":
             return web.json_response(
                 {
@@ -261,7 +273,7 @@ async def test_upstream_errors_pass_through_with_status(make_fleet, behaviour, s
     assert fleet.upstreams[1].hits == 0
 
 
-@pytest.mark.parametrize("behaviour", ["refused", "drop", "busy503"])
+@pytest.mark.parametrize("behaviour", ["refused", "drop", "busy503", "busy429"])
 async def test_failure_before_first_byte_retries_next_best_pod(make_fleet, behaviour) -> None:
     if behaviour == "refused":
         fleet = await make_fleet(["ok"], dead=1)
