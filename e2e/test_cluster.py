@@ -320,6 +320,39 @@ def test_pod_env_downward_api_configmaps_and_logs(
     }
 
 
+def test_crashing_container_is_restarted(
+    cluster: ControlPlane, kube: KubeClient, namespace: str, node_agent: NodeAgentProcess
+) -> None:
+    crasher = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "crasher", "namespace": namespace},
+        "spec": {
+            "restartPolicy": "Always",
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "python:local",
+                    "command": [sys.executable, "-c", "print('boom'); raise SystemExit(7)"],
+                }
+            ],
+        },
+    }
+    apply(cluster, crasher)
+
+    def restarted() -> JSON | None:
+        pod = kube.get(f"/api/v1/namespaces/{namespace}/pods/crasher")
+        statuses = pod["status"].get("containerStatuses") or [{}]
+        return statuses[0] if statuses[0].get("restartCount", 0) >= 2 else None
+
+    status = eventually(restarted, 30, "two restarts")
+    assert status["lastState"]["terminated"]["exitCode"] == 7
+    pod = kube.get(f"/api/v1/namespaces/{namespace}/pods/crasher")
+    assert pod["status"]["phase"] == "Running"  # restartPolicy Always never ends the pod
+    log = node_agent.pod_log_path(namespace, "crasher", "main").read_text()
+    assert log.count("boom") >= 2  # every run appends to the same log
+
+
 def test_bad_token_is_unauthorized(cluster: ControlPlane) -> None:
     good = KubeConfig.load(cluster.kubeconfig_path)
     assert KubeClient(good).get("/api/v1/namespaces")["kind"] == "NamespaceList"
