@@ -162,7 +162,8 @@ def build_crd() -> dict[str, Any]:
         "properties": {
             "apiVersion": {"type": "string", "description": "API version of this object."},
             "kind": {"type": "string", "description": "Kind of this object."},
-            "metadata": {"type": "object", "description": "Standard object metadata."},
+            # The API server forbids anything but `type` here (metadata is its own schema).
+            "metadata": {"type": "object"},
             "spec": spec_schema,
             "status": status_schema,
         },

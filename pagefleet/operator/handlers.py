@@ -122,10 +122,17 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.client_timeout = 330
 
 
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """In-cluster ServiceAccount first, else $KUBECONFIG / ~/.kube/config (a custom registry
+    does not get kopf's default login handlers)."""
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+
 def register(registry: kopf.OperatorRegistry, resync_s: float) -> kopf.OperatorRegistry:
     """Attach every handler to `registry` (the resync period is a run-time choice, so the
     decorators are applied here rather than at import)."""
     kopf.on.startup(registry=registry)(configure)
+    kopf.on.login(registry=registry)(login)
     for decorate in (
         kopf.on.create(GROUP, VERSION, PLURAL, registry=registry, id="reconcile"),
         kopf.on.update(GROUP, VERSION, PLURAL, field="spec", registry=registry, id="reconcile"),

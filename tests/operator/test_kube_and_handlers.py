@@ -117,6 +117,8 @@ def test_register_wires_every_trigger():
     found = _registered(registry)
     assert {"reconcile", "resync", "child-deployments", "child-services"} <= found.keys()
     assert found["resync"].interval == 7
+    activities = {h.fn for h in registry._activities.get_all_handlers()}
+    assert {handlers.configure, handlers.login} <= activities
     assert found["child-deployments"].labels == {
         "app.kubernetes.io/managed-by": "pagefleet-operator"
     }
