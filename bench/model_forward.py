@@ -30,6 +30,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_models import ensure_bench_model
 
 
+class NoAttention:
+    """Stands in for the backend to measure everything but attention."""
+
+    name = "none"
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):  # type: ignore[no-untyped-def]
+        return q.clone()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (< 60 s)")
@@ -61,9 +70,13 @@ def main() -> None:
     block_size = 16
     blocks_needed = b * ((n + steps + block_size - 1) // block_size) + 1
 
-    def ours() -> tuple[float, float, torch.Tensor]:
+    def ours(backend: object = None) -> tuple[float, float, torch.Tensor]:
         runner = PagedSequenceRunner(
-            model, config, TorchAttentionBackend(), num_blocks=blocks_needed, block_size=16
+            model,
+            config,
+            backend or TorchAttentionBackend(),
+            num_blocks=blocks_needed,
+            block_size=16,
         )
         t0 = time.perf_counter()
         out = runner.step({f"s{i}": prompts[i].tolist() for i in range(b)})
@@ -93,11 +106,15 @@ def main() -> None:
     max_diff = (a - r).abs().max().item()
     print(f"max |logit diff| ours vs transformers: {max_diff:.2e}")
 
-    res: dict[str, list[float]] = {k: [] for k in ("op", "od", "hp", "hd")}
+    res: dict[str, list[float]] = {k: [] for k in ("op", "od", "hp", "hd", "np", "nd")}
     for _ in range(args.reps):
         p, d, _ = ours()
         res["op"].append(p)
         res["od"].append(d)
+        # Attribution: the same steps with attention replaced by a copy of q.
+        p, d, _ = ours(NoAttention())
+        res["np"].append(p)
+        res["nd"].append(d)
         p, d, _ = theirs()
         res["hp"].append(p)
         res["hd"].append(d)
@@ -111,6 +128,9 @@ def main() -> None:
         "decode_ratio": round(med["hd"] / med["od"], 3),
         "ours_decode_step_ms": round(1000 * med["od"] / max(steps, 1), 2),
         "hf_decode_step_ms": round(1000 * med["hd"] / max(steps, 1), 2),
+        "ours_decode_step_no_attention_ms": round(1000 * med["nd"] / max(steps, 1), 2),
+        "ours_prefill_no_attention_s": round(med["np"], 4),
+        "ours_prefill_s": round(med["op"], 4),
         "max_logit_diff": max_diff,
         "batch": b,
         "prompt_len": n,
@@ -124,6 +144,10 @@ def main() -> None:
     print(
         f"decode {b} seqs x {steps} steps: ours {figures['ours_decode_step_ms']} ms/step, "
         f"transformers {figures['hf_decode_step_ms']} ms/step (ratio {figures['decode_ratio']})"
+    )
+    print(
+        f"attention's share of our decode step: "
+        f"{1 - med['nd'] / med['od']:.0%}, of our prefill: {1 - med['np'] / med['op']:.0%}"
     )
     print(json.dumps(figures))
 
