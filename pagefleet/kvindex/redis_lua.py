@@ -201,8 +201,11 @@ for a = 3, #ARGV do
   elseif kind == 'C' then
     if idn ~= nil then
       flush()
-      if redis.call('EXISTS', P .. 'r:' .. idn) == 1 then
+      -- Always re-id, not only when the log exists: under allkeys-lru eviction the log
+      -- may be gone while block entries remain, and those must stop counting too.
+      do
         local old = idn
+        merge_resync(old)
         redis.call('SADD', P .. 'dead', old)
         redis.call('HDEL', P .. 'pid', old)
         redis.call('HDEL', P .. 'st', 'n' .. old, 'l' .. old)

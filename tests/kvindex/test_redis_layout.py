@@ -314,3 +314,16 @@ async def test_big_resync_finishes_in_slices_and_leaks_nothing(
     await idx.clear_pod("a")
     pattern = idx.prefix.replace("{", "\\{") + "b*"
     assert [k async for k in admin.scan_iter(match=pattern)] == []
+
+
+async def test_clear_hides_entries_even_if_the_log_was_evicted(
+    idx: RedisKVIndex, admin: aredis.Redis
+) -> None:
+    hs = rand_hashes(100, 60)
+    await idx.heartbeat("a", PodLoad(), 60)
+    await idx.apply("a", stored(hs))
+    pid = (await admin.hget(idx.prefix + "pod", "a")).decode()
+    await admin.delete(f"{idx.prefix}r:{pid}")  # what allkeys-lru may do to a cold log
+    await idx.apply("a", KVEventBatch(0.0, 1, [AllBlocksCleared()]))
+    assert await idx.lookup(hs) == {}
+    assert set(await idx.pods()) == {"a"}
