@@ -69,6 +69,7 @@ def _pct(xs: list[float], q: float) -> float:
     type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
 )
 @click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--ignore-eos", is_flag=True, help="Always generate --max-tokens tokens.")
 def command(
     model: str,
     num_prompts: int,
@@ -81,6 +82,7 @@ def command(
     device: str,
     dtype: str,
     seed: int,
+    ignore_eos: bool,
 ) -> None:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
@@ -103,7 +105,9 @@ def command(
     )
     with console.status(f"loading {model} ..."):
         engine = LLMEngine(config)
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
+    params = SamplingParams(
+        temperature=temperature, max_tokens=max_tokens, seed=seed, ignore_eos=ignore_eos
+    )
     prompts = synthetic_prompts(num_prompts, seed)
     t0 = time.monotonic()
     for i, prompt in enumerate(prompts):
