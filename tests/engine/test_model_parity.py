@@ -110,20 +110,21 @@ class Pair:
         )
 
 
-_PAIRS: dict[tuple[Path, str], Pair] = {}
+@pytest.fixture(scope="module")
+def pairs(model_root: Path) -> dict[str, Pair]:
+    """Loaded model pairs by name: loading both models is the slow part, so tests share."""
+    return {}
 
 
-def _pair(root: Path, name: str) -> Pair:
-    # Loading both models is the slow part: share them across this module's tests.
-    key = (root, name)
-    if key not in _PAIRS:
-        _PAIRS[key] = Pair(_checkpoint(name, root))
-    return _PAIRS[key]
+def _pair(pairs: dict[str, Pair], root: Path, name: str) -> Pair:
+    if name not in pairs:
+        pairs[name] = Pair(_checkpoint(name, root))
+    return pairs[name]
 
 
 @pytest.fixture(scope="module", params=ALL_MODELS)
-def pair(request: pytest.FixtureRequest, model_root: Path) -> Pair:
-    return _pair(model_root, request.param)
+def pair(request: pytest.FixtureRequest, pairs: dict[str, Pair], model_root: Path) -> Pair:
+    return _pair(pairs, model_root, request.param)
 
 
 def test_packed_prefill_matches_transformers(pair: Pair) -> None:
@@ -144,8 +145,8 @@ def test_prefix_extend_and_decode_match_transformers(pair: Pair) -> None:
 
 
 @pytest.mark.parametrize("block_size", [1, 32])
-def test_block_sizes(model_root: Path, block_size: int) -> None:
-    _check_extend_and_decode(_pair(model_root, "tiny"), block_size)
+def test_block_sizes(pairs: dict[str, Pair], model_root: Path, block_size: int) -> None:
+    _check_extend_and_decode(_pair(pairs, model_root, "tiny"), block_size)
 
 
 def _check_extend_and_decode(pair: Pair, block_size: int) -> None:

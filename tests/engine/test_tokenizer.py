@@ -211,3 +211,15 @@ def test_tokenizer_needs_neither_torch_nor_transformers(tok_dir: Path) -> None:
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code, str(tok_dir)], check=True, timeout=60)
+
+
+def test_reads_what_transformers_saves(ours: Tokenizer, hf, tmp_path: Path) -> None:
+    """A directory written by transformers' save_pretrained (its own file layout, e.g. the
+    template in chat_template.jinja) reads back to the same ids and prompts."""
+    hf.save_pretrained(tmp_path)
+    saved = Tokenizer.from_dir(tmp_path)
+    for text in TEXTS:
+        assert saved.encode(text) == ours.encode(text)
+    for messages in MESSAGES:
+        assert saved.apply_chat_template(messages) == ours.apply_chat_template(messages)
+    assert saved.bos_token_id == ours.bos_token_id
