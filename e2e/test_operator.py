@@ -470,6 +470,9 @@ def test_serving_lifecycle(
         pod_cmd = pod["spec"]["containers"][0]["command"]
         assert pod_cmd[pod_cmd.index("--max-num-seqs") + 1] == "4"
     rollout_s = time.monotonic() - t1
+    # A daemon-only knob must not have restarted the gateway.
+    (gw_after,) = _pods(kube, namespace, "pagefleet.io/service=tiny,pagefleet.io/role=gateway")
+    assert gw_after["metadata"]["uid"] == gw_pod["metadata"]["uid"]
     completion = eventually(
         lambda: _complete(gateway_ip, "After the rollout"), 60, "a completion after the rollout"
     )

@@ -131,9 +131,10 @@ def _config_data(spec: InferenceServiceSpec, names: Names) -> dict[str, str]:
     }
 
 
-def _config_hash(data: dict[str, str]) -> str:
-    # Part of the pod template, so a config change (e.g. router weights) rolls the pods.
-    blob = json.dumps(data, sort_keys=True).encode()
+def _config_hash(data: dict[str, str], keys: tuple[str, ...]) -> str:
+    # Part of the pod template, so a change to the config a component reads rolls exactly
+    # that component (engine knobs roll the daemons, router settings the gateway).
+    blob = json.dumps({k: data[k] for k in keys}, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
@@ -398,14 +399,15 @@ def build_children(
     workloads that reference them). Raises SpecError when the spec cannot be realised."""
     redis_url = resolve_redis_url(spec, settings)
     config = build_config_map(spec, owner)
-    config_hash = _config_hash(config["data"])
+    daemon_hash = _config_hash(config["data"], ("engine.json",))
+    gateway_hash = _config_hash(config["data"], ("router.json",))
     current = current_replicas or {}
     out: list[Manifest] = [config]
-    gateway = build_gateway(spec, owner, redis_url, config_hash, settings)
+    gateway = build_gateway(spec, owner, redis_url, gateway_hash, settings)
     out += gateway[:3]  # ServiceAccount, Role, RoleBinding
     for role, role_spec in spec.roles.items():
         out += build_role(
-            spec, owner, role, role_spec, redis_url, config_hash, settings, current.get(role)
+            spec, owner, role, role_spec, redis_url, daemon_hash, settings, current.get(role)
         )
     out += gateway[3:]
     return out

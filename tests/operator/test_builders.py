@@ -225,18 +225,29 @@ def test_builders_are_deterministic(pd_spec):
     assert children(pd_spec) == children(pd_spec)
 
 
-def test_config_change_rolls_the_pods(unified_spec):
+def _hash(objs, name: str) -> str:
+    dep = objs[("Deployment", name)]
+    return dep["spec"]["template"]["metadata"]["annotations"]["pagefleet.io/config-hash"]
+
+
+def test_config_change_rolls_only_the_component_that_reads_it(unified_spec):
     before = children(unified_spec)
     unified_spec["router"] = {"weights": {"prefill": 1.0, "queue": 0.25}}
     after = children(unified_spec)
     gw = after[("Deployment", "llama-gateway")]["spec"]["template"]["spec"]["containers"][0]
     assert flag(gw["command"], "--weights") == "prefill=1,queue=0.25"
-    key = "pagefleet.io/config-hash"
-    for name in ("llama-unified", "llama-gateway"):
-        a = before[("Deployment", name)]["spec"]["template"]["metadata"]["annotations"][key]
-        b = after[("Deployment", name)]["spec"]["template"]["metadata"]["annotations"][key]
-        assert a != b
     assert '"queue": 0.25' in after[("ConfigMap", "llama-config")]["data"]["router.json"]
+    assert _hash(before, "llama-gateway") != _hash(after, "llama-gateway")
+    assert _hash(before, "llama-unified") == _hash(after, "llama-unified")
+
+    unified_spec["engine"] = {"maxNumSeqs": 4}
+    tuned = children(unified_spec)
+    assert _hash(after, "llama-unified") != _hash(tuned, "llama-unified")
+    # the gateway's pod template is untouched by a daemon-only knob: no gateway restart
+    assert (
+        after[("Deployment", "llama-gateway")]["spec"]["template"]
+        == tuned[("Deployment", "llama-gateway")]["spec"]["template"]
+    )
 
 
 @pytest.mark.parametrize(
