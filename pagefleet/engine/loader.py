@@ -51,12 +51,16 @@ def checkpoint_files(path: Path) -> list[Path]:
     )
 
 
-def iter_checkpoint_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every (name, tensor) of the checkpoint, read lazily file by file."""
+def iter_checkpoint_tensors(
+    path: Path, device: str | torch.device = "cpu"
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every (name, tensor) of the checkpoint, read lazily file by file onto ``device``."""
     from safetensors import safe_open
 
+    # On CUDA, safetensors copies each tensor straight to the device (no host staging).
+    load_device = str(device) if torch.device(device).type == "cuda" else "cpu"
     for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt") as f:
+        with safe_open(str(file), framework="pt", device=load_device) as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
                 yield name, f.get_tensor(name)
 
@@ -93,7 +97,8 @@ def load_model(
     model.model.rotary_emb.reset_cache(target)
 
     loaded = model.load_weights(
-        (name, t.to(device=target, dtype=run_dtype)) for name, t in iter_checkpoint_tensors(path)
+        (name, t.to(device=target, dtype=run_dtype))
+        for name, t in iter_checkpoint_tensors(path, target)
     )
     missing = sorted(model.expected_weights() - loaded)
     if missing:
