@@ -115,13 +115,19 @@ def stop_process_group(proc: subprocess.Popen[bytes], grace_s: float) -> None:
     proc.wait()
 
 
-def tail(path: Path, lines: int) -> str:
-    """Last `lines` lines of a text file, or a note that it does not exist."""
+def tail(path: Path, lines: int, errors_only: bool = False) -> str:
+    """Last `lines` lines of a text file, or a note that it does not exist.
+
+    errors_only keeps klog error/warning lines (E/W prefix) and JSON logs at warn or above.
+    """
     try:
         text = path.read_text(errors="replace")
     except FileNotFoundError:
         return f"({path} does not exist)"
-    return "\n".join(text.splitlines()[-lines:])
+    rows = text.splitlines()
+    if errors_only:
+        rows = [r for r in rows if r[:1] in ("E", "W", "F") or '"level":"error"' in r]
+    return "\n".join(rows[-lines:])
 
 
 def wait_for(
@@ -358,11 +364,14 @@ class ControlPlane:
     def log_path(self, component: str) -> Path:
         return self.log_dir / f"{component}.log"
 
-    def logs_tail(self, components: Iterable[str] | None = None, lines: int = 30) -> str:
+    def logs_tail(
+        self, components: Iterable[str] | None = None, lines: int = 30, errors_only: bool = False
+    ) -> str:
         """The last lines of each component's log, for failure messages."""
         names = components or [c.name for c in self._components]
         return "\n".join(
-            f"--- {n} ({self.log_path(n)}) ---\n{tail(self.log_path(n), lines)}" for n in names
+            f"--- {n} ({self.log_path(n)}) ---\n{tail(self.log_path(n), lines, errors_only)}"
+            for n in names
         )
 
     def check_alive(self) -> None:

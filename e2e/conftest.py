@@ -10,8 +10,13 @@ Fixtures (documented in e2e/README.md):
 
 from __future__ import annotations
 
+import os
 import secrets
+import shutil
+import tempfile
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -19,12 +24,30 @@ from e2e.cluster import BinariesMissingError, ControlPlane, tail
 from e2e.kube_client import KubeAPIError, KubeClient
 from e2e.node_agent import NodeAgentProcess
 
+LOG_RETENTION_S = 24 * 3600
+
+
+def e2e_log_dir() -> Path:
+    """A fresh directory for this run's component and pod logs.
+
+    Not pytest's tmp dir: pytest keeps only its last 3 base dirs per user, and on a machine
+    where several suites run at once the logs of a failed e2e run would vanish within
+    minutes. Runs older than a day are pruned. PAGEFLEET_E2E_LOGS overrides the root.
+    """
+    default = Path(tempfile.gettempdir(), "pagefleet-e2e")
+    root = Path(os.environ.get("PAGEFLEET_E2E_LOGS") or default)
+    root.mkdir(parents=True, exist_ok=True)
+    cutoff = time.time() - LOG_RETENTION_S
+    for old in root.iterdir():
+        if old.is_dir() and old.stat().st_mtime < cutoff:
+            shutil.rmtree(old, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=root))
+
 
 @pytest.fixture(scope="session")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
-    # Logs go under pytest's tmp dir (kept for the last 3 runs) so failures can be inspected
-    # after the control plane's own work directory is gone.
-    logs = tmp_path_factory.mktemp("k8s-logs")
+def cluster() -> Iterator[ControlPlane]:
+    # Logs outlive the control plane's own work directory so failures can be inspected.
+    logs = e2e_log_dir()
     cp = ControlPlane(logs_in=logs / "control-plane")
     missing = None
     try:
@@ -82,7 +105,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     cp = getattr(item, "funcargs", {}).get("cluster")
     if not isinstance(cp, ControlPlane):
         return
-    report.sections.append(("control plane logs", cp.logs_tail(lines=12)))
+    errors = cp.logs_tail(lines=8, errors_only=True)
+    report.sections.append(("control plane errors (full logs at the paths shown)", errors))
     agent = cp.node_agent
     if agent is not None:
         title = f"node agent log ({agent.log_path}; pod logs under {agent.log_dir / 'pods'})"
