@@ -317,3 +317,17 @@ def test_heads_must_divide(tiny_dir: Path, tmp_path: Path) -> None:
     _edit_config(path, num_key_value_heads=3)
     with pytest.raises(ValueError, match="not a multiple of num_key_value_heads=3"):
         load_model(path)
+
+
+def test_loads_what_transformers_saves(tmp_path: Path) -> None:
+    """A checkpoint written by transformers' own save_pretrained (its config layout, e.g.
+    rope_parameters and dtype, and its safetensors naming) loads to the same logits."""
+    src = write_random_checkpoint(tmp_path / "src", dict(PRESETS["tiny-qwen3"]), seed=5)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    out = tmp_path / "saved"
+    hf.save_pretrained(out)
+    transformers.AutoTokenizer.from_pretrained(src).save_pretrained(out)
+    ids = list(range(5, 60))
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert (_prefill_logits(out, ids) - ref).abs().max().item() < 1e-4
