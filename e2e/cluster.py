@@ -134,11 +134,13 @@ def wait_for(
     what: str, check: Callable[[], bool], timeout_s: float, on_timeout: Callable[[], str]
 ) -> None:
     """Poll `check` until it returns True; raises ControlPlaneError with context on timeout."""
-    deadline = time.monotonic() + timeout_s
+    start = time.monotonic()
+    deadline = start + timeout_s
     delay = 0.05
     while True:
         try:
             if check():
+                logger.info("%s ready after %.1fs", what, time.monotonic() - start)
                 return
         except ControlPlaneError:
             raise
