@@ -139,7 +139,9 @@ class Tokenizer:
         return text
 
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
-        return [self._tok.id_to_token(int(i)) for i in ids]
+        """Token strings of ``ids``; an id beyond the tokenizer (model vocabularies are often
+        padded past it) gives ``""``, just as ``decode`` skips it."""
+        return [self._tok.id_to_token(int(i)) or "" for i in ids]
 
     def convert_tokens_to_ids(self, tokens: list[str]) -> list[int | None]:
         return [self._tok.token_to_id(t) for t in tokens]

@@ -223,3 +223,11 @@ def test_reads_what_transformers_saves(ours: Tokenizer, hf, tmp_path: Path) -> N
     for messages in MESSAGES:
         assert saved.apply_chat_template(messages) == ours.apply_chat_template(messages)
     assert saved.bos_token_id == ours.bos_token_id
+
+
+def test_ids_beyond_the_vocab(ours: Tokenizer) -> None:
+    # A model vocab padded past the tokenizer can emit such ids; they decode to nothing.
+    ok = ours.encode("hi", add_special_tokens=False)
+    beyond = ours.vocab_size + 10
+    assert ours.decode([*ok, beyond]) == ours.decode(ok)
+    assert ours.convert_ids_to_tokens([beyond]) == [""]
