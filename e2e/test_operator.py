@@ -216,8 +216,14 @@ def test_unrealisable_spec_sets_degraded_then_recovers(
     )
     assert degraded["reason"] == "InvalidSpec"
     assert "spec.index.redisURL" in degraded["message"]
-    warnings = [e for e in events_for(cluster, namespace, "noredis") if e["type"] == "Warning"]
-    assert any(e["reason"] == "InvalidSpec" for e in warnings)
+    eventually(
+        lambda: any(
+            e["type"] == "Warning" and e["reason"] == "InvalidSpec"
+            for e in events_for(cluster, namespace, "noredis")
+        ),
+        30,
+        "an InvalidSpec Warning Event",
+    )
     operator.check_alive()
 
     kube.merge_patch(
@@ -290,7 +296,11 @@ def test_children_are_owned_repaired_switched_and_collected(
         what="the deleted Deployment restored",
     )
     assert restored["metadata"]["ownerReferences"][0]["uid"] == uid
-    assert any(e["reason"] == "Restored" for e in events_for(cluster, namespace, "ctl"))
+    eventually(  # kopf posts Events from a queue, a moment after the handler
+        lambda: any(e["reason"] == "Restored" for e in events_for(cluster, namespace, "ctl")),
+        30,
+        "a Restored Event on the InferenceService",
+    )
 
     # A child edited by hand is put back (by the resync pass).
     cluster.kubectl("set", "image", "deployment/ctl-unified", "daemon=evil:1", "-n", namespace)
