@@ -542,7 +542,10 @@ class ControlPlane:
         ctx = ssl.create_default_context(cafile=str(self.ca_path)) if verify else _insecure()
         req = urllib.request.Request(url, headers={"Authorization": f"Bearer {self.admin_token}"})
         try:
-            with urllib.request.urlopen(req, context=ctx, timeout=5) as resp:
+            opener = urllib.request.build_opener(
+                urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=ctx)
+            )
+            with opener.open(req, timeout=5) as resp:
                 return int(resp.status)
         except urllib.error.HTTPError as exc:
             return int(exc.code)

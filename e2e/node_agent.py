@@ -715,7 +715,9 @@ class NodeAgent:
                 url = f"{scheme}://{host}:{self._port(c, http['port'])}{http.get('path', '/')}"
                 headers = {h["name"]: h["value"] for h in http.get("httpHeaders", [])}
                 req = urllib.request.Request(url, headers=headers)
-                with urllib.request.urlopen(req, timeout=timeout) as resp:
+                # No proxy: probes go straight to the pod, whatever HTTP(S)_PROXY says.
+                opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+                with opener.open(req, timeout=timeout) as resp:
                     return 200 <= resp.status < 400
             if "tcpSocket" in spec:
                 port = self._port(c, spec["tcpSocket"]["port"])
