@@ -633,12 +633,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"export KUBECONFIG={cp.kubeconfig_path}", flush=True)
         if not args.once:
             stop = threading.Event()
-            signal.signal(signal.SIGTERM, lambda *_: stop.set())
-            try:
-                while not stop.wait(1.0):
-                    cp.check_alive()
-            except KeyboardInterrupt:
-                pass
+            # Both set explicitly: a shell starts background jobs with SIGINT ignored, and
+            # Python would then never raise KeyboardInterrupt.
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: stop.set())
+            while not stop.wait(1.0):
+                cp.check_alive()
     print(json.dumps({"control_plane_ready_s": round(t_cp, 2), "with_node_s": round(t_all, 2)}))
     return 0
 

@@ -44,16 +44,27 @@ ldflags() {
   printf '%s' "$flags"
 }
 
+# Version checks capture the output before matching: `bin --version | grep -q` under
+# pipefail fails at random when grep exits first and the binary dies of SIGPIPE, which made
+# cached binaries look stale and triggered rebuilds.
+reports() {  # reports BINARY EXPECTED-LINE ARGS...: the binary prints EXPECTED-LINE as a line
+  local bin=$1 want=$2 out
+  shift 2
+  [[ -x "$bin" ]] || return 1
+  out=$("$bin" "$@" 2>/dev/null) || return 1
+  [[ $'\n'"$out"$'\n' == *$'\n'"$want"$'\n'* ]]
+}
+
 k8s_ok() {
   local c
   for c in kube-apiserver kube-controller-manager kube-scheduler; do
-    [[ -x "${OUT}/${c}" ]] && "${OUT}/${c}" --version 2>/dev/null | grep -qx "Kubernetes ${K8S_VERSION}" || return 1
+    reports "${OUT}/${c}" "Kubernetes ${K8S_VERSION}" --version || return 1
   done
-  [[ -x "${OUT}/kubectl" ]] && "${OUT}/kubectl" version --client 2>/dev/null | grep -q "Client Version: ${K8S_VERSION}$"
+  reports "${OUT}/kubectl" "Client Version: ${K8S_VERSION}" version --client
 }
 
 etcd_ok() {
-  [[ -x "${OUT}/etcd" ]] && "${OUT}/etcd" --version 2>/dev/null | grep -qx "etcd Version: ${ETCD_VERSION#v}"
+  reports "${OUT}/etcd" "etcd Version: ${ETCD_VERSION#v}" --version
 }
 
 cmd_gen() {
@@ -96,8 +107,9 @@ cmd_build() {
   else
     log "building etcd ${ETCD_VERSION} into ${OUT} (first run only)"
     # The version string comes from the module's own constant, so no -X is needed here.
-    (cd "${ETCD_MOD}" && go build -trimpath -ldflags "-s -w" -o "${OUT}/etcd.tmp" go.etcd.io/etcd/server/v3)
-    mv "${OUT}/etcd.tmp" "${OUT}/etcd"   # the default name would be "server" (path minus /v3)
+    # A per-process temp name: concurrent builds must not write into one file.
+    (cd "${ETCD_MOD}" && go build -trimpath -ldflags "-s -w" -o "${OUT}/etcd.tmp.$$" go.etcd.io/etcd/server/v3)
+    mv "${OUT}/etcd.tmp.$$" "${OUT}/etcd"   # the default name would be "server" (path minus /v3)
     etcd_ok || { log "built etcd does not report ${ETCD_VERSION}"; exit 1; }
   fi
   if k8s_ok; then
