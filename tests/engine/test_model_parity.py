@@ -218,3 +218,22 @@ def test_half_precision_tracks_fp32(model_root: Path, dtype: torch.dtype) -> Non
     assert ours_err < (0.12 if dtype == torch.bfloat16 else 0.02)
     agree = (half["a"].argmax(-1) == full["a"].argmax(-1)).float().mean().item()
     assert agree > 0.85
+
+
+def test_reused_blocks_hold_no_stale_state(pairs: dict[str, Pair], model_root: Path) -> None:
+    """Blocks freed by one sequence and reused by another (stale K/V still in them, cache
+    allocated uninitialised) give the same logits as a fresh cache."""
+    pair = _pair(pairs, model_root, "tiny")
+    runner = PagedSequenceRunner(
+        pair.model, pair.config, TorchAttentionBackend(), num_blocks=10, block_size=16
+    )
+    long, short = pair.prompts[7], pair.prompts[4]  # 129 and 17 tokens
+    runner.step({"a": long})
+    runner.free("a")
+    reused = runner.step({"b": short})["b"]
+    fresh = pair.runner().step({"b": short})["b"]
+    assert torch.equal(reused, fresh)
+    with pytest.raises(ValueError, match="at least one new token"):
+        runner.step({"b": []})
+    with pytest.raises(RuntimeError, match="ran out of KV blocks"):
+        runner.step({"c": long})
