@@ -252,14 +252,16 @@ def test_children_are_owned_repaired_switched_and_collected(
     assert apply(cluster, infsvc("ctl", namespace, spec)).returncode == 0
     sel = "pagefleet.io/service=ctl"
     ns_api = f"/api/v1/namespaces/{namespace}"
+    # status.observedGeneration is written after the whole pass applied every child.
     eventually(
-        lambda: (
-            names(kube, f"/apis/apps/v1/namespaces/{namespace}/deployments", sel)
-            == ["ctl-gateway", "ctl-unified"]
-        ),
+        lambda: (get_is(kube, namespace, "ctl").get("status") or {}).get("observedGeneration") == 1,
         timeout_s=60,
-        what="role and gateway Deployments",
+        what="the first reconcile pass",
     )
+    assert names(kube, f"/apis/apps/v1/namespaces/{namespace}/deployments", sel) == [
+        "ctl-gateway",
+        "ctl-unified",
+    ]
     assert names(kube, f"{ns_api}/services", sel) == ["ctl-gateway", "ctl-unified"]
     assert names(kube, f"{ns_api}/configmaps", sel) == ["ctl-config"]
     assert names(kube, f"{ns_api}/serviceaccounts", sel) == ["ctl-gateway"]
@@ -331,6 +333,11 @@ def test_children_are_owned_repaired_switched_and_collected(
         ),
         timeout_s=60,
         what="prefill and decode Deployments replacing unified",
+    )
+    eventually(
+        lambda: (get_is(kube, namespace, "ctl").get("status") or {}).get("observedGeneration") == 2,
+        timeout_s=60,
+        what="the pass for the switched spec",
     )
     assert names(kube, f"{ns_api}/services", sel) == ["ctl-decode", "ctl-gateway", "ctl-prefill"]
     gw = deployment(kube, namespace, "ctl-gateway")
