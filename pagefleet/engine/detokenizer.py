@@ -58,10 +58,11 @@ class IncrementalDetokenizer:
         self._emitted = 0
         self._added = 0  # characters the last token appended
 
-    def add_token(self, token_id: int) -> str | None:
-        """Append one generated token; return the stop string it completed, if any."""
+    def add_token(self, token_id: int, check_stop: bool = True) -> str | None:
+        """Append one generated token; return the stop string it completed, if any
+        (stop strings are only looked for when ``check_stop``, e.g. after min_tokens)."""
         self._ids.append(token_id)
-        if not self._advance(final=False):
+        if not self._advance(final=False) or not check_stop:
             return None
         return self._check_stop()
 

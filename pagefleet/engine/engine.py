@@ -379,8 +379,8 @@ class LLMEngine:
         if can_stop and tok in p.stop_token_ids:
             self._finish(seq, "stop", tok)
             return
-        stop_str = seq.detokenizer.add_token(tok)
-        if stop_str is not None and can_stop:
+        stop_str = seq.detokenizer.add_token(tok, check_stop=can_stop)
+        if stop_str is not None:
             self._finish(seq, "stop", stop_str)
         elif (
             p.max_tokens is not None and n_out >= p.max_tokens

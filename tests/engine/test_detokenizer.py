@@ -75,3 +75,11 @@ def test_real_tokenizer_deltas_concatenate_to_decode() -> None:
         out += d
     out += detok.take_delta(True)
     assert out == tok.decode(ids)
+
+
+def test_stop_strings_are_ignored_when_not_checked() -> None:
+    detok = IncrementalDetokenizer(ByteTokenizer(), [], SamplingParams(stop=["a"]))
+    assert detok.add_token(ord("a"), check_stop=False) is None
+    assert detok.add_token(ord("b")) is None
+    assert detok.add_token(ord("a")) == "a"
+    assert detok.take_delta(True) == "ab"
