@@ -326,10 +326,8 @@ class LLMEngine:
                 m = it.seq.request.metrics
                 if m.first_scheduled_time is None:
                     m.first_scheduled_time = now
-                if it.seq.num_preemptions == 0 and it.seq.index == 0:
-                    self.prompt_tokens_total += (
-                        it.num_new_tokens if it.start < it.seq.num_prompt_tokens else 0
-                    )
+                    # Every prompt token once per request, cached or not (as vLLM counts).
+                    self.prompt_tokens_total += len(it.seq.request.prompt_token_ids)
             results = self.runner.execute(sched, self.kv)
             now = time.monotonic()
             touched: dict[str, Request] = {}

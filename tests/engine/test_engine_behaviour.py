@@ -186,3 +186,20 @@ def test_small_pool_preempts_and_recovers_exactly(fake_engine) -> None:
         small.add_request(f"r{i}", p, params)
     assert _drain(small) == ref
     assert small.stats().num_preempted_total > 0
+
+
+def test_stats_count_tokens_hits_and_usage(fake_engine) -> None:
+    eng = fake_engine(num_blocks=32, block_size=4)
+    prompt = list(range(1, 14))  # 13 tokens: 3 full blocks
+    eng.add_request("a", prompt, SamplingParams(max_tokens=3, **GREEDY))
+    eng.step()
+    s = eng.stats()
+    assert s.num_running == 1 and s.num_waiting == 0 and s.steps_total == 1
+    assert s.kv_usage == 4 / 32 and s.num_free_blocks == 28
+    _drain(eng)
+    eng.add_request("b", prompt, SamplingParams(max_tokens=2, **GREEDY))
+    _drain(eng)
+    s = eng.stats()
+    assert s.prompt_tokens_total == 26 and s.generation_tokens_total == 5
+    assert s.prefix_queries_tokens == 26 and s.prefix_hits_tokens == 12
+    assert s.kv_usage == 0.0 and s.num_preempted_total == 0
