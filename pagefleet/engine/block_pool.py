@@ -208,6 +208,8 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (referenced ones keep their KV, just lose their key)."""
+        if not self.enable_caching:
+            return
         for block in self.cached.values():
             block.block_hash = None
         self.cached.clear()
