@@ -230,6 +230,7 @@ def main() -> None:
             rows.append(row)
         figures[f"{name}_output_tok_per_s"] = {str(r["batch"]): r["output_tok_per_s"] for r in rows}
         figures[f"{name}_decode_step_ms"] = {str(r["batch"]): r["decode_step_ms"] for r in rows}
+        print(json.dumps({**figures, "partial": True}), flush=True)
         del engine
         if device == "cuda":
             torch.cuda.empty_cache()

@@ -68,9 +68,9 @@ if [ "$DRYRUN" = 1 ]; then
   part kernel_bench 190 "$PY" bench/kernel_bench.py --quick
   part engine_e2e 160 "$PY" bench/engine_e2e.py --quick --batches 1 2 --max-tokens 3
 else
-  part tests 130 "$PY" -m pytest -q -p no:cacheprovider --timeout 120 tests/kernels
-  part kernel_bench 190 "$PY" bench/kernel_bench.py
-  part engine_e2e 160 "$PY" bench/engine_e2e.py --device cuda --shape llama3-8b \
+  part tests 150 "$PY" -m pytest -q -p no:cacheprovider --timeout 120 tests/kernels
+  part kernel_bench 170 "$PY" bench/kernel_bench.py
+  part engine_e2e 150 "$PY" bench/engine_e2e.py --device cuda --shape llama3-8b \
     --batches 1 32 128 --baseline
 fi
 

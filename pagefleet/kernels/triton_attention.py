@@ -47,11 +47,14 @@ class DecodeConfig:
 
 @dataclass(slots=True, frozen=True)
 class PrefillConfig:
-    """Launch knobs of the prefill/extend kernel (``block_m`` rows = tokens x group heads)."""
+    """Launch knobs of the prefill/extend kernel (``block_m`` rows = tokens x group heads).
 
-    block_m: int = 64
+    The defaults are the usual flash-attention tile for head_dim 128 on Hopper-class GPUs;
+    bench/kernel_bench.py sweeps alternatives on the device at hand."""
+
+    block_m: int = 128
     block_n: int = 64
-    num_warps: int = 4
+    num_warps: int = 8
     num_stages: int = 2
 
 
