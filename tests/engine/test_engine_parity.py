@@ -169,3 +169,17 @@ def test_greedy_parity_chunked_and_preempted(
     assert engine.stats().num_preempted_total > 0
     if chunked:  # the 300-token prompt cannot go in one step under this budget
         assert budget < max(map(len, ref.prompts))
+
+
+def test_greedy_parity_with_forked_samples(reference) -> None:
+    """n = 2 greedy: both forks (sharing the prompt's blocks, copying the partial one on
+    write) reproduce the reference, also when the small pool preempts forks."""
+    ref = reference("tiny")
+    engine = _engine("tiny", num_gpu_blocks=14, block_size=16)
+    picks = [1, 2, 3, 5, 8, 9]  # lengths 7, 16, 33, 129, 41 (shared) and 43 (shared)
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    results = engine.generate([ref.prompts[i] for i in picks], params)
+    for i, res in zip(picks, results, strict=True):
+        assert [o.token_ids for o in res.outputs] == [ref.tokens[i]] * 2, f"prompt {i}"
+    assert engine.stats().num_preempted_total > 0
+    engine.check_integrity()
