@@ -77,12 +77,6 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    @property
-    def is_prefilling(self) -> bool:
-        """True while the prompt (or, after preemption, the recomputed context) is being
-        fed: more than the last token still lacks KV."""
-        return self.num_tokens - self.num_computed_tokens > 1
-
     def full_block_hashes(self, block_size: int, namespace: str) -> list[int]:
         """Keys of every full block of ``token_ids`` (extends the cached list)."""
         n_full = len(self.token_ids) // block_size
