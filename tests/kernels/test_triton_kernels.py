@@ -16,6 +16,7 @@ from pagefleet.kernels.triton_attention import (
     DecodeConfig,
     PrefillConfig,
     TritonAttentionBackend,
+    choose_num_kv_splits,
     copy_blocks,
     paged_decode,
     paged_prefill,
@@ -222,3 +223,17 @@ def test_gpu_16bit_dot_path_matches_reference(monkeypatch, device, tol):
         prefill=PrefillConfig(block_m=32, block_n=32),
     ).forward(b.q, b.k, b.v, b.k_cache, b.v_cache, b.meta, 0.09)
     torch.testing.assert_close(out, ref, **tol(dtype))
+
+
+def test_split_heuristic_fills_the_device_without_overdoing_it():
+    # A large batch already fills 132 SMs: one pass, no merge kernel.
+    assert choose_num_kv_splits(128, 8, 4096, 64, 132) == 1
+    # One long sequence: split it, a power of two, each split >= 4 tiles of 64.
+    one = choose_num_kv_splits(1, 8, 4096, 64, 132)
+    assert one == 16
+    assert choose_num_kv_splits(1, 8, 100_000, 64, 132) == 64  # capped
+    # A short context is never split into sub-tile pieces.
+    assert choose_num_kv_splits(1, 8, 200, 64, 132) == 1
+    for args in [(3, 8, 5000, 64, 132), (7, 2, 1000, 32, 80), (64, 8, 4096, 64, 132)]:
+        s = choose_num_kv_splits(*args)
+        assert s >= 1 and s & (s - 1) == 0 and s <= 64
