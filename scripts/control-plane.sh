@@ -22,6 +22,9 @@ OUT="${CACHE_ROOT}/${K8S_VERSION}"
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 K8S_MOD="${ROOT}/ci/k8s-bins"
 ETCD_MOD="${ROOT}/ci/etcd-bin"
+HELM_VERSION=${HELM_VERSION:-v3.16.4}
+# The chart tests (tests/operator/test_chart_and_rbac.py) look for helm here.
+HELM_DIR="${CACHE_ROOT%/k8s}/helm"
 K8S_CMDS=(kube-apiserver kube-controller-manager kube-scheduler kubectl)
 
 # A too-new `go` line must fail here, not trigger a toolchain download; static binaries as
@@ -66,6 +69,9 @@ k8s_ok() {
 etcd_ok() {
   reports "${OUT}/etcd" "etcd Version: ${ETCD_VERSION#v}" --version
 }
+
+# A `go install`ed helm reports only its minor ("v3.16"): the patch is stamped by release builds.
+helm_ok() { reports "${HELM_DIR}/helm" "${HELM_VERSION%.*}" version --template '{{.Version}}'; }
 
 cmd_gen() {
   local stg="v0.${K8S_VERSION#v1.}" gomod m c
@@ -125,12 +131,22 @@ cmd_build() {
     rmdir "$tmp"
     k8s_ok || { log "built binaries do not report ${K8S_VERSION}"; exit 1; }
   fi
+  if helm_ok; then
+    log "helm ${HELM_VERSION} cached in ${HELM_DIR}"
+  else
+    log "building helm ${HELM_VERSION} into ${HELM_DIR} (first run only)"
+    mkdir -p "${HELM_DIR}"
+    # helm's go.mod has no replace directives, so a plain versioned install works.
+    GOFLAGS= GOBIN="${HELM_DIR}" go install -trimpath -ldflags "-s -w" "helm.sh/helm/v3/cmd/helm@${HELM_VERSION}"
+    helm_ok \
+      || { log "built helm does not report ${HELM_VERSION%.*}"; exit 1; }
+  fi
   log "ready in ${OUT} ($((SECONDS - start))s)"
 }
 
 case "${1:-build}" in
   build) cmd_build ;;
-  check) etcd_ok && k8s_ok ;;
+  check) etcd_ok && k8s_ok && helm_ok ;;
   dir) printf '%s\n' "${OUT}" ;;
   gen) cmd_gen ;;
   up)
