@@ -121,3 +121,35 @@ def test_sampler_rows_do_not_interact(make_seq) -> None:
     together = sampler(logits, [seq_with_seed(1), seq_with_seed(2), seq_with_seed(3)])
     alone = sampler(logits[1:2], [seq_with_seed(2)])
     assert together[1].token_id == alone[0].token_id
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_spanning_tokens_through_the_engine(include) -> None:
+    eng = _engine()
+    prompt = [11, 12, 13, 14]
+    base = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    (free,) = eng.generate([prompt], base)
+    ids, full = free.outputs[0].token_ids, free.outputs[0].text
+    tok = eng.tokenizer
+    # Two characters either side of the boundary between two generated tokens.
+    cut = next(
+        len(tok.decode(ids[:k]))
+        for k in range(2, len(ids))
+        if 0 < len(tok.decode(ids[:k])) < len(full) - 1
+        and full.startswith(tok.decode(ids[:k]))
+        and "\ufffd" not in full[: len(tok.decode(ids[:k])) + 1]
+    )
+    stop = full[cut - 1 : cut + 1]
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=24,
+        ignore_eos=True,
+        stop=[stop],
+        include_stop_str_in_output=include,
+    )
+    (res,) = eng.generate([prompt], params)
+    out = res.outputs[0]
+    at = full.find(stop)
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == (full[: at + len(stop)] if include else full[:at])
+    assert out.token_ids == ids[: len(out.token_ids)] and len(out.token_ids) < len(ids)
