@@ -80,13 +80,15 @@ def paged_attention(
         kc = gather_context(k_cache, meta.block_tables[i], seq_len).float()
         vc = gather_context(v_cache, meta.block_tables[i], seq_len).float()
         qi = q[start:end].float().transpose(0, 1)  # [Hq, qlen, D]
-        kc = kc.transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, S, D]
-        vc = vc.transpose(0, 1).repeat_interleave(group, dim=0)
+        kc = kc.transpose(0, 1)  # [Hkv, S, D]: SDPA shares each KV head with its group
+        vc = vc.transpose(0, 1)
         # Query row r sits at position seq_len - qlen + r and sees keys 0..that position.
         qpos = torch.arange(seq_len - qlen, seq_len, device=q.device).unsqueeze(1)
         kpos = torch.arange(seq_len, device=q.device).unsqueeze(0)
         mask = kpos <= qpos
-        o = F.scaled_dot_product_attention(qi, kc, vc, attn_mask=mask, scale=scale)
+        o = F.scaled_dot_product_attention(
+            qi, kc, vc, attn_mask=mask, scale=scale, enable_gqa=group > 1
+        )
         out[start:end] = o.transpose(0, 1).to(q.dtype)
     return out
 
@@ -99,23 +101,25 @@ def _decode_batched(
     scale: float,
     group: int,
 ) -> torch.Tensor:
-    """All single-token sequences at once: pad their contexts to the longest one."""
+    """All single-token sequences at once, their contexts padded to the longest one.
+
+    GQA without copies: the ``group`` query heads that share a KV head become the query
+    rows of one SDPA call over that head's keys, so K/V are never repeated per query head.
+    """
     nd = q.shape[0]
     block_size = k_cache.shape[1]
-    seq_lens = meta.seq_lens[:nd].long()
     max_len = max(meta.seq_lens_cpu[:nd])
     n_blocks = (max_len + block_size - 1) // block_size
     tables = meta.block_tables[:nd, :n_blocks].long()  # [nd, nb]
     hkv, d = k_cache.shape[2], k_cache.shape[3]
-    kc = k_cache[tables].reshape(nd, n_blocks * block_size, hkv, d)[:, :max_len].float()
-    vc = v_cache[tables].reshape(nd, n_blocks * block_size, hkv, d)[:, :max_len].float()
-    # [nd, Hkv, group, D] x [nd, Hkv, S, D] -> [nd, Hkv, group, S]
+    span = n_blocks * block_size
+    # [nd, S, Hkv, D] -> [nd, Hkv, S, D]; .float() is free for an fp32 cache.
+    flat = tables.flatten()
+    kc = k_cache.index_select(0, flat).view(nd, span, hkv, d).transpose(1, 2).float()
+    vc = v_cache.index_select(0, flat).view(nd, span, hkv, d).transpose(1, 2).float()
     qf = q.float().view(nd, hkv, group, d)
-    scores = torch.einsum("bhgd,bshd->bhgs", qf, kc) * scale
-    valid = torch.arange(max_len, device=q.device).unsqueeze(0) < seq_lens.unsqueeze(1)  # [nd, S]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    o = torch.einsum("bhgs,bshd->bhgd", probs, vc)
+    valid = torch.arange(span, device=q.device).unsqueeze(0) < meta.seq_lens[:nd].unsqueeze(1)
+    o = F.scaled_dot_product_attention(qf, kc, vc, attn_mask=valid[:, None, None, :], scale=scale)
     return o.reshape(nd, hkv * group, d).to(q.dtype)
 
 
