@@ -168,7 +168,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer baseline batch sizes (< 60 s)")
     ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--kv-tokens", type=int, default=16 * 320, help="KV slots for both systems")
+    ap.add_argument("--kv-tokens", type=int, default=16 * 640, help="KV slots for both systems")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     ap.add_argument("--profile", action="store_true", help="print the engine step profile")
     args = ap.parse_args()

@@ -72,7 +72,18 @@ def paged_attention(
     qsl = meta.query_start_loc.tolist() if meta.num_seqs else [0]
     nd = meta.num_decodes
     if nd > 0:
-        out[:nd] = _decode_batched(q[:nd], k_cache, v_cache, meta, scale, group)
+        for rows in _length_buckets(meta.seq_lens_cpu[:nd]):
+            idx = torch.tensor(rows, device=q.device)
+            out[idx] = _decode_batched(
+                q[idx],
+                k_cache,
+                v_cache,
+                meta.block_tables[idx],
+                meta.seq_lens[idx],
+                max(meta.seq_lens_cpu[r] for r in rows),
+                scale,
+                group,
+            )
     for i in range(nd, meta.num_seqs):
         start, end = qsl[i], qsl[i + 1]
         seq_len = meta.seq_lens_cpu[i]
@@ -93,32 +104,47 @@ def paged_attention(
     return out
 
 
+def _length_buckets(seq_lens: list[int], max_buckets: int = 4) -> list[list[int]]:
+    """Decode rows grouped by context length, so each group pads only to its own longest.
+
+    The padded gather copies every row's context up to the group's maximum: with lengths
+    spread 1..L, one group copies ~2x the live K/V, four sorted groups ~1.15x. A group per
+    quarter of the rows keeps the SDPA calls few.
+    """
+    order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__)
+    n = len(order)
+    if n < 8:
+        return [order]
+    size = -(-n // max_buckets)
+    return [order[i : i + size] for i in range(0, n, size)]
+
+
 def _decode_batched(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    meta: AttentionMetadata,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_len: int,
     scale: float,
     group: int,
 ) -> torch.Tensor:
-    """All single-token sequences at once, their contexts padded to the longest one.
+    """Single-token sequences at once, their contexts padded to the longest one.
 
     GQA without copies: the ``group`` query heads that share a KV head become the query
     rows of one SDPA call over that head's keys, so K/V are never repeated per query head.
     """
     nd = q.shape[0]
     block_size = k_cache.shape[1]
-    max_len = max(meta.seq_lens_cpu[:nd])
     n_blocks = (max_len + block_size - 1) // block_size
-    tables = meta.block_tables[:nd, :n_blocks].long()  # [nd, nb]
+    flat = block_tables[:, :n_blocks].long().flatten()
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     span = n_blocks * block_size
     # [nd, S, Hkv, D] -> [nd, Hkv, S, D]; .float() is free for an fp32 cache.
-    flat = tables.flatten()
     kc = k_cache.index_select(0, flat).view(nd, span, hkv, d).transpose(1, 2).float()
     vc = v_cache.index_select(0, flat).view(nd, span, hkv, d).transpose(1, 2).float()
     qf = q.float().view(nd, hkv, group, d)
-    valid = torch.arange(span, device=q.device).unsqueeze(0) < meta.seq_lens[:nd].unsqueeze(1)
+    valid = torch.arange(span, device=q.device).unsqueeze(0) < seq_lens.unsqueeze(1)
     o = F.scaled_dot_product_attention(qf, kc, vc, attn_mask=valid[:, None, None, :], scale=scale)
     return o.reshape(nd, hkv * group, d).to(q.dtype)
 
