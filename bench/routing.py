@@ -71,7 +71,17 @@ def main() -> None:
         help="~4.3 tokens per word with the tiny tokenizer",
     )
     ap.add_argument("--weights", default=None, help="cache_aware weights for the gateway")
+    ap.add_argument(
+        "--model",
+        default="tiny",
+        help="tiny preset or checkpoint dir; 'bench' = the 4x512 Llama of bench/throughput.py,"
+        " where prefill dominates a request's fixed overhead",
+    )
     args = ap.parse_args()
+    if args.model == "bench":
+        from bench_models import ensure_bench_model
+
+        args.model = str(ensure_bench_model())
 
     t_start = time.perf_counter()
     n_req = args.requests or (64 if args.quick else 240)
@@ -92,6 +102,7 @@ def main() -> None:
     fleet = LocalFleet(
         FleetSpec(
             num_daemons=args.daemons,
+            model=args.model,
             kv_cache_memory_mb=kv_mb,
             seed=args.seed,
             weights=args.weights,
