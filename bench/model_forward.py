@@ -27,21 +27,7 @@ from pathlib import Path
 import torch
 
 # The shape bench/throughput.py uses: big enough that compute matters, small for 2 cores.
-LLAMA_4x512 = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 512,
-    "intermediate_size": 1408,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 8,
-    "max_position_embeddings": 4096,
-    "rope_theta": 10000.0,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-    "hidden_act": "silu",
-    "torch_dtype": "float32",
-}
+from bench_models import LLAMA_4x512
 
 
 class NoAttention:
