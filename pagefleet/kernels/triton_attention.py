@@ -90,6 +90,21 @@ def _check_cache(cache: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what} must be contiguous in head_dim (stride {cache.stride(-1)})")
 
 
+def _check_attention_inputs(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> tuple[int, int, int]:
+    """Validate q ``[T, Hq, D]`` against the paged caches; returns (Hq, block_size, Hkv)."""
+    _check_cache(k_cache, "k_cache")
+    _check_cache(v_cache, "v_cache")
+    num_q_heads = q.shape[1]
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads do not group over {num_kv_heads} KV heads")
+    if q.stride(-1) != 1:
+        raise ValueError("q must be contiguous in head_dim")
+    return num_q_heads, page_size, num_kv_heads
+
+
 # --------------------------------------------------------------------------- store / copy
 
 
@@ -447,14 +462,8 @@ def paged_decode(
     positions. q ``[B, Hq, D]``; returns ``[B, Hq, D]`` in q's dtype (written into ``out``
     when given). ``max_seq_len`` is a host-side bound used only to size the split grid."""
     cfg = config or DecodeConfig()
-    _check_cache(k_cache, "k_cache")
-    _check_cache(v_cache, "v_cache")
-    num_seqs, num_q_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, _ = k_cache.shape
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"{num_q_heads} query heads do not group over {num_kv_heads} KV heads")
-    if q.stride(-1) != 1:
-        raise ValueError("q must be contiguous in head_dim")
+    num_q_heads, page_size, num_kv_heads = _check_attention_inputs(q, k_cache, v_cache)
+    num_seqs, _, head_dim = q.shape
     if out is None:
         out = torch.empty_like(q)
     if num_seqs == 0:
@@ -631,14 +640,8 @@ def paged_prefill(
     ``0 .. seq_len - q_len + r``. The new tokens' K/V must already be in the cache. Rows of
     other sequences in ``out`` are left untouched."""
     cfg = config or PrefillConfig()
-    _check_cache(k_cache, "k_cache")
-    _check_cache(v_cache, "v_cache")
-    _, num_q_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, _ = k_cache.shape
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"{num_q_heads} query heads do not group over {num_kv_heads} KV heads")
-    if q.stride(-1) != 1:
-        raise ValueError("q must be contiguous in head_dim")
+    num_q_heads, page_size, num_kv_heads = _check_attention_inputs(q, k_cache, v_cache)
+    head_dim = q.shape[2]
     if num_seqs is None:
         num_seqs = seq_lens.shape[0] - seq_offset
     if out is None:
