@@ -329,6 +329,7 @@ class LLMEngine:
                     # Every prompt token once per request, cached or not (as vLLM counts).
                     self.prompt_tokens_total += len(it.seq.request.prompt_token_ids)
             results = self.runner.execute(sched, self.kv)
+            self.kv.end_step()
             now = time.monotonic()
             touched: dict[str, Request] = {}
             for seq, res in results:

@@ -47,9 +47,47 @@ class KVCacheManager:
         # Another sequence may attend to them in the same step (backends store a layer's K/V
         # before attending) but must not copy them, because copies run before the forward.
         self._inflight: set[int] = set()
+        # (index, block, hash, sequence): full blocks whose hash another block already held
+        # when they filled; end_step() folds them into that block.
+        self._dups: list[tuple[int, KVBlock, int, Sequence]] = []
 
     def begin_step(self) -> None:
         self._inflight.clear()
+
+    def end_step(self) -> None:
+        """After the forward: point tables at the cached original of each duplicate block.
+
+        Two sequences that fill a block with the same tokens in one step both compute it,
+        and only the first is cached. Left alone, the second sequence's later blocks would
+        be cached under a parent that no table of theirs holds, so the parent could be
+        evicted first and break the prefix closure the index relies on (a cached block's
+        parent is cached). Swapping in the original restores it and frees the copy; if the
+        original was evicted meanwhile, the duplicate is cached in its place.
+        """
+        dups, self._dups = self._dups, []
+        for i, dup, h, seq in dups:
+            table = self._tables.get(seq.seq_id)
+            if (
+                table is None
+                or i >= len(table)
+                or table[i] is not dup
+                or dup.block_hash is not None
+            ):
+                continue  # freed or preempted since
+            orig = self.pool.get_cached_block(h)
+            if orig is None:
+                parent_gone = i > 0 and self.pool.get_cached_block(seq.block_hashes[i - 1]) is None
+                if not parent_gone and self.pool.cache_block(dup, h):
+                    self._emit_stored(
+                        seq, [i], seq.full_block_hashes(self.block_size, self.namespace)
+                    )
+                continue
+            # Forked siblings may share the duplicate too.
+            holders = [t for t in self._tables.values() if i < len(t) and t[i] is dup]
+            for t in holders:
+                t[i] = orig
+            self.pool.touch([orig] * len(holders))
+            self.pool.free_blocks([dup] * len(holders))
 
     # --- queries -----------------------------------------------------------------------
 
@@ -144,6 +182,10 @@ class KVCacheManager:
             self.pending_copies.append((existing.block_id, copy.block_id))
             table[write_idx] = copy
             self.pool.free_blocks([existing])
+            if existing.block_hash is not None and (write_idx + 1) * self.block_size <= end:
+                # A full cache hit's last block, recomputed for its logits: once written,
+                # the copy equals the original, so end_step() folds it back.
+                self._dups.append((write_idx, copy, existing.block_hash, seq))
         if num_new_blocks:
             table.extend(self.pool.get_new_blocks(num_new_blocks))
         self._cache_full_blocks(seq, table, end)
@@ -160,12 +202,18 @@ class KVCacheManager:
         hashes = seq.full_block_hashes(self.block_size, self.namespace)
         group: list[int] = []  # consecutive block indices registered now
         for i in range(first, num_full):
+            if i > 0 and self.pool.get_cached_block(hashes[i - 1]) is None:
+                # Only after a reset: its parent was forgotten while this sequence ran.
+                # Caching it would break prefix closure (a cached block's parent is cached).
+                break
             if self.pool.cache_block(table[i], hashes[i]):
                 self._inflight.add(table[i].block_id)
                 if group and group[-1] != i - 1:
                     self._emit_stored(seq, group, hashes)
                     group = []
                 group.append(i)
+            elif table[i].block_hash is None:
+                self._dups.append((i, table[i], hashes[i], seq))
         if group:
             self._emit_stored(seq, group, hashes)
         self._num_hashed[seq.seq_id] = num_full

@@ -56,7 +56,13 @@ class Replayed:
 
     def __init__(self) -> None:
         self.blocks: set[int] = set()
+        self.parent: dict[int, int | None] = {}
         self.last_seq = -1
+
+    def check_prefix_closed(self) -> None:
+        """A cached block's parent is cached: the index bisects chains on this."""
+        orphans = {h for h in self.blocks if self.parent[h] not in (None, *self.blocks)}
+        assert not orphans, f"{len(orphans)} cached blocks outlived their parent"
 
     def __call__(self, batch) -> None:
         assert batch.seq == self.last_seq + 1, "event batches out of order"
@@ -66,6 +72,10 @@ class Replayed:
                 assert not self.blocks & set(e.block_hashes), "stored a block twice"
                 assert len(e.token_ids) == len(e.block_hashes) * e.block_size
                 self.blocks.update(e.block_hashes)
+                for parent, h in zip(
+                    [e.parent_block_hash, *e.block_hashes[:-1]], e.block_hashes, strict=True
+                ):
+                    self.parent[h] = parent
             elif isinstance(e, BlockRemoved):
                 assert set(e.block_hashes) <= self.blocks, "removed an unknown block"
                 self.blocks.difference_update(e.block_hashes)
@@ -93,6 +103,7 @@ def _drive(engine, ops, sink: Replayed) -> dict[str, dict[int, tuple[list[int], 
             assert out.finished == (len(results.get(rid, {})) == n_of[rid])
         engine.check_integrity()
         assert sink.blocks == engine.cached_block_hashes()
+        sink.check_prefix_closed()
 
     for op, arg in ops:
         if op == "add":
