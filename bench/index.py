@@ -9,7 +9,7 @@ random 64-bit ints, which is what BLAKE2b chain keys look like to the index.
 Workload: every pod holds ``entries / pods`` blocks. 20 popular 512-block prompts are each
 held by 10 pods (they stand for shared system prompts); the rest of each pod's blocks are
 chains only it holds. Lookups of a 512-block prompt mix full hits (a popular prompt, 10
-holders, the whole chain walked), partial hits (a popular prompt's first k blocks, then new
+holders, bisected end to end), partial hits (a popular prompt's first k blocks, then new
 ones) and misses. Latency is measured at the client (what the gateway sees: redis-py asyncio
 round trip + script) and, from Redis' commandstats, inside the server.
 

