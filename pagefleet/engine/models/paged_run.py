@@ -46,10 +46,12 @@ class PagedSequenceRunner:
         self.device = torch.device(device)
         dtype = kv_dtype or config.dtype
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        # Zeros, as in ModelRunner: the torch decode path gathers padded contexts and
+        # weights the padding by 0, and 0 * a NaN left in never-written memory is NaN.
         self.kv_caches = [
             (
-                torch.empty(shape, dtype=dtype, device=self.device),
-                torch.empty(shape, dtype=dtype, device=self.device),
+                torch.zeros(shape, dtype=dtype, device=self.device),
+                torch.zeros(shape, dtype=dtype, device=self.device),
             )
             for _ in range(config.num_hidden_layers)
         ]
