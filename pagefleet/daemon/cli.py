@@ -82,8 +82,22 @@ async def serve(config: DaemonConfig) -> None:
 @click.option("--block-size", default=16, show_default=True, type=int)
 @click.option("--max-num-seqs", default=64, show_default=True, type=int)
 @click.option("--max-num-batched-tokens", default=2048, show_default=True, type=int)
+@click.option(
+    "--long-prefill-token-threshold",
+    default=0,
+    show_default=True,
+    type=int,
+    help="Most prompt tokens one request prefills per step (0: no cap); lowers TTFT of "
+    "short requests queued behind long prompts.",
+)
 @click.option("--max-model-len", default=None, type=int, help="Default: the model's maximum.")
 @click.option("--kv-cache-memory-mb", default=256, show_default=True, type=int)
+@click.option(
+    "--num-gpu-blocks",
+    default=None,
+    type=int,
+    help="KV pool size in blocks; overrides --kv-cache-memory-mb (as vLLM's flag).",
+)
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True)
 @click.option(
     "--dtype",

@@ -31,6 +31,7 @@ class DaemonConfig(BaseModel):
     block_size: int = Field(default=16, ge=1)
     max_num_seqs: int = Field(default=64, ge=1)
     max_num_batched_tokens: int = Field(default=2048, ge=1)
+    long_prefill_token_threshold: int = Field(default=0, ge=0)
     max_model_len: int | None = Field(default=None, ge=2)
     kv_cache_memory_mb: int = Field(default=256, ge=1)
     num_gpu_blocks: int | None = Field(default=None, ge=1)
@@ -74,6 +75,7 @@ class DaemonConfig(BaseModel):
             kv_cache_memory_bytes=self.kv_cache_memory_mb << 20,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
             max_model_len=self.max_model_len,
             enable_prefix_caching=self.enable_prefix_caching,
             kv_namespace=self.namespace,

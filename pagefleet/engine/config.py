@@ -25,6 +25,11 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # Most prompt tokens one sequence may prefill per step (0: up to the whole budget). A
+    # long cold prompt then takes several shorter steps and leaves budget for short ones
+    # (cache hits) in each, instead of making them wait out one long step: lower TTFT for
+    # short requests, slightly higher for long ones. vLLM calls this knob the same.
+    long_prefill_token_threshold: int = 0
     cache_aware_scheduling: bool = False
     max_wait_steps: int = 64  # bounded unfairness of cache-aware ordering
     kv_namespace: str = ""  # block-key namespace (the InferenceService's model key)
@@ -53,5 +58,14 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 or None, got {self.max_model_len}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                "long_prefill_token_threshold must be >= 0 (0 = off), got "
+                f"{self.long_prefill_token_threshold}"
+            )
+        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
+            raise ValueError(
+                "long_prefill_token_threshold needs chunked prefill: enable it or set 0"
+            )
         if self.max_wait_steps < 0:
             raise ValueError(f"max_wait_steps must be >= 0, got {self.max_wait_steps}")

@@ -118,7 +118,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = seq.num_tokens - seq.num_computed_tokens
+            num_new = self._cap_prefill(seq.num_tokens - seq.num_computed_tokens)
             if num_new > budget:
                 if not cfg.enable_chunked_prefill:
                     i += 1
@@ -140,12 +140,16 @@ class Scheduler:
         if not preempted:
             if cfg.cache_aware_scheduling and len(self.waiting) > 1:
                 self._order_waiting_cache_aware()
+            # Seats taken: a request still in prefill holds all n of its future sequences,
+            # or admitting others meanwhile would overflow max_num_seqs when it forks.
+            seats = sum(s.request.fanout if s.index == 0 else 1 for s in self.running)
+            seats += len(forked)
             while self.waiting and budget > 0:
                 seq = self.waiting[0]
-                if len(self.running) + len(forked) + seq.request.fanout > cfg.max_num_seqs:
+                if seats + seq.request.fanout > cfg.max_num_seqs:
                     break
                 hits, num_cached = self.kv.get_computed_blocks(seq)
-                num_new = seq.num_tokens - num_cached
+                num_new = self._cap_prefill(seq.num_tokens - num_cached)
                 if num_new > budget:
                     if not cfg.enable_chunked_prefill:
                         break
@@ -162,6 +166,7 @@ class Scheduler:
                 seq.num_computed_tokens = num_cached
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
+                seats += seq.request.fanout
                 scheduled.append(self._schedule_one(seq, num_new, forked))
                 budget -= num_new
 
@@ -174,6 +179,11 @@ class Scheduler:
             preempted=preempted,
             num_batched_tokens=cfg.max_num_batched_tokens - budget,
         )
+
+    def _cap_prefill(self, num_new: int) -> int:
+        """A long prefill's chunk for this step (decodes, one token, are never capped)."""
+        cap = self.config.long_prefill_token_threshold
+        return min(num_new, cap) if cap else num_new
 
     def _leaves_headroom(self, num_tokens: int, hits: list) -> bool:
         """Admit only if the blocks left afterwards stay above the watermark, so running

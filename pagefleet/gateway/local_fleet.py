@@ -113,6 +113,7 @@ class FleetSpec:
     gateway_port: int = 0
     block_size: int = 16
     kv_cache_memory_mb: int | None = None
+    num_gpu_blocks: int | None = None  # per daemon; overrides kv_cache_memory_mb
     kv_namespace: str = ""
     daemon_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)
@@ -204,6 +205,8 @@ class LocalFleet:
             argv += ["--redis-url", self.redis_url]
         if self.spec.kv_cache_memory_mb is not None:
             argv += ["--kv-cache-memory-mb", str(self.spec.kv_cache_memory_mb)]
+        if self.spec.num_gpu_blocks is not None:
+            argv += ["--num-gpu-blocks", str(self.spec.num_gpu_blocks)]
         argv += self.spec.daemon_args
         return Child(f"daemon-{i}", argv, f"http://{host}:{port}", self.log_dir / f"daemon-{i}.log")
 

@@ -203,3 +203,34 @@ def test_stats_count_tokens_hits_and_usage(fake_engine) -> None:
     assert s.prompt_tokens_total == 26 and s.generation_tokens_total == 5
     assert s.prefix_queries_tokens == 26 and s.prefix_hits_tokens == 12
     assert s.kv_usage == 0.0 and s.num_preempted_total == 0
+
+
+def test_long_prefill_threshold_lets_a_short_request_into_the_same_step(fake_engine) -> None:
+    def first_token_steps(threshold: int) -> dict[str, int]:
+        eng = fake_engine(
+            num_blocks=64,
+            block_size=4,
+            max_model_len=128,
+            max_num_batched_tokens=64,
+            long_prefill_token_threshold=threshold,
+        )
+        eng.add_request("long", list(range(1, 101)), SamplingParams(max_tokens=2, **GREEDY))
+        eng.add_request("short", [5, 6, 7], SamplingParams(max_tokens=2, **GREEDY))
+        first: dict[str, int] = {}
+        step = 0
+        while eng.has_unfinished():
+            step += 1
+            for out in eng.step():
+                if any(d.new_token_ids for d in out.deltas):
+                    first.setdefault(out.request_id, step)
+            eng.check_integrity()
+        return first
+
+    # Without the cap the 100-token prompt takes the whole 64-token budget twice; with a
+    # 16-token cap the short request is prefilled beside its first chunk.
+    assert first_token_steps(0) == {"long": 2, "short": 2}
+    capped = first_token_steps(16)
+    assert capped["short"] == 1
+    assert capped["long"] == 7  # ceil(100 / 16) steps
+    with pytest.raises(ValueError, match="chunked prefill"):
+        fake_engine(long_prefill_token_threshold=8, enable_chunked_prefill=False)

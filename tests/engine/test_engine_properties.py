@@ -151,9 +151,10 @@ def _drive(engine, ops, sink: Replayed) -> dict[str, dict[int, tuple[list[int], 
     budget=st.sampled_from([8, 16, 64]),
     max_num_seqs=st.sampled_from([2, 4, 16]),
     cache_aware=st.booleans(),
+    long_prefill=st.sampled_from([0, 5]),
 )
 def test_random_schedules_keep_invariants_and_caching_is_transparent(
-    fake_engine, ops, extra_blocks, block_size, budget, max_num_seqs, cache_aware
+    fake_engine, ops, extra_blocks, block_size, budget, max_num_seqs, cache_aware, long_prefill
 ) -> None:
     # Pools of 48 tokens and up: one request always fits, a few at once often do not.
     num_blocks = -(-48 // block_size) + extra_blocks
@@ -165,6 +166,7 @@ def test_random_schedules_keep_invariants_and_caching_is_transparent(
         max_num_batched_tokens=budget,
         max_num_seqs=max_num_seqs,
         cache_aware_scheduling=cache_aware,
+        long_prefill_token_threshold=long_prefill,
         max_wait_steps=3,
     )
     # Prompts must fit this max_model_len; clip long ones in the op list itself.
