@@ -2,12 +2,18 @@
 
     .venv/bin/python bench/routing.py --quick
 
-A real fleet: 4 daemons (tiny model) + real Redis + one gateway per policy, all started by
-pagefleet's LocalFleet. Each daemon's KV pool is sized below the trace's prefix working
-set while the fleet's total is above it (sizes printed), the regime where routing decides
-the hit rate. Every policy replays the same trace; a per-policy salt at the start of every
-system prompt gives each run a cold, disjoint set of prefixes without restarting daemons
-(earlier runs' blocks are unreferenced, so LRU evicts them first).
+A real fleet: 4 daemons + real Redis + one gateway per policy, all started by pagefleet's
+LocalFleet, on the 4x512 Llama of bench/throughput.py (`--model bench`, the default): a
+model whose prefill, not the fixed per-request path, sets TTFT, as on a real model and GPU.
+(`--model tiny` measures mostly HTTP and Python overhead, where a hit saves little.)
+
+Each daemon's KV pool is sized below the trace's prefix working set while the fleet's total
+is above it (by default 1/3 of the working set per daemon; sizes printed), the regime where
+routing decides the hit rate. Every policy replays the same trace; a per-policy salt at the
+start of every system prompt gives each run a cold, disjoint set of prefixes without
+restarting daemons (earlier runs' blocks are unreferenced, so LRU evicts them first).
+Requests run closed-loop (`--concurrency` conversations in flight), or open-loop with
+`--request-rate` (Poisson conversation arrivals, the same schedule for every policy).
 
 Baseline and ceiling, both measured here: round robin and least load on the same trace,
 and `ideal_hit_rate`, one unbounded cache replaying the trace in order. The last run sends
@@ -25,6 +31,7 @@ import time
 import urllib.request
 from collections import Counter
 from dataclasses import replace
+from pathlib import Path
 
 from pagefleet.api.openai import ChatCompletionRequest
 from pagefleet.gateway.loadgen import run_workload, summarize, trim
@@ -60,31 +67,63 @@ def main() -> None:
     ap.add_argument("--daemons", type=int, default=4)
     ap.add_argument("--requests", type=int, default=None, help="turns per policy")
     ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--kv-cache-memory-mb", type=int, default=None)
+    ap.add_argument(
+        "--request-rate",
+        type=float,
+        default=None,
+        help="open loop: conversations per second (Poisson); default: closed loop",
+    )
+    ap.add_argument(
+        "--kv-blocks-per-daemon",
+        type=int,
+        default=None,
+        help="default: 1/3 of the trace's prefix working set",
+    )
+    ap.add_argument(
+        "--kv-cache-memory-mb", type=int, default=None, help="size the pool in MiB instead"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--zipf-s", type=float, default=0.8, help="tenant popularity skew")
-    ap.add_argument("--tenants", type=int, default=16)
+    ap.add_argument(
+        "--tenants",
+        type=int,
+        default=None,
+        help="default: 16 with --quick, 32 for the full trace (about the same requests per "
+        "tenant, so the full run is the quick one with more traffic, not hotter tenants)",
+    )
     ap.add_argument(
         "--system-prompt-words",
         type=int,
-        default=140,
-        help="~4.3 tokens per word with the tiny tokenizer",
+        default=280,
+        help="~4.3 tokens per word with the tiny tokenizer: ~1200-token system prompts",
     )
     ap.add_argument("--weights", default=None, help="cache_aware weights for the gateway")
     ap.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=0,
+        help="daemons' per-step prefill cap per request (0: none)",
+    )
+    ap.add_argument(
         "--model",
-        default="tiny",
-        help="tiny preset or checkpoint dir; 'bench' = the 4x512 Llama of bench/throughput.py,"
-        " where prefill dominates a request's fixed overhead",
+        default="bench",
+        help="'bench' = the 4x512 Llama of bench/throughput.py, where prefill dominates a "
+        "request's fixed overhead; or a tiny preset or checkpoint dir",
     )
     args = ap.parse_args()
     if args.model == "bench":
         from bench_models import ensure_bench_model
 
         args.model = str(ensure_bench_model())
+    else:
+        from pagefleet.gateway.cli import resolve_model_dir
+
+        args.model = str(resolve_model_dir(args.model))
 
     t_start = time.perf_counter()
     n_req = args.requests or (64 if args.quick else 240)
+    if args.tenants is None:
+        args.tenants = 16 if args.quick else 32
     spec = WorkloadSpec(
         num_conversations=n_req,
         num_tenants=args.tenants,
@@ -96,19 +135,41 @@ def main() -> None:
         max_tokens=4,
         seed=args.seed,
     )
-    # tiny: 32 KiB per 16-token block; 8 MiB = 256 blocks per daemon. The full trace's prefix
-    # working set is larger (~1100 blocks), so the full run gets 12 MiB = 384 blocks.
-    kv_mb = args.kv_cache_memory_mb or (8 if args.quick else 12)
+    # The trace and its prefix working set first: they size the daemons' KV pools. The
+    # gateway computes keys under the fleet's namespace, the served model name.
+    served = args.model
+    tok = PromptTokenizer.from_dir(args.model)
+    base = trim(build_conversations(spec), n_req)
+    ids = _token_ids(tok, base)
+    uses: Counter[int] = Counter()
+    for x in ids:
+        uses.update(set(block_hashes(x, 16, served)))
+    # The prefix working set: blocks some later request can reuse (seen twice or more).
+    reusable = sum(1 for n in uses.values() if n >= 2)
+    ideal = ideal_hit_rate(ids, 16, served)
+    lens = sorted(len(x) for x in ids)
+    kv_blocks = None
+    if args.kv_cache_memory_mb is None:
+        # A third of the working set per daemon: each holds about a third of the tenants'
+        # system prompts, the fleet 4/3 of the working set, so only a router that
+        # partitions prefixes across pods can keep the hit rate near the ceiling.
+        kv_blocks = args.kv_blocks_per_daemon or max(16, reusable // 3)
     fleet = LocalFleet(
         FleetSpec(
             num_daemons=args.daemons,
             model=args.model,
-            kv_cache_memory_mb=kv_mb,
+            kv_cache_memory_mb=args.kv_cache_memory_mb,
+            num_gpu_blocks=kv_blocks,
             seed=args.seed,
             weights=args.weights,
             gateway_port=0,
+            daemon_args=[
+                "--long-prefill-token-threshold",
+                str(args.long_prefill_token_threshold),
+            ],
         )
     )
+    assert fleet.namespace == served, (fleet.namespace, served)
     gateways = {}
     try:
         fleet.start()
@@ -117,18 +178,7 @@ def main() -> None:
             gateways[policy] = fleet.spawn_gateway(policy, name=f"gateway-{policy}")
         fleet.wait_ready([g for g in gateways.values() if g is not None])
         t_ready = time.perf_counter() - t_start
-        tok = PromptTokenizer.from_dir(fleet.model_dir)
         blocks_per_daemon = int(_server_info(fleet.daemon_urls[0]).get("num_blocks", 0))
-
-        base = trim(build_conversations(spec), n_req)
-        ids = _token_ids(tok, base)
-        uses: Counter[int] = Counter()
-        for x in ids:
-            uses.update(set(block_hashes(x, 16, fleet.namespace)))
-        # The prefix working set: blocks some later request can reuse (seen twice or more).
-        reusable = sum(1 for n in uses.values() if n >= 2)
-        ideal = ideal_hit_rate(ids, 16, fleet.namespace)
-        lens = sorted(len(x) for x in ids)
         print(
             f"fleet ready in {t_ready:.1f}s; {args.daemons} daemons x {blocks_per_daemon} KV "
             f"blocks = {args.daemons * blocks_per_daemon} fleet blocks; prefix working set "
@@ -166,6 +216,8 @@ def main() -> None:
                     convs,
                     args.concurrency,
                     progress=False,
+                    request_rate=args.request_rate,
+                    seed=args.seed,
                 )
             )
             reports[policy] = summarize(results, wall)
@@ -220,6 +272,13 @@ def main() -> None:
         "max_pod_share_single_prompt": single_report["max_pod_share"],
         "failed_requests": sum(r["failed"] for r in (ca, rr, ll, single_report)),
         "requests_per_policy": n_req,
+        "model": Path(args.model).name,
+        "tenants": args.tenants,
+        "system_prompt_words": args.system_prompt_words,
+        "long_prefill_token_threshold": args.long_prefill_token_threshold,
+        "load": f"open {args.request_rate}/s"
+        if args.request_rate
+        else f"closed {args.concurrency}",
         "daemons": args.daemons,
         "kv_blocks_per_daemon": blocks_per_daemon,
         "prefix_working_set_blocks": reusable,

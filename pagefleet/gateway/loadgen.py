@@ -1,9 +1,12 @@
 """``pagefleet bench``: drive a seeded chat workload through a gateway; print a report.
 
 Uses the official ``openai`` client (async, streaming) the way an application would.
-Conversations run closed-loop: ``--concurrency`` workers each take the next conversation
-and send its turns one after another (turn k+1 only after turn k finished), so a chat's
-prompt grows exactly as in real use.
+Turn k+1 of a conversation is sent only after turn k finished, so a chat's prompt grows
+exactly as in real use. Conversations start closed-loop by default (``--concurrency``
+workers each take the next one), or open-loop with ``--request-rate R``: conversations
+arrive as a seeded Poisson process of R per second whatever the fleet's speed, so policies
+compared at one rate face the same offered load (closed loop hands the faster policy more
+load, which hides part of its lead).
 
 Figures: TTFT = first streamed token; ITL = gaps between streamed tokens; TPOT =
 (end-to-end - TTFT) / (output tokens - 1); goodput = requests meeting both SLOs per second;
@@ -17,6 +20,7 @@ import asyncio
 import json
 import logging
 import math
+import random
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -40,6 +44,9 @@ class BenchOptions(BaseModel):
     model: str = "tiny"
     num_requests: int = Field(48, ge=1, description="conversations are added until this many turns")
     concurrency: int = Field(8, ge=1)
+    request_rate: float | None = Field(
+        None, gt=0, description="conversations per second, Poisson (open loop); None: closed"
+    )
     seed: int = 0
     num_tenants: int = Field(16, ge=1)
     system_prompt_words: int = Field(120, ge=1)
@@ -150,8 +157,15 @@ async def run_workload(
     concurrency: int,
     progress: bool = True,
     timeout_s: float = 120.0,
+    request_rate: float | None = None,
+    seed: int = 0,
 ) -> tuple[list[RequestResult], float]:
-    """Run conversations closed-loop; returns per-turn results and the wall time."""
+    """Run conversations; returns per-turn results and the wall time.
+
+    ``request_rate`` None: closed loop, ``concurrency`` conversations in flight. Otherwise
+    open loop: conversation i starts at the i-th arrival of a Poisson process of
+    ``request_rate`` per second (seeded), however many are still in flight.
+    """
     import openai
 
     client = openai.AsyncOpenAI(
@@ -180,15 +194,40 @@ async def run_workload(
                 if bar is not None:
                     bar.update(1)
 
+    async def scheduled(conv: Conversation, at: float) -> None:
+        await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
+        for turn in conv.turns:
+            r = await _one_turn(client, model, turn, timeout_s)
+            results.append(r)
+            if bar is not None:
+                bar.update(1)
+
     t0 = time.perf_counter()
     try:
-        await asyncio.gather(*(worker() for _ in range(min(concurrency, len(convs)))))
+        if request_rate is None:
+            await asyncio.gather(*(worker() for _ in range(min(concurrency, len(convs)))))
+        else:
+            arrivals = poisson_arrivals(len(convs), request_rate, seed)
+            await asyncio.gather(*(scheduled(c, at) for c, at in zip(convs, arrivals, strict=True)))
     finally:
         wall = time.perf_counter() - t0
         if bar is not None:
             bar.close()
         await client.close()
     return results, wall
+
+
+def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
+    """Start times (s) of ``n`` arrivals of a Poisson process of ``rate`` per second; the
+    first at 0. The same seed gives the same times, so every policy sees one schedule."""
+    if rate <= 0:
+        raise ValueError(f"request rate must be > 0 per second, got {rate}")
+    rng = random.Random(seed)
+    out, t = [], 0.0
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -315,7 +354,14 @@ def write_plots(results: list[RequestResult], report: dict[str, Any], out_dir: P
 async def run_bench(opts: BenchOptions) -> tuple[dict[str, Any], list[RequestResult]]:
     convs = trim(build_conversations(opts.workload()), opts.num_requests)
     results, wall = await run_workload(
-        opts.url, opts.model, convs, opts.concurrency, opts.progress, opts.timeout_s
+        opts.url,
+        opts.model,
+        convs,
+        opts.concurrency,
+        opts.progress,
+        opts.timeout_s,
+        request_rate=opts.request_rate,
+        seed=opts.seed,
     )
     report = summarize(results, wall, opts.slo_ttft_ms, opts.slo_tpot_ms)
     return report, results
@@ -336,7 +382,20 @@ def run_bench_sync(opts: BenchOptions) -> dict[str, Any]:
 )
 @click.option("--model", default="tiny", show_default=True, help="Served model name.")
 @click.option("-n", "--num-requests", default=48, show_default=True, type=int)
-@click.option("-c", "--concurrency", default=8, show_default=True, type=int)
+@click.option(
+    "-c",
+    "--concurrency",
+    default=8,
+    show_default=True,
+    type=int,
+    help="Conversations in flight (closed loop; ignored with --request-rate).",
+)
+@click.option(
+    "--request-rate",
+    default=None,
+    type=float,
+    help="Open loop: new conversations per second (Poisson, seeded) instead of --concurrency.",
+)
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option(
     "--num-tenants", default=16, show_default=True, type=int, help="Distinct shared system prompts."

@@ -7,6 +7,7 @@ on purpose (Redis stopped, then a daemon killed), so they run last, in file orde
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Iterator
 
@@ -34,10 +35,20 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFleet]:
         num_daemons=2,
         log_dir=tmp_path_factory.mktemp("fleet-logs"),
         seed=0,
+        num_gpu_blocks=512,
         gateway_args=["--log-level", "info"],
     )
     with LocalFleet(spec) as f:
         yield f
+
+
+def test_daemons_get_the_asked_kv_pool(fleet: LocalFleet) -> None:
+    import json
+    import urllib.request
+
+    for url in fleet.daemon_urls:
+        with urllib.request.urlopen(url + "/get_server_info", timeout=10) as r:
+            assert json.loads(r.read())["num_blocks"] == 512
 
 
 def _client(fleet: LocalFleet) -> openai.AsyncOpenAI:
@@ -170,6 +181,41 @@ async def test_bench_report_from_a_real_run(fleet: LocalFleet, tmp_path) -> None
     assert all(r.completion_tokens == 4 for r in results)
     paths = write_plots(results, report, tmp_path / "plots")
     assert all(p.stat().st_size > 1000 for p in paths)
+
+
+async def test_open_loop_starts_conversations_on_the_arrival_schedule(fleet: LocalFleet) -> None:
+    from pagefleet.gateway.loadgen import BenchOptions, poisson_arrivals, run_bench
+
+    opts = BenchOptions(
+        url=fleet.gateway_url,
+        num_requests=10,
+        request_rate=8.0,
+        max_turns=2,
+        max_tokens=2,
+        num_tenants=2,
+        system_prompt_words=30,
+        seed=5,
+        progress=False,
+    )
+    report, results = await run_bench(opts)
+    assert report["failed"] == 0, report["errors"]
+    firsts = sorted((r.conversation, r.start) for r in results if r.turn == 0)
+    want = poisson_arrivals(len(firsts), 8.0, seed=5)
+    t0 = firsts[0][1]
+    # Each conversation starts at its arrival, not when an earlier one finished.
+    for (_, start), at in zip(firsts, want, strict=True):
+        assert abs((start - t0) - at) < 0.15, (start - t0, at)
+
+
+def test_poisson_arrivals_are_seeded_with_the_asked_rate() -> None:
+    from pagefleet.gateway.loadgen import poisson_arrivals
+
+    a = poisson_arrivals(4000, 20.0, seed=1)
+    assert a == poisson_arrivals(4000, 20.0, seed=1) and a != poisson_arrivals(4000, 20.0, seed=2)
+    assert a[0] == 0.0 and all(x <= y for x, y in itertools.pairwise(a))
+    assert abs(a[-1] / (len(a) - 1) - 1 / 20.0) < 0.005  # mean gap 50 ms
+    with pytest.raises(ValueError, match="rate"):
+        poisson_arrivals(3, 0.0)
 
 
 async def test_redis_stopped_mid_run_degrades_to_load_only(fleet: LocalFleet) -> None:
