@@ -291,6 +291,8 @@ class Daemon:
         r.add_get("/get_server_info", self.server_info)
         r.add_get("/server_info", self.server_info)
         r.add_get("/get_load", self.load)
+        # As vLLM's: benchmarks start cold without a restart. Not exposed by the gateway.
+        r.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         return app
 
     @web.middleware
@@ -376,6 +378,10 @@ class Daemon:
             info["num_blocks"] = s.num_blocks
             info["max_total_num_tokens"] = s.num_blocks * self.config.block_size
         return web.json_response(info)
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        await self._loop().call(lambda engine: engine.reset_prefix_cache())
+        return web.json_response({"reset": True})
 
     async def load(self, request: web.Request) -> web.Response:
         load = self._pod_load()

@@ -454,8 +454,10 @@ class LLMEngine:
         return self.kv.cached_block_hashes()
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached block; emits AllBlocksCleared with the next step's batch."""
+        """Forget every cached block and publish AllBlocksCleared at once (an idle engine
+        takes no step that would carry it). Blocks in use keep their KV, not their keys."""
         self.kv.reset_prefix_cache()
+        self._publish_events()
 
     def check_integrity(self) -> None:
         """Assert the KV bookkeeping invariants (tests call this after every step)."""

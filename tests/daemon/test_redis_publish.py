@@ -95,6 +95,28 @@ async def test_redis_mirrors_engine_then_empty_after_shutdown():
         assert (held, found) == (0, 0)
 
 
+async def test_reset_prefix_cache_empties_engine_and_index():
+    async with LocalRedis() as redis_srv:
+        url = redis_srv.url
+        async with live_daemon(config(url, "pod-r")) as d:
+            await run_prompts(d.url, PROMPTS[:1])
+            await settle(d.daemon.publisher)
+            cached = await d.daemon.engine_loop.call(lambda eng: eng.cached_block_hashes())
+            assert (await held_in_redis(url, "pod-r", cached))[1] == len(cached) > 0
+            async with aiohttp.ClientSession() as s, s.post(f"{d.url}/reset_prefix_cache") as r:
+                assert r.status == 200 and (await r.json()) == {"reset": True}
+            # Published without waiting for another request to step the engine.
+            await settle(d.daemon.publisher)
+            assert await d.daemon.engine_loop.call(lambda eng: eng.cached_block_hashes()) == set()
+            assert (await held_in_redis(url, "pod-r", cached))[1] == 0
+            # The same prompt again is a cold prefill.
+            async with aiohttp.ClientSession() as s:
+                body = {"prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0}
+                async with s.post(f"{d.url}/v1/completions", json=body) as r:
+                    usage = (await r.json())["usage"]
+            assert (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) == 0
+
+
 def _start_redis(port: int, workdir: str) -> subprocess.Popen:
     proc = subprocess.Popen(
         [find_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
