@@ -267,6 +267,7 @@ class Daemon:
             waiting=s.num_waiting,
             kv_usage=float(s.kv_usage),
             num_blocks=s.num_blocks,
+            num_cached_blocks=s.num_cached_blocks,
             role=self.config.role,
         )
 

@@ -62,6 +62,7 @@ class EngineStats:
     generation_tokens_total: int
     evictions_total: int
     steps_total: int
+    num_cached_blocks: int = 0  # blocks holding a prefix-cache key (what the index shows)
 
 
 class LLMEngine:
@@ -447,6 +448,7 @@ class LLMEngine:
             generation_tokens_total=self.generation_tokens_total,
             evictions_total=pool.num_evictions,
             steps_total=self.steps_total,
+            num_cached_blocks=len(pool.cached),
         )
 
     def cached_block_hashes(self) -> set[int]:

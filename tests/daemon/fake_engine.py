@@ -33,6 +33,7 @@ class FakeStats:
     generation_tokens_total: int = 0
     evictions_total: int = 0
     steps_total: int = 0
+    num_cached_blocks: int = 0
 
 
 @dataclass
@@ -161,4 +162,4 @@ class FakeEngine:
         return outs
 
     def stats(self) -> FakeStats:
-        return FakeStats(**self.s.__dict__)
+        return FakeStats(**{**self.s.__dict__, "num_cached_blocks": len(self._cached)})

@@ -91,6 +91,7 @@ async def test_redis_mirrors_engine_then_empty_after_shutdown():
             assert held == len(cached), "Redis advertises blocks the engine does not hold"
             pods = await RedisKVIndex.from_url(url, namespace=NS).pods()
             assert pods["pod-1"].role == "unified" and pods["pod-1"].num_blocks == 128
+            assert pods["pod-1"].num_cached_blocks == len(cached)
         held, found = await held_in_redis(url, "pod-1", cached)
         assert (held, found) == (0, 0)
 
