@@ -89,6 +89,13 @@ class LLMEngine:
         if loaded is None:
             loaded = load_model(resolve_model(config.model), config.dtype, config.device)
         model, mc, tokenizer = loaded
+        if mc.sliding_window and (config.max_model_len or 0) > mc.sliding_window:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the model's sliding_window "
+                f"{mc.sliding_window}, which pagefleet does not apply yet: tokens past the "
+                f"window would attend to too much context; set max_model_len <= "
+                f"{mc.max_exact_len}"
+            )
         device = torch.device(config.device)
         per_block = kv_cache_bytes_per_block(
             mc.num_hidden_layers, config.block_size, mc.num_key_value_heads, mc.head_dim, mc.dtype
@@ -118,7 +125,7 @@ class LLMEngine:
             tokenizer,
             eos_token_ids=mc.eos_token_ids,
             vocab_size=mc.vocab_size,
-            model_max_len=mc.max_position_embeddings,
+            model_max_len=mc.max_exact_len,
             num_blocks=num_blocks,
             event_sink=event_sink,
         )

@@ -89,6 +89,14 @@ class ModelConfig:
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
+    def max_exact_len(self) -> int:
+        """Longest context this engine serves exactly. Sliding-window attention is not
+        implemented, and full attention equals it only within the window."""
+        if self.sliding_window:
+            return min(self.max_position_embeddings, int(self.sliding_window))
+        return self.max_position_embeddings
+
+    @property
     def q_size(self) -> int:
         return self.num_attention_heads * self.head_dim
 
@@ -163,7 +171,8 @@ class ModelConfig:
             sliding_window = cfg.get("sliding_window")
         if sliding_window:
             logger.warning(
-                "sliding_window=%s is not applied: attention spans the whole context",
+                "sliding_window=%s is not applied: contexts are capped at the window, "
+                "where full attention equals it",
                 sliding_window,
             )
 

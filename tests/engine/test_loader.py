@@ -331,3 +331,19 @@ def test_loads_what_transformers_saves(tmp_path: Path) -> None:
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     assert (_prefill_logits(out, ids) - ref).abs().max().item() < 1e-4
+
+
+def test_sliding_window_caps_the_context_it_cannot_apply(tmp_path) -> None:
+    from pagefleet.engine.config import EngineConfig
+    from pagefleet.engine.engine import LLMEngine
+    from pagefleet.engine.sampling_params import SamplingParams
+
+    cfg = {**PRESETS["tiny-mistral"], "sliding_window": 64}
+    path = write_random_checkpoint(tmp_path / "mistral-sw", cfg, seed=4)
+    engine = LLMEngine(EngineConfig(model=str(path), num_gpu_blocks=64))
+    # Within the window full attention is exact; past it the output would be wrong.
+    assert engine.max_model_len == 64
+    with pytest.raises(ValueError, match="prompt"):
+        engine.add_request("long", list(range(1, 80)), SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="sliding_window 64"):
+        LLMEngine(EngineConfig(model=str(path), num_gpu_blocks=64, max_model_len=128))
