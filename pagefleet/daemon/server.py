@@ -128,9 +128,14 @@ class _Job:
     live: set[str] = field(default_factory=set)  # engine request ids not finished yet
     choices: dict[int, _Choice] = field(default_factory=dict)
     cached_tokens: dict[str, int] = field(default_factory=dict)
+    echo: list[str] | None = None  # prompt texts returned before the output (completions)
 
     def rid(self, i: int) -> str:
         return f"{self.base_id}-{i}"
+
+    def text_base(self, choice_index: int) -> int:
+        """Where a choice's generated text starts in the text returned (after any echo)."""
+        return len(self.echo[choice_index // self.params.n]) if self.echo else 0
 
     def prompt_index(self, rid: str) -> int:
         return int(rid.rsplit("-", 1)[1])
@@ -545,7 +550,7 @@ class Daemon:
         params = self._sampling_params(req, req.max_tokens, req.logprobs)
         self._admission_check(len(prompts))
         echo = [tok.decode(p) for p in prompts] if req.echo else None
-        job = _Job(f"cmpl-{uuid.uuid4().hex}", prompts, params)
+        job = _Job(f"cmpl-{uuid.uuid4().hex}", prompts, params, echo=echo)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return await self._stream(request, job, "completion", include_usage, echo)
@@ -557,7 +562,7 @@ class Daemon:
                 CompletionChoice(
                     index=c.index,
                     text=(echo[c.index // params.n] if echo else "") + c.text,
-                    logprobs=_completion_logprobs(c.logprobs, 0)
+                    logprobs=_completion_logprobs(c.logprobs, job.text_base(c.index))
                     if params.logprobs is not None
                     else None,
                     finish_reason=c.finish_reason,
@@ -748,7 +753,8 @@ class Daemon:
         if kind == "completion":
             lp = None
             if job.params.logprobs is not None and delta.logprobs:
-                lp = _completion_logprobs(delta.logprobs, len(ch.text) - len(delta.new_text))
+                start = job.text_base(ch.index) + len(ch.text) - len(delta.new_text)
+                lp = _completion_logprobs(delta.logprobs, start)
             return CompletionStreamResponse(
                 id=job.base_id, created=created, model=model,
                 choices=[CompletionChoice(
