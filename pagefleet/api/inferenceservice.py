@@ -137,10 +137,15 @@ class EngineSpec(_Model):
     """Tokens per KV block (also the granularity of prefix matching in the index)."""
     kv_cache_memory_mb: int = Field(default=256, ge=1, alias="kvCacheMemoryMB")
     """Memory for the paged KV cache per daemon, in MiB."""
+    num_gpu_blocks: int | None = Field(default=None, ge=1, alias="numGPUBlocks")
+    """KV cache size in blocks per daemon; overrides kvCacheMemoryMB when set."""
     max_num_seqs: int = Field(default=64, ge=1)
     """Most sequences in one engine step (running batch size)."""
     max_num_batched_tokens: int = Field(default=2048, ge=1)
     """Token budget of one engine step (prefill chunks plus decodes)."""
+    long_prefill_token_threshold: int = Field(default=0, ge=0)
+    """Most prompt tokens one request prefills per step (0: no cap). Lets short requests
+    share steps with long prompts, lowering their TTFT."""
     enable_prefix_caching: bool = True
     """Reuse cached KV blocks of identical prompt prefixes."""
 

@@ -68,10 +68,14 @@ def daemon_command(
         str(eng.max_num_batched_tokens),
         "--kv-cache-memory-mb",
         str(eng.kv_cache_memory_mb),
+        "--long-prefill-token-threshold",
+        str(eng.long_prefill_token_threshold),
         "--enable-prefix-caching" if eng.enable_prefix_caching else "--no-enable-prefix-caching",
     ]
     if spec.model.max_model_len is not None:
         cmd += ["--max-model-len", str(spec.model.max_model_len)]
+    if eng.num_gpu_blocks is not None:
+        cmd += ["--num-gpu-blocks", str(eng.num_gpu_blocks)]
     return cmd
 
 

@@ -94,7 +94,13 @@ def test_every_child_has_labels_and_a_controller_owner_reference(pd_spec):
 
 
 def test_daemon_pod_command_env_and_probes(unified_spec):
-    unified_spec["engine"] = {"blockSize": 32, "maxNumSeqs": 8, "enablePrefixCaching": False}
+    unified_spec["engine"] = {
+        "blockSize": 32,
+        "maxNumSeqs": 8,
+        "enablePrefixCaching": False,
+        "numGPUBlocks": 300,
+        "longPrefillTokenThreshold": 256,
+    }
     unified_spec["model"]["maxModelLen"] = 512
     unified_spec["roles"]["unified"]["env"] = [{"name": "LOG_LEVEL", "value": "debug"}]
     dep = children(unified_spec)[("Deployment", "llama-unified")]
@@ -115,6 +121,8 @@ def test_daemon_pod_command_env_and_probes(unified_spec):
     assert flag(cmd, "--max-num-batched-tokens") == "2048"
     assert flag(cmd, "--max-model-len") == "512"
     assert flag(cmd, "--kv-cache-memory-mb") == "256"
+    assert flag(cmd, "--num-gpu-blocks") == "300"
+    assert flag(cmd, "--long-prefill-token-threshold") == "256"
     assert "--no-enable-prefix-caching" in cmd and "--enable-prefix-caching" not in cmd
     env = {e["name"]: e for e in c["env"]}
     assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
