@@ -11,7 +11,11 @@ Invariants:
   before the forward) and the copy is written instead;
 - a block gets a hash only once all its tokens have KV (or will after this step's
   forward), and the hash is ``kvindex.hashing.block_hashes`` of the sequence's tokens under
-  ``namespace`` with the LoRA id as extra, so the gateway computes the same keys.
+  ``namespace`` with the LoRA id as extra, so the gateway computes the same keys;
+- after every step the cached set is prefix-closed (a cached block's parent is cached):
+  tables are freed tail first, a block is cached only while its parent is, and duplicate
+  copies of a cached block are folded into it (``end_step``). The index's lookup bisects
+  chains on this.
 """
 
 from __future__ import annotations
