@@ -182,25 +182,23 @@ async def run_workload(
 
         bar = tqdm(total=total, desc="requests", unit="req", leave=False)
 
+    async def converse(conv: Conversation) -> None:
+        for turn in conv.turns:  # turn k+1 only after turn k finished
+            results.append(await _one_turn(client, model, turn, timeout_s))
+            if bar is not None:
+                bar.update(1)
+
     async def worker() -> None:
         while True:
             try:
                 conv = queue.get_nowait()
             except asyncio.QueueEmpty:
                 return
-            for turn in conv.turns:
-                r = await _one_turn(client, model, turn, timeout_s)
-                results.append(r)
-                if bar is not None:
-                    bar.update(1)
+            await converse(conv)
 
     async def scheduled(conv: Conversation, at: float) -> None:
         await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
-        for turn in conv.turns:
-            r = await _one_turn(client, model, turn, timeout_s)
-            results.append(r)
-            if bar is not None:
-                bar.update(1)
+        await converse(conv)
 
     t0 = time.perf_counter()
     try:
