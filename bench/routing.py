@@ -150,9 +150,9 @@ def main() -> None:
     lens = sorted(len(x) for x in ids)
     kv_blocks = None
     if args.kv_cache_memory_mb is None:
-        # A third of the working set per daemon: each holds about a third of the tenants'
-        # system prompts, the fleet 4/3 of the working set, so only a router that
-        # partitions prefixes across pods can keep the hit rate near the ceiling.
+        # A third of the working set per daemon, 4/3 of it across the fleet: only a router
+        # that partitions the reused prefixes across pods keeps the hit rate near the
+        # ceiling.
         kv_blocks = args.kv_blocks_per_daemon or max(16, reusable // 3)
     fleet = LocalFleet(
         FleetSpec(
