@@ -553,7 +553,7 @@ class Daemon:
         job = _Job(f"cmpl-{uuid.uuid4().hex}", prompts, params, echo=echo)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return await self._stream(request, job, "completion", include_usage, echo)
+            return await self._stream(request, job, "completion", include_usage)
         await self._run_to_end(request, job)
         resp = CompletionResponse(
             id=job.base_id,
@@ -598,7 +598,7 @@ class Daemon:
         job = _Job(f"chatcmpl-{uuid.uuid4().hex}", [prompt], params)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return await self._stream(request, job, "chat", include_usage, None)
+            return await self._stream(request, job, "chat", include_usage)
         await self._run_to_end(request, job)
         resp = ChatCompletionResponse(
             id=job.base_id,
@@ -699,7 +699,6 @@ class Daemon:
         job: _Job,
         kind: str,
         include_usage: bool,
-        echo: list[str] | None,
     ) -> web.StreamResponse:
         created = int(time.time())
         model = self.config.model_name
@@ -709,8 +708,8 @@ class Daemon:
         async with self._admitted(job):
             await resp.prepare(request)
             try:
-                if echo is not None:
-                    for i, text in enumerate(echo):
+                if job.echo is not None:
+                    for i, text in enumerate(job.echo):
                         for j in range(job.params.n):
                             chunk = CompletionStreamResponse(
                                 id=job.base_id, created=created, model=model,
