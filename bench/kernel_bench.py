@@ -35,7 +35,7 @@ if not torch.cuda.is_available():
 
 from pagefleet.kernels import torch_ref
 from pagefleet.kernels.metadata import AttentionMetadata
-from pagefleet.kernels.synthetic import make_paged_batch
+from pagefleet.testing.synthetic import make_paged_batch
 from pagefleet.kernels.triton_attention import (
     DecodeConfig,
     PrefillConfig,

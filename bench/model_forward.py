@@ -57,7 +57,7 @@ def main() -> None:
     import transformers
 
     from pagefleet.engine.loader import load_model
-    from pagefleet.engine.models.paged_run import PagedSequenceRunner
+    from pagefleet.testing.paged_run import PagedSequenceRunner
     from pagefleet.engine.tiny import write_random_checkpoint
     from pagefleet.kernels.torch_ref import TorchAttentionBackend
 

@@ -34,10 +34,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from pagefleet.api.openai import ChatCompletionRequest
-from pagefleet.gateway.loadgen import run_workload, summarize, trim
-from pagefleet.gateway.local_fleet import FleetSpec, LocalFleet
+from pagefleet.dev.loadgen import run_workload, summarize, trim
+from pagefleet.dev.local_fleet import FleetSpec, LocalFleet
 from pagefleet.gateway.prompts import PromptTokenizer
-from pagefleet.gateway.workload import (
+from pagefleet.dev.workload import (
     WorkloadSpec,
     build_conversations,
     flatten,

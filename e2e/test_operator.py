@@ -94,7 +94,7 @@ def operator(cluster: ControlPlane, tmp_path_factory: pytest.TempPathFactory) ->
 
 @pytest.fixture(scope="module")
 def redis_url() -> Iterator[str]:
-    from pagefleet.kvindex.redis_server import LocalRedis
+    from pagefleet.dev.redis_server import LocalRedis
 
     server = LocalRedis()
     url = server.start()

@@ -1,8 +1,9 @@
 """The ``pagefleet`` command.
 
-Each subcommand lives in its component (``pagefleet/<component>/cli.py`` exposing a
-``click.Command`` named ``command``) and is imported only when invoked, so
-``pagefleet gateway`` or ``pagefleet operator`` never load torch.
+Each subcommand is a module exposing a ``click.Command`` named ``command``: the runtime
+components' in ``pagefleet/<component>/cli.py``, the developer tools' in ``pagefleet/dev/``.
+Each is imported only when invoked, so ``pagefleet gateway`` or ``pagefleet operator``
+never load torch.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "daemon": ("pagefleet.daemon.cli", "Run one inference daemon (engine + OpenAI API)."),
     "gateway": ("pagefleet.gateway.cli", "Run the cache-aware OpenAI-compatible gateway."),
     "operator": ("pagefleet.operator.cli", "Run the Kubernetes operator (kopf)."),
-    "up": ("pagefleet.gateway.local_fleet", "Start a local fleet: Redis, N daemons, a gateway."),
-    "bench": ("pagefleet.gateway.loadgen", "Drive a workload through a gateway; print a report."),
+    "up": ("pagefleet.dev.local_fleet", "Start a local fleet: Redis, N daemons, a gateway."),
+    "bench": ("pagefleet.dev.loadgen", "Drive a workload through a gateway; print a report."),
     "crd": ("pagefleet.api.crd", "Print the InferenceService CRD YAML generated from the spec."),
-    "generate": ("pagefleet.engine.cli", "Run the engine alone on a few prompts; print a report."),
+    "generate": ("pagefleet.dev.generate", "Run the engine alone on a few prompts; print a report."),
 }
 
 

@@ -16,7 +16,6 @@ from pagefleet.kvindex.events import (
 from pagefleet.kvindex.hashing import block_hashes, chain_hash, root_hash
 from pagefleet.kvindex.index import KVIndex, PodLoad
 from pagefleet.kvindex.memory import MemoryKVIndex
-from pagefleet.kvindex.redis_server import LocalRedis, find_redis_server
 
 if TYPE_CHECKING:
     from pagefleet.kvindex.redis_index import RedisKVIndex
@@ -37,12 +36,10 @@ __all__ = [
     "KVEvent",
     "KVEventBatch",
     "KVIndex",
-    "LocalRedis",
     "MemoryKVIndex",
     "PodLoad",
     "RedisKVIndex",
     "block_hashes",
     "chain_hash",
-    "find_redis_server",
     "root_hash",
 ]

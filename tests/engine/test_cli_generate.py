@@ -5,7 +5,7 @@ from __future__ import annotations
 from click.testing import CliRunner
 
 from pagefleet.cli import cli
-from pagefleet.engine.cli import synthetic_prompts
+from pagefleet.dev.generate import synthetic_prompts
 
 
 def test_generate_prints_a_report() -> None:

@@ -16,7 +16,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from pagefleet.engine.loader import load_model, resolve_model
-from pagefleet.engine.models.paged_run import PagedSequenceRunner
+from pagefleet.testing.paged_run import PagedSequenceRunner
 from pagefleet.engine.tiny import (
     PRESETS,
     ensure_tiny_checkpoint,

@@ -15,7 +15,7 @@ import torch
 import transformers
 
 from pagefleet.engine.loader import load_model
-from pagefleet.engine.models.paged_run import PagedSequenceRunner
+from pagefleet.testing.paged_run import PagedSequenceRunner
 from pagefleet.engine.tiny import PRESETS, ensure_tiny_checkpoint, write_random_checkpoint
 from pagefleet.kernels.torch_ref import TorchAttentionBackend
 

@@ -8,8 +8,8 @@ from click.testing import CliRunner
 
 from pagefleet.cli import cli
 from pagefleet.gateway.cli import GatewayConfig
-from pagefleet.gateway.loadgen import RequestResult, summarize, trim
-from pagefleet.gateway.workload import (
+from pagefleet.dev.loadgen import RequestResult, summarize, trim
+from pagefleet.dev.workload import (
     WorkloadSpec,
     build_conversations,
     ideal_hit_rate,

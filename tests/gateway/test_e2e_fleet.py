@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from pagefleet.gateway.discovery import StaticDiscovery
-from pagefleet.gateway.local_fleet import FleetSpec, LocalFleet
+from pagefleet.dev.local_fleet import FleetSpec, LocalFleet
 from pagefleet.gateway.policies import make_policy
 from pagefleet.gateway.prompts import PromptTokenizer
 from pagefleet.gateway.router import Router
@@ -159,7 +159,7 @@ async def test_requests_sharing_a_prefix_land_on_the_pod_that_holds_it(fleet: Lo
 
 
 async def test_bench_report_from_a_real_run(fleet: LocalFleet, tmp_path) -> None:
-    from pagefleet.gateway.loadgen import BenchOptions, run_bench, write_plots
+    from pagefleet.dev.loadgen import BenchOptions, run_bench, write_plots
 
     opts = BenchOptions(
         url=fleet.gateway_url,
@@ -184,7 +184,7 @@ async def test_bench_report_from_a_real_run(fleet: LocalFleet, tmp_path) -> None
 
 
 async def test_open_loop_starts_conversations_on_the_arrival_schedule(fleet: LocalFleet) -> None:
-    from pagefleet.gateway.loadgen import BenchOptions, poisson_arrivals, run_bench
+    from pagefleet.dev.loadgen import BenchOptions, poisson_arrivals, run_bench
 
     opts = BenchOptions(
         url=fleet.gateway_url,
@@ -208,7 +208,7 @@ async def test_open_loop_starts_conversations_on_the_arrival_schedule(fleet: Loc
 
 
 def test_poisson_arrivals_are_seeded_with_the_asked_rate() -> None:
-    from pagefleet.gateway.loadgen import poisson_arrivals
+    from pagefleet.dev.loadgen import poisson_arrivals
 
     a = poisson_arrivals(4000, 20.0, seed=1)
     assert a == poisson_arrivals(4000, 20.0, seed=1) and a != poisson_arrivals(4000, 20.0, seed=2)

@@ -352,7 +352,7 @@ async def test_plain_endpoints_and_metrics(make_fleet) -> None:
 def test_gateway_import_does_not_load_torch() -> None:
     code = (
         "import sys, pagefleet.gateway.server, pagefleet.gateway.cli, "
-        "pagefleet.gateway.loadgen, pagefleet.gateway.local_fleet; "
+        "pagefleet.dev.loadgen, pagefleet.dev.local_fleet; "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -17,7 +17,7 @@ def test_every_kernel_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     proc = subprocess.run(
-        [sys.executable, "-m", "pagefleet.kernels.compile_check", "--arch", "90"],
+        [sys.executable, "-m", "pagefleet.dev.compile_check", "--arch", "90"],
         env=env,
         capture_output=True,
         text=True,

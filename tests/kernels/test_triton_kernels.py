@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pagefleet.kernels import torch_ref
-from pagefleet.kernels.synthetic import PagedBatch, make_paged_batch
+from pagefleet.testing.synthetic import PagedBatch, make_paged_batch
 from pagefleet.kernels.triton_attention import (
     DecodeConfig,
     PrefillConfig,

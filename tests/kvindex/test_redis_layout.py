@@ -21,7 +21,7 @@ from pagefleet.kvindex.redis_index import (
     pack_hashes,
     suggest_bucket_bits,
 )
-from pagefleet.kvindex.redis_server import LocalRedis
+from pagefleet.dev.redis_server import LocalRedis
 
 
 def rand_hashes(n: int, seed: int) -> list[int]:

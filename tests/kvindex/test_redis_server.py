@@ -10,7 +10,7 @@ import pytest
 import redis
 import redis.asyncio as aredis
 
-from pagefleet.kvindex.redis_server import LocalRedis, find_redis_server
+from pagefleet.dev.redis_server import LocalRedis, find_redis_server
 
 
 def test_start_ping_stop_cleans_up() -> None:

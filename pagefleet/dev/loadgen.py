@@ -30,7 +30,7 @@ from typing import Any
 import click
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagefleet.gateway.workload import Conversation, WorkloadSpec, build_conversations
+from pagefleet.dev.workload import Conversation, WorkloadSpec, build_conversations
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ running it, and compiles every recorded launch to a cubin with ``triton.compile`
 explicit target (default sm_90, the H100/H200), so a kernel that cannot build for the GPU
 fails here, on CPU. Needs TRITON_INTERPRET unset (run it as its own process):
 
-    python -m pagefleet.kernels.compile_check --arch 90
+    python -m pagefleet.dev.compile_check --arch 90
 """
 
 from __future__ import annotations

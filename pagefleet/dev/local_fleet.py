@@ -167,7 +167,7 @@ class LocalFleet:
     def _start_redis(self) -> None:
         if self.redis_url or not self.spec.use_redis:
             return
-        from pagefleet.kvindex.redis_server import LocalRedis
+        from pagefleet.dev.redis_server import LocalRedis
 
         self._redis = LocalRedis()
         self.redis_url = self._redis.start()
@@ -405,7 +405,7 @@ def command(
             f"model {fleet.served_model_name!r})"
         )
         if run_bench:
-            from pagefleet.gateway.loadgen import BenchOptions, run_bench_sync
+            from pagefleet.dev.loadgen import BenchOptions, run_bench_sync
 
             run_bench_sync(
                 BenchOptions(
