@@ -34,10 +34,10 @@ import redis.asyncio as aredis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pagefleet.dev.redis_server import LocalRedis
 from pagefleet.kvindex.events import BlockStored, KVEventBatch
 from pagefleet.kvindex.index import PodLoad
 from pagefleet.kvindex.redis_index import RedisKVIndex, suggest_bucket_bits
-from pagefleet.dev.redis_server import LocalRedis
 
 PROMPT_BLOCKS = 512
 POPULAR = 20

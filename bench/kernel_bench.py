@@ -35,7 +35,6 @@ if not torch.cuda.is_available():
 
 from pagefleet.kernels import torch_ref
 from pagefleet.kernels.metadata import AttentionMetadata
-from pagefleet.testing.synthetic import make_paged_batch
 from pagefleet.kernels.triton_attention import (
     DecodeConfig,
     PrefillConfig,
@@ -43,6 +42,7 @@ from pagefleet.kernels.triton_attention import (
     paged_decode,
     paged_prefill,
 )
+from pagefleet.testing.synthetic import make_paged_batch
 
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
 TARGET_PCT = 70.0

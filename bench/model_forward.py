@@ -57,9 +57,9 @@ def main() -> None:
     import transformers
 
     from pagefleet.engine.loader import load_model
-    from pagefleet.testing.paged_run import PagedSequenceRunner
     from pagefleet.engine.tiny import write_random_checkpoint
     from pagefleet.kernels.torch_ref import TorchAttentionBackend
+    from pagefleet.testing.paged_run import PagedSequenceRunner
 
     workdir = tempfile.TemporaryDirectory(prefix="pagefleet-model-forward-")
     path = write_random_checkpoint(Path(workdir.name) / "llama-4x512", LLAMA_4x512, seed=7)

@@ -36,7 +36,6 @@ from pathlib import Path
 from pagefleet.api.openai import ChatCompletionRequest
 from pagefleet.dev.loadgen import run_workload, summarize, trim
 from pagefleet.dev.local_fleet import FleetSpec, LocalFleet
-from pagefleet.gateway.prompts import PromptTokenizer
 from pagefleet.dev.workload import (
     WorkloadSpec,
     build_conversations,
@@ -44,6 +43,7 @@ from pagefleet.dev.workload import (
     ideal_hit_rate,
     single_prompt_trace,
 )
+from pagefleet.gateway.prompts import PromptTokenizer
 from pagefleet.kvindex.hashing import block_hashes
 
 POLICIES = ("cache_aware", "round_robin", "least_load")

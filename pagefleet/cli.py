@@ -20,7 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "up": ("pagefleet.dev.local_fleet", "Start a local fleet: Redis, N daemons, a gateway."),
     "bench": ("pagefleet.dev.loadgen", "Drive a workload through a gateway; print a report."),
     "crd": ("pagefleet.api.crd", "Print the InferenceService CRD YAML generated from the spec."),
-    "generate": ("pagefleet.dev.generate", "Run the engine alone on a few prompts; print a report."),
+    "generate": ("pagefleet.dev.generate", "Run the engine alone on a few prompts; report."),
 }
 
 

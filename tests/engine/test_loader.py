@@ -16,7 +16,6 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from pagefleet.engine.loader import load_model, resolve_model
-from pagefleet.testing.paged_run import PagedSequenceRunner
 from pagefleet.engine.tiny import (
     PRESETS,
     ensure_tiny_checkpoint,
@@ -24,6 +23,7 @@ from pagefleet.engine.tiny import (
     write_random_checkpoint,
 )
 from pagefleet.kernels.torch_ref import TorchAttentionBackend
+from pagefleet.testing.paged_run import PagedSequenceRunner
 
 
 @pytest.fixture(scope="module", autouse=True)

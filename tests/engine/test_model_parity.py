@@ -15,9 +15,9 @@ import torch
 import transformers
 
 from pagefleet.engine.loader import load_model
-from pagefleet.testing.paged_run import PagedSequenceRunner
 from pagefleet.engine.tiny import PRESETS, ensure_tiny_checkpoint, write_random_checkpoint
 from pagefleet.kernels.torch_ref import TorchAttentionBackend
+from pagefleet.testing.paged_run import PagedSequenceRunner
 
 ATOL = 1e-4
 PROMPT_LENS = [1, 2, 7, 16, 17, 33, 64, 129, 300]

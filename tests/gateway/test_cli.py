@@ -7,7 +7,6 @@ import math
 from click.testing import CliRunner
 
 from pagefleet.cli import cli
-from pagefleet.gateway.cli import GatewayConfig
 from pagefleet.dev.loadgen import RequestResult, summarize, trim
 from pagefleet.dev.workload import (
     WorkloadSpec,
@@ -15,6 +14,7 @@ from pagefleet.dev.workload import (
     ideal_hit_rate,
     single_prompt_trace,
 )
+from pagefleet.gateway.cli import GatewayConfig
 
 
 def test_gateway_flags_are_validated_with_actionable_messages() -> None:

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from pagefleet.gateway.discovery import StaticDiscovery
 from pagefleet.dev.local_fleet import FleetSpec, LocalFleet
+from pagefleet.gateway.discovery import StaticDiscovery
 from pagefleet.gateway.policies import make_policy
 from pagefleet.gateway.prompts import PromptTokenizer
 from pagefleet.gateway.router import Router

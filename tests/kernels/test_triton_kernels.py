@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from pagefleet.kernels import torch_ref
-from pagefleet.testing.synthetic import PagedBatch, make_paged_batch
 from pagefleet.kernels.triton_attention import (
     DecodeConfig,
     PrefillConfig,
@@ -22,6 +21,7 @@ from pagefleet.kernels.triton_attention import (
     paged_prefill,
     store_kv,
 )
+from pagefleet.testing.synthetic import PagedBatch, make_paged_batch
 
 
 def _batch(query_lens, seq_lens, hq, hkv, d, bs, dtype, device, **kw) -> PagedBatch:

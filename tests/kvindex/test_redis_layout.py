@@ -12,6 +12,7 @@ import redis.asyncio as aredis
 from redis.asyncio.connection import Connection
 from redis.crc import key_slot
 
+from pagefleet.dev.redis_server import LocalRedis
 from pagefleet.kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from pagefleet.kvindex.index import PodLoad
 from pagefleet.kvindex.redis_index import (
@@ -21,7 +22,6 @@ from pagefleet.kvindex.redis_index import (
     pack_hashes,
     suggest_bucket_bits,
 )
-from pagefleet.dev.redis_server import LocalRedis
 
 
 def rand_hashes(n: int, seed: int) -> list[int]:
