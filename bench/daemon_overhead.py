@@ -33,8 +33,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from pagefleet.daemon.app import Daemon
 from pagefleet.daemon.config import DaemonConfig
-from pagefleet.daemon.server import Daemon
 from pagefleet.engine.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16

@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 async def serve(config: DaemonConfig) -> None:
     """Run the daemon until a stop signal, then drain and clean up."""
-    from pagefleet.daemon.server import Daemon
+    from pagefleet.daemon.app import Daemon
 
     daemon = Daemon(config)
     stop = asyncio.Event()

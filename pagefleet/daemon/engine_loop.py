@@ -16,35 +16,15 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
+from pagefleet.daemon.engine_protocol import EngineLike, EngineStatsLike
 from pagefleet.engine.outputs import RequestOutput
 from pagefleet.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-class EngineLike(Protocol):
-    """What the loop needs from ``LLMEngine`` (pagefleet/engine/engine.py)."""
-
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        arrival_time: float | None = None,
-        lora_id: str | None = None,
-    ) -> None: ...
-
-    def abort(self, request_id: str) -> bool: ...
-
-    def step(self) -> list[RequestOutput]: ...
-
-    def has_unfinished(self) -> bool: ...
-
-    def stats(self) -> Any: ...
 
 
 class EngineDeadError(RuntimeError):
@@ -80,7 +60,7 @@ class RequestStream:
 
 @dataclass(slots=True)
 class _Command:
-    fn: Callable[[Any], Any]
+    fn: Callable[[EngineLike], Any]
     future: asyncio.Future[Any] | None  # None: fire and forget (abort)
 
 
@@ -96,7 +76,7 @@ class EngineLoop:
         self,
         engine_factory: Callable[[], EngineLike],
         loop: asyncio.AbstractEventLoop,
-        on_step: Callable[[Any], None] | None = None,
+        on_step: Callable[[EngineStatsLike], None] | None = None,
         name: str = "pagefleet-engine",
     ) -> None:
         self._factory = engine_factory
@@ -125,13 +105,21 @@ class EngineLoop:
     def num_streams(self) -> int:
         return len(self._streams)
 
+    @property
+    def loaded_engine(self) -> EngineLike:
+        """The engine, for its fixed attributes (tokenizer, max_model_len) only; every call
+        that reads or changes its state goes through ``call``. Raises before it loaded."""
+        if self.engine is None:
+            raise RuntimeError("the engine has not loaded yet; await wait_loaded() first")
+        return self.engine
+
     async def wait_loaded(self) -> None:
         """Wait for the engine to finish loading; re-raise the load error if it failed."""
         await self.loaded.wait()
         if self.load_error is not None:
             raise self.load_error
 
-    async def call(self, fn: Callable[[Any], T]) -> T:
+    async def call(self, fn: Callable[[EngineLike], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between steps and return its result."""
         fut: asyncio.Future[T] = self._loop.create_future()
         self._push(_Command(fn, fut))
@@ -299,7 +287,7 @@ class EngineLoop:
             # One hop per step keeps cross-thread wakeups at one per step, not per request.
             self._loop.call_soon_threadsafe(self._after_step, items, stats)
 
-    def _after_step(self, items: list[tuple[str, StreamItem]], stats: Any) -> None:
+    def _after_step(self, items: list[tuple[str, StreamItem]], stats: EngineStatsLike) -> None:
         self._deliver(items)
         if self._on_step is not None:
             try:

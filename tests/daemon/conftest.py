@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from pagefleet.daemon.app import Daemon
 from pagefleet.daemon.config import DaemonConfig
-from pagefleet.daemon.server import Daemon
 from pagefleet.engine.tiny import ensure_tiny_checkpoint
 from pagefleet.tokenizer import Tokenizer
 

@@ -217,7 +217,7 @@ async def test_disconnect_mid_stream_frees_blocks(live):
     assert sample(text, "vllm:kv_cache_usage_perc") == 0
     assert sample(text, "vllm:num_requests_running") == 0
     assert sample(text, "pagefleet:kv_cache_free_blocks") == total
-    assert live.daemon._inflight == 0
+    assert live.daemon.admission.inflight == 0
     stats = await live.daemon.engine_loop.call(lambda eng: eng.stats())
     assert stats.num_free_blocks == stats.num_blocks
 

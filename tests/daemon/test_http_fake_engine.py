@@ -131,7 +131,7 @@ async def test_disconnect_aborts(tiny_tokenizer):
             await asyncio.sleep(0.02)
         assert len(engines[0].aborted) == 1
         assert not engines[0].has_unfinished()
-        assert d.daemon._inflight == 0
+        assert d.daemon.admission.inflight == 0
 
 
 async def test_flood_gets_429_and_accepted_complete(tiny_tokenizer):
@@ -244,7 +244,7 @@ async def test_publisher_resyncs_after_outage(tiny_tokenizer):
 
 
 async def test_unknown_fields_logged_once_and_long_prompt(tiny_tokenizer, caplog):
-    caplog.set_level(logging.INFO, logger="pagefleet.daemon.server")
+    caplog.set_level(logging.INFO, logger="pagefleet.daemon.serving")
     async with live_daemon(_cfg(), _factory(tiny_tokenizer, [])) as d, aiohttp.ClientSession() as s:
         for _ in range(3):
             body = {"prompt": [1, 2], "max_tokens": 1, "sglang_rid": "abc"}
@@ -273,7 +273,7 @@ async def test_nonstream_disconnect_aborts(tiny_tokenizer):
                 break
             await asyncio.sleep(0.02)
         assert len(engines[0].aborted) == 1
-        assert d.daemon._inflight == 0
+        assert d.daemon.admission.inflight == 0
 
 
 def test_cli_refuses_pd_roles():
@@ -300,7 +300,7 @@ async def test_drain_past_grace_aborts_and_ends_streams(tiny_tokenizer):
             await drain
         assert '"finish_reason":"abort"' in rest
         assert rest.rstrip().endswith("data: [DONE]")
-        assert engines[0].aborted and d.daemon._inflight == 0
+        assert engines[0].aborted and d.daemon.admission.inflight == 0
 
 
 async def test_engine_crash_fails_requests_and_health(tiny_tokenizer):

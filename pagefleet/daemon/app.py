@@ -1,0 +1,286 @@
+"""The daemon process's app: engine thread lifecycle, probes, metrics and admin endpoints.
+
+One ``Daemon`` owns an engine thread (EngineLoop), its metrics, admission, an optional
+KV-event publisher and the aiohttp app; the OpenAI endpoints live in serving.py.
+
+Lifecycle: ``start`` loads the engine and starts publishing (then ready); ``drain`` stops
+admitting and waits for in-flight requests (aborting them after the grace); ``stop`` takes
+the pod out of the index and stops the engine thread.
+
+Invariants:
+- every error leaves as a 4xx/5xx in OpenAI's shape (errors.py); 500 only for ours;
+- /health fails only when the engine died, /ready only while loading, draining or dead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+import pagefleet
+from pagefleet.api.openai import RequestValidationError
+from pagefleet.daemon.admission import Admission
+from pagefleet.daemon.config import DaemonConfig
+from pagefleet.daemon.engine_loop import EngineLoop
+from pagefleet.daemon.engine_protocol import EngineLike
+from pagefleet.daemon.errors import APIError, http_error
+from pagefleet.daemon.metrics import DaemonMetrics
+from pagefleet.daemon.publisher import KVEventPublisher
+from pagefleet.daemon.serving import OpenAIServing
+from pagefleet.kvindex.events import KVEventBatch
+from pagefleet.kvindex.index import KVIndex, PodLoad
+
+logger = logging.getLogger(__name__)
+
+EventSink = Callable[[KVEventBatch], None]
+EngineFactory = Callable[[DaemonConfig, EventSink | None], EngineLike]
+
+
+def default_engine_factory(config: DaemonConfig, event_sink: EventSink | None) -> EngineLike:
+    # Imported here: building the app (and its tests of the HTTP layer) must not load torch.
+    from pagefleet.engine.engine import LLMEngine
+
+    return LLMEngine(config.engine_config(), event_sink=event_sink)
+
+
+class Daemon:
+    """One inference daemon: engine thread + HTTP app (+ KV-event publisher with an index)."""
+
+    def __init__(
+        self,
+        config: DaemonConfig,
+        engine_factory: EngineFactory = default_engine_factory,
+        index: KVIndex | None = None,
+    ) -> None:
+        if config.role != "unified":
+            raise ValueError(
+                f"--role {config.role} is not available yet: prefill/decode disaggregation "
+                "is not implemented in this build; run with --role unified"
+            )
+        self.config = config
+        self._engine_factory = engine_factory
+        self._index = index
+        self.metrics = DaemonMetrics(config.model_name, config.role, config.pod, config.block_size)
+        self.admission = Admission(config.max_inflight, self.metrics)
+        self.engine_loop: EngineLoop | None = None
+        self.publisher: KVEventPublisher | None = None
+        self.serving = OpenAIServing(
+            config, self.metrics, self.admission, self.live_loop, started_at=time.time()
+        )
+        self.app = self._build_app()
+
+    @property
+    def ready(self) -> bool:
+        return self.admission.ready
+
+    @property
+    def draining(self) -> bool:
+        return self.admission.draining
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load the engine (on its thread) and start publishing; ready afterwards."""
+        loop = asyncio.get_running_loop()
+        index = self._index
+        if index is None and self.config.redis_url:
+            index = _redis_index(self.config.redis_url, self.config.namespace)
+        sink = None
+        if index is not None:
+            self.publisher = KVEventPublisher(
+                index,
+                self.config.pod,
+                loop,
+                load_fn=self._pod_load,
+                run_on_engine=lambda fn: self.live_loop().call(fn),
+                metrics=self.metrics,
+                heartbeat_s=self.config.heartbeat_s,
+                ttl_s=self.config.heartbeat_ttl_s,
+            )
+            sink = self.publisher.sink
+        cfg = self.config
+        self.engine_loop = EngineLoop(
+            lambda: self._engine_factory(cfg, sink), loop, on_step=self.metrics.update_stats
+        )
+        self.engine_loop.start()
+        await self.engine_loop.wait_loaded()
+        self.metrics.update_stats(await self.engine_loop.call(lambda eng: eng.stats()))
+        if self.publisher is not None:
+            await self.publisher.start()
+        self.admission.ready = True
+        logger.info("daemon ready: model %s, pod %s", cfg.model_name, cfg.pod)
+
+    async def drain(self, grace_s: float | None = None) -> None:
+        """Stop admitting (ready=false), let in-flight requests finish, abort after grace."""
+        self.admission.ready = False
+        self.admission.draining = True
+        grace = self.config.drain_timeout_s if grace_s is None else grace_s
+        idle = self.admission.idle
+        try:
+            await asyncio.wait_for(idle.wait(), grace)
+        except TimeoutError:
+            logger.warning(
+                "drain grace (%.1fs) over: aborting %d requests", grace, self.admission.inflight
+            )
+            if self.engine_loop is not None:
+                self.engine_loop.abort_all()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(idle.wait(), 5.0)
+
+    async def stop(self) -> None:
+        """Remove the pod from the index and stop the engine thread."""
+        self.admission.ready = False
+        if self.publisher is not None:
+            await self.publisher.close()
+        if self.engine_loop is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.engine_loop.stop)
+
+    def live_loop(self) -> EngineLoop:
+        """The loaded, running engine loop; otherwise the caller's 503."""
+        if self.engine_loop is None or not self.engine_loop.loaded.is_set():
+            raise APIError(
+                503, "the model is still loading; retry shortly", type="server_error",
+                code="model_loading", headers={"Retry-After": "1"},
+            )  # fmt: skip
+        if not self.engine_loop.alive:
+            raise APIError(
+                503, "the engine is not running; retry on another replica",
+                type="server_error", code="engine_dead",
+            )  # fmt: skip
+        return self.engine_loop
+
+    def _pod_load(self) -> PodLoad:
+        s = self.metrics.latest_stats
+        if s is None:
+            return PodLoad(role=self.config.role)
+        return PodLoad(
+            running=s.num_running,
+            waiting=s.num_waiting,
+            kv_usage=float(s.kv_usage),
+            num_blocks=s.num_blocks,
+            num_cached_blocks=s.num_cached_blocks,
+            role=self.config.role,
+        )
+
+    # -- app ------------------------------------------------------------------------------
+
+    def _build_app(self) -> web.Application:
+        app = web.Application(
+            middlewares=[self._errors_middleware], client_max_size=self.config.max_body_bytes
+        )
+        r = app.router
+        self.serving.add_routes(r)
+        r.add_get("/health", self.health)
+        r.add_get("/ready", self.readiness)
+        r.add_get("/metrics", self.metrics_handler)
+        r.add_get("/version", self.version)
+        # What sglang-router / vllm-router probe when a worker registers.
+        r.add_get("/get_model_info", self.model_info)
+        r.add_get("/get_server_info", self.server_info)
+        r.add_get("/server_info", self.server_info)
+        r.add_get("/get_load", self.load)
+        # As vLLM's: benchmarks start cold without a restart. Not exposed by the gateway.
+        r.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+        return app
+
+    @web.middleware
+    async def _errors_middleware(
+        self, request: web.Request, handler: Callable[[web.Request], Any]
+    ) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except APIError as exc:
+            return exc.response()
+        except RequestValidationError as exc:
+            self.metrics.rejected("invalid")
+            return APIError(400, exc.message, param=exc.param).response()
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return http_error(request, exc).response()
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception:
+            logger.exception("unhandled error serving %s %s", request.method, request.path)
+            return APIError(
+                500, "internal server error; see the daemon's log", type="server_error"
+            ).response()
+
+    # -- probes ---------------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        loop = self.engine_loop
+        if loop is not None and loop.loaded.is_set() and not loop.alive:
+            return web.json_response({"status": "engine dead"}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def readiness(self, request: web.Request) -> web.Response:
+        ok = self.ready and self.engine_loop is not None and self.engine_loop.alive
+        reason = "ready" if ok else ("draining" if self.draining else "not ready")
+        return web.json_response({"status": reason}, status=200 if ok else 503)
+
+    async def metrics_handler(self, request: web.Request) -> web.Response:
+        self.metrics.inflight.set(self.admission.inflight)
+        return web.Response(
+            body=self.metrics.render(),
+            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+        )
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": pagefleet.__version__})
+
+    # -- admin endpoints (router registration, benchmarks) --------------------------------
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "model_path": self.config.model,
+                "tokenizer_path": self.config.model,
+                "served_model_name": self.config.model_name,
+                "is_generation": True,
+                "max_model_len": self.serving.max_model_len() if self.ready else None,
+            }
+        )
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        info = self.config.model_dump(exclude={"redis_url"})
+        info.update(
+            version=pagefleet.__version__,
+            served_model_name=self.config.model_name,
+            pod=self.config.pod,
+            ready=self.ready,
+            max_total_num_tokens=None,
+        )
+        s = self.metrics.latest_stats
+        if s is not None:
+            info["num_blocks"] = s.num_blocks
+            info["max_total_num_tokens"] = s.num_blocks * self.config.block_size
+        return web.json_response(info)
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        await self.live_loop().call(lambda engine: engine.reset_prefix_cache())
+        return web.json_response({"reset": True})
+
+    async def load(self, request: web.Request) -> web.Response:
+        load = self._pod_load()
+        return web.json_response(
+            {
+                "num_reqs": load.running + load.waiting,
+                "num_running_reqs": load.running,
+                "num_waiting_reqs": load.waiting,
+                "kv_usage": load.kv_usage,
+                "inflight": self.admission.inflight,
+            }
+        )
+
+
+def _redis_index(url: str, namespace: str) -> KVIndex:
+    from pagefleet.kvindex.redis_index import RedisKVIndex
+
+    return RedisKVIndex.from_url(url, namespace=namespace)  # type: ignore[attr-defined]

@@ -1,0 +1,110 @@
+"""One HTTP generation request as the engine sees it: prompts in, per-choice state out.
+
+A job holds one engine request per prompt (``n`` sequences each), all reading one queue.
+Choice ``i * n + j`` is sequence ``j`` of prompt ``i``, as OpenAI numbers them. Nothing here
+knows whether the caller asked for a completion or a chat completion (responses.py does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from pagefleet.api.openai import PromptTokensDetails, Usage
+from pagefleet.daemon.engine_loop import StreamItem
+from pagefleet.daemon.metrics import DaemonMetrics
+from pagefleet.engine.outputs import CompletionDelta, RequestOutput, TokenLogprob
+from pagefleet.engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class Choice:
+    """What one of the n sequences of one prompt has produced so far."""
+
+    index: int
+    text: str = ""
+    num_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    last_token_t: float | None = None
+    sent_role: bool = False  # chat streaming: the first chunk carries role "assistant"
+
+
+@dataclass(slots=True)
+class Job:
+    """One HTTP generation request: one engine request per prompt, read from one queue."""
+
+    base_id: str
+    prompts: list[list[int]]
+    params: SamplingParams
+    queue: asyncio.Queue[StreamItem | BaseException] = field(default_factory=asyncio.Queue)
+    live: set[str] = field(default_factory=set)  # engine request ids not finished yet
+    choices: dict[int, Choice] = field(default_factory=dict)
+    cached_tokens: dict[str, int] = field(default_factory=dict)
+    echo: list[str] | None = None  # prompt texts returned before the output (completions)
+
+    def rid(self, i: int) -> str:
+        return f"{self.base_id}-{i}"
+
+    def text_base(self, choice_index: int) -> int:
+        """Where a choice's generated text starts in the text returned (after any echo)."""
+        return len(self.echo[choice_index // self.params.n]) if self.echo else 0
+
+    def echo_text(self, choice_index: int) -> str:
+        return self.echo[choice_index // self.params.n] if self.echo else ""
+
+    def prompt_index(self, rid: str) -> int:
+        return int(rid.rsplit("-", 1)[1])
+
+    def choice(self, rid: str, delta: CompletionDelta) -> Choice:
+        idx = self.prompt_index(rid) * self.params.n + delta.index
+        ch = self.choices.get(idx)
+        if ch is None:
+            ch = self.choices[idx] = Choice(idx)
+        return ch
+
+    def sorted_choices(self) -> list[Choice]:
+        return sorted(self.choices.values(), key=lambda c: c.index)
+
+    def usage(self) -> Usage:
+        prompt = sum(len(p) for p in self.prompts)
+        completion = sum(c.num_tokens for c in self.choices.values())
+        return Usage(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(
+                cached_tokens=sum(self.cached_tokens.values())
+            ),
+        )
+
+    def absorb(
+        self, item: StreamItem, metrics: DaemonMetrics
+    ) -> list[tuple[Choice, CompletionDelta]]:
+        """Fold one engine output into the choices; record metrics of what finished."""
+        out: RequestOutput = item.output
+        self.cached_tokens[out.request_id] = out.metrics.num_cached_tokens
+        touched = []
+        for delta in out.deltas:
+            ch = self.choice(out.request_id, delta)
+            k = len(delta.new_token_ids)
+            if k:
+                if ch.last_token_t is not None:
+                    gap = (item.t - ch.last_token_t) / k
+                    for _ in range(k):
+                        metrics.itl.observe(gap)
+                ch.last_token_t = item.t
+            ch.num_tokens += k
+            ch.text += delta.new_text
+            if delta.logprobs:
+                ch.logprobs.extend(delta.logprobs)
+            if delta.finish_reason is not None:
+                ch.finish_reason = delta.finish_reason
+                ch.stop_reason = delta.stop_reason
+                metrics.finished(delta.finish_reason)
+            touched.append((ch, delta))
+        if out.finished:
+            self.live.discard(out.request_id)
+            metrics.observe_request(out.metrics, out.num_generated_tokens // self.params.n)
+        return touched

@@ -1,0 +1,189 @@
+"""How a job's results are shaped for each OpenAI endpoint: whole responses and SSE chunks.
+
+The generation path (serving.py) is one for both endpoints; only these shapes differ. A
+shape never touches the engine or the queue: it reads the job's choices and one delta.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from pydantic import BaseModel
+
+from pagefleet.api.openai import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    CompletionStreamResponse,
+    DeltaMessage,
+    TopLogprob,
+)
+from pagefleet.daemon.job import Choice, Job
+from pagefleet.engine.outputs import CompletionDelta, TokenLogprob
+
+
+class ResponseShape(Protocol):
+    """One endpoint's response format."""
+
+    id_prefix: str  # "cmpl" / "chatcmpl"
+
+    def response(self, job: Job, model: str) -> BaseModel:
+        """The whole response of a finished job (non-streaming)."""
+        ...
+
+    def opening_chunks(self, job: Job, created: int, model: str) -> list[BaseModel]:
+        """Chunks sent before any generated text (completions: the echoed prompts)."""
+        ...
+
+    def chunk(
+        self, job: Job, created: int, model: str, ch: Choice, delta: CompletionDelta
+    ) -> BaseModel:
+        """The chunk for one delta that carries text, logprobs or a finish reason."""
+        ...
+
+    def usage_chunk(self, job: Job, created: int, model: str) -> BaseModel:
+        """The final chunk with no choices and the job's usage (``include_usage``)."""
+        ...
+
+
+class CompletionShape:
+    id_prefix = "cmpl"
+
+    def response(self, job: Job, model: str) -> CompletionResponse:
+        want_lp = job.params.logprobs is not None
+        return CompletionResponse(
+            id=job.base_id,
+            model=model,
+            choices=[
+                CompletionChoice(
+                    index=c.index,
+                    text=job.echo_text(c.index) + c.text,
+                    logprobs=completion_logprobs(c.logprobs, job.text_base(c.index))
+                    if want_lp
+                    else None,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+                for c in job.sorted_choices()
+            ],
+            usage=job.usage(),
+        )
+
+    def opening_chunks(self, job: Job, created: int, model: str) -> list[BaseModel]:
+        if job.echo is None:
+            return []
+        n = job.params.n
+        return [
+            CompletionStreamResponse(
+                id=job.base_id,
+                created=created,
+                model=model,
+                choices=[CompletionChoice(index=i * n + j, text=text)],
+            )
+            for i, text in enumerate(job.echo)
+            for j in range(n)
+        ]
+
+    def chunk(
+        self, job: Job, created: int, model: str, ch: Choice, delta: CompletionDelta
+    ) -> CompletionStreamResponse:
+        lp = None
+        if job.params.logprobs is not None and delta.logprobs:
+            start = job.text_base(ch.index) + len(ch.text) - len(delta.new_text)
+            lp = completion_logprobs(delta.logprobs, start)
+        return CompletionStreamResponse(
+            id=job.base_id, created=created, model=model,
+            choices=[CompletionChoice(
+                index=ch.index, text=delta.new_text, logprobs=lp,
+                finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
+            )],
+        )  # fmt: skip
+
+    def usage_chunk(self, job: Job, created: int, model: str) -> CompletionStreamResponse:
+        return CompletionStreamResponse(
+            id=job.base_id, created=created, model=model, choices=[], usage=job.usage()
+        )
+
+
+class ChatShape:
+    id_prefix = "chatcmpl"
+
+    def response(self, job: Job, model: str) -> ChatCompletionResponse:
+        want_lp = job.params.logprobs is not None
+        return ChatCompletionResponse(
+            id=job.base_id,
+            model=model,
+            choices=[
+                ChatChoice(
+                    index=c.index,
+                    message=ChatResponseMessage(content=c.text),
+                    logprobs=chat_logprobs(c.logprobs) if want_lp else None,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+                for c in job.sorted_choices()
+            ],
+            usage=job.usage(),
+        )
+
+    def opening_chunks(self, job: Job, created: int, model: str) -> list[BaseModel]:
+        return []
+
+    def chunk(
+        self, job: Job, created: int, model: str, ch: Choice, delta: CompletionDelta
+    ) -> ChatCompletionChunk:
+        msg = DeltaMessage(content=delta.new_text)
+        if not ch.sent_role:
+            msg.role = "assistant"
+            ch.sent_role = True
+        lp = None
+        if job.params.logprobs is not None and delta.logprobs:
+            lp = chat_logprobs(delta.logprobs)
+        return ChatCompletionChunk(
+            id=job.base_id, created=created, model=model,
+            choices=[ChatChunkChoice(
+                index=ch.index, delta=msg, logprobs=lp,
+                finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
+            )],
+        )  # fmt: skip
+
+    def usage_chunk(self, job: Job, created: int, model: str) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=job.base_id, created=created, model=model, choices=[], usage=job.usage()
+        )
+
+
+def completion_logprobs(lps: list[TokenLogprob], offset: int) -> CompletionLogprobs:
+    """Completions-style logprobs; ``offset`` is where the first token starts in the text."""
+    out = CompletionLogprobs()
+    for lp in lps:
+        out.tokens.append(lp.token)
+        out.token_logprobs.append(lp.logprob)
+        out.top_logprobs.append({t: v for _, t, v in lp.top})
+        out.text_offset.append(offset)
+        offset += len(lp.token)
+    return out
+
+
+def chat_logprobs(lps: list[TokenLogprob]) -> ChatLogprobs:
+    return ChatLogprobs(
+        content=[
+            ChatTokenLogprob(
+                token=lp.token,
+                logprob=lp.logprob,
+                bytes=list(lp.token.encode("utf-8")),
+                top_logprobs=[
+                    TopLogprob(token=t, logprob=v, bytes=list(t.encode("utf-8")))
+                    for _, t, v in lp.top
+                ],
+            )
+            for lp in lps
+        ]
+    )

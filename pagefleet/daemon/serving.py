@@ -1,0 +1,369 @@
+"""The daemon's OpenAI serving: completions, chat completions, models, tokenize/detokenize.
+
+Completions and chat differ only in how the prompt is built and how results are shaped
+(responses.py); validation, admission, the engine round trip and streaming are one path
+(``_generate``). Handlers never touch the engine directly: requests go in through the
+engine loop's command queue, outputs come back through an asyncio queue per job.
+
+Invariants:
+- the caller's mistakes are 4xx in OpenAI's error shape, naming the field;
+- every engine request a handler started is finished or aborted when the handler returns,
+  however it returns (client gone, error, shutdown), so its blocks go back;
+- admission (admission.py) bounds the requests in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from aiohttp import web
+from pydantic import BaseModel
+
+from pagefleet.api.openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    parse_body,
+)
+from pagefleet.daemon.admission import Admission
+from pagefleet.daemon.config import DaemonConfig
+from pagefleet.daemon.engine_loop import EngineDeadError, EngineLoop, StreamItem
+from pagefleet.daemon.engine_protocol import ServingTokenizer
+from pagefleet.daemon.errors import APIError, json_model
+from pagefleet.daemon.job import Job
+from pagefleet.daemon.metrics import DaemonMetrics
+from pagefleet.daemon.responses import ChatShape, CompletionShape, ResponseShape
+from pagefleet.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_COMPLETION = CompletionShape()
+_CHAT = ChatShape()
+
+# Up to this many characters a prompt is tokenized on the event loop; longer ones on a
+# worker thread: a megabyte prompt takes long enough to stall every other stream.
+_INLINE_TOKENIZE_CHARS = 16_384
+
+
+class OpenAIServing:
+    """The OpenAI-compatible endpoints of one daemon.
+
+    ``live_loop`` returns the running engine loop or raises the caller's 503; the daemon
+    (app.py) owns the loop, its lifecycle and ``admission``.
+    """
+
+    def __init__(
+        self,
+        config: DaemonConfig,
+        metrics: DaemonMetrics,
+        admission: Admission,
+        live_loop: Callable[[], EngineLoop],
+        started_at: float,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.admission = admission
+        self._live_loop = live_loop
+        self._started_at = started_at
+        self._logged_unknown: set[str] = set()
+
+    def add_routes(self, router: web.UrlDispatcher) -> None:
+        router.add_post("/v1/completions", self.completions)
+        router.add_post("/v1/chat/completions", self.chat_completions)
+        router.add_get("/v1/models", self.models)
+        router.add_post("/tokenize", self.tokenize)
+        router.add_post("/detokenize", self.detokenize)
+
+    # -- the engine's fixed attributes ----------------------------------------------------
+
+    def _tokenizer(self) -> ServingTokenizer:
+        return self._live_loop().loaded_engine.tokenizer
+
+    def max_model_len(self) -> int:
+        return int(self._live_loop().loaded_engine.max_model_len)
+
+    # -- models and tokenizer endpoints ---------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        card = ModelCard(
+            id=self.config.model_name,
+            root=self.config.model,
+            max_model_len=self.max_model_len() if self.admission.ready else None,
+            created=int(self._started_at),
+        )
+        return json_model(ModelList(data=[card]))
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        req = parse_body(TokenizeRequest, await request.read())
+        self._check_model(req.model)
+        tok = self._tokenizer()
+        if req.messages is not None:
+            ids = self._chat_prompt_ids(
+                [m.model_dump(exclude_none=True) for m in req.messages],
+                req.add_generation_prompt,
+                None,
+            )
+        else:
+            ids = tok.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
+        return json_model(
+            TokenizeResponse(count=len(ids), max_model_len=self.max_model_len(), tokens=ids)
+        )
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        req = parse_body(DetokenizeRequest, await request.read())
+        self._check_model(req.model)
+        tok = self._tokenizer()
+        if any(t >= tok.vocab_size for t in req.tokens):
+            raise APIError(400, f"token ids must be < vocab size {tok.vocab_size}", param="tokens")
+        return json_model(
+            DetokenizeResponse(prompt=tok.decode(req.tokens, skip_special_tokens=False))
+        )
+
+    # -- generation: the two endpoints build prompts, then share one path -----------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        req = parse_body(CompletionRequest, await request.read())
+        self._log_unknown(req.unknown_fields())
+        self._check_model(req.model)
+        if req.suffix:
+            raise APIError(400, "suffix is not supported by this model", param="suffix")
+        tok = self._tokenizer()
+        raw = req.prompts()
+        size = sum(len(p) for p in raw if isinstance(p, str))
+        prompts = await _offload(
+            lambda: [p if isinstance(p, list) else tok.encode(p) for p in raw], size
+        )
+        return await self._generate(
+            request, req, prompts, req.max_tokens, req.logprobs, _COMPLETION, echo=req.echo
+        )
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        req = parse_body(ChatCompletionRequest, await request.read())
+        self._log_unknown(req.unknown_fields())
+        self._check_model(req.model)
+        for i, m in enumerate(req.messages):
+            if isinstance(m.content, list) and any(p.type != "text" for p in m.content):
+                raise APIError(
+                    400, "only text content parts are supported", param=f"messages.{i}.content"
+                )
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        prompt = await _offload(
+            lambda: self._chat_prompt_ids(
+                messages, req.add_generation_prompt, req.chat_template_kwargs
+            ),
+            sum(len(m["content"]) for m in messages),
+        )
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        return await self._generate(
+            request, req, [prompt], req.effective_max_tokens(), logprobs, _CHAT, echo=False
+        )
+
+    async def _generate(
+        self,
+        request: web.Request,
+        req: CompletionRequest | ChatCompletionRequest,
+        prompts: list[list[int]],
+        max_tokens: int | None,
+        logprobs: int | None,
+        shape: ResponseShape,
+        *,
+        echo: bool,
+    ) -> web.StreamResponse:
+        """Validate, admit, run on the engine and answer (whole or streamed) in ``shape``."""
+        self._check_lengths(prompts, max_tokens)
+        params = self._sampling_params(req, max_tokens, logprobs)
+        self.admission.check(len(prompts))
+        texts = None
+        if echo:
+            tok = self._tokenizer()
+            texts = [tok.decode(p) for p in prompts]
+        job = Job(f"{shape.id_prefix}-{uuid.uuid4().hex}", prompts, params, echo=texts)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return await self._stream(request, job, shape, include_usage)
+        async with self._admitted(job):
+            while job.live:
+                for item in await _next_outputs(job):
+                    job.absorb(item, self.metrics)
+        return json_model(shape.response(job, self.config.model_name))
+
+    async def _stream(
+        self, request: web.Request, job: Job, shape: ResponseShape, include_usage: bool
+    ) -> web.StreamResponse:
+        created = int(time.time())
+        model = self.config.model_name
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        async with self._admitted(job):
+            await resp.prepare(request)
+            try:
+                for chunk in shape.opening_chunks(job, created, model):
+                    await _send(resp, chunk, include_usage)
+                while job.live:
+                    for item in await _next_outputs(job):
+                        for ch, delta in job.absorb(item, self.metrics):
+                            if delta.new_text or delta.finish_reason is not None or delta.logprobs:
+                                chunk = shape.chunk(job, created, model, ch, delta)
+                                await _send(resp, chunk, include_usage)
+                if include_usage:
+                    final = shape.usage_chunk(job, created, model)
+                    await resp.write(f"data: {final.model_dump_json()}\n\n".encode())
+            except APIError as exc:
+                # Headers are gone already: report in-band, as OpenAI-style servers do.
+                body = ErrorResponse(error=exc.detail).model_dump_json()
+                await resp.write(f"data: {body}\n\n".encode())
+            await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    @contextlib.asynccontextmanager
+    async def _admitted(self, job: Job) -> AsyncIterator[None]:
+        """Hold the job's in-flight slots; abort whatever is unfinished on the way out."""
+        with self.admission.hold(len(job.prompts)):
+            loop = self._live_loop()
+            try:
+                for i, ids in enumerate(job.prompts):
+                    rid = job.rid(i)
+                    try:
+                        await loop.add_request(rid, ids, job.params, queue=job.queue)
+                    except ValueError as exc:
+                        raise APIError(400, str(exc), param="prompt") from None
+                    except EngineDeadError as exc:
+                        raise APIError(503, str(exc), type="server_error") from None
+                    job.live.add(rid)
+                yield
+            finally:
+                for rid in job.live:
+                    loop.abort(rid)  # client gone or error: the blocks go back now
+                    self.metrics.finished("abort")
+                job.live.clear()
+
+    # -- validation -----------------------------------------------------------------------
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.config.model_name:
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist; this daemon serves "
+                f"`{self.config.model_name}` (GET /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
+
+    def _log_unknown(self, fields: list[str]) -> None:
+        for name in fields:
+            if name not in self._logged_unknown:
+                self._logged_unknown.add(name)
+                logger.info("ignoring unknown request field %r (logged once)", name)
+
+    def _chat_prompt_ids(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, kwargs: dict | None
+    ) -> list[int]:
+        tok = self._tokenizer()
+        try:
+            text = tok.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, **(kwargs or {})
+            )
+        except Exception as exc:  # the template rejected these messages (e.g. role order)
+            raise APIError(400, f"chat template failed: {exc}", param="messages") from None
+        return tok.encode(text, add_special_tokens=not tok.template_adds_bos)
+
+    def _sampling_params(
+        self,
+        req: CompletionRequest | ChatCompletionRequest,
+        max_tokens: int | None,
+        logprobs: int | None,
+    ) -> SamplingParams:
+        try:
+            return SamplingParams(
+                n=req.n,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=-1 if req.top_k is None or req.top_k == 0 else req.top_k,
+                min_p=req.min_p or 0.0,
+                seed=req.seed,
+                max_tokens=max_tokens,
+                min_tokens=req.min_tokens,
+                stop=req.stop_list(),
+                stop_token_ids=list(req.stop_token_ids or []),
+                ignore_eos=req.ignore_eos,
+                logprobs=logprobs,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                skip_special_tokens=req.skip_special_tokens,
+            )
+        except ValueError as exc:
+            param = str(exc).split(" ", 1)[0]
+            raise APIError(400, str(exc), param=param) from None
+
+    def _check_lengths(self, prompts: list[list[int]], max_tokens: int | None) -> None:
+        limit = self.max_model_len()
+        vocab = self._tokenizer().vocab_size
+        for ids in prompts:
+            if not ids:
+                raise APIError(400, "prompt is empty after tokenization", param="prompt")
+            if any(t >= vocab for t in ids):
+                raise APIError(
+                    400, f"prompt token ids must be < vocab size {vocab}", param="prompt"
+                )
+            if len(ids) >= limit:
+                raise APIError(
+                    400,
+                    f"prompt has {len(ids)} tokens; this model's maximum context length is "
+                    f"{limit} tokens including the output; shorten the prompt",
+                    param="prompt",
+                    code="context_length_exceeded",
+                )
+            if max_tokens is not None and len(ids) + max_tokens > limit:
+                raise APIError(
+                    400,
+                    f"max_tokens={max_tokens} plus the prompt's {len(ids)} tokens exceeds the "
+                    f"maximum context length {limit}; lower max_tokens to at most "
+                    f"{limit - len(ids)}",
+                    param="max_tokens",
+                    code="context_length_exceeded",
+                )
+
+
+async def _next_outputs(job: Job) -> list[StreamItem]:
+    """Wait for at least one output, then take whatever else is already queued."""
+    first = await job.queue.get()
+    items = [first]
+    while not job.queue.empty():
+        items.append(job.queue.get_nowait())
+    out: list[StreamItem] = []
+    for item in items:
+        if isinstance(item, BaseException):
+            raise APIError(
+                503, f"generation failed: {item}", type="server_error", code="engine_error"
+            )
+        out.append(item)
+    return out
+
+
+async def _offload(fn: Callable[[], Any], size: int) -> Any:
+    """Run tokenization inline when small, on a worker thread when large."""
+    if size <= _INLINE_TOKENIZE_CHARS:
+        return fn()
+    return await asyncio.get_running_loop().run_in_executor(None, fn)
+
+
+async def _send(resp: web.StreamResponse, chunk: BaseModel, include_usage: bool) -> None:
+    # With include_usage, OpenAI sends "usage": null on every chunk but the last.
+    data = chunk.model_dump(exclude_none=True)
+    if include_usage:
+        data["usage"] = None
+    await resp.write(f"data: {json.dumps(data, separators=(',', ':'))}\n\n".encode())
