@@ -240,8 +240,9 @@ class OpenAIServing:
                     rid = job.rid(i)
                     try:
                         await loop.add_request(rid, ids, job.params, queue=job.queue)
-                    except ValueError as exc:
-                        raise APIError(400, str(exc), param="prompt") from None
+                    except ValueError as exc:  # the engine refused it (InvalidRequestError)
+                        param = getattr(exc, "param", "prompt")
+                        raise APIError(400, str(exc), param=param) from None
                     except EngineDeadError as exc:
                         raise APIError(503, str(exc), type="server_error") from None
                     job.live.add(rid)

@@ -27,6 +27,7 @@ import torch
 
 from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.detokenizer import Decoder, IncrementalDetokenizer
+from pagefleet.engine.errors import InvalidRequestError
 from pagefleet.engine.kv_cache_manager import KVCacheManager
 from pagefleet.engine.model_runner import ModelRunner, Runner, kv_cache_bytes_per_block
 from pagefleet.engine.outputs import (
@@ -225,9 +226,10 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.n > self.config.max_num_seqs:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}: the samples "
-                "could never run together; lower n or raise max_num_seqs"
+                "could never run together; lower n or raise max_num_seqs",
+                param="n",
             )
         if isinstance(prompt, str):
             encode = getattr(self.tokenizer, "encode", None)

@@ -190,6 +190,11 @@ async def test_bad_inputs_on_real_engine(client, live):
     assert e.value.body["param"] == "messages"
     with pytest.raises(openai.BadRequestError):
         await client.completions.create(model=MODEL, prompt=PROMPT, temperature=-1)
+    # n above max_num_seqs (8): the engine refuses it, naming n rather than the prompt.
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, n=9)
+    assert e.value.body["param"] == "n"
+    assert "max_num_seqs" in e.value.body["message"]
     ok = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
     assert ok.choices[0].text is not None
 
