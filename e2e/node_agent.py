@@ -559,7 +559,15 @@ class NodeAgent:
         fall back to $KUBECONFIG when the in-cluster token file is absent, so a pod talks to
         the apiserver with exactly its ServiceAccount's RBAC.
         """
-        if run.pod["spec"].get("automountServiceAccountToken") is False:
+        spec = run.pod["spec"]
+        projected = any(
+            "serviceAccountToken" in src
+            for vol in spec.get("volumes", [])
+            for src in (vol.get("projected") or {}).get("sources", [])
+        )
+        # automountServiceAccountToken: false means no token, unless the pod asks for one
+        # explicitly through a projected serviceAccountToken volume.
+        if spec.get("automountServiceAccountToken") is False and not projected:
             return None
         path = self.log_dir / "pods" / f"{run.namespace}_{run.name}" / "kubeconfig"
         if path.exists():

@@ -26,6 +26,16 @@ from pagefleet.operator.commands import (
     gateway_command,
     redis_url_with_secret,
 )
+from pagefleet.operator.hardening import (
+    DAEMON_RESOURCES,
+    GATEWAY_RESOURCES,
+    api_token_volume,
+    cache_env,
+    container_security_context,
+    default_resources,
+    pod_security_context,
+    writable_volumes,
+)
 from pagefleet.operator.naming import (
     DAEMON_PORT,
     GATEWAY,
@@ -34,6 +44,7 @@ from pagefleet.operator.naming import (
     labels,
     selector,
 )
+from pagefleet.operator.netpol import build_network_policies
 
 Manifest = dict[str, Any]
 
@@ -42,9 +53,15 @@ CONFIG_HASH_ANNOTATION = f"{GROUP}/config-hash"
 
 
 class SpecError(ValueError):
-    """The spec passed schema validation but cannot be realised (e.g. no Redis to use).
+    """The spec passed schema validation but cannot be realised (e.g. no Redis to use), or
+    the operator's policy refuses it (an image or a hostPath it does not allow).
 
-    The message is shown to the user in the Degraded condition and an Event."""
+    The message is shown to the user in the Degraded condition and an Event; `reason` is
+    the condition's reason."""
+
+    def __init__(self, message: str, reason: str = "InvalidSpec") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +89,35 @@ class BuildSettings:
 
     default_redis_url: str | None = None  # the chart's bundled Redis, when installed
     extra_pod_annotations: dict[str, str] = field(default_factory=dict)
+    # Image policy: when set, spec.image must start with one of these prefixes (e.g.
+    # "registry.example.com/pagefleet/"); empty allows any image.
+    allowed_image_prefixes: tuple[str, ...] = ()
+    # hostPath model sources mount a node directory into the pods: off unless the cluster
+    # admin opts in (single-node or pre-seeded clusters).
+    allow_host_path: bool = False
+    network_policies: bool = True
+    # NetworkPolicyPeers allowed to the daemons' port for /metrics (Prometheus, the
+    # operator's autoscaler); none means only the gateway reaches the daemons.
+    metrics_peers: tuple[dict[str, Any], ...] = ()
+
+
+def check_policy(spec: InferenceServiceSpec, settings: BuildSettings) -> None:
+    """Refuse what the operator's installation does not allow, naming the setting."""
+    prefixes = settings.allowed_image_prefixes
+    if prefixes and not any(spec.image.startswith(p) for p in prefixes):
+        raise SpecError(
+            f"image {spec.image!r} is not allowed: this operator only runs images starting "
+            f"with {', '.join(repr(p) for p in prefixes)}; use such an image or ask the "
+            "cluster admin to extend --allowed-image-prefix (chart: operator.allowedImagePrefixes)",
+            reason="ImageNotAllowed",
+        )
+    if spec.model.source.host_path is not None and not settings.allow_host_path:
+        raise SpecError(
+            f"model.source.hostPath {spec.model.source.host_path!r} is not allowed: this "
+            "operator does not mount node directories; use a persistentVolumeClaim, or ask "
+            "the cluster admin to enable --allow-host-path (chart: operator.allowHostPath)",
+            reason="HostPathNotAllowed",
+        )
 
 
 def role_replicas(role: RoleSpec, current: int | None) -> int:
@@ -161,6 +207,9 @@ def _common_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
 def _volumes(spec: InferenceServiceSpec, names: Names) -> tuple[list[Manifest], list[Manifest]]:
     volumes: list[Manifest] = [{"name": "config", "configMap": {"name": names.config}}]
     mounts: list[Manifest] = [{"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True}]
+    scratch_volumes, scratch_mounts = writable_volumes()
+    volumes += scratch_volumes
+    mounts += scratch_mounts
     src = spec.model.source
     if src.persistent_volume_claim is not None:
         pvc = src.persistent_volume_claim
@@ -172,7 +221,7 @@ def _volumes(spec: InferenceServiceSpec, names: Names) -> tuple[list[Manifest], 
         )
     elif src.host_path is not None:
         volumes.append({"name": "model", "hostPath": {"path": src.host_path, "type": "Directory"}})
-    if len(volumes) > 1:
+    if volumes[-1]["name"] == "model":
         mounts.append({"name": "model", "mountPath": src.mount_path, "readOnly": True})
     return volumes, mounts
 
@@ -206,6 +255,9 @@ def _deployment(
         # Lets in-flight streams finish when a rollout or scale-down removes a pod.
         "terminationGracePeriodSeconds": 60,
         "enableServiceLinks": False,
+        # No API token unless a builder adds one explicitly (the gateway's projected one).
+        "automountServiceAccountToken": False,
+        "securityContext": pod_security_context(),
     }
     if scheduling is not None:
         if scheduling.node_selector:
@@ -271,13 +323,14 @@ def build_role(
     """Deployment + headless Service of one daemon role."""
     names = Names(owner.name, owner.namespace)
     volumes, mounts = _volumes(spec, names)
-    env = _common_env(spec) + [e.model_dump() for e in role_spec.env]
+    env = _common_env(spec) + cache_env() + [e.model_dump() for e in role_spec.env]
     container: Manifest = {
         "name": "daemon",
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy.value,
         "command": daemon_command(spec, names, role, redis_url),
         "env": env,
+        "securityContext": container_security_context(),
         "ports": [{"name": "http", "containerPort": DAEMON_PORT, "protocol": "TCP"}],
         "readinessProbe": _http_probe("/ready", period=5, failures=3),
         "livenessProbe": _http_probe("/health", period=10, failures=3),
@@ -285,9 +338,7 @@ def build_role(
         "startupProbe": _http_probe("/health", period=5, failures=120),
         "volumeMounts": mounts,
     }
-    res = _resources(role_spec.resources)
-    if res:
-        container["resources"] = res
+    container["resources"] = default_resources(_resources(role_spec.resources), DAEMON_RESOURCES)
     deploy = _deployment(
         owner,
         names.role(role),
@@ -322,15 +373,17 @@ def build_gateway(
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy.value,
         "command": gateway_command(spec, names, roles, redis_url),
-        "env": _common_env(spec) + [e.model_dump() for e in spec.router.env],
+        "env": _common_env(spec) + cache_env() + [e.model_dump() for e in spec.router.env],
+        "securityContext": container_security_context(),
         "ports": [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"}],
         "readinessProbe": _http_probe("/ready", period=5, failures=3),
         "livenessProbe": _http_probe("/health", period=10, failures=3),
         "volumeMounts": mounts,
     }
-    res = _resources(spec.router.resources)
-    if res:
-        container["resources"] = res
+    container["resources"] = default_resources(_resources(spec.router.resources), GATEWAY_RESOURCES)
+    token_volume, token_mount = api_token_volume()
+    volumes = [*volumes, token_volume]
+    container["volumeMounts"] = [*mounts, token_mount]
     deploy = _deployment(
         owner,
         names.gateway,
@@ -397,6 +450,7 @@ def build_children(
 ) -> list[Manifest]:
     """Every child of one InferenceService, in apply order (config and RBAC before the
     workloads that reference them). Raises SpecError when the spec cannot be realised."""
+    check_policy(spec, settings)
     redis_url = resolve_redis_url(spec, settings)
     config = build_config_map(spec, owner)
     daemon_hash = _config_hash(config["data"], ("engine.json",))
@@ -410,4 +464,11 @@ def build_children(
             spec, owner, role, role_spec, redis_url, daemon_hash, settings, current.get(role)
         )
     out += gateway[3:]
+    if settings.network_policies:
+        out += build_network_policies(
+            owner.name,
+            lambda name, lbls: _meta(owner, name, lbls),
+            [role for role, _ in spec.roles.items()],
+            list(settings.metrics_peers),
+        )
     return out

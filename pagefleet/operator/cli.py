@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+from typing import Any
 
 import click
 
@@ -49,6 +51,34 @@ from pagefleet.operator.builders import BuildSettings
     default=None,
     help="Serve kopf's liveness probe here, e.g. http://0.0.0.0:8080/healthz.",
 )
+@click.option(
+    "--allowed-image-prefix",
+    "allowed_image_prefixes",
+    multiple=True,
+    envvar="PAGEFLEET_ALLOWED_IMAGE_PREFIXES",
+    help="Run only InferenceServices whose spec.image starts with this (repeatable; "
+    "none: any image). Others get Degraded=True, reason ImageNotAllowed.",
+)
+@click.option(
+    "--allow-host-path/--no-allow-host-path",
+    default=False,
+    show_default=True,
+    help="Allow model.source.hostPath (mounts a node directory into the pods).",
+)
+@click.option(
+    "--network-policies/--no-network-policies",
+    default=True,
+    show_default=True,
+    help="Create NetworkPolicies: only the gateway (and --metrics-peer) reach the daemons.",
+)
+@click.option(
+    "--metrics-peer",
+    "metrics_peers",
+    multiple=True,
+    help="A NetworkPolicyPeer (JSON) allowed to the daemons' port for /metrics, e.g. "
+    '\'{"namespaceSelector":{},"podSelector":{"matchLabels":{"app":"prometheus"}}}\' '
+    "(repeatable).",
+)
 @click.option("--verbose", "-v", is_flag=True, help="Log every handler run.")
 def command(
     namespaces: tuple[str, ...],
@@ -57,6 +87,10 @@ def command(
     default_redis_url: str | None,
     resync_seconds: float,
     liveness_endpoint: str | None,
+    allowed_image_prefixes: tuple[str, ...],
+    allow_host_path: bool,
+    network_policies: bool,
+    metrics_peers: tuple[str, ...],
     verbose: bool,
 ) -> None:
     """Run the InferenceService operator (kubeconfig or in-cluster credentials)."""
@@ -74,9 +108,14 @@ def command(
     if not verbose:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     registry = register(kopf.OperatorRegistry(), resync_s=resync_seconds)
-    ctx = OperatorContext(
-        kube=RestKube(), settings=BuildSettings(default_redis_url=default_redis_url)
+    settings = BuildSettings(
+        default_redis_url=default_redis_url,
+        allowed_image_prefixes=tuple(p for p in allowed_image_prefixes if p),
+        allow_host_path=allow_host_path,
+        network_policies=network_policies,
+        metrics_peers=tuple(_peer(p) for p in metrics_peers),
     )
+    ctx = OperatorContext(kube=RestKube(), settings=settings)
     asyncio.run(
         kopf.operator(
             registry=registry,
@@ -87,3 +126,20 @@ def command(
             memo=kopf.Memo(ctx=ctx),
         )
     )
+
+
+def _peer(text: str) -> dict[str, Any]:
+    try:
+        peer = json.loads(text)
+    except ValueError as exc:
+        raise click.BadParameter(f"--metrics-peer {text!r} is not JSON: {exc}") from exc
+    if not isinstance(peer, dict) or not peer.keys() <= {
+        "podSelector",
+        "namespaceSelector",
+        "ipBlock",
+    }:
+        raise click.BadParameter(
+            f"--metrics-peer {text!r}: expected a NetworkPolicyPeer object with "
+            "podSelector / namespaceSelector / ipBlock"
+        )
+    return peer

@@ -39,6 +39,7 @@ CONFIG_MAP = Kind("v1", "ConfigMap", "configmaps")
 SERVICE_ACCOUNT = Kind("v1", "ServiceAccount", "serviceaccounts")
 ROLE = Kind("rbac.authorization.k8s.io/v1", "Role", "roles")
 ROLE_BINDING = Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings")
+NETWORK_POLICY = Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies")
 INFERENCE_SERVICE = Kind(f"{GROUP}/{VERSION}", "InferenceService", PLURAL)
 
 CHILD_KINDS: tuple[Kind, ...] = (
@@ -48,6 +49,7 @@ CHILD_KINDS: tuple[Kind, ...] = (
     ROLE_BINDING,
     SERVICE,
     DEPLOYMENT,
+    NETWORK_POLICY,
 )
 _BY_KIND = {k.kind: k for k in (*CHILD_KINDS, INFERENCE_SERVICE)}
 

@@ -136,7 +136,7 @@ def reconcile(
     try:
         desired = build_children(spec, owner, settings, current)
     except SpecError as exc:
-        return _degrade(kube, body, "InvalidSpec", str(exc), record)
+        return _degrade(kube, body, exc.reason, str(exc), record)
 
     result = ReconcileResult(status={})
     applied: dict[tuple[str, str], Manifest] = {}

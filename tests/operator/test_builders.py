@@ -35,6 +35,8 @@ def test_unified_children_are_one_role_plus_gateway_and_config(unified_spec):
         ("ConfigMap", "llama-config"),
         ("Deployment", "llama-gateway"),
         ("Deployment", "llama-unified"),
+        ("NetworkPolicy", "llama-daemons"),
+        ("NetworkPolicy", "llama-gateway"),
         ("Role", "llama-gateway"),
         ("RoleBinding", "llama-gateway"),
         ("Service", "llama-gateway"),
