@@ -1,0 +1,368 @@
+"""The role autoscaler's decision: (config, observation, previous state, time) -> replicas.
+
+Pure: no clock, no I/O, no Kubernetes. The operator's timer (pagefleet/operator/autoscaler.py)
+and the fleet simulation (bench/autoscale.py) call this same function, so what the benchmark
+measures is what the operator does.
+
+How it thinks (capacity per replica at the SLO, not CPU utilisation):
+
+- Load is measured in the units the SLOs depend on: uncached prompt tokens per second
+  (prefill work, drives TTFT), generated tokens per second (decode work, drives TPOT/ITL),
+  concurrent sequences against the engine's batch limit, and KV-cache usage.
+- Each replica's capacity at the SLO is learned from what the pods report: a busy interval
+  whose observed latency percentile held the target proves the replica can do at least the
+  throughput it did; an interval that missed the target says it can do at most that
+  throughput scaled by target/observed. A hint from the spec seeds it.
+- Desired replicas = the most any dimension needs at the target utilisation. A missed target
+  asks for at least one more replica even when the capacity model disagrees.
+- Up fast, down slowly: scale-up is limited by a step and a short window, and waits while
+  earlier new replicas are not Ready yet; scale-down goes to the highest recommendation of
+  a longer window, one step at a time, and never while any pod's data is unknown.
+- Unknown data never scales: no observation, no SLO, or no pod answering leaves the count.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+
+# Capacity samples below this many tokens/s per replica say nothing useful (an idle pod).
+_MIN_SAMPLE_RATE = 1e-6
+# A passing interval counts as "busy" (informative about capacity) when its latency used at
+# least this share of the target, or requests were queueing.
+_BUSY_LATENCY_FRACTION = 0.5
+# Most a single missed interval may cut the learned capacity (noise guard).
+_MAX_CUT = 0.5
+
+
+class Reason(StrEnum):
+    """Why a decision came out as it did (status.roles[*].reason and the Event's reason)."""
+
+    SCALED_UP = "ScaledUp"
+    SCALED_DOWN = "ScaledDown"
+    STEADY = "Steady"
+    BELOW_MIN = "BelowMin"
+    ABOVE_MAX = "AboveMax"
+    UP_WINDOW = "ScaleUpStabilizing"
+    DOWN_WINDOW = "ScaleDownStabilizing"
+    WAITING_FOR_REPLICAS = "WaitingForReplicas"
+    UNKNOWN_INPUTS = "InputsUnknown"
+    PARTIAL_INPUTS = "InputsPartial"
+    NO_SLO = "SLOMissing"
+    CAPACITY_UNKNOWN = "CapacityUnknown"
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerConfig:
+    """One role's autoscaling policy (from the spec's autoscaling block, SLO and engine)."""
+
+    role: str  # unified | prefill | decode
+    min_replicas: int
+    max_replicas: int
+    ttft_s: float | None  # None: the SLO is missing, nothing is scaled
+    tpot_s: float | None
+    max_num_seqs: int = 64  # the engine's batch limit (concurrent sequences per replica)
+    target_utilization: float = 0.8  # share of the capacity at the SLO to plan for
+    kv_target: float = 0.8  # KV usage per replica to plan for
+    tolerance: float = 0.1  # scale down only when the load fits with this much to spare
+    scale_up_window_s: float = 30.0  # after any change, wait this long before scaling up
+    scale_down_window_s: float = 300.0  # ... before scaling down; recommendations max'ed
+    max_step_up: int = 2
+    max_step_down: int = 1
+    backlog_drain_s: float = 10.0  # queued prompt work should be gone this soon
+    prefill_capacity_hint: float | None = None  # uncached prompt tokens/s per replica at TTFT
+    decode_capacity_hint: float | None = None  # generated tokens/s per replica at TPOT
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_replicas <= self.max_replicas:
+            raise ValueError(
+                f"autoscaling bounds must satisfy 0 <= min <= max, got "
+                f"min={self.min_replicas} max={self.max_replicas}"
+            )
+        if not 0 < self.target_utilization <= 1 or not 0 < self.kv_target <= 1:
+            raise ValueError("target_utilization and kv_target must lie in (0, 1]")
+        if self.max_step_up < 1 or self.max_step_down < 1:
+            raise ValueError("max_step_up and max_step_down must be at least 1")
+
+    @property
+    def uses_prefill(self) -> bool:
+        return self.role in ("unified", "prefill")
+
+    @property
+    def uses_decode(self) -> bool:
+        return self.role in ("unified", "decode")
+
+
+@dataclass(frozen=True, slots=True)
+class RoleObservation:
+    """What one role's pods reported over the last interval.
+
+    Load figures are sums over the pods that answered (``known_pods``); a pod that did not
+    answer is counted in ``unknown_pods`` and never treated as idle."""
+
+    current: int  # replicas the Deployment asks for now
+    ready: int  # of those, pods Ready
+    known_pods: int
+    unknown_pods: int = 0
+    prompt_tokens_per_s: float = 0.0  # uncached prompt tokens computed per second
+    generation_tokens_per_s: float = 0.0
+    requests_per_s: float = 0.0  # requests that got their first token, per second
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0  # mean over known pods, 0..1
+    ttft_s: float | None = None  # observed TTFT at the SLO percentile (None: no sample)
+    tpot_s: float | None = None  # observed TPOT/ITL at the SLO percentile
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerState:
+    """What the planner remembers between decisions (kept in memory by the operator)."""
+
+    last_scale_time: float | None = None
+    prefill_capacity: float | None = None  # learned tokens/s per replica at the TTFT target
+    decode_capacity: float | None = None  # learned tokens/s per replica at the TPOT target
+    mean_prompt_tokens: float | None = None  # uncached tokens per request (backlog estimate)
+    # (time, recommendation) over the last scale-down window, oldest first.
+    history: tuple[tuple[float, int], ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    desired: int
+    reason: Reason
+    message: str
+    state: PlannerState
+    recommendation: int | None = None  # what the load alone asks for (None: unknown)
+
+    @property
+    def changed(self) -> bool:
+        """This decision moves the replica count."""
+        return self.reason in _CHANGES
+
+
+_CHANGES = frozenset({Reason.SCALED_UP, Reason.SCALED_DOWN, Reason.BELOW_MIN, Reason.ABOVE_MAX})
+
+
+def _learn(
+    capacity: float | None, per_replica: float, observed: float | None, target: float, busy: bool
+) -> float | None:
+    """One capacity update from one interval (see module docstring)."""
+    if observed is None or per_replica <= _MIN_SAMPLE_RATE:
+        return capacity
+    if observed > target:
+        bound = per_replica * max(_MAX_CUT, target / observed)
+        return bound if capacity is None else min(capacity, bound)
+    if busy and (capacity is None or per_replica > capacity):
+        # Proven: the replica did this much within the SLO. Move half way: one noisy
+        # interval should not double the estimate.
+        return per_replica if capacity is None else capacity + 0.5 * (per_replica - capacity)
+    return capacity
+
+
+def learn(cfg: PlannerConfig, obs: RoleObservation, state: PlannerState) -> PlannerState:
+    """The state after this interval's capacity samples (used from the next decision on)."""
+    if obs.known_pods <= 0 or obs.unknown_pods > 0:
+        return state
+    prefill, decode, mean_prompt = state.prefill_capacity, state.decode_capacity, None
+    queueing = obs.waiting > 0
+    if cfg.uses_prefill and cfg.ttft_s is not None:
+        busy = queueing or (obs.ttft_s or 0.0) >= _BUSY_LATENCY_FRACTION * cfg.ttft_s
+        prefill = _learn(
+            prefill or cfg.prefill_capacity_hint,
+            obs.prompt_tokens_per_s / obs.known_pods,
+            obs.ttft_s,
+            cfg.ttft_s,
+            busy,
+        )
+    if cfg.uses_decode and cfg.tpot_s is not None:
+        busy = queueing or (obs.tpot_s or 0.0) >= _BUSY_LATENCY_FRACTION * cfg.tpot_s
+        decode = _learn(
+            decode or cfg.decode_capacity_hint,
+            obs.generation_tokens_per_s / obs.known_pods,
+            obs.tpot_s,
+            cfg.tpot_s,
+            busy,
+        )
+    mean_prompt = state.mean_prompt_tokens
+    if obs.requests_per_s > 0 and obs.prompt_tokens_per_s > 0:
+        sample = obs.prompt_tokens_per_s / obs.requests_per_s
+        mean_prompt = sample if mean_prompt is None else 0.7 * mean_prompt + 0.3 * sample
+    return replace(
+        state, prefill_capacity=prefill, decode_capacity=decode, mean_prompt_tokens=mean_prompt
+    )
+
+
+def replicas_needed(
+    cfg: PlannerConfig, obs: RoleObservation, state: PlannerState
+) -> tuple[float, bool]:
+    """(replicas the measured load needs at the target utilisation, exact).
+
+    Not exact when a dimension carrying load has no capacity estimate yet: the figure is
+    then only a lower bound (good for scaling up, never for scaling down). Non-decreasing
+    in every load figure of ``obs`` for a fixed state."""
+    needs = [(obs.running + obs.waiting) / (cfg.max_num_seqs * cfg.target_utilization)]
+    if cfg.uses_decode:
+        needs.append(obs.kv_usage * obs.known_pods / cfg.kv_target)
+    exact = True
+    if cfg.uses_prefill:
+        cap = state.prefill_capacity or cfg.prefill_capacity_hint
+        backlog = obs.waiting * (state.mean_prompt_tokens or 0.0) / cfg.backlog_drain_s
+        work = obs.prompt_tokens_per_s + backlog
+        if cap:
+            needs.append(work / (cap * cfg.target_utilization))
+        elif work > 0:
+            exact = False
+    if cfg.uses_decode:
+        cap = state.decode_capacity or cfg.decode_capacity_hint
+        if cap:
+            needs.append(obs.generation_tokens_per_s / (cap * cfg.target_utilization))
+        elif obs.generation_tokens_per_s > 0:
+            exact = False
+    return max(needs), exact
+
+
+def slo_missed(cfg: PlannerConfig, obs: RoleObservation) -> list[str]:
+    """Which targets the observed percentiles missed, as human-readable phrases."""
+    out = []
+    ttft, tpot = obs.ttft_s, obs.tpot_s
+    if cfg.uses_prefill and cfg.ttft_s is not None and ttft is not None and ttft > cfg.ttft_s:
+        out.append(f"TTFT {obs.ttft_s * 1000:.0f} ms > {cfg.ttft_s * 1000:.0f} ms")
+    if cfg.uses_decode and cfg.tpot_s is not None and tpot is not None and tpot > cfg.tpot_s:
+        out.append(f"TPOT {obs.tpot_s * 1000:.0f} ms > {cfg.tpot_s * 1000:.0f} ms")
+    return out
+
+
+def _describe(obs: RoleObservation) -> str:
+    parts = [
+        f"prompt {obs.prompt_tokens_per_s:.0f} tok/s",
+        f"gen {obs.generation_tokens_per_s:.0f} tok/s",
+        f"running {obs.running}",
+        f"waiting {obs.waiting}",
+        f"kv {obs.kv_usage:.0%}",
+    ]
+    if obs.ttft_s is not None:
+        parts.append(f"ttft {obs.ttft_s * 1000:.0f} ms")
+    if obs.tpot_s is not None:
+        parts.append(f"tpot {obs.tpot_s * 1000:.0f} ms")
+    return ", ".join(parts)
+
+
+def decide(
+    cfg: PlannerConfig, obs: RoleObservation | None, state: PlannerState, now: float
+) -> Decision:
+    """One decision for one role.
+
+    Invariants (tested with hypothesis): the result lies in [min, max] whenever the current
+    count does, and is moved into it otherwise; nothing changes within the stabilization
+    window of the last change (except moving into [min, max]); for fixed state, time and
+    latencies, the result is non-decreasing in every load figure; unknown inputs (no
+    observation, no SLO, no pod answering) leave the current count."""
+    current = obs.current if obs is not None else None
+    if current is None:
+        return Decision(0, Reason.UNKNOWN_INPUTS, "no observation of the role", state)
+    if current < cfg.min_replicas or current > cfg.max_replicas:
+        desired = min(max(current, cfg.min_replicas), cfg.max_replicas)
+        reason = Reason.BELOW_MIN if current < cfg.min_replicas else Reason.ABOVE_MAX
+        msg = f"{current} replicas outside [{cfg.min_replicas}, {cfg.max_replicas}]"
+        return Decision(desired, reason, msg, replace(state, last_scale_time=now))
+    assert obs is not None
+    if cfg.ttft_s is None or cfg.tpot_s is None:
+        return Decision(current, Reason.NO_SLO, "no SLO targets: set spec.slo", state)
+    if obs.known_pods == 0 and obs.ready > 0:
+        return Decision(
+            current,
+            Reason.UNKNOWN_INPUTS,
+            f"none of the {obs.ready} ready pods reported metrics; holding {current}",
+            state,
+        )
+
+    need, exact = replicas_needed(cfg, obs, state)
+    missed = slo_missed(cfg, obs)
+    up_rec = math.ceil(need - 1e-9)
+    if missed:
+        up_rec = max(up_rec, current + 1)
+    # Scale down only when the smaller fleet still has `tolerance` to spare, and only on
+    # an exact figure (a lower bound cannot prove that fewer replicas suffice).
+    down_rec = max(up_rec, math.ceil(need * (1 + cfg.tolerance) - 1e-9))
+    if not exact:
+        down_rec = max(down_rec, current)
+    rec = min(max(up_rec if up_rec > current else down_rec, cfg.min_replicas), cfg.max_replicas)
+
+    window_start = now - cfg.scale_down_window_s
+    history = (*((t, r) for t, r in state.history if t > window_start), (now, rec))
+    new_state = replace(learn(cfg, obs, state), history=history)
+    since = math.inf if state.last_scale_time is None else now - state.last_scale_time
+    why = _describe(obs) + (f"; SLO missed: {', '.join(missed)}" if missed else "")
+
+    if rec > current:
+        if obs.ready < current:
+            return Decision(
+                current,
+                Reason.WAITING_FOR_REPLICAS,
+                f"load asks for {rec} but only {obs.ready}/{current} replicas are Ready ({why})",
+                new_state,
+                rec,
+            )
+        if since < cfg.scale_up_window_s:
+            return Decision(
+                current,
+                Reason.UP_WINDOW,
+                f"load asks for {rec}; last change {since:.0f}s ago ({why})",
+                new_state,
+                rec,
+            )
+        desired = min(rec, current + cfg.max_step_up)
+        return Decision(
+            desired,
+            Reason.SCALED_UP,
+            f"{current} -> {desired} (load asks for {rec}): {why}",
+            replace(new_state, last_scale_time=now),
+            rec,
+        )
+    if rec < current:
+        if obs.unknown_pods > 0:
+            return Decision(
+                current,
+                Reason.PARTIAL_INPUTS,
+                f"{obs.unknown_pods} pod(s) did not report; not scaling down ({why})",
+                new_state,
+                rec,
+            )
+        if since < cfg.scale_down_window_s:
+            return Decision(
+                current,
+                Reason.DOWN_WINDOW,
+                f"load fits {rec}; last change {since:.0f}s ago ({why})",
+                new_state,
+                rec,
+            )
+        target = max(r for _, r in history)
+        desired = max(target, current - cfg.max_step_down)
+        if desired >= current:
+            return Decision(
+                current,
+                Reason.DOWN_WINDOW,
+                f"load fits {rec} but asked for {target} within the last "
+                f"{cfg.scale_down_window_s:.0f}s ({why})",
+                new_state,
+                rec,
+            )
+        return Decision(
+            desired,
+            Reason.SCALED_DOWN,
+            f"{current} -> {desired} (load fits {rec}): {why}",
+            replace(new_state, last_scale_time=now),
+            rec,
+        )
+    if not exact:
+        return Decision(
+            current,
+            Reason.CAPACITY_UNKNOWN,
+            f"no per-replica capacity learned yet and the SLO holds; holding {current} ({why})",
+            new_state,
+            rec,
+        )
+    return Decision(
+        current, Reason.STEADY, f"{current} replicas fit the load ({why})", new_state, rec
+    )

@@ -1,0 +1,254 @@
+"""The autoscaler's pure decision function: properties (hypothesis) and scenarios."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagefleet.operator.planner import (
+    Decision,
+    PlannerConfig,
+    PlannerState,
+    Reason,
+    RoleObservation,
+    decide,
+)
+
+ROLES = st.sampled_from(["unified", "prefill", "decode"])
+RATES = st.floats(min_value=0, max_value=1e5, allow_nan=False)
+LAT = st.one_of(st.none(), st.floats(min_value=0, max_value=10, allow_nan=False))
+CAP = st.one_of(st.none(), st.floats(min_value=1, max_value=1e4, allow_nan=False))
+
+
+@st.composite
+def configs(draw: st.DrawFn) -> PlannerConfig:
+    lo = draw(st.integers(0, 5))
+    hi = draw(st.integers(max(lo, 1), 12))
+    return PlannerConfig(
+        role=draw(ROLES),
+        min_replicas=lo,
+        max_replicas=hi,
+        ttft_s=draw(st.floats(0.01, 5)),
+        tpot_s=draw(st.floats(0.005, 1)),
+        max_num_seqs=draw(st.integers(1, 256)),
+        scale_up_window_s=draw(st.floats(0, 120)),
+        scale_down_window_s=draw(st.floats(0, 600)),
+        max_step_up=draw(st.integers(1, 4)),
+        max_step_down=draw(st.integers(1, 3)),
+        prefill_capacity_hint=draw(CAP),
+        decode_capacity_hint=draw(CAP),
+    )
+
+
+@st.composite
+def observations(draw: st.DrawFn, current: int | None = None) -> RoleObservation:
+    cur = draw(st.integers(0, 14)) if current is None else current
+    ready = draw(st.integers(0, cur))
+    unknown = draw(st.integers(0, ready))
+    return RoleObservation(
+        current=cur,
+        ready=ready,
+        known_pods=ready - unknown,
+        unknown_pods=unknown,
+        prompt_tokens_per_s=draw(RATES),
+        generation_tokens_per_s=draw(RATES),
+        requests_per_s=draw(st.floats(0, 100)),
+        running=draw(st.integers(0, 500)),
+        waiting=draw(st.integers(0, 500)),
+        kv_usage=draw(st.floats(0, 1)),
+        ttft_s=draw(LAT),
+        tpot_s=draw(LAT),
+    )
+
+
+@st.composite
+def states(draw: st.DrawFn, now: float) -> PlannerState:
+    hist = draw(st.lists(st.tuples(st.floats(now - 900, now), st.integers(0, 14)), max_size=6))
+    return PlannerState(
+        last_scale_time=draw(st.one_of(st.none(), st.floats(now - 1000, now))),
+        prefill_capacity=draw(CAP),
+        decode_capacity=draw(CAP),
+        mean_prompt_tokens=draw(st.one_of(st.none(), st.floats(1, 4000))),
+        history=tuple(sorted(hist)),
+    )
+
+
+NOW = 10_000.0
+
+
+@settings(max_examples=400, deadline=None)
+@given(cfg=configs(), obs=observations(), state=states(NOW))
+def test_min_max_never_violated(
+    cfg: PlannerConfig, obs: RoleObservation, state: PlannerState
+) -> None:
+    d = decide(cfg, obs, state, NOW)
+    assert cfg.min_replicas <= d.desired <= cfg.max_replicas
+
+
+@settings(max_examples=400, deadline=None)
+@given(cfg=configs(), obs=observations(), state=states(NOW), age=st.floats(0, 1))
+def test_no_change_inside_the_stabilization_window(
+    cfg: PlannerConfig, obs: RoleObservation, state: PlannerState, age: float
+) -> None:
+    # The last change happened within both windows: only a count outside [min, max] moves.
+    since = age * min(cfg.scale_up_window_s, cfg.scale_down_window_s)
+    state = replace(state, last_scale_time=NOW - since)
+    if since >= min(cfg.scale_up_window_s, cfg.scale_down_window_s):
+        return
+    d = decide(cfg, obs, state, NOW)
+    if cfg.min_replicas <= obs.current <= cfg.max_replicas:
+        assert d.desired == obs.current, d
+
+
+LOAD_FIELDS = ("prompt_tokens_per_s", "generation_tokens_per_s", "running", "waiting", "kv_usage")
+
+
+@settings(max_examples=600, deadline=None)
+@given(
+    cfg=configs(),
+    obs=observations(),
+    state=states(NOW),
+    which=st.sampled_from(LOAD_FIELDS),
+    more=st.floats(0, 1e4),
+)
+def test_monotone_in_load(
+    cfg: PlannerConfig, obs: RoleObservation, state: PlannerState, which: str, more: float
+) -> None:
+    before = getattr(obs, which)
+    if which == "kv_usage":
+        bigger = min(1.0, before + more / 1e4)
+    elif isinstance(before, int):
+        bigger = before + int(more)
+    else:
+        bigger = before + more
+    heavier = replace(obs, **{which: bigger})
+    assert decide(cfg, heavier, state, NOW).desired >= decide(cfg, obs, state, NOW).desired
+
+
+@settings(max_examples=200, deadline=None)
+@given(cfg=configs(), obs=observations(), state=states(NOW))
+def test_unknown_inputs_never_scale(
+    cfg: PlannerConfig, obs: RoleObservation, state: PlannerState
+) -> None:
+    if not cfg.min_replicas <= obs.current <= cfg.max_replicas or obs.ready == 0:
+        return
+    blind = replace(obs, known_pods=0, unknown_pods=obs.ready)
+    assert decide(cfg, blind, state, NOW).desired == obs.current
+    no_slo = replace(cfg, ttft_s=None)
+    assert decide(no_slo, obs, state, NOW).reason == Reason.NO_SLO
+    assert decide(no_slo, obs, state, NOW).desired == obs.current
+
+
+# ------------------------------------------------------------------------------ scenarios
+
+
+def _cfg(**kw: object) -> PlannerConfig:
+    base = {
+        "role": "unified",
+        "min_replicas": 1,
+        "max_replicas": 4,
+        "ttft_s": 0.5,
+        "tpot_s": 0.05,
+        "max_num_seqs": 16,
+        "scale_up_window_s": 10.0,
+        "scale_down_window_s": 60.0,
+        "prefill_capacity_hint": 1000.0,
+        "decode_capacity_hint": 200.0,
+    }
+    base.update(kw)
+    return PlannerConfig(**base)  # type: ignore[arg-type]
+
+
+def _obs(current: int, prompt: float, **kw: object) -> RoleObservation:
+    base = {"current": current, "ready": current, "known_pods": current}
+    base.update(kw)
+    return RoleObservation(prompt_tokens_per_s=prompt, **base)  # type: ignore[arg-type]
+
+
+def _run(cfg: PlannerConfig, loads: list[float], dt: float = 5.0) -> list[Decision]:
+    """Feed a load series to the planner; new replicas are Ready at the next tick."""
+    state, current, out = PlannerState(), cfg.min_replicas, []
+    for k, prompt in enumerate(loads):
+        d = decide(cfg, _obs(current, prompt), state, 1000.0 + k * dt)
+        out.append(d)
+        state, current = d.state, d.desired
+    return out
+
+
+def test_scales_up_fast_down_slowly_and_does_not_flap() -> None:
+    cfg = _cfg()
+    # 2500 tok/s at 1000/replica and 80% target -> 4 replicas (ceil 3.125).
+    ds = _run(cfg, [100.0] * 3 + [2500.0] * 10 + [100.0] * 45)
+    counts = [d.desired for d in ds]
+    assert counts[3] == 3  # one step of +2 at once
+    assert counts[3:6] == [3, 3, 4]  # the up window (10 s = 2 ticks) then the rest
+    assert max(counts) == 4
+    # After the load drops: nothing for the 60 s window, then one replica at a time.
+    drop = 13
+    assert counts[drop : drop + 11] == [4] * 11
+    assert counts[-1] == 1
+    downs = [i for i in range(1, len(counts)) if counts[i] < counts[i - 1]]
+    assert all(b - a >= 12 for a, b in itertools.pairwise(downs))  # >= window apart
+    steady = [d.desired for d in _run(cfg, [1700.0] * 40)]  # 1700 / 800 -> 3
+    assert steady[-20:] == [3] * 20
+    assert sum(a != b for a, b in itertools.pairwise(steady)) <= 2
+
+
+def test_waits_while_new_replicas_are_not_ready() -> None:
+    cfg = _cfg(scale_up_window_s=0.0)
+    d = decide(cfg, _obs(2, 5000.0, ready=1, known_pods=1), PlannerState(), 100.0)
+    assert d.desired == 2 and d.reason == Reason.WAITING_FOR_REPLICAS
+
+
+def test_missed_slo_learns_lower_capacity_and_scales() -> None:
+    cfg = _cfg(prefill_capacity_hint=10_000.0, scale_up_window_s=0.0)
+    # The hint says one replica suffices, but TTFT p95 is 4x the target: scale anyway and
+    # learn that a replica does at most 800 * max(0.5, 0.5/2.0) = 400 tok/s at the SLO.
+    d = decide(cfg, _obs(1, 800.0, ttft_s=2.0), PlannerState(), 0.0)
+    assert d.desired == 2 and d.reason == Reason.SCALED_UP and "TTFT" in d.message
+    assert d.state.prefill_capacity == 400.0
+    d2 = decide(cfg, _obs(2, 800.0, ttft_s=0.3), d.state, 5.0)
+    assert d2.desired == 3  # 800 / (400 * 0.8) -> 3
+
+
+def test_busy_interval_within_slo_raises_capacity() -> None:
+    cfg = _cfg(prefill_capacity_hint=100.0)
+    d = decide(cfg, _obs(1, 300.0, ttft_s=0.4), PlannerState(), 0.0)
+    assert d.state.prefill_capacity == 200.0  # half way from 100 to the proven 300
+    idle = decide(cfg, _obs(1, 300.0, ttft_s=0.01), PlannerState(), 0.0)
+    assert idle.state.prefill_capacity == 100.0  # far below the target: says nothing
+
+
+def test_unknown_capacity_holds_but_never_scales_down() -> None:
+    cfg = _cfg(prefill_capacity_hint=None, decode_capacity_hint=None, scale_down_window_s=0.0)
+    d = decide(cfg, _obs(3, 50.0, ttft_s=0.1), PlannerState(), 0.0)
+    assert d.desired == 3 and d.reason == Reason.CAPACITY_UNKNOWN
+    idle = decide(cfg, _obs(3, 0.0), PlannerState(), 0.0)
+    assert idle.desired == 2 and idle.reason == Reason.SCALED_DOWN  # no load at all: safe
+
+
+def test_partial_inputs_block_scale_down_not_scale_up() -> None:
+    cfg = _cfg(scale_up_window_s=0.0, scale_down_window_s=0.0)
+    down = decide(cfg, _obs(3, 0.0, known_pods=2, unknown_pods=1), PlannerState(), 0.0)
+    assert down.desired == 3 and down.reason == Reason.PARTIAL_INPUTS
+    up = decide(cfg, _obs(2, 5000.0, known_pods=1, unknown_pods=1), PlannerState(), 0.0)
+    assert up.desired == 4 and up.reason == Reason.SCALED_UP
+
+
+def test_decode_role_scales_on_kv_and_concurrency() -> None:
+    cfg = _cfg(role="decode", scale_up_window_s=0.0)
+    kv = decide(cfg, _obs(2, 0.0, kv_usage=0.95), PlannerState(), 0.0)
+    assert kv.desired == 3  # 2 * 0.95 / 0.8 = 2.4
+    seqs = decide(cfg, _obs(1, 0.0, running=16, waiting=10), PlannerState(), 0.0)
+    assert seqs.desired == 3  # 26 / (16 * 0.8) = 2.03 -> 3, one step of +2
+    prompt_only = decide(cfg, _obs(1, 1e6), PlannerState(), 0.0)
+    assert prompt_only.desired == 1  # decode pods are not sized by prompt work
+
+
+def test_out_of_bounds_is_corrected_at_once() -> None:
+    cfg = _cfg(min_replicas=2, max_replicas=3)
+    assert decide(cfg, _obs(1, 0.0), PlannerState(last_scale_time=0.0), 1.0).desired == 2
+    assert decide(cfg, _obs(5, 0.0), PlannerState(last_scale_time=0.0), 1.0).desired == 3
