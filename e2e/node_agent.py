@@ -43,6 +43,7 @@ import logging
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -67,6 +68,11 @@ POD_NETWORK = ipaddress.IPv4Network("198.18.0.0/15")
 LEASE_RENEW_S = 10.0
 LEASE_DURATION_S = 40
 RESTART_BACKOFF_MAX_S = 30.0
+# What the kubelet keeps of a termination message, and of the log tail that stands in for it
+# under terminationMessagePolicy FallbackToLogsOnError.
+TERMINATION_MESSAGE_MAX_BYTES = 4096
+FALLBACK_LOG_LINES = 80
+FALLBACK_LOG_BYTES = 2048
 _VAR_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.\-]*)\)")
 _PR_SET_PDEATHSIG = 1
 
@@ -135,6 +141,58 @@ def _die_with_parent() -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def termination_mount(spec: JSON, log_path: Path) -> tuple[list[str], Path | None]:
+    """Give one container run its own file at its terminationMessagePath, as the kubelet
+    does by bind-mounting a per-container file there.
+
+    Pods are host processes, so the agent runs each in a private mount namespace (root
+    only) with an overlay on the path's directory whose upper layer holds a fresh, empty
+    file; what the process writes there lands in that file and nowhere else on the host.
+    Returns the argv prefix and the host file; ``([], None)`` where this is not possible
+    (not root, no such directory), and then only FallbackToLogsOnError gives a message."""
+    target = Path(spec.get("terminationMessagePath") or "/dev/termination-log")
+    if os.geteuid() != 0 or not target.is_absolute() or not target.parent.is_dir():
+        return [], None
+    upper = log_path.with_suffix(".termination")
+    work = log_path.with_suffix(".termination-work")
+    shutil.rmtree(upper, ignore_errors=True)
+    shutil.rmtree(work, ignore_errors=True)
+    upper.mkdir(parents=True)
+    work.mkdir()
+    host_file = upper / target.name
+    host_file.touch()
+    opts = f"lowerdir={target.parent},upperdir={upper},workdir={work}"
+    # If the overlay cannot be mounted (e.g. the log dir is itself on overlayfs), the
+    # container still starts, without a termination file, as it would have before.
+    script = f'mount -t overlay overlay -o {opts} {target.parent} 2>/dev/null || true; exec "$@"'
+    prefix = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, "sh"]
+    return prefix, host_file
+
+
+def termination_message(c: ContainerRun, exit_code: int) -> str:
+    """The message of a run that just ended, by the kubelet's rules: the termination file's
+    content (at most 4 KiB); if that is empty, the exit failed and the policy is
+    FallbackToLogsOnError, the tail of this run's log (80 lines, 2 KiB)."""
+    message = ""
+    if c.termination_file is not None:
+        try:
+            with c.termination_file.open("rb") as f:
+                message = f.read(TERMINATION_MESSAGE_MAX_BYTES).decode(errors="replace")
+        except OSError:
+            message = ""
+    policy = c.spec.get("terminationMessagePolicy", "File")
+    if not message and exit_code != 0 and policy == "FallbackToLogsOnError":
+        try:
+            with c.log_path.open("rb") as f:
+                f.seek(c.log_offset)
+                out = f.read()
+        except OSError:
+            out = b""
+        lines = out.splitlines(keepends=True)[-FALLBACK_LOG_LINES:]
+        message = b"".join(lines)[-FALLBACK_LOG_BYTES:].decode(errors="replace")
+    return message
+
+
 class ContainerConfigError(Exception):
     """A container cannot start yet: a referenced ConfigMap/Secret/key is missing."""
 
@@ -164,6 +222,8 @@ class ContainerRun:
     next_start_at: float = 0.0
     backoff_s: float = 1.0
     probe: ProbeState = field(default_factory=ProbeState)
+    log_offset: int = 0  # where this run's output starts in log_path (appended across runs)
+    termination_file: Path | None = None  # this run's file behind terminationMessagePath
 
 
 @dataclass(slots=True)
@@ -464,6 +524,9 @@ class NodeAgent:
             "startedAt": c.started_at,
             "finishedAt": now_rfc3339(),
         }
+        message = termination_message(c, exit_code)
+        if message:
+            state["message"] = message
         c.proc = None
         c.ready = False
         c.probe = ProbeState()
@@ -495,12 +558,14 @@ class NodeAgent:
             return
         wd = c.spec.get("workingDir")
         cwd = Path(wd) if wd and Path(wd).is_dir() else self.workdir
+        wrapper, c.termination_file = termination_mount(c.spec, c.log_path)
         with c.log_path.open("ab") as log:
             log.write(f"--- {now_rfc3339()} start: {argv}\n".encode())
             log.flush()
+            c.log_offset = log.tell()
             try:
                 c.proc = subprocess.Popen(
-                    argv,
+                    [*wrapper, *argv],
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,

@@ -4,7 +4,9 @@ allocation, the pod network). The same behaviour is exercised for real in test_c
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,10 +15,13 @@ from e2e.kube_client import JSON, KubeAPIError
 from e2e.node_agent import (
     POD_NETWORK,
     ContainerConfigError,
+    ContainerRun,
     NodeAgent,
     ensure_pod_network,
     expand_vars,
     random_pod_subnet,
+    termination_message,
+    termination_mount,
 )
 
 
@@ -129,3 +134,37 @@ def test_pod_network_addresses_bind_locally() -> None:
         with socket.create_connection(srv.getsockname(), timeout=2):
             conn, _ = srv.accept()
             conn.close()
+
+
+def test_termination_message_file_is_per_container_and_private(tmp_path: Path) -> None:
+    """The container writes /dev/termination-log; the agent reads it from that container's
+    own file, and the host's /dev is untouched (a kubelet's bind mount, done with a private
+    mount namespace since pods are host processes)."""
+    spec: JSON = {"name": "c", "terminationMessagePath": "/dev/termination-log"}
+    log = tmp_path / "c.log"
+    prefix, host_file = termination_mount(spec, log)
+    if os.geteuid() != 0:  # no mount namespace without root: no file, logs only
+        assert (prefix, host_file) == ([], None)
+        return
+    assert host_file is not None and host_file.read_bytes() == b""
+    script = "echo 'model /m does not exist' > /dev/termination-log; exit 3"
+    assert subprocess.run([*prefix, "sh", "-c", script], check=False).returncode == 3
+    assert not Path("/dev/termination-log").exists()
+    run = ContainerRun(name="c", spec=spec, log_path=log, termination_file=host_file)
+    assert termination_message(run, 3) == "model /m does not exist\n"
+    # The next run starts with an empty file again.
+    _, again = termination_mount(spec, log)
+    assert again == host_file and host_file.read_bytes() == b""
+
+
+def test_fallback_to_logs_on_error_takes_this_runs_log_tail(tmp_path: Path) -> None:
+    log = tmp_path / "c.log"
+    log.write_bytes(b"old run\n" + b"".join(b"line %d\n" % i for i in range(200)))
+    spec: JSON = {"name": "c", "terminationMessagePolicy": "FallbackToLogsOnError"}
+    run = ContainerRun(name="c", spec=spec, log_path=log, log_offset=len(b"old run\n"))
+    msg = termination_message(run, 1)
+    assert msg.endswith("line 199\n") and "old run" not in msg
+    assert len(msg.splitlines()) == 80
+    assert termination_message(run, 0) == ""  # only failures fall back to the log
+    run.spec = {"name": "c"}  # policy File (the default): no file, no message
+    assert termination_message(run, 1) == ""

@@ -10,11 +10,13 @@ import asyncio
 import logging
 import signal
 import sys
+from typing import cast
 
 import click
 from aiohttp import web
 
 from pagefleet.daemon.config import DaemonConfig
+from pagefleet.daemon.termination import write_termination_message
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +130,13 @@ async def serve(config: DaemonConfig) -> None:
     show_default=True,
     type=click.Choice(["debug", "info", "warning", "error"]),
 )
+@click.option(
+    "--termination-log",
+    envvar="PAGEFLEET_TERMINATION_LOG",
+    default=None,
+    help="On a fatal start-up error, write its one-line cause here "
+    "[default: /dev/termination-log, when that file exists (Kubernetes creates it)].",
+)
 def command(**kwargs: object) -> None:
     """Run one inference daemon: the engine plus the OpenAI-compatible API."""
     logging.basicConfig(
@@ -135,6 +144,19 @@ def command(**kwargs: object) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    termination_log = cast("str | None", kwargs.pop("termination_log"))
+    try:
+        _run(kwargs)
+    except click.ClickException as exc:
+        # Kubernetes shows this line as the container's last termination message.
+        write_termination_message(exc.format_message(), termination_log)
+        raise
+    except Exception as exc:
+        write_termination_message(f"{type(exc).__name__}: {exc}", termination_log)
+        raise
+
+
+def _run(kwargs: dict[str, object]) -> None:
     try:
         config = DaemonConfig(**kwargs)  # type: ignore[arg-type]
     except ValueError as exc:

@@ -331,6 +331,10 @@ def build_role(
         "command": daemon_command(spec, names, role, redis_url),
         "env": env,
         "securityContext": container_security_context(),
+        # The daemon writes its fatal start-up error to /dev/termination-log; anything that
+        # dies without a word still leaves the tail of its log as the message.
+        "terminationMessagePath": "/dev/termination-log",
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "ports": [{"name": "http", "containerPort": DAEMON_PORT, "protocol": "TCP"}],
         "readinessProbe": _http_probe("/ready", period=5, failures=3),
         "livenessProbe": _http_probe("/health", period=10, failures=3),
@@ -375,6 +379,10 @@ def build_gateway(
         "command": gateway_command(spec, names, roles, redis_url),
         "env": _common_env(spec) + cache_env() + [e.model_dump() for e in spec.router.env],
         "securityContext": container_security_context(),
+        # The daemon writes its fatal start-up error to /dev/termination-log; anything that
+        # dies without a word still leaves the tail of its log as the message.
+        "terminationMessagePath": "/dev/termination-log",
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "ports": [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"}],
         "readinessProbe": _http_probe("/ready", period=5, failures=3),
         "livenessProbe": _http_probe("/health", period=10, failures=3),

@@ -39,6 +39,8 @@ CONFIG_MAP = Kind("v1", "ConfigMap", "configmaps")
 SERVICE_ACCOUNT = Kind("v1", "ServiceAccount", "serviceaccounts")
 ROLE = Kind("rbac.authorization.k8s.io/v1", "Role", "roles")
 ROLE_BINDING = Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings")
+# Read only (never applied or pruned): the pods' status says why a workload does not start.
+POD = Kind("v1", "Pod", "pods")
 NETWORK_POLICY = Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies")
 INFERENCE_SERVICE = Kind(f"{GROUP}/{VERSION}", "InferenceService", PLURAL)
 

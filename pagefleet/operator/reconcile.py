@@ -21,11 +21,13 @@ from pagefleet.operator.kube import (
     CHILD_KINDS,
     DEPLOYMENT,
     INFERENCE_SERVICE,
+    POD,
     KubeAPI,
     KubeError,
     kind_of,
 )
 from pagefleet.operator.naming import GATEWAY, Names, owned_selector
+from pagefleet.operator.podhealth import summarize
 from pagefleet.operator.status import WorkloadState, compute_status
 
 log = logging.getLogger(__name__)
@@ -181,9 +183,27 @@ def reconcile(
         for role, _ in spec.roles.items()
     ]
     gateway = WorkloadState.from_deployment(GATEWAY, applied.get(("Deployment", names.gateway)))
-    result.status = compute_status(generation, roles, gateway, names.gateway_url(), prev_status)
+    problem = summarize(kube.list(POD, namespace, owned_selector(name)))
+    result.status = compute_status(
+        generation, roles, gateway, names.gateway_url(), prev_status, pod_problem=problem
+    )
+    _record_pod_problem(prev_status, problem, record)
     _write_status(kube, body, result.status)
     return result
+
+
+def _record_pod_problem(
+    prev_status: Manifest, problem: tuple[str, str] | None, record: Recorder
+) -> None:
+    """A Warning Event when pods start failing or fail differently (not on every restart:
+    the message carries the restart count)."""
+    if problem is None:
+        return
+    prev = next(
+        (c for c in prev_status.get("conditions", []) or [] if c.get("type") == "Degraded"), {}
+    )
+    if prev.get("status") != "True" or prev.get("reason") != problem[0]:
+        record("Warning", problem[0], problem[1])
 
 
 def refresh_status(kube: KubeAPI, body: Manifest) -> Manifest | None:
@@ -212,6 +232,9 @@ def refresh_status(kube: KubeAPI, body: Manifest) -> Manifest | None:
         for role, _ in spec.roles.items()
     ]
     gateway = WorkloadState.from_deployment(GATEWAY, deploys.get(names.gateway))
-    status = compute_status(meta.get("generation", 0), roles, gateway, names.gateway_url(), prev)
+    problem = summarize(kube.list(POD, meta["namespace"], owned_selector(meta["name"])))
+    status = compute_status(
+        meta.get("generation", 0), roles, gateway, names.gateway_url(), prev, pod_problem=problem
+    )
     _write_status(kube, body, status)
     return status

@@ -110,11 +110,18 @@ def compute_status(
     previous: Manifest | None,
     degraded_reason: str | None = None,
     degraded_message: str = "",
+    pod_problem: tuple[str, str] | None = None,
 ) -> Manifest:
-    """Full status of one InferenceService (a JSON merge patch replaces it as a whole)."""
+    """Full status of one InferenceService (a JSON merge patch replaces it as a whole).
+
+    Degraded comes from, in order: the caller's reason (spec or API problems), failing pods
+    (`pod_problem`: the kubelet's reason and the container's last words), a Deployment that
+    exceeded its progress deadline."""
     prev_conds: list[Manifest] = list((previous or {}).get("conditions", []) or [])
     conds: list[Manifest] = []
     failures = [w for w in [*roles, *([gateway] if gateway else [])] if w.failure]
+    if degraded_reason is None and pod_problem is not None:
+        degraded_reason, degraded_message = pod_problem
     if degraded_reason is None and failures:
         degraded_reason = "RolloutFailed"
         degraded_message = "; ".join(f"{w.name}: {w.failure}" for w in failures)

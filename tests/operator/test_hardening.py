@@ -40,6 +40,7 @@ def test_every_pod_runs_non_root_read_only_without_capabilities_or_token(pd_spec
         assert csc["capabilities"] == {"drop": ["ALL"]}
         assert csc["privileged"] is False
         assert csc["runAsNonRoot"] is True
+        assert c["terminationMessagePolicy"] == "FallbackToLogsOnError"
         # What must stay writable is an emptyDir with a size cap, and the caches point there.
         vols = {v["name"]: v for v in pod["volumes"]}
         mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
