@@ -167,6 +167,25 @@ class AutoscalingSpec(_Model):
     """Fewest replicas the autoscaler may leave running."""
     max_replicas: int = Field(ge=1)
     """Most replicas the autoscaler may start."""
+    interval_seconds: float = Field(default=15.0, ge=1)
+    """How often the autoscaler decides for this role (never more often than the
+    operator's --autoscale-seconds timer)."""
+    scale_up_window_seconds: float = Field(default=30.0, ge=0)
+    """After any scaling of the role, wait this long before scaling it up again."""
+    scale_down_window_seconds: float = Field(default=300.0, ge=0)
+    """After any scaling, wait this long before scaling down; a scale-down goes no lower
+    than the highest recommendation of this window (no flapping on a steady load)."""
+    max_scale_up_step: int = Field(default=2, ge=1)
+    """Most replicas added by one decision."""
+    max_scale_down_step: int = Field(default=1, ge=1)
+    """Most replicas removed by one decision."""
+    target_utilization: float = Field(default=0.8, gt=0, le=1)
+    """Share of a replica's capacity at the SLO to plan for (headroom for bursts)."""
+    prefill_tokens_per_second: float | None = Field(default=None, gt=0)
+    """Starting estimate of one replica's uncached prompt tokens/s at the TTFT target; the
+    autoscaler corrects it from what the pods report. Unset: learned from scratch."""
+    decode_tokens_per_second: float | None = Field(default=None, gt=0)
+    """Starting estimate of one replica's generated tokens/s at the TPOT target."""
 
     @model_validator(mode="after")
     def _min_le_max(self) -> AutoscalingSpec:
@@ -383,6 +402,28 @@ class Condition(_Model):
     """The spec generation this condition describes."""
 
 
+class AutoscalingStatus(_Model):
+    desired_replicas: int = 0
+    """Replicas the autoscaler's last decision asked for."""
+    current_replicas: int = 0
+    """Replicas the role's Deployment asked for when it decided."""
+    recommended_replicas: int | None = None
+    """What the measured load alone asks for, before windows, steps and bounds."""
+    last_scale_time: str | None = None
+    """When the autoscaler last changed the replicas (RFC 3339)."""
+    last_decision_time: str | None = None
+    """When the autoscaler last decided (RFC 3339)."""
+    reason: str = ""
+    """ScaledUp, ScaledDown, Steady, ScaleUpStabilizing, ScaleDownStabilizing,
+    WaitingForReplicas, InputsUnknown, InputsPartial, SLOMissing or CapacityUnknown."""
+    message: str = ""
+    """The decision with the inputs it was made from."""
+    prefill_tokens_per_second: float | None = None
+    """Learned uncached prompt tokens/s one replica does at the TTFT target."""
+    decode_tokens_per_second: float | None = None
+    """Learned generated tokens/s one replica does at the TPOT target."""
+
+
 class RoleStatus(_Model):
     name: str
     """Role name: unified, prefill or decode."""
@@ -392,6 +433,8 @@ class RoleStatus(_Model):
     """Pods passing their readiness probe."""
     updated_replicas: int = 0
     """Pods running the current pod template."""
+    autoscaling: AutoscalingStatus | None = None
+    """The autoscaler's last decision for this role (roles with spec autoscaling only)."""
 
 
 class InferenceServiceStatus(_Model):

@@ -79,6 +79,29 @@ from pagefleet.operator.builders import BuildSettings
     '\'{"namespaceSelector":{},"podSelector":{"matchLabels":{"app":"prometheus"}}}\' '
     "(repeatable).",
 )
+@click.option(
+    "--autoscale-seconds",
+    type=click.FloatRange(min=0.5),
+    default=5.0,
+    show_default=True,
+    help="Autoscaler timer per InferenceService; each role decides every "
+    "autoscaling.intervalSeconds (rounded up to this).",
+)
+@click.option(
+    "--scrape-timeout-seconds",
+    type=click.FloatRange(min=0.1),
+    default=2.0,
+    show_default=True,
+    help="Per-pod /metrics and Redis timeout of the autoscaler; a pod slower than this "
+    "counts as unknown.",
+)
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(min=0, max=65535),
+    default=9090,
+    show_default=True,
+    help="Serve the operator's Prometheus metrics on this port (0: off).",
+)
 @click.option("--verbose", "-v", is_flag=True, help="Log every handler run.")
 def command(
     namespaces: tuple[str, ...],
@@ -91,13 +114,18 @@ def command(
     allow_host_path: bool,
     network_policies: bool,
     metrics_peers: tuple[str, ...],
+    autoscale_seconds: float,
+    scrape_timeout_seconds: float,
+    metrics_port: int,
     verbose: bool,
 ) -> None:
     """Run the InferenceService operator (kubeconfig or in-cluster credentials)."""
     import kopf
 
+    from pagefleet.operator.autoscaler import Autoscaler, AutoscalerSettings
     from pagefleet.operator.handlers import OperatorContext, register
     from pagefleet.operator.kube import RestKube
+    from pagefleet.operator.metrics import OperatorMetrics
 
     if bool(namespaces) == all_namespaces:
         raise click.UsageError("pass either --namespace NS (repeatable) or --all-namespaces")
@@ -107,7 +135,9 @@ def command(
     )
     if not verbose:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
-    registry = register(kopf.OperatorRegistry(), resync_s=resync_seconds)
+    registry = register(
+        kopf.OperatorRegistry(), resync_s=resync_seconds, autoscale_s=autoscale_seconds
+    )
     settings = BuildSettings(
         default_redis_url=default_redis_url,
         allowed_image_prefixes=tuple(p for p in allowed_image_prefixes if p),
@@ -115,7 +145,14 @@ def command(
         network_policies=network_policies,
         metrics_peers=tuple(_peer(p) for p in metrics_peers),
     )
-    ctx = OperatorContext(kube=RestKube(), settings=settings)
+    kube = RestKube()
+    metrics = OperatorMetrics()
+    if metrics_port:
+        metrics.serve(metrics_port)
+    autoscaler = Autoscaler(
+        kube, settings, AutoscalerSettings(scrape_timeout_s=scrape_timeout_seconds), metrics
+    )
+    ctx = OperatorContext(kube=kube, settings=settings, autoscaler=autoscaler, metrics=metrics)
     asyncio.run(
         kopf.operator(
             registry=registry,

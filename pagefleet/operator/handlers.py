@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,8 +22,10 @@ from typing import Any
 import kopf
 
 from pagefleet.api.inferenceservice import GROUP, PLURAL, VERSION
+from pagefleet.operator.autoscaler import Autoscaler
 from pagefleet.operator.builders import BuildSettings
 from pagefleet.operator.kube import INFERENCE_SERVICE, KubeAPI, KubeError
+from pagefleet.operator.metrics import OperatorMetrics
 from pagefleet.operator.naming import LABEL_MANAGED_BY, LABEL_SERVICE, MANAGED_BY
 from pagefleet.operator.reconcile import Recorder, reconcile, refresh_status
 
@@ -41,6 +44,8 @@ class OperatorContext:
         default_factory=lambda: defaultdict(threading.Lock)
     )
     guard: threading.Lock = field(default_factory=threading.Lock)
+    autoscaler: Autoscaler | None = None
+    metrics: OperatorMetrics | None = None
 
     def lock(self, namespace: str, name: str) -> threading.Lock:
         with self.guard:
@@ -59,16 +64,28 @@ def _recorder(body: dict[str, Any]) -> Recorder:
     return record
 
 
-def _run_pass(ctx: OperatorContext, body: dict[str, Any]) -> None:
+def _run_pass(ctx: OperatorContext, body: dict[str, Any], handler: str = "reconcile") -> None:
     meta = body["metadata"]
     if meta.get("deletionTimestamp"):
         return  # children go with it through their owner references
+    started = time.perf_counter()
     with ctx.lock(meta["namespace"], meta["name"]):
         try:
             reconcile(ctx.kube, body, ctx.settings, _recorder(body))
         except KubeError as exc:
+            _count(ctx, handler, started, failed=True)
             # Transient (conflict, throttling, API down): kopf retries the handler later.
             raise kopf.TemporaryError(f"Kubernetes API: {exc}", delay=RETRY_DELAY_S) from exc
+    _count(ctx, handler, started)
+
+
+def _count(ctx: OperatorContext, handler: str, started: float, failed: bool = False) -> None:
+    if ctx.metrics is None:
+        return
+    ctx.metrics.passes.labels(handler).inc()
+    ctx.metrics.duration.labels(handler).observe(time.perf_counter() - started)
+    if failed:
+        ctx.metrics.errors.labels(handler).inc()
 
 
 def on_change(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
@@ -78,7 +95,36 @@ def on_change(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
 
 def on_resync(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """Periodic full pass: restores hand-edited children and refreshes status."""
-    _run_pass(_ctx(memo), dict(body))
+    _run_pass(_ctx(memo), dict(body), handler="resync")
+
+
+def on_autoscale(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """Autoscaler tick: decide the replicas of every autoscaled role whose interval passed.
+
+    Never raises: an input or API failure is reported on the resource and retried next
+    tick (kopf's retry backoff would only delay the next decision)."""
+    ctx = _ctx(memo)
+    raw = dict(body)
+    meta = raw["metadata"]
+    if ctx.autoscaler is None or meta.get("deletionTimestamp"):
+        return
+    started = time.perf_counter()
+    failed = False
+    with ctx.lock(meta["namespace"], meta["name"]):
+        try:
+            ctx.autoscaler.tick(raw, _recorder(raw))
+        except Exception:  # a bug here must not stop the operator's other handlers
+            failed = True
+            log.exception("autoscaler tick of %s/%s failed", meta["namespace"], meta["name"])
+    _count(ctx, "autoscale", started, failed)
+
+
+def on_delete(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """Forget the autoscaler's memory of a deleted InferenceService."""
+    ctx = _ctx(memo)
+    if ctx.autoscaler is not None:
+        meta = body["metadata"]
+        ctx.autoscaler.forget(meta["namespace"], meta["name"])
 
 
 def on_child_event(
@@ -128,7 +174,9 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
 
 
-def register(registry: kopf.OperatorRegistry, resync_s: float) -> kopf.OperatorRegistry:
+def register(
+    registry: kopf.OperatorRegistry, resync_s: float, autoscale_s: float = 5.0
+) -> kopf.OperatorRegistry:
     """Attach every handler to `registry` (the resync period is a run-time choice, so the
     decorators are applied here rather than at import)."""
     kopf.on.startup(registry=registry)(configure)
@@ -148,6 +196,16 @@ def register(registry: kopf.OperatorRegistry, resync_s: float) -> kopf.OperatorR
         registry=registry,
         id="resync",
     )(on_resync)
+    kopf.timer(
+        GROUP,
+        VERSION,
+        PLURAL,
+        interval=autoscale_s,
+        initial_delay=autoscale_s,
+        registry=registry,
+        id="autoscale",
+    )(on_autoscale)
+    kopf.on.delete(GROUP, VERSION, PLURAL, registry=registry, id="forget", optional=True)(on_delete)
     owned = {LABEL_MANAGED_BY: MANAGED_BY}
     for group_version, plural in (("apps/v1", "deployments"), ("v1", "services")):
         kopf.on.event(group_version, plural, labels=owned, registry=registry, id=f"child-{plural}")(

@@ -43,6 +43,7 @@ ROLE_BINDING = Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings
 POD = Kind("v1", "Pod", "pods")
 NETWORK_POLICY = Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies")
 INFERENCE_SERVICE = Kind(f"{GROUP}/{VERSION}", "InferenceService", PLURAL)
+POD = Kind("v1", "Pod", "pods")  # read and annotated by the autoscaler, never applied
 
 CHILD_KINDS: tuple[Kind, ...] = (
     CONFIG_MAP,
@@ -87,6 +88,8 @@ class KubeAPI(Protocol):
     def get(self, kind: Kind, namespace: str, name: str) -> Manifest | None: ...
 
     def patch_status(self, kind: Kind, namespace: str, name: str, status: Manifest) -> None: ...
+
+    def merge_patch(self, kind: Kind, namespace: str, name: str, patch: Manifest) -> Manifest: ...
 
 
 def label_selector(labels: dict[str, str]) -> str:
@@ -190,6 +193,16 @@ class RestKube:
             body={"status": status},
             content_type="application/merge-patch+json",
         )
+
+    def merge_patch(self, kind: Kind, namespace: str, name: str, patch: Manifest) -> Manifest:
+        """JSON merge patch of a few fields (the autoscaler's replicas and pod annotations)."""
+        out: Manifest = self._call(
+            "PATCH",
+            f"{kind.collection_path(namespace)}/{name}",
+            body=patch,
+            content_type="application/merge-patch+json",
+        )
+        return out
 
 
 def _api_message(status: int | None, body: Any) -> str:

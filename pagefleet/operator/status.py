@@ -17,6 +17,9 @@ from pagefleet.operator.naming import GATEWAY
 
 Manifest = dict[str, Any]
 
+# Conditions owned by the autoscaler (pagefleet/operator/autoscaler.py).
+AUTOSCALER_CONDITIONS = ("ScalingActive",)
+
 
 @dataclass(slots=True)
 class WorkloadState:
@@ -178,18 +181,25 @@ def compute_status(
             prev_conds,
         )
     )
+    # The autoscaler's own condition and per-role decisions are written by its timer, not
+    # derived from Deployments: carry them over so a reconcile pass does not erase them.
+    conds += [c for c in prev_conds if c.get("type") in AUTOSCALER_CONDITIONS]
+    prev_roles = {r.get("name"): r for r in (previous or {}).get("roles", []) or []}
+    role_entries: list[Manifest] = []
+    for w in roles:
+        entry: Manifest = {
+            "name": w.name,
+            "desiredReplicas": w.desired,
+            "readyReplicas": w.ready,
+            "updatedReplicas": w.updated,
+        }
+        if prev_roles.get(w.name, {}).get("autoscaling"):
+            entry["autoscaling"] = prev_roles[w.name]["autoscaling"]
+        role_entries.append(entry)
     return {
         "observedGeneration": generation,
         "conditions": conds,
-        "roles": [
-            {
-                "name": w.name,
-                "desiredReplicas": w.desired,
-                "readyReplicas": w.ready,
-                "updatedReplicas": w.updated,
-            }
-            for w in roles
-        ],
+        "roles": role_entries,
         "readyRoles": f"{sum(w.ready_now for w in roles)}/{len(roles)}",
         "replicas": " ".join(f"{w.name}:{w.ready}/{w.desired}" for w in roles),
         "url": url,

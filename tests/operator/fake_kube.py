@@ -116,3 +116,28 @@ class FakeKube:
         obj = self.objects[(kind.kind, namespace, name)]
         obj["status"] = copy.deepcopy(status)
         obj["metadata"]["resourceVersion"] = str(next(self._rv))
+
+    def merge_patch(self, kind: Kind, namespace: str, name: str, patch: Manifest) -> Manifest:
+        self._maybe_fail("merge_patch")
+        self.calls.append(("merge_patch", kind.kind, name))
+        key = (kind.kind, namespace, name)
+        if key not in self.objects:
+            raise KubeError(404, f"{kind.kind} {namespace}/{name} not found")
+        merged = _merge(copy.deepcopy(self.objects[key]), patch)
+        if merged.get("spec") != self.objects[key].get("spec"):
+            merged["metadata"]["generation"] = merged["metadata"].get("generation", 1) + 1
+        merged["metadata"]["resourceVersion"] = str(next(self._rv))
+        self.objects[key] = merged
+        return copy.deepcopy(merged)
+
+
+def _merge(target: Manifest, patch: Manifest) -> Manifest:
+    """RFC 7386 JSON merge patch."""
+    for k, v in patch.items():
+        if v is None:
+            target.pop(k, None)
+        elif isinstance(v, dict) and isinstance(target.get(k), dict):
+            target[k] = _merge(target[k], v)
+        else:
+            target[k] = copy.deepcopy(v)
+    return target

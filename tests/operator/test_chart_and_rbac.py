@@ -81,6 +81,8 @@ def test_rbac_grants_what_the_reconciler_uses_and_no_wildcards():
         assert ("discovery.k8s.io", "endpointslices", verb) in rules
     # nothing the operator never does
     assert ("", "secrets", "get") not in rules and ("", "pods", "delete") not in rules
+    for verb in ("list", "patch"):  # the autoscaler: role pods, pod-deletion-cost
+        assert ("", "pods", verb) in rules
 
 
 def test_chart_rules_equal_the_rbac_manifest():

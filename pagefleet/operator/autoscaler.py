@@ -1,0 +1,430 @@
+"""The role autoscaler's control loop: observe the pods, decide (planner), act, report.
+
+Run by a kopf timer per InferenceService (pagefleet/operator/handlers.py). For each role
+with ``autoscaling`` whose interval has passed it
+
+1. lists the role's pods and reads, concurrently, every Ready pod's /metrics and the Redis
+   heartbeats (signals.py, collect.py); a pod that does not answer is unknown, never idle;
+2. asks the pure planner (planner.py) for the desired replicas, with the state it keeps per
+   role in memory (learned capacity, recommendation history, last scale time);
+3. before lowering the count, marks the cheapest pod to lose (not Ready, else fewest cached
+   blocks in the index, else fewest requests) with ``controller.kubernetes.io/
+   pod-deletion-cost`` so the ReplicaSet removes that one (its daemon drains on SIGTERM);
+4. writes the Deployment's replicas, ``status.roles[*].autoscaling``, the ``ScalingActive``
+   condition, an Event for every change (and for every change of reason), and the
+   operator's metrics.
+
+Failures of any input become the ``ScalingActive=False`` condition and hold the count; an
+API error is logged and retried at the next tick; nothing here raises into kopf.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import ValidationError
+
+from pagefleet.api.inferenceservice import InferenceServiceSpec, RoleSpec, parse_spec
+from pagefleet.operator.builders import BuildSettings, SpecError, resolve_redis_url
+from pagefleet.operator.collect import PodTarget, gather_inputs
+from pagefleet.operator.kube import DEPLOYMENT, INFERENCE_SERVICE, POD, KubeAPI, KubeError
+from pagefleet.operator.metrics import OperatorMetrics
+from pagefleet.operator.naming import DAEMON_PORT, LABEL_ROLE, LABEL_SERVICE, Names
+from pagefleet.operator.planner import Decision, PlannerConfig, PlannerState, Reason, decide
+from pagefleet.operator.signals import (
+    PodReport,
+    PodSnapshot,
+    RoleInputs,
+    cheapest_pod,
+    delta,
+    observe_role,
+)
+from pagefleet.operator.status import condition
+
+log = logging.getLogger(__name__)
+
+Manifest = dict[str, Any]
+Recorder = Callable[[str, str, str], None]
+
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+# The cheapest pod gets this cost; every other pod has the default 0 (or ours removed).
+VICTIM_COST = "-1000"
+SCALING_ACTIVE = "ScalingActive"
+WARMING = "first scrape (or a restart): its rates are known from the next interval"
+# Reasons that mean the planner could not trust its inputs.
+_BLIND = {Reason.UNKNOWN_INPUTS, Reason.PARTIAL_INPUTS, Reason.NO_SLO}
+
+
+@dataclass(frozen=True, slots=True)
+class AutoscalerSettings:
+    """Operator-wide autoscaler knobs (command-line flags)."""
+
+    scrape_timeout_s: float = 2.0
+    metrics_port: int = DAEMON_PORT
+    redis_password_note: str = (
+        "the operator cannot read Redis passwords from Secrets; heartbeats are unknown"
+    )
+
+
+@dataclass(slots=True)
+class RoleMemory:
+    """What the autoscaler keeps per (namespace, service, role) between ticks."""
+
+    state: PlannerState = field(default_factory=PlannerState)
+    snapshots: dict[str, PodSnapshot] = field(default_factory=dict)  # pod uid -> last scrape
+    last_decision: float | None = None  # monotonic
+    last_reason: str = ""
+    last_scale_wall: str | None = None
+
+
+@dataclass(slots=True)
+class RoleOutcome:
+    role: str
+    decision: Decision
+    inputs: RoleInputs
+    victim: str | None = None
+
+    @property
+    def blind(self) -> bool:
+        """The planner could not trust its inputs for a reason a person should see (a pod
+        merely on its first scrape is not one)."""
+        if self.decision.reason not in _BLIND:
+            return False
+        if self.decision.reason == Reason.NO_SLO:
+            return True
+        return any(p.error != WARMING for p in self.inputs.unknown)
+
+
+def _now_rfc3339() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _pod_ready(pod: Manifest) -> bool:
+    conds = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
+
+
+def planner_config(role: str, spec: InferenceServiceSpec, has_slo: bool) -> PlannerConfig:
+    """The planner's view of one autoscaled role (bounds, windows, SLO, engine limits)."""
+    auto = dict(spec.roles.items())[role].autoscaling
+    assert auto is not None, f"role {role} has no autoscaling"
+    return PlannerConfig(
+        role=role,
+        min_replicas=auto.min_replicas,
+        max_replicas=auto.max_replicas,
+        ttft_s=spec.slo.ttft_ms / 1000 if has_slo else None,
+        tpot_s=spec.slo.tpot_ms / 1000 if has_slo else None,
+        max_num_seqs=spec.engine.max_num_seqs,
+        target_utilization=auto.target_utilization,
+        scale_up_window_s=auto.scale_up_window_seconds,
+        scale_down_window_s=auto.scale_down_window_seconds,
+        max_step_up=auto.max_scale_up_step,
+        max_step_down=auto.max_scale_down_step,
+        prefill_capacity_hint=auto.prefill_tokens_per_second,
+        decode_capacity_hint=auto.decode_tokens_per_second,
+    )
+
+
+class Autoscaler:
+    """The loop's memory and actions; one per operator (lives in the handlers' context)."""
+
+    def __init__(
+        self,
+        kube: KubeAPI,
+        build: BuildSettings,
+        settings: AutoscalerSettings | None = None,
+        metrics: OperatorMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.kube = kube
+        self.build = build
+        self.settings = settings or AutoscalerSettings()
+        self.metrics = metrics
+        self.clock = clock
+        self.memory: dict[tuple[str, str, str], RoleMemory] = {}
+
+    def forget(self, namespace: str, name: str) -> None:
+        """Drop the memory of a deleted InferenceService."""
+        for key in [k for k in self.memory if k[:2] == (namespace, name)]:
+            del self.memory[key]
+
+    # ------------------------------------------------------------------------------------
+
+    def tick(self, body: Manifest, record: Recorder) -> list[RoleOutcome]:
+        """One autoscaler pass over one InferenceService (see module docstring)."""
+        meta = body["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        try:
+            spec = parse_spec(body.get("spec") or {})
+        except ValidationError:
+            return []  # the reconciler reports an invalid spec as Degraded
+        auto_roles = [(r, s) for r, s in spec.roles.items() if s.autoscaling is not None]
+        if not auto_roles:
+            return []
+        now = self.clock()
+        due = [
+            (r, s)
+            for r, s in auto_roles
+            if (m := self.memory.get((namespace, name, r))) is None
+            or m.last_decision is None
+            or now - m.last_decision >= s.autoscaling.interval_seconds - 0.05  # type: ignore[union-attr]
+        ]
+        if not due:
+            return []
+        has_slo = bool((body.get("spec") or {}).get("slo"))
+        names = Names(name, namespace)
+        try:
+            redis_url: str | None = resolve_redis_url(spec, self.build)
+        except SpecError:
+            redis_url = None
+        redis_note = None
+        if spec.index.password_secret_ref is not None:
+            redis_url, redis_note = None, self.settings.redis_password_note
+
+        deploys = {d["metadata"]["name"]: d for d in self._list(DEPLOYMENT, namespace, name)}
+        pods_by_role: dict[str, list[Manifest]] = {}
+        for pod in self._list(POD, namespace, name):
+            if pod["metadata"].get("deletionTimestamp"):
+                continue  # already leaving: neither capacity nor a candidate
+            role = (pod["metadata"].get("labels") or {}).get(LABEL_ROLE, "")
+            pods_by_role.setdefault(role, []).append(pod)
+
+        targets = [
+            PodTarget(p["metadata"]["name"], f"http://{ip}:{self.settings.metrics_port}/metrics")
+            for r, _ in due
+            for p in pods_by_role.get(r, [])
+            if _pod_ready(p) and (ip := (p.get("status") or {}).get("podIP"))
+        ]
+        scrapes, loads, redis_err = asyncio.run(
+            gather_inputs(targets, redis_url, names.kv_namespace, self.settings.scrape_timeout_s)
+        )
+        redis_err = redis_note or redis_err
+
+        outcomes: list[RoleOutcome] = []
+        for role, role_spec in due:
+            deploy = deploys.get(names.role(role))
+            if deploy is None:
+                continue  # the reconciler creates it; decide once it exists
+            outcome = self._decide_role(
+                namespace,
+                name,
+                role,
+                role_spec,
+                spec,
+                has_slo,
+                deploy,
+                pods_by_role.get(role, []),
+                scrapes,
+                loads,
+                redis_err,
+                now,
+            )
+            self._act(namespace, name, names, deploy, pods_by_role.get(role, []), outcome, record)
+            outcomes.append(outcome)
+        if outcomes:
+            self._write_status(namespace, name, outcomes, redis_err)
+        return outcomes
+
+    # ------------------------------------------------------------------------------------
+
+    def _list(self, kind: Any, namespace: str, name: str) -> list[Manifest]:
+        return self.kube.list(kind, namespace, {LABEL_SERVICE: name})
+
+    def _decide_role(
+        self,
+        namespace: str,
+        name: str,
+        role: str,
+        role_spec: RoleSpec,
+        spec: InferenceServiceSpec,
+        has_slo: bool,
+        deploy: Manifest,
+        pods: list[Manifest],
+        scrapes: dict[str, Any],
+        loads: dict[str, Any] | None,
+        redis_err: str | None,
+        now: float,
+    ) -> RoleOutcome:
+        mem = self.memory.setdefault((namespace, name, role), RoleMemory())
+        reports: list[PodReport] = []
+        seen: dict[str, PodSnapshot] = {}
+        for pod in pods:
+            if not _pod_ready(pod):
+                continue
+            pname, uid = (
+                pod["metadata"]["name"],
+                pod["metadata"].get("uid", pod["metadata"]["name"]),
+            )
+            report = PodReport(pname)
+            scrape = scrapes.get(pname)
+            if scrape is None or scrape.snapshot is None:
+                report.error = scrape.error if scrape else "no pod IP"
+            else:
+                seen[uid] = scrape.snapshot
+                prev = mem.snapshots.get(uid)
+                report.delta = delta(prev, scrape.snapshot) if prev else None
+                if report.delta is None:
+                    report.error = WARMING
+            if loads is None:
+                report.error = report.error or (redis_err or "heartbeats unknown")
+            else:
+                report.load = loads.get(pname)
+                if report.load is None:
+                    report.error = report.error or "no live heartbeat in Redis"
+            reports.append(report)
+        mem.snapshots = seen
+        current = int((deploy.get("spec") or {}).get("replicas", 1))
+        ready = sum(1 for p in pods if _pod_ready(p))
+        inputs = observe_role(current, ready, reports, spec.slo.percentile)
+        cfg = planner_config(role, spec, has_slo)
+        decision = decide(cfg, inputs.observation, mem.state, now)
+        mem.state = decision.state
+        mem.last_decision = now
+        return RoleOutcome(role, decision, inputs)
+
+    def _act(
+        self,
+        namespace: str,
+        name: str,
+        names: Names,
+        deploy: Manifest,
+        pods: list[Manifest],
+        outcome: RoleOutcome,
+        record: Recorder,
+    ) -> None:
+        obs, d = outcome.inputs.observation, outcome.decision
+        mem = self.memory[(namespace, name, outcome.role)]
+        deploy_name = names.role(outcome.role)
+        try:
+            if d.desired < obs.current:
+                outcome.victim = self._mark_victim(namespace, pods, outcome.inputs)
+            if d.desired != obs.current:
+                self.kube.merge_patch(
+                    DEPLOYMENT, namespace, deploy_name, {"spec": {"replicas": d.desired}}
+                )
+                mem.last_scale_wall = _now_rfc3339()
+        except KubeError as exc:
+            # Not applied: forget that it was, so the next tick decides afresh.
+            mem.state = PlannerState(
+                prefill_capacity=d.state.prefill_capacity,
+                decode_capacity=d.state.decode_capacity,
+                mean_prompt_tokens=d.state.mean_prompt_tokens,
+            )
+            log.warning("%s/%s %s: scaling failed: %s", namespace, name, outcome.role, exc)
+            record("Warning", "ScalingFailed", f"{outcome.role}: {exc}")
+            return
+        if self.metrics is not None:
+            self.metrics.record_decision(namespace, name, outcome.role, obs, d)
+        victim = f"; removing pod {outcome.victim} (cheapest)" if outcome.victim else ""
+        if d.changed or d.reason.value != mem.last_reason:
+            kind = "Warning" if outcome.blind else "Normal"
+            record(kind, d.reason.value, f"{outcome.role}: {d.message}{victim}")
+        mem.last_reason = d.reason.value
+        log.info(
+            "%s/%s %s: %s -> %s %s: %s%s",
+            namespace,
+            name,
+            outcome.role,
+            obs.current,
+            d.desired,
+            d.reason.value,
+            d.message,
+            victim,
+        )
+
+    def _mark_victim(self, namespace: str, pods: list[Manifest], inputs: RoleInputs) -> str | None:
+        """Annotate the cheapest pod with a low deletion cost; clear our mark elsewhere."""
+        ready = {p["metadata"]["name"]: _pod_ready(p) for p in pods}
+        by_name = {r.name: r for r in inputs.pods}
+        reports = [by_name.get(n) or PodReport(n) for n in ready]
+        victim = cheapest_pod(reports, ready)
+        for pod in pods:
+            pname = pod["metadata"]["name"]
+            marked = (pod["metadata"].get("annotations") or {}).get(DELETION_COST)
+            if pname == victim and marked != VICTIM_COST:
+                patch = {"metadata": {"annotations": {DELETION_COST: VICTIM_COST}}}
+                self.kube.merge_patch(POD, namespace, pname, patch)
+            elif pname != victim and marked == VICTIM_COST:
+                patch = {"metadata": {"annotations": {DELETION_COST: None}}}
+                self.kube.merge_patch(POD, namespace, pname, patch)
+        return victim
+
+    def _write_status(
+        self, namespace: str, name: str, outcomes: list[RoleOutcome], redis_err: str | None
+    ) -> None:
+        try:
+            fresh = self.kube.get(INFERENCE_SERVICE, namespace, name)
+            if fresh is None:
+                return
+            status = dict(fresh.get("status") or {})
+            roles = [dict(r) for r in status.get("roles", []) or []]
+            stamp = _now_rfc3339()
+            for out in outcomes:
+                mem = self.memory[(namespace, name, out.role)]
+                entry = next((r for r in roles if r.get("name") == out.role), None)
+                if entry is None:
+                    entry = {"name": out.role}
+                    roles.append(entry)
+                d, obs = out.decision, out.inputs.observation
+                auto: Manifest = {
+                    "desiredReplicas": d.desired,
+                    "currentReplicas": obs.current,
+                    "lastDecisionTime": stamp,
+                    "reason": d.reason.value,
+                    "message": d.message[:1000],
+                }
+                if d.recommendation is not None:
+                    auto["recommendedReplicas"] = d.recommendation
+                if mem.last_scale_wall:
+                    auto["lastScaleTime"] = mem.last_scale_wall
+                if d.state.prefill_capacity is not None:
+                    auto["prefillTokensPerSecond"] = round(d.state.prefill_capacity, 3)
+                if d.state.decode_capacity is not None:
+                    auto["decodeTokensPerSecond"] = round(d.state.decode_capacity, 3)
+                entry["autoscaling"] = auto
+            status["roles"] = roles
+            status["conditions"] = self._conditions(status, outcomes, redis_err, fresh)
+            if status != (fresh.get("status") or {}):
+                self.kube.patch_status(INFERENCE_SERVICE, namespace, name, status)
+        except KubeError as exc:
+            log.warning("%s/%s: writing the autoscaler status failed: %s", namespace, name, exc)
+
+    def _conditions(
+        self,
+        status: Manifest,
+        outcomes: list[RoleOutcome],
+        redis_err: str | None,
+        fresh: Manifest,
+    ) -> list[Manifest]:
+        prev = list(status.get("conditions", []) or [])
+        blind = [o for o in outcomes if o.blind]
+        if blind:
+            problems: list[str] = []
+            if redis_err:
+                problems.append(redis_err)
+            for o in blind:
+                errs = [f"{p.name}: {p.error}" for p in o.inputs.unknown if p.error]
+                problems.append(f"{o.role}: {o.decision.message}")
+                problems += errs[:3]
+            reason = blind[0].decision.reason.value
+            message = "; ".join(dict.fromkeys(problems))[:1500]
+        else:
+            reason, message = (
+                "Active",
+                ", ".join(f"{o.role}: {o.decision.reason.value}" for o in outcomes),
+            )
+        cond = condition(
+            SCALING_ACTIVE,
+            not blind,
+            reason,
+            message,
+            fresh["metadata"].get("generation", 0),
+            prev,
+        )
+        return [c for c in prev if c.get("type") != SCALING_ACTIVE] + [cond]

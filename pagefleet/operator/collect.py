@@ -1,0 +1,101 @@
+"""Fetch the autoscaler's raw inputs: every Ready pod's /metrics and the Redis heartbeats.
+
+All pods are scraped concurrently, each with a timeout; a pod that does not answer (or
+answers garbage) is reported with an error and counts as unknown. Redis is read once per
+role pass (the heartbeats of the whole InferenceService); if it cannot be reached, every pod
+is unknown and the planner holds the count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import aiohttp
+
+from pagefleet.kvindex.index import PodLoad
+from pagefleet.operator.signals import MetricsError, PodSnapshot, parse_metrics
+
+
+@dataclass(frozen=True, slots=True)
+class PodTarget:
+    name: str
+    url: str  # http://<pod ip>:<port>/metrics
+
+
+@dataclass(slots=True)
+class Scrape:
+    snapshot: PodSnapshot | None
+    error: str | None = None
+
+
+async def _scrape_one(session: aiohttp.ClientSession, target: PodTarget) -> Scrape:
+    try:
+        async with session.get(target.url) as resp:
+            if resp.status != 200:
+                return Scrape(None, f"GET {target.url}: HTTP {resp.status}")
+            text = await resp.text()
+        return Scrape(parse_metrics(text, time.monotonic()))
+    except MetricsError as exc:
+        return Scrape(None, f"{target.url}: {exc}")
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+        return Scrape(None, f"GET {target.url}: {type(exc).__name__}: {exc}".rstrip(": "))
+
+
+async def scrape_pods(targets: list[PodTarget], timeout_s: float) -> dict[str, Scrape]:
+    """Every target's snapshot (or the error that made it unknown), concurrently."""
+    if not targets:
+        return {}
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        results = await asyncio.gather(*(_scrape_one(session, t) for t in targets))
+    return {t.name: r for t, r in zip(targets, results, strict=True)}
+
+
+async def read_heartbeats(
+    redis_url: str, kv_namespace: str, timeout_s: float
+) -> dict[str, PodLoad]:
+    """Live pods' heartbeats of one InferenceService; raises OSError-like redis errors when
+    Redis cannot be reached (the caller turns that into a condition, never into zeros)."""
+    import redis.asyncio as aredis
+
+    from pagefleet.kvindex.redis_index import RedisKVIndex
+
+    client = aredis.Redis.from_url(
+        redis_url,
+        decode_responses=False,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+    )
+    index = RedisKVIndex(client, namespace=kv_namespace, owns_client=True, auto_gc_interval_s=None)
+    try:
+        return await asyncio.wait_for(index.pods(), timeout_s)
+    finally:
+        await index.close()
+
+
+async def gather_inputs(
+    targets: list[PodTarget], redis_url: str | None, kv_namespace: str, timeout_s: float
+) -> tuple[dict[str, Scrape], dict[str, PodLoad] | None, str | None]:
+    """Scrapes and heartbeats at once: (scrapes, heartbeats or None, Redis error or None)."""
+
+    async def heartbeats() -> tuple[dict[str, PodLoad] | None, str | None]:
+        if redis_url is None:
+            return None, "no Redis URL"
+        try:
+            return await read_heartbeats(redis_url, kv_namespace, timeout_s), None
+        except Exception as exc:  # any failure of Redis means: heartbeats unknown
+            return None, f"Redis {_redact(redis_url)}: {type(exc).__name__}: {exc}"
+
+    scrapes, (loads, err) = await asyncio.gather(scrape_pods(targets, timeout_s), heartbeats())
+    return scrapes, loads, err
+
+
+def _redact(url: str) -> str:
+    """The URL without its password (status messages and Events are readable by many)."""
+    if "@" not in url:
+        return url
+    scheme, rest = url.split("://", 1) if "://" in url else ("", url)
+    host = rest.rsplit("@", 1)[1]
+    return f"{scheme}://***@{host}" if scheme else f"***@{host}"

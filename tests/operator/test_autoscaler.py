@@ -1,0 +1,387 @@
+"""The autoscaler loop against real inputs: daemons' /metrics (the daemon's own metrics
+code, served over HTTP on loopback), heartbeats in a real Redis, and the in-memory API.
+
+The e2e suite (e2e/test_autoscale.py) runs the same loop in the operator against real pods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from aiohttp import web
+from fake_kube import FakeKube
+
+from pagefleet.daemon.metrics import DaemonMetrics
+from pagefleet.dev.redis_server import LocalRedis
+from pagefleet.engine.outputs import RequestMetrics
+from pagefleet.kvindex.index import PodLoad
+from pagefleet.kvindex.redis_index import RedisKVIndex
+from pagefleet.operator.autoscaler import DELETION_COST, VICTIM_COST, Autoscaler
+from pagefleet.operator.builders import BuildSettings
+from pagefleet.operator.kube import DEPLOYMENT, INFERENCE_SERVICE
+from pagefleet.operator.metrics import OperatorMetrics
+from pagefleet.operator.signals import (
+    TTFT,
+    MetricsError,
+    delta,
+    parse_metrics,
+    quantile,
+)
+
+NS, NAME = "ml", "chat"
+PORT = 18931
+
+
+# ------------------------------------------------------------------------------ signals
+
+
+class FakeStats:
+    """An EngineStats-shaped snapshot (the daemon's metrics read it at scrape time)."""
+
+    def __init__(self) -> None:
+        self.num_running = 0
+        self.num_waiting = 0
+        self.num_preempted_total = 0
+        self.kv_usage = 0.0
+        self.num_blocks = 100
+        self.num_free_blocks = 100
+        self.prefix_queries_tokens = 0
+        self.prefix_hits_tokens = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.evictions_total = 0
+        self.steps_total = 0
+
+
+class Daemon:
+    """One pod's metrics: the daemon's DaemonMetrics, fed by hand."""
+
+    def __init__(self, pod: str) -> None:
+        self.metrics = DaemonMetrics("tiny", "unified", pod)
+        self.stats = FakeStats()
+        self.metrics.update_stats(self.stats)
+        self.garbage = False
+
+    def serve_requests(self, n: int, prompt: int, cached: int, out: int, ttft: float) -> None:
+        for _ in range(n):
+            m = RequestMetrics(
+                arrival_time=0.0,
+                first_scheduled_time=0.0,
+                first_token_time=ttft,
+                last_token_time=ttft + 0.01 * (out - 1),
+                finished_time=ttft + 0.01 * (out - 1),
+            )
+            self.metrics.observe_request(m, out)
+        self.stats.prompt_tokens_total += n * prompt
+        self.stats.prefix_hits_tokens += n * cached
+        self.stats.prefix_queries_tokens += n * prompt
+        self.stats.generation_tokens_total += n * out
+
+    def text(self) -> str:
+        if self.garbage:
+            return 'vllm:prompt_tokens_total{pod="x"} banana\n'
+        return self.metrics.render().decode()
+
+
+def test_parse_rates_and_percentiles_from_real_daemon_metrics() -> None:
+    d = Daemon("p0")
+    first = parse_metrics(d.text(), t=0.0)
+    d.serve_requests(n=10, prompt=100, cached=40, out=5, ttft=0.3)
+    d.serve_requests(n=10, prompt=100, cached=40, out=5, ttft=1.2)
+    second = parse_metrics(d.text(), t=2.0)
+    inc = delta(first, second)
+    assert inc is not None
+    assert inc.prompt_tokens == 20 * 60  # uncached only
+    assert inc.generation_tokens == 100
+    assert inc.requests == 20
+    # Half the requests at 0.3 s (bucket 0.3), half at 1.2 s (bucket 1.5): p95 lies in
+    # (1.0, 1.5], interpolated as PromQL does.
+    p95 = quantile(0.95, inc.buckets[TTFT].items())
+    assert p95 is not None and 1.0 < p95 <= 1.5
+    assert quantile(0.25, inc.buckets[TTFT].items()) == pytest.approx(0.25, abs=0.06)
+    assert quantile(0.5, {}.items()) is None
+    assert delta(second, first) is None  # counters went backwards: a restart, no rate
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ('vllm:prompt_tokens_total{pod="x"} banana\n', "unparsable"),
+        ("# nothing here\n", "missing series"),
+        ("<html>502 Bad Gateway</html>", "unparsable|missing"),
+    ],
+)
+def test_garbage_metrics_are_an_error_not_zero(text: str, match: str) -> None:
+    with pytest.raises(MetricsError, match=match):
+        parse_metrics(text, t=0.0)
+
+
+def test_quantile_beyond_the_last_bound_reports_that_bound() -> None:
+    assert quantile(0.99, [(0.1, 1.0), (1.0, 1.0), (math.inf, 10.0)]) == 1.0
+
+
+# ------------------------------------------------------------------------------ the loop
+
+
+class MetricsServers:
+    """aiohttp servers on 127.0.0.x:PORT, one per pod, in a background loop."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.runners: list[web.AppRunner] = []
+        self.daemons: dict[str, Daemon] = {}
+
+    def add(self, pod: str, ip: str) -> Daemon:
+        daemon = self.daemons[pod] = Daemon(pod)
+
+        async def handler(_: web.Request) -> web.Response:
+            return web.Response(text=daemon.text(), content_type="text/plain")
+
+        async def start() -> web.AppRunner:
+            app = web.Application()
+            app.router.add_get("/metrics", handler)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            await web.TCPSite(runner, ip, PORT).start()
+            return runner
+
+        self.runners.append(asyncio.run_coroutine_threadsafe(start(), self.loop).result(10))
+        return daemon
+
+    def close(self) -> None:
+        for r in self.runners:
+            asyncio.run_coroutine_threadsafe(r.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@pytest.fixture(scope="module")
+def redis() -> Iterator[str]:
+    with LocalRedis() as server:
+        yield server.url
+
+
+@pytest.fixture
+def servers() -> Iterator[MetricsServers]:
+    s = MetricsServers()
+    yield s
+    s.close()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def heartbeat(redis_url: str, pod: str, **load: Any) -> None:
+    async def go() -> None:
+        index = RedisKVIndex.from_url(redis_url, namespace=f"{NS}/{NAME}")
+        try:
+            await index.heartbeat(pod, PodLoad(**load), ttl_s=60)
+        finally:
+            await index.close()
+
+    asyncio.run(go())
+
+
+def world(
+    kube: FakeKube, redis_url: str, replicas: int, pods: list[tuple[str, str]], **auto: Any
+) -> None:
+    autoscaling = {
+        "minReplicas": 1,
+        "maxReplicas": 4,
+        "intervalSeconds": 1,
+        "scaleUpWindowSeconds": 0,
+        "scaleDownWindowSeconds": 0,
+        "prefillTokensPerSecond": 1000,
+        **auto,
+    }
+    spec = {
+        "model": {"source": {"path": "tiny"}},
+        "roles": {"unified": {"autoscaling": autoscaling}},
+        "index": {"redisURL": redis_url},
+        "slo": {"ttftMs": 500, "tpotMs": 100, "percentile": 95},
+    }
+    labels = {"pagefleet.io/service": NAME, "pagefleet.io/role": "unified"}
+    kube.add(
+        {"kind": "InferenceService", "metadata": {"name": NAME, "namespace": NS}, "spec": spec}
+    )
+    kube.add(
+        {
+            "kind": "Deployment",
+            "metadata": {"name": f"{NAME}-unified", "namespace": NS, "labels": labels},
+            "spec": {"replicas": replicas},
+        }
+    )
+    for pod, ip in pods:
+        kube.add(
+            {
+                "kind": "Pod",
+                "metadata": {"name": pod, "namespace": NS, "labels": labels},
+                "status": {
+                    "podIP": ip,
+                    "conditions": [{"type": "Ready", "status": "True"}],
+                },
+            }
+        )
+
+
+def tick(scaler: Autoscaler, kube: FakeKube, events: list[tuple[str, str, str]]) -> Any:
+    body = kube.get(INFERENCE_SERVICE, NS, NAME)
+    assert body is not None
+    out = scaler.tick(body, lambda t, r, m: events.append((t, r, m)))
+    return out
+
+
+def status_of(kube: FakeKube) -> dict[str, Any]:
+    obj = kube.get(INFERENCE_SERVICE, NS, NAME)
+    assert obj is not None
+    return obj.get("status") or {}
+
+
+def scaling_active(kube: FakeKube) -> dict[str, Any]:
+    return next(c for c in status_of(kube)["conditions"] if c["type"] == "ScalingActive")
+
+
+def replicas(kube: FakeKube) -> int:
+    d = kube.get(DEPLOYMENT, NS, f"{NAME}-unified")
+    assert d is not None
+    return int(d["spec"]["replicas"])
+
+
+def make(kube: FakeKube, clock: Clock) -> Autoscaler:
+    from pagefleet.operator.autoscaler import AutoscalerSettings
+
+    return Autoscaler(
+        kube,
+        BuildSettings(),
+        AutoscalerSettings(scrape_timeout_s=1.0, metrics_port=PORT),
+        OperatorMetrics(),
+        clock=clock,
+    )
+
+
+def test_load_step_scales_up_and_idle_scales_down_the_cheapest_pod(
+    redis: str, servers: MetricsServers
+) -> None:
+    kube, clock, events = FakeKube(), Clock(), []
+    world(kube, redis, 1, [("chat-a", "127.0.0.2")])
+    a = servers.add("chat-a", "127.0.0.2")
+    heartbeat(redis, "chat-a", running=2, num_cached_blocks=50)
+    scaler = make(kube, clock)
+
+    tick(scaler, kube, events)  # first scrape: rates unknown yet, nothing moves
+    assert replicas(kube) == 1
+    assert status_of(kube)["roles"][0]["autoscaling"]["reason"] == "InputsUnknown"
+    assert scaling_active(kube)["status"] == "True"  # warming up is not a problem
+
+    # A load step: ~5000 uncached prompt tokens/s on one replica rated 1000 at the SLO.
+    a.serve_requests(n=50, prompt=120, cached=20, out=8, ttft=0.9)
+    clock.t += 1
+    (out,) = tick(scaler, kube, events)
+    assert out.decision.reason.value == "ScaledUp", out.decision.message
+    assert replicas(kube) == 3  # +2, the max step
+    auto = status_of(kube)["roles"][0]["autoscaling"]
+    assert auto["desiredReplicas"] == 3 and auto["currentReplicas"] == 1
+    assert auto["lastScaleTime"] and "TTFT" in auto["message"]
+    assert ("Normal", "ScaledUp") in [(t, r) for t, r, _ in events]
+    # The miss taught it a capacity below the observed throughput.
+    assert 0 < auto["prefillTokensPerSecond"] < out.inputs.observation.prompt_tokens_per_s
+    text = scaler.metrics.registry  # type: ignore[union-attr]
+    assert (
+        text.get_sample_value(
+            "pagefleet_operator_role_desired_replicas",
+            {"namespace": NS, "service": NAME, "role": "unified"},
+        )
+        == 3
+    )
+
+    # Two more pods came up; the load is gone. One pod holds little cache: it goes.
+    for pod, ip in (("chat-b", "127.0.0.3"), ("chat-c", "127.0.0.4")):
+        servers.add(pod, ip)
+        kube.add(
+            {
+                "kind": "Pod",
+                "metadata": {
+                    "name": pod,
+                    "namespace": NS,
+                    "labels": {"pagefleet.io/service": NAME, "pagefleet.io/role": "unified"},
+                },
+                "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]},
+            }
+        )
+    heartbeat(redis, "chat-a", running=0, num_cached_blocks=50)
+    heartbeat(redis, "chat-b", running=0, num_cached_blocks=7)
+    heartbeat(redis, "chat-c", running=0, num_cached_blocks=30)
+    clock.t += 1
+    tick(scaler, kube, events)  # b and c: first scrape -> no scale-down on partial data
+    assert replicas(kube) == 3
+    clock.t += 1
+    (out,) = tick(scaler, kube, events)
+    assert out.decision.reason.value == "ScaledDown", out.decision.message
+    assert replicas(kube) == 2 and out.victim == "chat-b"
+    b = kube.obj("Pod", NS, "chat-b")
+    assert b is not None and b["metadata"]["annotations"][DELETION_COST] == VICTIM_COST
+    others = [kube.obj("Pod", NS, p) for p in ("chat-a", "chat-c")]
+    assert all(DELETION_COST not in (o or {})["metadata"].get("annotations", {}) for o in others)
+    assert any(r == "ScaledDown" and "chat-b" in m for _, r, m in events)
+
+
+def test_garbage_pod_and_unreachable_redis_hold_with_a_condition(
+    redis: str, servers: MetricsServers
+) -> None:
+    kube, clock, events = FakeKube(), Clock(), []
+    world(kube, redis, 2, [("chat-a", "127.0.0.2"), ("chat-b", "127.0.0.3")])
+    servers.add("chat-a", "127.0.0.2")
+    bad = servers.add("chat-b", "127.0.0.3")
+    bad.garbage = True
+    heartbeat(redis, "chat-a", running=0)
+    heartbeat(redis, "chat-b", running=0)
+    scaler = make(kube, clock)
+    for _ in range(3):  # idle load would scale down, were chat-b's data known
+        tick(scaler, kube, events)
+        clock.t += 1
+    assert replicas(kube) == 2
+    cond = scaling_active(kube)
+    assert cond["status"] == "False" and cond["reason"] == "InputsPartial"
+    assert "chat-b" in cond["message"] and "unparsable" in cond["message"]
+    assert ("Warning", "InputsPartial") in [(t, r) for t, r, _ in events]
+
+    # Redis unreachable: every pod unknown, whatever its /metrics say.
+    obj = kube.obj("InferenceService", NS, NAME)
+    assert obj is not None
+    obj["spec"]["index"]["redisURL"] = "redis://127.0.0.1:1/0"
+    bad.garbage = False
+    for _ in range(2):
+        tick(scaler, kube, events)
+        clock.t += 1
+    assert replicas(kube) == 2
+    cond = scaling_active(kube)
+    assert cond["status"] == "False" and cond["reason"] == "InputsUnknown"
+    assert "Redis redis://127.0.0.1:1/0" in cond["message"]
+
+
+def test_missing_slo_is_a_condition_not_a_crash(redis: str, servers: MetricsServers) -> None:
+    kube, clock, events = FakeKube(), Clock(), []
+    world(kube, redis, 2, [("chat-a", "127.0.0.2")])
+    obj = kube.obj("InferenceService", NS, NAME)
+    assert obj is not None
+    del obj["spec"]["slo"]
+    servers.add("chat-a", "127.0.0.2")
+    heartbeat(redis, "chat-a", running=0)
+    scaler = make(kube, clock)
+    tick(scaler, kube, events)
+    assert replicas(kube) == 2
+    cond = scaling_active(kube)
+    assert cond["status"] == "False" and cond["reason"] == "SLOMissing"
+    assert "spec.slo" in cond["message"]
