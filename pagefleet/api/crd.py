@@ -115,7 +115,8 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
             if value is None:
                 continue
             out[key] = _strip_nones(value)
-        elif key == "exclusiveMinimum":
+        elif key == "exclusiveMinimum" and not isinstance(value, bool):
+            # (an Optional field's variant arrives here already converted: keep it)
             out["minimum"] = value
             out["exclusiveMinimum"] = True
         elif key == "properties":

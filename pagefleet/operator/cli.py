@@ -98,9 +98,16 @@ from pagefleet.operator.builders import BuildSettings
 @click.option(
     "--metrics-port",
     type=click.IntRange(min=0, max=65535),
-    default=9090,
+    default=0,
     show_default=True,
-    help="Serve the operator's Prometheus metrics on this port (0: off).",
+    help="Serve the operator's Prometheus metrics (docs/metrics.md) on this port; 0: off "
+    "(the Helm chart turns it on).",
+)
+@click.option(
+    "--metrics-host",
+    default="0.0.0.0",
+    show_default=True,
+    help="Address the metrics port binds.",
 )
 @click.option("--verbose", "-v", is_flag=True, help="Log every handler run.")
 def command(
@@ -117,6 +124,7 @@ def command(
     autoscale_seconds: float,
     scrape_timeout_seconds: float,
     metrics_port: int,
+    metrics_host: str,
     verbose: bool,
 ) -> None:
     """Run the InferenceService operator (kubeconfig or in-cluster credentials)."""
@@ -148,7 +156,7 @@ def command(
     kube = RestKube()
     metrics = OperatorMetrics()
     if metrics_port:
-        metrics.serve(metrics_port)
+        metrics.serve(metrics_port, metrics_host)
     autoscaler = Autoscaler(
         kube, settings, AutoscalerSettings(scrape_timeout_s=scrape_timeout_seconds), metrics
     )

@@ -86,6 +86,8 @@ def test_schema_is_structural_and_every_field_is_described():
             assert "type" in node, path
         if "exclusiveMinimum" in node:
             assert node["exclusiveMinimum"] is True  # OpenAPI v3.0 form
+        for bound in ("minimum", "maximum"):  # numbers (an Optional field once got `true`)
+            assert not isinstance(node.get(bound, 0), bool), (path, bound)
         assert node.get("additionalProperties") is not False
 
 

@@ -1,0 +1,266 @@
+"""The role autoscaler on a real control plane (issue 13).
+
+One InferenceService with unified autoscaling {min 1, max 3} and short windows; a load step
+through the gateway (`pagefleet bench`, open loop) scales it to >= 2 Ready pods; when the
+load stops it scales back to 1, and every pod the ReplicaSet removes is the one the planner
+marked with `controller.kubernetes.io/pod-deletion-cost`. Status and Events carry reasons,
+and the operator's /metrics show desired replicas.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from e2e.cluster import ControlPlane, eventually, tail
+from e2e.kube_client import KubeClient
+from e2e.test_operator import (
+    CRD,
+    PAGEFLEET,
+    ROOT,
+    _pods,
+    _ready,
+    _tiny_checkpoint,
+    apply,
+    condition,
+    events_for,
+    get_is,
+    infsvc,
+    redis_url,  # noqa: F401 (fixture)
+)
+
+pytestmark = pytest.mark.e2e
+
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+SELECTOR = "pagefleet.io/service=auto,pagefleet.io/role=unified"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def autoscaling_operator(
+    cluster: ControlPlane, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[subprocess.Popen[bytes], Path, int]]:
+    cluster.kubectl("apply", "-f", str(CRD))
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "-f", str(CRD))
+    cluster.kubectl("apply", "-f", str(ROOT / "deploy" / "rbac.yaml"))
+    kubeconfig = cluster.service_account_kubeconfig("pagefleet-system", "pagefleet-operator")
+    log = tmp_path_factory.mktemp("operator") / "operator.log"
+    port = _free_port()
+    cmd = [
+        PAGEFLEET,
+        "operator",
+        "--all-namespaces",
+        "--resync-seconds",
+        "5",
+        "--autoscale-seconds",
+        "1",
+        "--metrics-port",
+        str(port),
+        "--metrics-host",
+        "127.0.0.1",
+    ]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            cmd,
+            env={**os.environ, "KUBECONFIG": str(kubeconfig)},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        yield proc, log, port
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        text = log.read_text(errors="replace")
+        assert "is forbidden: User" not in text, "the operator was refused by RBAC"
+        assert "autoscaler tick of" not in text, "the autoscaler raised:\n" + tail(log, 40)
+
+
+def _autoscaling(obj: dict[str, Any]) -> dict[str, Any]:
+    roles = (obj.get("status") or {}).get("roles") or []
+    return next((r.get("autoscaling") or {} for r in roles if r["name"] == "unified"), {})
+
+
+class PodWatch:
+    """Polls the role's pods; remembers each pod's annotations when it starts terminating."""
+
+    def __init__(self, kube: KubeClient, ns: str) -> None:
+        self.kube, self.ns = kube, ns
+        self.removed: dict[str, str | None] = {}  # pod -> its deletion cost when removed
+
+    def poll(self) -> list[dict[str, Any]]:
+        items = self.kube.get(f"/api/v1/namespaces/{self.ns}/pods", {"labelSelector": SELECTOR})[
+            "items"
+        ]
+        for p in items:
+            name = p["metadata"]["name"]
+            if p["metadata"].get("deletionTimestamp") and name not in self.removed:
+                self.removed[name] = (p["metadata"].get("annotations") or {}).get(DELETION_COST)
+        return [p for p in items if not p["metadata"].get("deletionTimestamp")]
+
+
+def test_load_step_scales_out_and_back_removing_the_marked_pod(
+    cluster: ControlPlane,
+    kube: KubeClient,
+    namespace: str,
+    autoscaling_operator: tuple[subprocess.Popen[bytes], Path, int],
+    redis_url: str,  # noqa: F811
+) -> None:
+    proc, log, metrics_port = autoscaling_operator
+    t0 = time.monotonic()
+    model = _tiny_checkpoint()
+    gw_kubeconfig = cluster.workdir / f"kubeconfig-sa-{namespace}-auto-gateway"
+    spec = {
+        "model": {"source": {"path": model}, "servedModelName": "tiny"},
+        "command": [PAGEFLEET],
+        "engine": {"kvCacheMemoryMB": 16, "maxNumSeqs": 8},
+        "roles": {
+            "unified": {
+                "autoscaling": {
+                    "minReplicas": 1,
+                    "maxReplicas": 3,
+                    "intervalSeconds": 1,
+                    "scaleUpWindowSeconds": 0,
+                    "scaleDownWindowSeconds": 4,
+                    "maxScaleUpStep": 1,
+                    # A tiny CPU replica rated low, so a modest load step needs more of them.
+                    "prefillTokensPerSecond": 40,
+                    "decodeTokensPerSecond": 20,
+                }
+            }
+        },
+        "router": {"replicas": 1, "env": [{"name": "KUBECONFIG", "value": str(gw_kubeconfig)}]},
+        "index": {"redisURL": redis_url},
+        "slo": {"ttftMs": 2000, "tpotMs": 500},
+    }
+    res = apply(cluster, infsvc("auto", namespace, spec))
+    assert res.returncode == 0, res.stderr
+    eventually(
+        lambda: kube.get_or_none(f"/api/v1/namespaces/{namespace}/serviceaccounts/auto-gateway"),
+        60,
+        "the gateway ServiceAccount",
+    )
+    cluster.service_account_kubeconfig(namespace, "auto-gateway")
+    watch = PodWatch(kube, namespace)
+
+    def one_ready_and_gateway() -> str | bool:
+        daemons = watch.poll()
+        gws = _pods(kube, namespace, "pagefleet.io/service=auto,pagefleet.io/role=gateway")
+        ok = len(daemons) == 1 and _ready(daemons[0]) and gws and _ready(gws[0])
+        return gws[0]["status"]["podIP"] if ok else False
+
+    gateway_ip = eventually(one_ready_and_gateway, 180, "1 Ready daemon and the gateway")
+    # Idle: the planner holds at min (Steady or waiting for a second scrape), never lower.
+    eventually(
+        lambda: (
+            _autoscaling(get_is(kube, namespace, "auto")).get("reason")
+            in ("Steady", "CapacityUnknown")
+        ),
+        60,
+        "a first autoscaler decision on the idle service",
+    )
+    ready_s = time.monotonic() - t0
+
+    # The load step: open-loop conversations through the gateway until >= 2 pods are Ready.
+    t1 = time.monotonic()
+    bench_log = log.with_name("bench.log")
+    with open(bench_log, "wb") as out:
+        bench = subprocess.Popen(
+            [
+                PAGEFLEET,
+                "bench",
+                "--url",
+                f"http://{gateway_ip}:8080/v1",
+                "--model",
+                "tiny",
+                "-n",
+                "2000",
+                "--request-rate",
+                "6",
+                "--max-tokens",
+                "16",
+                "--no-progress",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+
+        def scaled_out() -> bool:
+            assert bench.poll() is None, "the load generator exited:\n" + tail(bench_log, 30)
+            ready = [p for p in watch.poll() if _ready(p)]
+            return len(ready) >= 2
+
+        eventually(scaled_out, 120, ">= 2 Ready daemons under load")
+    finally:
+        os.killpg(bench.pid, signal.SIGTERM)
+        bench.wait(timeout=30)
+    scale_out_s = time.monotonic() - t1
+    obj = get_is(kube, namespace, "auto")
+    up = [e for e in events_for(cluster, namespace, "auto") if e["reason"] == "ScaledUp"]
+    assert up, "no ScaledUp Event"
+    assert up[0]["message"].startswith("unified: ")
+    assert "tok/s" in up[0]["message"]  # the inputs behind the decision
+    peak = max(len(watch.poll()), _autoscaling(obj).get("desiredReplicas", 0))
+
+    # Load gone: back to 1, one pod at a time, each the one the planner marked.
+    t2 = time.monotonic()
+
+    def scaled_in() -> bool:
+        alive = watch.poll()
+        return (
+            len(alive) == 1
+            and _autoscaling(get_is(kube, namespace, "auto")).get("desiredReplicas") == 1
+        )
+
+    eventually(scaled_in, 120, "back to 1 daemon after the load stopped")
+    scale_in_s = time.monotonic() - t2
+    assert len(watch.removed) >= max(1, peak - 1), (peak, watch.removed)
+    wrong = {pod: cost for pod, cost in watch.removed.items() if cost != "-1000"}
+    assert not wrong, f"pods removed without the planner's mark: {wrong}"
+    downs = [e for e in events_for(cluster, namespace, "auto") if e["reason"] == "ScaledDown"]
+    for pod in watch.removed:
+        assert any(pod in e["message"] for e in downs), (pod, [e["message"] for e in downs])
+
+    obj = get_is(kube, namespace, "auto")
+    auto = _autoscaling(obj)
+    assert auto["reason"] in ("ScaledDown", "Steady", "ScaleDownStabilizing"), auto
+    assert auto["lastScaleTime"] and auto["currentReplicas"] >= 1
+    active = condition(obj, "ScalingActive")
+    assert active.get("status") == "True", active
+    # Deployment replicas are the autoscaler's, not clamped back by the reconciler.
+    dep = kube.get(f"/apis/apps/v1/namespaces/{namespace}/deployments/auto-unified")
+    assert dep["spec"]["replicas"] == 1
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    assert 'pagefleet_operator_role_desired_replicas{namespace="' + namespace in text
+    assert "pagefleet_operator_autoscaler_decisions_total" in text
+    assert proc.poll() is None, tail(log, 40)
+    print(
+        f"autoscale e2e: first Ready {ready_s:.0f}s, scale-out {scale_out_s:.0f}s, "
+        f"scale-in {scale_in_s:.0f}s, removed {sorted(watch.removed)}"
+    )
+    cluster.kubectl("delete", "infsvc", "auto", "-n", namespace, "--wait=false")
+    eventually(lambda: _pods(kube, namespace, "pagefleet.io/service=auto") == [], 120, "cleanup")
