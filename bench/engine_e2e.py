@@ -71,6 +71,7 @@ def build_engine(
     from pagefleet.engine.model_config import ModelConfig, parse_dtype
     from pagefleet.engine.model_runner import ModelRunner
     from pagefleet.engine.models import get_model_class
+    from pagefleet.engine.parts import EngineParts
     from pagefleet.engine.sampler import Sampler
     from pagefleet.engine.tiny_tokenizer import EOS_TOKEN, write_tokenizer_files
     from pagefleet.kernels import get_backend
@@ -123,14 +124,16 @@ def build_engine(
         max_num_batched_tokens=4096,
         enable_prefix_caching=False,
     )
-    engine = LLMEngine.from_runner(
+    engine = LLMEngine(
         config,
-        runner,
-        tokenizer,
-        eos_token_ids=mc.eos_token_ids,
-        vocab_size=mc.vocab_size,
-        model_max_len=mc.max_position_embeddings,
-        num_blocks=num_blocks,
+        parts=EngineParts(
+            runner,
+            tokenizer,
+            eos_token_ids=mc.eos_token_ids,
+            vocab_size=mc.vocab_size,
+            model_max_len=mc.max_position_embeddings,
+            num_blocks=num_blocks,
+        ),
     )
     return engine, runner.backend.name, mc
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.engine import LLMEngine
+from pagefleet.engine.parts import EngineParts
 from pagefleet.engine.sampler import SampleResult
 from pagefleet.engine.sampling_params import SamplingParams
 
@@ -76,14 +77,16 @@ def run_paged(trace: list[TraceRequest], mem_slots: int, block_size: int) -> dic
         max_num_batched_tokens=1 << 16,
         enable_prefix_caching=False,
     )
-    eng = LLMEngine.from_runner(
+    eng = LLMEngine(
         cfg,
-        _OneTokenRunner(),
-        _NoText(),
-        eos_token_ids=(),
-        vocab_size=8,
-        model_max_len=MAX_MODEL_LEN,
-        num_blocks=num_blocks,
+        parts=EngineParts(
+            _OneTokenRunner(),
+            _NoText(),
+            eos_token_ids=(),
+            vocab_size=8,
+            model_max_len=MAX_MODEL_LEN,
+            num_blocks=num_blocks,
+        ),
     )
     rng = random.Random(0)
     live_sum = reserved_sum = 0

@@ -14,14 +14,22 @@ A cache hit removes a block from the middle of the queue in O(1).
 
 The hash map holds full blocks only, one block per hash. ``check_integrity()`` verifies all
 of the above; tests call it after every step.
+
+The pool is the only place KV events come from, because it is the only place the hash map
+changes: ``cache_block`` emits ``BlockStored``, eviction ``BlockRemoved``, a reset
+``AllBlocksCleared``, in the order they happen. Replaying ``take_events()`` in order
+therefore gives exactly the keys of ``cached``. Which blocks get cached, so that the set
+stays prefix-closed, is the KV cache manager's part of the contract stated in
+pagefleet/kvindex/events.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
 
-from pagefleet.kvindex.events import AllBlocksCleared, BlockRemoved, KVEvent
+from pagefleet.kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 @dataclass(slots=True, eq=False)
@@ -33,6 +41,26 @@ class KVBlock:
     prev: KVBlock | None = None
     next: KVBlock | None = None
     in_free_queue: bool = False
+
+
+@dataclass(slots=True)
+class _StoredRun:
+    """Consecutive stores along one chain, grown in place and emitted as one BlockStored."""
+
+    parent_hash: int | None
+    lora_id: str | None
+    block_size: int
+    hashes: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+
+    def event(self) -> BlockStored:
+        return BlockStored(
+            block_hashes=self.hashes,
+            parent_block_hash=self.parent_hash,
+            token_ids=self.token_ids,
+            block_size=self.block_size,
+            lora_id=self.lora_id,
+        )
 
 
 class FreeBlockQueue:
@@ -106,9 +134,7 @@ class FreeBlockQueue:
 class BlockPool:
     """Owns every KV block of one engine. Not thread-safe: the engine is single-threaded.
 
-    Events (``BlockRemoved`` on eviction, ``AllBlocksCleared`` on reset) are appended to
-    ``events`` in the order they happen; the ``KVCacheManager`` adds ``BlockStored`` to the
-    same list so the stream stays ordered.
+    Emits every KV event of the engine, in order (``take_events``).
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
@@ -119,7 +145,8 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[int, KVBlock] = {}  # block hash -> block (full blocks only)
-        self.events: list[KVEvent] = []
+        self._events: list[KVEvent] = []
+        self._run: _StoredRun | None = None  # the BlockStored still growing, if any
         self.num_evictions = 0
 
     # --- queries -----------------------------------------------------------------------
@@ -182,12 +209,21 @@ class BlockPool:
 
     # --- prefix cache --------------------------------------------------------------------
 
-    def cache_block(self, block: KVBlock, block_hash: int) -> bool:
-        """Register a full, referenced block under ``block_hash``.
+    def cache_block(
+        self,
+        block: KVBlock,
+        block_hash: int,
+        parent_hash: int | None,
+        token_ids: Seq[int],
+        lora_id: str | None = None,
+    ) -> bool:
+        """Register a full, referenced block under ``block_hash`` and emit its BlockStored
+        (``parent_hash``: the key of the block before it in its chain; ``token_ids``: its
+        tokens). Stores that extend the chain of the previous event join that event.
 
-        Returns False (and leaves the block unhashed) if another block already holds that
-        hash, e.g. two sequences computed the same prefix in the same step: the map keeps
-        one block per key so the index never sees duplicates.
+        Returns False (and leaves the block unhashed, emitting nothing) if another block
+        already holds that hash, e.g. two sequences computed the same prefix in the same
+        step: the map keeps one block per key so the index never sees duplicates.
         """
         assert block.ref_cnt > 0, "only a referenced (just computed) block can be cached"
         if not self.enable_caching or block.block_hash is not None:
@@ -196,13 +232,33 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        run = self._run
+        if (
+            run is None
+            or run.hashes[-1] != parent_hash
+            or run.lora_id != lora_id
+            or run.block_size != len(token_ids)
+        ):
+            self._close_run()
+            run = self._run = _StoredRun(parent_hash, lora_id, len(token_ids))
+        run.hashes.append(block_hash)
+        run.token_ids.extend(token_ids)
         return True
+
+    def _emit(self, event: KVEvent) -> None:
+        self._close_run()
+        self._events.append(event)
+
+    def _close_run(self) -> None:
+        if self._run is not None:
+            self._events.append(self._run.event())
+            self._run = None
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:
             return
         del self.cached[block.block_hash]
-        self.events.append(BlockRemoved(block_hashes=[block.block_hash]))
+        self._emit(BlockRemoved(block_hashes=[block.block_hash]))
         block.block_hash = None
         self.num_evictions += 1
 
@@ -213,10 +269,12 @@ class BlockPool:
         for block in self.cached.values():
             block.block_hash = None
         self.cached.clear()
-        self.events.append(AllBlocksCleared())
+        self._emit(AllBlocksCleared())
 
     def take_events(self) -> list[KVEvent]:
-        events, self.events = self.events, []
+        """Every event since the last call, in the order the pool changed."""
+        self._close_run()
+        events, self._events = self._events, []
         return events
 
     # --- invariants ----------------------------------------------------------------------

@@ -19,9 +19,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable
-from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -29,7 +27,6 @@ from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.detokenizer import Decoder, IncrementalDetokenizer
 from pagefleet.engine.errors import InvalidRequestError
 from pagefleet.engine.kv_cache_manager import KVCacheManager
-from pagefleet.engine.model_runner import ModelRunner, Runner, kv_cache_bytes_per_block
 from pagefleet.engine.outputs import (
     CompletionDelta,
     CompletionOutput,
@@ -38,8 +35,9 @@ from pagefleet.engine.outputs import (
     RequestOutput,
     TokenLogprob,
 )
+from pagefleet.engine.parts import EngineParts, load_parts
 from pagefleet.engine.request import Request, SeqIdCounter, Sequence
-from pagefleet.engine.sampler import Sampler, SampleResult
+from pagefleet.engine.sampler import SampleResult
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.scheduler import Scheduler
 from pagefleet.kvindex.events import KVEventBatch
@@ -75,108 +73,20 @@ class LLMEngine:
         config: EngineConfig,
         event_sink: EventSink | None = None,
         *,
-        loaded: tuple[Any, Any, Any] | None = None,
+        parts: EngineParts | None = None,
     ) -> None:
-        """Load ``config.model`` (or reuse ``loaded`` = ``load_model``'s result, so several
-        engines can share one set of weights), size the KV pool, build scheduler and runner.
-        """
-        from pagefleet.engine.loader import load_model, resolve_model
-
-        try:
-            from pagefleet.kernels import get_backend
-        except ImportError:  # kernels package without the selector: torch reference path
-            from pagefleet.kernels.backend import get_backend
-
-        if loaded is None:
-            loaded = load_model(resolve_model(config.model), config.dtype, config.device)
-        model, mc, tokenizer = loaded
-        if mc.sliding_window and (config.max_model_len or 0) > mc.sliding_window:
-            raise ValueError(
-                f"max_model_len {config.max_model_len} exceeds the model's sliding_window "
-                f"{mc.sliding_window}, which pagefleet does not apply yet: tokens past the "
-                f"window would attend to too much context; set max_model_len <= "
-                f"{mc.max_exact_len}"
-            )
-        device = torch.device(config.device)
-        per_block = kv_cache_bytes_per_block(
-            mc.num_hidden_layers, config.block_size, mc.num_key_value_heads, mc.head_dim, mc.dtype
-        )
-        num_blocks = config.num_gpu_blocks or config.kv_cache_memory_bytes // per_block
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds no KV block "
-                f"({per_block} bytes each); raise it or set num_gpu_blocks"
-            )
-        runner = ModelRunner(
-            model,
-            num_layers=mc.num_hidden_layers,
-            num_kv_heads=mc.num_key_value_heads,
-            head_dim=mc.head_dim,
-            num_blocks=num_blocks,
-            block_size=config.block_size,
-            backend=get_backend(config.attention_backend, device),
-            sampler=Sampler(mc.eos_token_ids),
-            device=device,
-            dtype=mc.dtype,
-        )
-        self.model_config = mc
-        self._setup(
-            config,
-            runner,
-            tokenizer,
-            eos_token_ids=mc.eos_token_ids,
-            vocab_size=mc.vocab_size,
-            model_max_len=mc.max_exact_len,
-            num_blocks=num_blocks,
-            event_sink=event_sink,
-        )
-
-    @classmethod
-    def from_runner(
-        cls,
-        config: EngineConfig,
-        runner: Runner,
-        tokenizer: Decoder,
-        *,
-        eos_token_ids: Seq[int],
-        vocab_size: int,
-        model_max_len: int,
-        num_blocks: int,
-        event_sink: EventSink | None = None,
-    ) -> LLMEngine:
-        """An engine over a given runner (tests use a model-free one)."""
-        self = cls.__new__(cls)
-        self.model_config = None
-        self._setup(
-            config,
-            runner,
-            tokenizer,
-            eos_token_ids=eos_token_ids,
-            vocab_size=vocab_size,
-            model_max_len=model_max_len,
-            num_blocks=num_blocks,
-            event_sink=event_sink,
-        )
-        return self
-
-    def _setup(
-        self,
-        config: EngineConfig,
-        runner: Runner,
-        tokenizer: Decoder,
-        *,
-        eos_token_ids: Seq[int],
-        vocab_size: int,
-        model_max_len: int,
-        num_blocks: int,
-        event_sink: EventSink | None,
-    ) -> None:
+        """Build the engine over ``parts``; without them, load ``config.model``
+        (``load_parts``: weights, KV pool size, model runner). The only constructor."""
+        if parts is None:
+            parts = load_parts(config)
+        num_blocks = parts.num_blocks
         self.config = config
-        self.runner = runner
-        self.tokenizer = tokenizer
-        self.eos_token_ids = set(eos_token_ids)
-        self.vocab_size = vocab_size
-        max_len = config.max_model_len or model_max_len
+        self.runner = parts.runner
+        self.tokenizer = parts.tokenizer
+        self.model_config = parts.model_config
+        self.vocab_size = parts.vocab_size
+        self.eos_token_ids = set(parts.eos_token_ids)
+        max_len = config.max_model_len or parts.model_max_len
         capacity = num_blocks * config.block_size
         if max_len > capacity:
             # A lone sequence must always fit, or preemption could never make progress.

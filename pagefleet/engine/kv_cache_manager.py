@@ -12,10 +12,11 @@ Invariants:
 - a block gets a hash only once all its tokens have KV (or will after this step's
   forward), and the hash is ``kvindex.hashing.block_hashes`` of the sequence's tokens under
   ``namespace`` with the LoRA id as extra, so the gateway computes the same keys;
-- after every step the cached set is prefix-closed (a cached block's parent is cached):
-  tables are freed tail first, a block is cached only while its parent is, and duplicate
-  copies of a cached block are folded into it (``end_step``). The index's lookup bisects
-  chains on this.
+- after every step the cached set is prefix-closed, the engine's side of the contract in
+  pagefleet/kvindex/events.py: tables are freed tail first, a block is cached only while
+  its parent is, and duplicate copies of a cached block are folded into it (``end_step``).
+
+The pool emits the KV events (``BlockStored`` when this manager caches a block).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from collections.abc import Sequence as Seq
 
 from pagefleet.engine.block_pool import BlockPool, KVBlock
 from pagefleet.engine.request import Sequence
-from pagefleet.kvindex.events import BlockStored, KVEvent
+from pagefleet.kvindex.events import KVEvent
 
 
 def cdiv(a: int, b: int) -> int:
@@ -64,9 +65,9 @@ class KVCacheManager:
         Two sequences that fill a block with the same tokens in one step both compute it,
         and only the first is cached. Left alone, the second sequence's later blocks would
         be cached under a parent that no table of theirs holds, so the parent could be
-        evicted first and break the prefix closure the index relies on (a cached block's
-        parent is cached). Swapping in the original restores it and frees the copy; if the
-        original was evicted meanwhile, the duplicate is cached in its place.
+        evicted first and break the prefix closure the index relies on (kvindex/events.py).
+        Swapping in the original restores it and frees the copy; if the original was
+        evicted meanwhile, the duplicate is cached in its place.
         """
         dups, self._dups = self._dups, []
         for i, dup, h, seq in dups:
@@ -80,11 +81,9 @@ class KVCacheManager:
                 continue  # freed or preempted since
             orig = self.pool.get_cached_block(h)
             if orig is None:
-                parent_gone = i > 0 and self.pool.get_cached_block(seq.block_hashes[i - 1]) is None
-                if not parent_gone and self.pool.cache_block(dup, h):
-                    self._emit_stored(
-                        seq, [i], seq.full_block_hashes(self.block_size, self.namespace)
-                    )
+                parent = seq.block_hashes[i - 1] if i > 0 else None
+                if parent is None or self.pool.get_cached_block(parent) is not None:
+                    self._cache(seq, dup, i, h, parent)
                 continue
             # Forked siblings may share the duplicate too.
             holders = [t for t in self._tables.values() if i < len(t) and t[i] is dup]
@@ -204,35 +203,25 @@ class KVCacheManager:
         if num_full <= first:
             return
         hashes = seq.full_block_hashes(self.block_size, self.namespace)
-        group: list[int] = []  # consecutive block indices registered now
         for i in range(first, num_full):
-            if i > 0 and self.pool.get_cached_block(hashes[i - 1]) is None:
+            parent = hashes[i - 1] if i > 0 else None
+            if parent is not None and self.pool.get_cached_block(parent) is None:
                 # Only after a reset: its parent was forgotten while this sequence ran.
-                # Caching it would break prefix closure (a cached block's parent is cached).
+                # Caching it would break prefix closure (kvindex/events.py).
                 break
-            if self.pool.cache_block(table[i], hashes[i]):
+            if self._cache(seq, table[i], i, hashes[i], parent):
                 self._inflight.add(table[i].block_id)
-                if group and group[-1] != i - 1:
-                    self._emit_stored(seq, group, hashes)
-                    group = []
-                group.append(i)
             elif table[i].block_hash is None:
                 self._dups.append((i, table[i], hashes[i], seq))
-        if group:
-            self._emit_stored(seq, group, hashes)
         self._num_hashed[seq.seq_id] = num_full
 
-    def _emit_stored(self, seq: Sequence, idx: list[int], hashes: list[int]) -> None:
+    def _cache(
+        self, seq: Sequence, block: KVBlock, i: int, block_hash: int, parent: int | None
+    ) -> bool:
+        """Cache ``seq``'s ``i``-th block; the pool emits its BlockStored."""
         bs = self.block_size
-        lo, hi = idx[0], idx[-1] + 1
-        self.pool.events.append(
-            BlockStored(
-                block_hashes=[hashes[i] for i in idx],
-                parent_block_hash=hashes[lo - 1] if lo > 0 else None,
-                token_ids=list(seq.token_ids[lo * bs : hi * bs]),
-                block_size=bs,
-                lora_id=seq.request.lora_id,
-            )
+        return self.pool.cache_block(
+            block, block_hash, parent, seq.token_ids[i * bs : (i + 1) * bs], seq.request.lora_id
         )
 
     def fork(self, parent: Sequence, child: Sequence) -> None:

@@ -118,6 +118,7 @@ def fake_engine():
     """Build an LLMEngine over ``FakeKVRunner`` and ``ByteTokenizer`` (no model)."""
     from pagefleet.engine.config import EngineConfig
     from pagefleet.engine.engine import LLMEngine
+    from pagefleet.engine.parts import EngineParts
 
     def make(
         num_blocks: int = 64, block_size: int = 4, max_model_len: int = 256, event_sink=None, **cfg
@@ -126,15 +127,17 @@ def fake_engine():
             block_size=block_size, num_gpu_blocks=num_blocks, max_model_len=max_model_len, **cfg
         )
         runner = FakeKVRunner(num_blocks, block_size, 256, (0,))
-        return LLMEngine.from_runner(
+        return LLMEngine(
             config,
-            runner,
-            ByteTokenizer(),
-            eos_token_ids=(0,),
-            vocab_size=256,
-            model_max_len=max_model_len,
-            num_blocks=num_blocks,
-            event_sink=event_sink,
+            event_sink,
+            parts=EngineParts(
+                runner,
+                ByteTokenizer(),
+                eos_token_ids=(0,),
+                vocab_size=256,
+                model_max_len=max_model_len,
+                num_blocks=num_blocks,
+            ),
         )
 
     return make

@@ -6,7 +6,7 @@ import pytest
 
 from pagefleet.engine.block_pool import BlockPool, FreeBlockQueue, KVBlock
 from pagefleet.engine.kv_cache_manager import KVCacheManager
-from pagefleet.kvindex.events import BlockRemoved, BlockStored
+from pagefleet.kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored
 from pagefleet.kvindex.hashing import block_hashes
 
 
@@ -41,7 +41,7 @@ def test_eviction_is_lru_tail_first_and_hashless_blocks_go_first() -> None:
     pool = BlockPool(4)
     a = pool.get_new_blocks(3)
     for i, b in enumerate(a):
-        assert pool.cache_block(b, 100 + i)
+        assert pool.cache_block(b, 100 + i, 99 + i if i else None, [i, i])
     pool.free_blocks(reversed(a))  # chain tail first
     # block 3 (never used, hashless) is reused first, then chain tail 102, 101, 100.
     order = [pool.get_new_blocks(1)[0].block_id for _ in range(4)]
@@ -55,10 +55,29 @@ def test_eviction_is_lru_tail_first_and_hashless_blocks_go_first() -> None:
 def test_duplicate_hash_is_not_registered_twice() -> None:
     pool = BlockPool(2)
     a, b = pool.get_new_blocks(2)
-    assert pool.cache_block(a, 7)
-    assert not pool.cache_block(b, 7)
+    assert pool.cache_block(a, 7, None, [1, 2])
+    assert not pool.cache_block(b, 7, None, [1, 2])
     assert b.block_hash is None and pool.get_cached_block(7) is a
+    assert len(pool.take_events()) == 1  # the refused duplicate emitted nothing
     pool.check_integrity()
+
+
+def test_pool_emits_every_event_in_order_and_joins_one_chain() -> None:
+    pool = BlockPool(4)
+    a = pool.get_new_blocks(4)
+    assert pool.cache_block(a[0], 10, None, [1, 2])
+    assert pool.cache_block(a[1], 11, 10, [3, 4])  # extends the chain: same event
+    assert pool.cache_block(a[2], 20, 5, [5, 6], lora_id="x")  # another chain: new event
+    pool.free_blocks(reversed(a))
+    pool.get_new_blocks(2)  # the hashless block, then chain tail 20
+    pool.reset_prefix_cache()
+    assert pool.take_events() == [
+        BlockStored([10, 11], None, [1, 2, 3, 4], 2),
+        BlockStored([20], 5, [5, 6], 2, lora_id="x"),
+        BlockRemoved([20]),
+        AllBlocksCleared(),
+    ]
+    assert pool.take_events() == []
 
 
 def test_integrity_catches_a_leaked_reference() -> None:

@@ -17,6 +17,7 @@ import torch
 from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.engine import LLMEngine
 from pagefleet.engine.loader import resolve_model
+from pagefleet.engine.parts import load_parts
 from pagefleet.engine.sampling_params import SamplingParams
 
 MAX_TOKENS = 10
@@ -121,7 +122,8 @@ def _engine(preset: str, **kw) -> LLMEngine:
 
     if preset not in _LOADED:
         _LOADED[preset] = load_model(resolve_model(preset))
-    return LLMEngine(EngineConfig(model=preset, **kw), loaded=_LOADED[preset])
+    config = EngineConfig(model=preset, **kw)
+    return LLMEngine(config, parts=load_parts(config, loaded=_LOADED[preset]))
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2"])

@@ -10,6 +10,7 @@ import torch
 
 from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.engine import LLMEngine
+from pagefleet.engine.parts import load_parts
 from pagefleet.engine.sampler import Sampler, apply_top_k_top_p_min_p
 from pagefleet.engine.sampling_params import SamplingParams
 
@@ -21,7 +22,8 @@ def _engine(**kw) -> LLMEngine:
 
     if "tiny" not in _LOADED:
         _LOADED["tiny"] = load_model(resolve_model("tiny"))
-    return LLMEngine(EngineConfig(model="tiny", **kw), loaded=_LOADED["tiny"])
+    config = EngineConfig(model="tiny", **kw)
+    return LLMEngine(config, parts=load_parts(config, loaded=_LOADED["tiny"]))
 
 
 def _tokens(results) -> list[list[list[int]]]:
