@@ -305,6 +305,20 @@ class ServiceType(StrEnum):
     LOAD_BALANCER = "LoadBalancer"
 
 
+class APIKeysSecretRef(_Model):
+    name: str = Field(min_length=1)
+    """Secret in the InferenceService's namespace."""
+    key: str = Field(default="api-keys", min_length=1)
+    """Key in the Secret whose value is the client API keys, comma separated."""
+
+
+class AdminTokenSecretRef(_Model):
+    name: str = Field(min_length=1)
+    """Secret in the InferenceService's namespace."""
+    key: str = Field(default="token", min_length=1)
+    """Key in the Secret whose value is the admin token."""
+
+
 class RouterSpec(_Model):
     replicas: int = Field(default=1, ge=0)
     """Gateway pods (the gateway is stateless; its prefix view lives in the index)."""
@@ -319,6 +333,9 @@ class RouterSpec(_Model):
     """CPU and memory requests/limits of each gateway pod."""
     env: list[EnvVar] = Field(default_factory=list)
     """Extra environment variables for the gateway container."""
+    api_keys_secret: APIKeysSecretRef | None = None
+    """Secret with the client API keys: the gateway then answers 401 to requests without
+    `Authorization: Bearer <key>` (/health, /ready, /metrics stay open). Unset: no keys."""
 
 
 # ---------------------------------------------------------------------------------- index
@@ -331,12 +348,25 @@ class SecretKeyRef(_Model):
     """Key in the Secret whose value is the Redis password."""
 
 
+class RedisUser(_Model):
+    username: str = Field(min_length=1)
+    """Redis ACL user."""
+    password_secret_ref: SecretKeyRef | None = None
+    """Secret holding that user's password."""
+
+
 class IndexSpec(_Model):
     redis_url: str | None = Field(default=None, pattern="^rediss?://", alias="redisURL")
-    """Redis of the global prefix index, e.g. redis://redis.infra:6379/0; empty means the
-    bundled Redis the operator was installed with."""
+    """Redis of the global prefix index, e.g. redis://redis.infra:6379/0 (rediss:// for
+    TLS); empty means the bundled Redis the operator was installed with. Never put a
+    password in the URL: use passwordSecretRef."""
+    username: str | None = Field(default=None, min_length=1)
+    """Redis ACL user of the daemons (they write the index); unset: the default user."""
     password_secret_ref: SecretKeyRef | None = None
     """Secret holding the Redis password (kept out of the spec and the pod command)."""
+    gateway_user: RedisUser | None = None
+    """A read-only Redis ACL user for the gateway, which only looks up (see
+    docs/operator.md for the ACL line); unset: the gateway uses the daemons' user."""
 
 
 # ------------------------------------------------------------------------------------ SLO
@@ -382,6 +412,10 @@ class InferenceServiceSpec(_Model):
     """The Redis-backed global prefix index."""
     slo: SLOSpec = Field(default_factory=SLOSpec)
     """Latency targets the autoscaler and the alert rules hold the service to."""
+    admin_token_secret: AdminTokenSecretRef | None = None
+    """Secret with the admin token that the gateway and the daemons require on their
+    admin endpoints (/reset_prefix_cache, /get_server_info). Unset: a gateway with API keys
+    refuses them; a daemon's are reachable from the gateway only (NetworkPolicy)."""
 
 
 # --------------------------------------------------------------------------------- status

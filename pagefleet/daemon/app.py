@@ -281,6 +281,8 @@ class Daemon:
 
 
 def _redis_index(url: str, namespace: str) -> KVIndex:
+    from pagefleet.kvindex.redis_auth import warn_if_password_in_url
     from pagefleet.kvindex.redis_index import RedisKVIndex
 
+    warn_if_password_in_url(url)
     return RedisKVIndex.from_url(url, namespace=namespace)  # type: ignore[attr-defined]

@@ -71,7 +71,9 @@ async def serve(config: DaemonConfig) -> None:
 @click.option(
     "--redis-url",
     default=None,
-    help="Publish KV events and heartbeats to this Redis (no publishing without it).",
+    help="Publish KV events and heartbeats to this Redis (no publishing without it). "
+    "Credentials from env, never the URL: PAGEFLEET_REDIS_USERNAME, PAGEFLEET_REDIS_PASSWORD "
+    "or PAGEFLEET_REDIS_PASSWORD_FILE, PAGEFLEET_REDIS_CA_FILE (rediss://).",
 )
 @click.option(
     "--kv-namespace", default="", help="Block-key namespace (default: the served model name)."

@@ -24,6 +24,8 @@ from typing import IO
 
 import click
 
+from pagefleet.kvindex.redis_auth import PASSWORD_ENV, split_password
+
 logger = logging.getLogger(__name__)
 
 
@@ -371,6 +373,12 @@ def command(
                 raise click.UsageError(f"port {gateway_port} is in use; pass --port 0 or another")
     elif run_bench:
         gateway_port = 0
+    if redis_url:
+        # Children inherit the environment; their command lines (visible to every local
+        # user) get the URL without the password.
+        redis_url, password = split_password(redis_url)
+        if password is not None:
+            os.environ[PASSWORD_ENV] = password
     spec = FleetSpec(
         num_daemons=num_daemons,
         model=model,

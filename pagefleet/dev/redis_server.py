@@ -62,7 +62,8 @@ def _ping(port: int, timeout: float = 0.2) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
             s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
+            # With ACL users and the default user off, an answer is NOAUTH: still up.
+            return s.recv(16).startswith((b"+PONG", b"-NOAUTH"))
     except OSError:
         return False
 
@@ -76,8 +77,12 @@ class LocalRedis:
         tuning: dict[str, str] | None = None,
         maxmemory: str | None = None,
         startup_timeout_s: float = 10.0,
+        acl: list[str] | None = None,
     ) -> None:
+        """``acl``: ACL file lines (``user NAME on >password ~pattern +@category``); when
+        given, they replace the open default user, so ``url`` then needs credentials."""
         self.executable = executable or find_redis_server()
+        self.acl = acl
         self.tuning = INDEX_TUNING if tuning is None else tuning
         self.maxmemory = maxmemory
         self.startup_timeout_s = startup_timeout_s
@@ -152,6 +157,13 @@ class LocalRedis:
         ]
         for k, v in self.tuning.items():
             argv += [f"--{k}", v]
+        if self.acl is not None:
+            assert self._dir is not None
+            # An ACL file, not --user arguments: passwords stay out of the process list.
+            acl_file = self._dir / "users.acl"
+            acl_file.write_text("\n".join(self.acl) + "\n")
+            acl_file.chmod(0o600)
+            argv += ["--aclfile", str(acl_file)]
         if self.maxmemory:
             argv += ["--maxmemory", self.maxmemory]
         return argv

@@ -105,9 +105,15 @@ def build_gateway(config: GatewayConfig):  # -> Gateway (imports kept local for 
         assert config.service is not None
         discovery = KubernetesDiscovery(config.namespace, config.service, config.target_port_value)
     if config.redis_url:
+        from pagefleet.kvindex.redis_auth import warn_if_password_in_url
         from pagefleet.kvindex.redis_index import RedisKVIndex
 
-        index = RedisKVIndex.from_url(config.redis_url, namespace=config.namespace_key)
+        warn_if_password_in_url(config.redis_url)
+        # Read-only: the gateway only looks up, so it runs no gc (the daemons do) and works
+        # with a read-only Redis ACL user (docs/operator.md).
+        index = RedisKVIndex.from_url(
+            config.redis_url, namespace=config.namespace_key, auto_gc_interval_s=None
+        )
     else:
         # Nothing feeds a private in-memory index (daemons publish to Redis only), so
         # cache_aware then routes on this gateway's in-flight counts alone.
@@ -163,7 +169,9 @@ def _split(value: str | None) -> list[str]:
 @click.option(
     "--redis-url",
     default=None,
-    help="The daemons' prefix index. Without it cache_aware routes on load only.",
+    help="The daemons' prefix index. Without it cache_aware routes on load only. "
+    "Credentials from env, never the URL: PAGEFLEET_REDIS_USERNAME, PAGEFLEET_REDIS_PASSWORD "
+    "or PAGEFLEET_REDIS_PASSWORD_FILE, PAGEFLEET_REDIS_CA_FILE (rediss://).",
 )
 @click.option(
     "--kv-namespace",

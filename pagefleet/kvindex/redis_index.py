@@ -42,6 +42,7 @@ from redis.exceptions import NoScriptError, ResponseError
 from pagefleet.kvindex import redis_lua
 from pagefleet.kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from pagefleet.kvindex.index import PodLoad
+from pagefleet.kvindex.redis_auth import RedisCredentials, credentials_from_env
 
 logger = logging.getLogger(__name__)
 
@@ -141,10 +142,19 @@ class RedisKVIndex:
 
     @classmethod
     def from_url(
-        cls, url: str, namespace: str = "", bucket_bits: int = 14, **kwargs: Any
+        cls,
+        url: str,
+        namespace: str = "",
+        bucket_bits: int = 14,
+        credentials: RedisCredentials | None = None,
+        **kwargs: Any,
     ) -> RedisKVIndex:
-        """Connect lazily to ``url`` (redis://, rediss:// or unix://)."""
-        client = aredis.Redis.from_url(url, decode_responses=False)
+        """Connect lazily to ``url`` (redis://, rediss:// or unix://).
+
+        ``credentials`` (ACL user, password, CA for rediss://) win over the URL's; None
+        reads them from the environment (``redis_auth.credentials_from_env``)."""
+        creds = credentials_from_env() if credentials is None else credentials
+        client = aredis.Redis.from_url(url, decode_responses=False, **creds.client_kwargs(url))
         return cls(client, namespace=namespace, bucket_bits=bucket_bits, owns_client=True, **kwargs)
 
     # -- writes -------------------------------------------------------------------------

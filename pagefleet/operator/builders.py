@@ -20,12 +20,8 @@ from pagefleet.api.inferenceservice import (
     ResourceRequirements,
     RoleSpec,
 )
-from pagefleet.operator.commands import (
-    REDIS_PASSWORD_ENV,
-    daemon_command,
-    gateway_command,
-    redis_url_with_secret,
-)
+from pagefleet.kvindex.redis_auth import PASSWORD_ENV, USERNAME_ENV
+from pagefleet.operator.commands import daemon_command, gateway_command
 from pagefleet.operator.hardening import (
     DAEMON_RESOURCES,
     GATEWAY_RESOURCES,
@@ -141,7 +137,7 @@ def resolve_redis_url(spec: InferenceServiceSpec, settings: BuildSettings) -> st
             "no Redis for the prefix index: set spec.index.redisURL, or install the chart "
             "with redis.enabled=true so the operator has a bundled Redis to default to"
         )
-    return redis_url_with_secret(url, spec.index.password_secret_ref is not None)
+    return url
 
 
 def _meta(owner: Owner, name: str, lbls: dict[str, str]) -> dict[str, Any]:
@@ -184,8 +180,19 @@ def _config_hash(data: dict[str, str], keys: tuple[str, ...]) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+# Secrets reach the processes as environment variables from secretKeyRefs: never in the
+# command line (readable by every local user, copied into the pod spec and logs). Names
+# as the daemon/gateway read them (pagefleet.kvindex.redis_auth, pagefleet.httpauth).
+API_KEYS_ENV = "PAGEFLEET_API_KEYS"
+ADMIN_TOKEN_ENV = "PAGEFLEET_ADMIN_TOKEN"
+
+
+def _secret_env(name: str, ref: Any) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
+
+
 def _common_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
-    env: list[dict[str, Any]] = [
+    return [
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {
@@ -193,14 +200,37 @@ def _common_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
             "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
         },
     ]
-    ref = spec.index.password_secret_ref
-    if ref is not None:
-        env.append(
-            {
-                "name": REDIS_PASSWORD_ENV,
-                "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}},
-            }
-        )
+
+
+def _daemon_secret_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    """Redis credentials of the daemons (they write the index) and the admin token."""
+    env: list[dict[str, Any]] = []
+    if spec.index.username:
+        env.append({"name": USERNAME_ENV, "value": spec.index.username})
+    if spec.index.password_secret_ref is not None:
+        env.append(_secret_env(PASSWORD_ENV, spec.index.password_secret_ref))
+    if spec.admin_token_secret is not None:
+        env.append(_secret_env(ADMIN_TOKEN_ENV, spec.admin_token_secret))
+    return env
+
+
+def _gateway_secret_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    """The gateway's Redis user (the read-only one when set), client keys, admin token.
+
+    Client keys go to the gateway only: it never forwards a client's key, and the
+    NetworkPolicy lets nothing but the gateway reach the daemons' port."""
+    env: list[dict[str, Any]] = []
+    user = spec.index.gateway_user
+    if user is not None:
+        env.append({"name": USERNAME_ENV, "value": user.username})
+        if user.password_secret_ref is not None:
+            env.append(_secret_env(PASSWORD_ENV, user.password_secret_ref))
+    else:
+        env += [e for e in _daemon_secret_env(spec) if e["name"] != ADMIN_TOKEN_ENV]
+    if spec.router.api_keys_secret is not None:
+        env.append(_secret_env(API_KEYS_ENV, spec.router.api_keys_secret))
+    if spec.admin_token_secret is not None:
+        env.append(_secret_env(ADMIN_TOKEN_ENV, spec.admin_token_secret))
     return env
 
 
@@ -323,7 +353,12 @@ def build_role(
     """Deployment + headless Service of one daemon role."""
     names = Names(owner.name, owner.namespace)
     volumes, mounts = _volumes(spec, names)
-    env = _common_env(spec) + cache_env() + [e.model_dump() for e in role_spec.env]
+    env = (
+        _common_env(spec)
+        + _daemon_secret_env(spec)
+        + cache_env()
+        + [e.model_dump() for e in role_spec.env]
+    )
     container: Manifest = {
         "name": "daemon",
         "image": spec.image,
@@ -377,7 +412,10 @@ def build_gateway(
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy.value,
         "command": gateway_command(spec, names, roles, redis_url),
-        "env": _common_env(spec) + cache_env() + [e.model_dump() for e in spec.router.env],
+        "env": _common_env(spec)
+        + _gateway_secret_env(spec)
+        + cache_env()
+        + [e.model_dump() for e in spec.router.env],
         "securityContext": container_security_context(),
         # The daemon writes its fatal start-up error to /dev/termination-log; anything that
         # dies without a word still leaves the tail of its log as the message.

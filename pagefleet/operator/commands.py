@@ -7,26 +7,11 @@ by the kubelet (and by the e2e node agent) from the container's env.
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit, urlunsplit
-
 from pagefleet.api.inferenceservice import InferenceServiceSpec
 from pagefleet.operator.naming import DAEMON_PORT, GATEWAY_PORT, Names
 
 POD_IP = "$(POD_IP)"
 POD_NAME = "$(POD_NAME)"
-REDIS_PASSWORD_ENV = "PAGEFLEET_REDIS_PASSWORD"
-
-
-def redis_url_with_secret(url: str, has_password_secret: bool) -> str:
-    """The Redis URL a container uses; with a password Secret, the password is spliced in
-    from the env at container start (it never appears in the spec or the pod object)."""
-    if not has_password_secret:
-        return url
-    parts = urlsplit(url)
-    host = parts.netloc.rsplit("@", 1)[-1]
-    user = parts.username or ""
-    netloc = f"{user}:$({REDIS_PASSWORD_ENV})@{host}"
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
 def served_model_name(spec: InferenceServiceSpec, names: Names) -> str:

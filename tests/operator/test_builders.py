@@ -189,19 +189,49 @@ def test_pvc_model_is_mounted_read_only(unified_spec):
     assert mounts["model"] == {"name": "model", "mountPath": "/models", "readOnly": True}
 
 
-def test_redis_password_comes_from_the_secret_not_the_spec(unified_spec):
+def test_redis_password_comes_from_the_secret_never_the_command_line(unified_spec):
     unified_spec["index"]["passwordSecretRef"] = {"name": "redis-auth"}
-    c = children(unified_spec)[("Deployment", "llama-unified")]["spec"]["template"]["spec"][
-        "containers"
-    ][0]
-    assert flag(c["command"], "--redis-url") == (
-        "redis://:$(PAGEFLEET_REDIS_PASSWORD)@redis.infra:6379/0"
-    )
-    env = {e["name"]: e for e in c["env"]}
-    assert env["PAGEFLEET_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
-        "name": "redis-auth",
-        "key": "password",
+    unified_spec["index"]["username"] = "pf-daemon"
+    objs = children(unified_spec)
+    for name in ("llama-unified", "llama-gateway"):
+        c = objs[("Deployment", name)]["spec"]["template"]["spec"]["containers"][0]
+        assert flag(c["command"], "--redis-url") == REDIS  # no password spliced in
+        assert not any("PASSWORD" in arg for arg in c["command"])
+        env = {e["name"]: e for e in c["env"]}
+        assert env["PAGEFLEET_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+            "name": "redis-auth",
+            "key": "password",
+        }
+        assert env["PAGEFLEET_REDIS_USERNAME"]["value"] == "pf-daemon"
+
+
+def test_gateway_uses_its_read_only_redis_user_and_holds_the_client_keys(unified_spec):
+    unified_spec["index"]["passwordSecretRef"] = {"name": "redis-auth"}
+    unified_spec["index"]["gatewayUser"] = {
+        "username": "pf-gateway",
+        "passwordSecretRef": {"name": "redis-ro", "key": "pw"},
     }
+    unified_spec["router"] = {"apiKeysSecret": {"name": "keys"}}
+    unified_spec["adminTokenSecret"] = {"name": "admin"}
+    objs = children(unified_spec)
+
+    def env(name: str) -> dict[str, Any]:
+        c = objs[("Deployment", name)]["spec"]["template"]["spec"]["containers"][0]
+        return {
+            e["name"]: e.get("valueFrom", {}).get("secretKeyRef") or e.get("value")
+            for e in c["env"]
+        }
+
+    gw, daemon = env("llama-gateway"), env("llama-unified")
+    assert gw["PAGEFLEET_REDIS_USERNAME"] == "pf-gateway"
+    assert gw["PAGEFLEET_REDIS_PASSWORD"] == {"name": "redis-ro", "key": "pw"}
+    assert gw["PAGEFLEET_API_KEYS"] == {"name": "keys", "key": "api-keys"}
+    assert gw["PAGEFLEET_ADMIN_TOKEN"] == {"name": "admin", "key": "token"}
+    assert "PAGEFLEET_REDIS_USERNAME" not in daemon  # the default user
+    assert daemon["PAGEFLEET_REDIS_PASSWORD"] == {"name": "redis-auth", "key": "password"}
+    assert daemon["PAGEFLEET_ADMIN_TOKEN"] == {"name": "admin", "key": "token"}
+    # The gateway never forwards client keys, and only it reaches the daemons.
+    assert "PAGEFLEET_API_KEYS" not in daemon
 
 
 def test_scheduling_and_resources(unified_spec):
