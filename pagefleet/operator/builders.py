@@ -16,9 +16,12 @@ from pagefleet.api.inferenceservice import (
     GROUP,
     KIND,
     VERSION,
+    IndexSpec,
     InferenceServiceSpec,
+    RedisUser,
     ResourceRequirements,
     RoleSpec,
+    SecretKeyRef,
 )
 from pagefleet.kvindex.redis_auth import PASSWORD_ENV, USERNAME_ENV
 from pagefleet.operator.commands import daemon_command, gateway_command
@@ -84,6 +87,9 @@ class BuildSettings:
     """Operator-wide knobs that are not part of any one InferenceService."""
 
     default_redis_url: str | None = None  # the chart's bundled Redis, when installed
+    # Secret (in the InferenceService's namespace) with the bundled Redis' ACL passwords:
+    # keys daemon-password (user pf-daemon) and gateway-password (read-only pf-gateway).
+    default_redis_secret: str | None = None
     extra_pod_annotations: dict[str, str] = field(default_factory=dict)
     # Image policy: when set, spec.image must start with one of these prefixes (e.g.
     # "registry.example.com/pagefleet/"); empty allows any image.
@@ -200,6 +206,30 @@ def _common_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
             "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
         },
     ]
+
+
+BUNDLED_DAEMON_USER = "pf-daemon"
+BUNDLED_GATEWAY_USER = "pf-gateway"
+
+
+def effective_index(spec: InferenceServiceSpec, settings: BuildSettings) -> IndexSpec:
+    """The index settings the pods get: the spec's, or, for a service on the bundled Redis
+    that names no credentials, the bundled Redis' ACL users from its Secret."""
+    index = spec.index
+    if index.redis_url or index.password_secret_ref or not settings.default_redis_secret:
+        return index
+    secret = settings.default_redis_secret
+    return index.model_copy(
+        update={
+            "username": BUNDLED_DAEMON_USER,
+            "password_secret_ref": SecretKeyRef(name=secret, key="daemon-password"),
+            "gateway_user": index.gateway_user
+            or RedisUser(
+                username=BUNDLED_GATEWAY_USER,
+                password_secret_ref=SecretKeyRef(name=secret, key="gateway-password"),
+            ),
+        }
+    )
 
 
 def _daemon_secret_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
@@ -498,6 +528,7 @@ def build_children(
     workloads that reference them). Raises SpecError when the spec cannot be realised."""
     check_policy(spec, settings)
     redis_url = resolve_redis_url(spec, settings)
+    spec = spec.model_copy(update={"index": effective_index(spec, settings)})
     config = build_config_map(spec, owner)
     daemon_hash = _config_hash(config["data"], ("engine.json",))
     gateway_hash = _config_hash(config["data"], ("router.json",))

@@ -39,6 +39,13 @@ from pagefleet.operator.builders import BuildSettings
     help="Redis for InferenceServices that set no spec.index.redisURL (the chart's bundled one).",
 )
 @click.option(
+    "--default-redis-secret",
+    envvar="PAGEFLEET_DEFAULT_REDIS_SECRET",
+    default=None,
+    help="Secret with the bundled Redis' ACL passwords (keys daemon-password, "
+    "gateway-password) for InferenceServices on --default-redis-url.",
+)
+@click.option(
     "--resync-seconds",
     type=click.FloatRange(min=1.0),
     default=30.0,
@@ -115,6 +122,7 @@ def command(
     all_namespaces: bool,
     standalone: bool,
     default_redis_url: str | None,
+    default_redis_secret: str | None,
     resync_seconds: float,
     liveness_endpoint: str | None,
     allowed_image_prefixes: tuple[str, ...],
@@ -148,6 +156,7 @@ def command(
     )
     settings = BuildSettings(
         default_redis_url=default_redis_url,
+        default_redis_secret=default_redis_secret,
         allowed_image_prefixes=tuple(p for p in allowed_image_prefixes if p),
         allow_host_path=allow_host_path,
         network_policies=network_policies,

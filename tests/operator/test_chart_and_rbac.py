@@ -186,7 +186,8 @@ def test_helm_template_with_redis_namespaces_and_monitoring_apis():
         {
             "name": "PAGEFLEET_DEFAULT_REDIS_URL",
             "value": "redis://pf-pagefleet-redis.pagefleet-system.svc:6379/0",
-        }
+        },
+        {"name": "PAGEFLEET_DEFAULT_REDIS_SECRET", "value": "pf-pagefleet-redis-auth"},
     ]
     assert any(s["metadata"]["name"] == "pf-pagefleet-redis" for s in by_kind["Service"])
     assert by_kind["PodMonitor"][0]["spec"]["selector"]["matchLabels"] == {
@@ -195,3 +196,59 @@ def test_helm_template_with_redis_namespaces_and_monitoring_apis():
     rules = by_kind["PrometheusRule"][0]["spec"]["groups"][0]["rules"]
     alerts = {r["alert"] for r in rules if "alert" in r}
     assert {"PagefleetTTFTSLOBreached", "PagefleetTPOTSLOBreached"} <= alerts
+
+
+def test_helm_template_security_options_and_bundled_redis_auth():
+    """Image allow-list, hostPath off by default, NetworkPolicies with the operator and the
+    scrapers as metrics peers; the bundled Redis with generated ACL passwords from a Secret
+    (never on a command line) and only fleet pods let in."""
+    docs = _template(
+        "--set",
+        "redis.enabled=true",
+        "--set",
+        "operator.allowedImagePrefixes={registry.example.com/pagefleet/}",
+    )
+    by_name = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    op = by_name[("Deployment", "pf-pagefleet-operator")]
+    cmd = op["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert "--allowed-image-prefix=registry.example.com/pagefleet/" in cmd
+    assert "--no-allow-host-path" in cmd and "--network-policies" in cmd
+    peers = [json.loads(a.split("=", 1)[1]) for a in cmd if a.startswith("--metrics-peer=")]
+    assert {"app.kubernetes.io/component": "operator"}.items() <= peers[0]["podSelector"][
+        "matchLabels"
+    ].items()
+    assert peers[1]["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "prometheus"}
+
+    secret = by_name[("Secret", "pf-pagefleet-redis-auth")]["stringData"]
+    daemon_pw, gateway_pw = secret["daemon-password"], secret["gateway-password"]
+    assert len(daemon_pw) == len(gateway_pw) == 32 and daemon_pw != gateway_pw
+    acl = secret["users.acl"].splitlines()
+    assert acl[0] == "user default off"
+    assert acl[1].startswith(f"user pf-daemon on >{daemon_pw} ~pf:* ")
+    assert acl[2].startswith(f"user pf-gateway on >{gateway_pw} ~pf:* ")
+    assert "+@write" not in acl[2]
+    redis = by_name[("Deployment", "pf-pagefleet-redis")]["spec"]["template"]["spec"]
+    args = redis["containers"][0]["args"]
+    assert args[args.index("--aclfile") + 1] == "/etc/redis/acl/users.acl"
+    assert not any(daemon_pw in a or gateway_pw in a for a in args)
+    assert redis["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
+    policy = by_name[("NetworkPolicy", "pf-pagefleet-redis")]["spec"]
+    assert policy["ingress"] == [
+        {
+            "from": [
+                {
+                    "namespaceSelector": {},
+                    "podSelector": {
+                        "matchLabels": {"app.kubernetes.io/managed-by": "pagefleet-operator"}
+                    },
+                }
+            ],
+            "ports": [{"port": 6379, "protocol": "TCP"}],
+        }
+    ]
+
+    docs = _template("--set", "networkPolicy.enabled=false", "--set", "operator.allowHostPath=true")
+    op = next(d for d in docs if d["kind"] == "Deployment")
+    cmd = op["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert "--no-network-policies" in cmd and "--allow-host-path" in cmd
+    assert not any(a.startswith("--metrics-peer") for a in cmd)

@@ -177,3 +177,33 @@ def test_host_path_models_need_the_operator_setting(unified_spec):
     pods = _pods(children(unified_spec, settings=BuildSettings(allow_host_path=True)))
     vols = {v["name"]: v for v in pods["llama-unified"]["volumes"]}
     assert vols["model"]["hostPath"] == {"path": "/data/llama", "type": "Directory"}
+
+
+def test_bundled_redis_credentials_come_from_its_secret(unified_spec):
+    del unified_spec["index"]
+    settings = BuildSettings(
+        default_redis_url="redis://pf-redis.pagefleet-system.svc:6379/0",
+        default_redis_secret="pf-redis-auth",
+    )
+    objs = children(unified_spec, settings=settings)
+
+    def env(name: str) -> dict[str, Any]:
+        c = objs[("Deployment", name)]["spec"]["template"]["spec"]["containers"][0]
+        assert "pf-redis-auth" not in " ".join(c["command"])
+        return {
+            e["name"]: e.get("valueFrom", {}).get("secretKeyRef") or e.get("value")
+            for e in c["env"]
+        }
+
+    daemon, gateway = env("llama-unified"), env("llama-gateway")
+    assert daemon["PAGEFLEET_REDIS_USERNAME"] == "pf-daemon"
+    assert daemon["PAGEFLEET_REDIS_PASSWORD"] == {"name": "pf-redis-auth", "key": "daemon-password"}
+    assert gateway["PAGEFLEET_REDIS_USERNAME"] == "pf-gateway"
+    assert gateway["PAGEFLEET_REDIS_PASSWORD"] == {
+        "name": "pf-redis-auth",
+        "key": "gateway-password",
+    }
+    # A service with its own Redis keeps its own (here: no) credentials.
+    unified_spec["index"] = {"redisURL": "redis://mine:6379/0"}
+    objs = children(unified_spec, settings=settings)
+    assert "PAGEFLEET_REDIS_PASSWORD" not in env("llama-unified")

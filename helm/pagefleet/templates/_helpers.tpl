@@ -27,3 +27,7 @@ app.kubernetes.io/component: operator
 {{- define "pagefleet.redisURL" -}}
 {{- printf "redis://%s-redis.%s.svc:6379/0" (include "pagefleet.fullname" .) .Release.Namespace -}}
 {{- end -}}
+
+{{- define "pagefleet.redisSecret" -}}
+{{- printf "%s-redis-auth" (include "pagefleet.fullname" .) -}}
+{{- end -}}
