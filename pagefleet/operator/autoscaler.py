@@ -66,6 +66,9 @@ class AutoscalerSettings:
     """Operator-wide autoscaler knobs (command-line flags)."""
 
     scrape_timeout_s: float = 2.0
+    # Rates and percentiles span this much history (like PromQL's rate[window]): a tick
+    # shorter than a request would otherwise read a busy pod as idle between finishes.
+    rate_window_s: float = 30.0
     metrics_port: int = DAEMON_PORT
     redis_password_note: str = (
         "the operator cannot read Redis passwords from Secrets; heartbeats are unknown"
@@ -77,7 +80,8 @@ class RoleMemory:
     """What the autoscaler keeps per (namespace, service, role) between ticks."""
 
     state: PlannerState = field(default_factory=PlannerState)
-    snapshots: dict[str, PodSnapshot] = field(default_factory=dict)  # pod uid -> last scrape
+    # pod uid -> its scrapes within the rate window, oldest first
+    snapshots: dict[str, list[PodSnapshot]] = field(default_factory=dict)
     last_decision: float | None = None  # monotonic
     last_reason: str = ""
     last_scale_wall: str | None = None
@@ -253,7 +257,7 @@ class Autoscaler:
     ) -> RoleOutcome:
         mem = self.memory.setdefault((namespace, name, role), RoleMemory())
         reports: list[PodReport] = []
-        seen: dict[str, PodSnapshot] = {}
+        seen: dict[str, list[PodSnapshot]] = {}
         for pod in pods:
             if not _pod_ready(pod):
                 continue
@@ -266,9 +270,13 @@ class Autoscaler:
             if scrape is None or scrape.snapshot is None:
                 report.error = scrape.error if scrape else "no pod IP"
             else:
-                seen[uid] = scrape.snapshot
-                prev = mem.snapshots.get(uid)
-                report.delta = delta(prev, scrape.snapshot) if prev else None
+                new = scrape.snapshot
+                horizon = new.t - self.settings.rate_window_s
+                history = mem.snapshots.get(uid, [])
+                # At least the previous scrape, when the window is shorter than a tick.
+                kept = [s for s in history if s.t >= horizon] or history[-1:]
+                seen[uid] = [*kept, new]
+                report.delta = delta(kept[0], new) if kept else None
                 if report.delta is None:
                     report.error = WARMING
             if loads is None:

@@ -103,6 +103,13 @@ from pagefleet.operator.builders import BuildSettings
     "counts as unknown.",
 )
 @click.option(
+    "--rate-window-seconds",
+    type=click.FloatRange(min=1.0),
+    default=30.0,
+    show_default=True,
+    help="History the autoscaler's rates and latency percentiles span (PromQL rate[window]).",
+)
+@click.option(
     "--metrics-port",
     type=click.IntRange(min=0, max=65535),
     default=0,
@@ -131,6 +138,7 @@ def command(
     metrics_peers: tuple[str, ...],
     autoscale_seconds: float,
     scrape_timeout_seconds: float,
+    rate_window_seconds: float,
     metrics_port: int,
     metrics_host: str,
     verbose: bool,
@@ -167,7 +175,12 @@ def command(
     if metrics_port:
         metrics.serve(metrics_port, metrics_host)
     autoscaler = Autoscaler(
-        kube, settings, AutoscalerSettings(scrape_timeout_s=scrape_timeout_seconds), metrics
+        kube,
+        settings,
+        AutoscalerSettings(
+            scrape_timeout_s=scrape_timeout_seconds, rate_window_s=rate_window_seconds
+        ),
+        metrics,
     )
     ctx = OperatorContext(kube=kube, settings=settings, autoscaler=autoscaler, metrics=metrics)
     asyncio.run(

@@ -265,7 +265,7 @@ def make(kube: FakeKube, clock: Clock) -> Autoscaler:
     return Autoscaler(
         kube,
         BuildSettings(),
-        AutoscalerSettings(scrape_timeout_s=1.0, metrics_port=PORT),
+        AutoscalerSettings(scrape_timeout_s=1.0, metrics_port=PORT, rate_window_s=0.0),
         OperatorMetrics(),
         clock=clock,
     )
