@@ -1,4 +1,4 @@
-"""Block keys: THE one hash function shared by daemons and gateways (ARCHITECTURE §3).
+"""Block keys: THE one hash function shared by daemons and gateways (docs/architecture.md).
 
 Invariant: for the same (namespace, token ids, block size, extra) every process on every
 machine computes the same keys, forever. So the hash is a fixed, seedless 64-bit content

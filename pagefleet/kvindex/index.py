@@ -64,11 +64,11 @@ class KVIndex(Protocol):
     async def lookup(self, block_hashes: list[int]) -> dict[str, int]:
         """Live pod -> number of leading blocks of ``block_hashes`` it holds.
 
-        Pods lacking the first block are absent. A pod's blocks along one chain are
-        prefix-closed (engines evict a chain's tail before its head), and on such sets the
-        match is exact: it stops at the pod's first missing block. Where an event was lost
-        and left a hole, a backend may count past the hole (Redis bisects the chain instead
-        of walking it), but never below the held prefix nor beyond the last held block.
+        Pods lacking the first block are absent. On prefix-closed sets (the contract in
+        events.py, which engines keep) the match is exact: it stops at the pod's first
+        missing block. Where an event was lost and left a hole, a backend may count past
+        the hole (Redis bisects), but never below the held prefix nor beyond the last
+        held block.
         """
         ...
 

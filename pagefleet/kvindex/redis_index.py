@@ -1,4 +1,4 @@
-"""Redis backend of the global prefix index (ARCHITECTURE §3), redis-py asyncio.
+"""Redis backend of the global prefix index (docs/architecture.md), redis-py asyncio.
 
 Layout, all keys under the namespace prefix ``P = pf:{ns=<namespace>}:`` (one hash tag, so
 one Redis Cluster slot, so one Lua script may touch them all):

@@ -306,14 +306,13 @@ return more
 # Returns {ids still matching at the segment's end, packed ('' if none), then pod name,
 # matched leading blocks (counted from the prompt's start), ...} for pods with >= 1 block.
 #
-# Bisection, not a block-by-block walk. A pod's blocks are prefix-closed (the engine evicts
-# a chain's tail before its head: a cached block's parent is cached), so along the prompt
-# the holder set only shrinks. Equal values at two positions then mean equal values at
-# every position between them, and only the intervals where the set changes need probing:
-# a full hit costs 2 HGETs, a hit ending at block k about 2 + log2(n), instead of k. Each
-# position is probed at most once, so the worst case is the walk. On a set with a hole (a
-# lost event, or the rare duplicate-block race in docs/internals.md) a pod may count past
-# the hole, never short of its true prefix.
+# Bisection, not a block-by-block walk. A pod's blocks are prefix-closed (the contract in
+# kvindex/events.py), so along the prompt the holder set only shrinks. Equal values at two
+# positions then mean equal values at every position between them, and only the intervals
+# where the set changes need probing: a full hit costs 2 HGETs, a hit ending at block k
+# about 2 + log2(n), instead of k. Each position is probed at most once, so the worst case
+# is the walk. On a set with a hole (a lost event) a pod may count past the hole, never
+# short of its true prefix.
 LOOKUP = (
     _COMMON
     + r"""
