@@ -73,8 +73,8 @@ def build_engine(
     from pagefleet.engine.models import get_model_class
     from pagefleet.engine.parts import EngineParts
     from pagefleet.engine.sampler import Sampler
-    from pagefleet.engine.tiny_tokenizer import EOS_TOKEN, write_tokenizer_files
     from pagefleet.kernels import get_backend
+    from pagefleet.presets.tiny_tokenizer import EOS_TOKEN, write_tokenizer_files
     from pagefleet.tokenizer import Tokenizer
 
     cfg = dict(SHAPES[shape])

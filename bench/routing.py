@@ -116,9 +116,9 @@ def main() -> None:
 
         args.model = str(ensure_bench_model())
     else:
-        from pagefleet.gateway.cli import resolve_model_dir
+        from pagefleet.dev.local_fleet import resolve_checkpoint_dir
 
-        args.model = str(resolve_model_dir(args.model))
+        args.model = str(resolve_checkpoint_dir(args.model))
 
     t_start = time.perf_counter()
     n_req = args.requests or (64 if args.quick else 240)

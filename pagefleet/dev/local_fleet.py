@@ -29,6 +29,27 @@ from pagefleet.kvindex.redis_auth import PASSWORD_ENV, split_password
 logger = logging.getLogger(__name__)
 
 
+def resolve_checkpoint_dir(spec: str) -> Path:
+    """A checkpoint directory for ``spec`` (a directory, or a tiny preset written on first
+    use). Presets resolve in a child process: the engine's writer needs torch, and ``up``
+    itself stays light (it only starts processes)."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path
+    code = (
+        "from pagefleet.engine.loader import resolve_model as r; import sys; print(r(sys.argv[1]))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, spec], capture_output=True, text=True, timeout=600
+    )
+    if proc.returncode != 0:
+        raise click.ClickException(
+            f"cannot resolve model {spec!r}: "
+            f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}"
+        )
+    return Path(proc.stdout.strip().splitlines()[-1])
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -176,9 +197,7 @@ class LocalFleet:
 
     def _resolve_model(self) -> None:
         # Concurrent writers of a tiny preset are safe (atomic rename in the writer).
-        from pagefleet.gateway.cli import resolve_model_dir
-
-        self.model_dir = str(resolve_model_dir(self.spec.model))
+        self.model_dir = str(resolve_checkpoint_dir(self.spec.model))
 
     def _daemon(self, i: int) -> Child:
         port = free_port()

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from pagefleet.engine import tiny_tokenizer
 from pagefleet.engine.model_config import ModelConfig, parse_dtype
+from pagefleet.presets import tiny_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """``pagefleet gateway``: the cache-aware OpenAI front door for a fleet of daemons.
 
-Never imports torch: a tiny preset's checkpoint directory (for its tokenizer files) is
-resolved in a short child process when it is not a plain directory.
+Never imports torch nor the engine: the tokenizer that computes block keys comes from the
+checkpoint directory or, for a preset name, from pagefleet.presets (torch-free).
 """
 
 from __future__ import annotations
@@ -9,9 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import subprocess
 import sys
-from pathlib import Path
 from typing import Literal
 
 import click
@@ -71,24 +69,15 @@ class GatewayConfig(BaseModel):
         return int(self.target_port) if self.target_port.isdigit() else self.target_port
 
 
-def resolve_model_dir(spec: str) -> Path:
-    """A checkpoint directory for ``spec``; tiny presets resolve in a child process so that
-    this process never imports torch (the preset writer needs it)."""
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        return path
-    code = (
-        "from pagefleet.engine.loader import resolve_model as r; import sys; print(r(sys.argv[1]))"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code, spec], capture_output=True, text=True, timeout=600
-    )
-    if proc.returncode != 0:
+def _load_tokenizer(spec: str):  # -> pagefleet.tokenizer.Tokenizer
+    from pagefleet.presets import load_tokenizer
+
+    try:
+        return load_tokenizer(spec)
+    except (FileNotFoundError, ValueError) as exc:
         raise click.ClickException(
-            f"cannot resolve model {spec!r} for the gateway's tokenizer: "
-            f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}"
-        )
-    return Path(proc.stdout.strip().splitlines()[-1])
+            f"cannot load the tokenizer of --model {spec!r}: {exc}"
+        ) from None
 
 
 def build_gateway(config: GatewayConfig):  # -> Gateway (imports kept local for start-up cost)
@@ -119,7 +108,7 @@ def build_gateway(config: GatewayConfig):  # -> Gateway (imports kept local for 
         # cache_aware then routes on this gateway's in-flight counts alone.
         logger.warning("no --redis-url: the prefix index is empty; cache_aware routes on load")
         index = MemoryKVIndex(config.namespace_key)
-    tokenizer = PromptTokenizer.from_dir(resolve_model_dir(config.model)) if config.model else None
+    tokenizer = PromptTokenizer(_load_tokenizer(config.model)) if config.model else None
     router = Router(
         discovery=discovery,
         policy=make_policy(config.policy, config.weights),

@@ -14,8 +14,8 @@ import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagefleet.engine import tiny_tokenizer
 from pagefleet.engine.tiny import ensure_tiny_checkpoint
+from pagefleet.presets import tiny_tokenizer
 from pagefleet.tokenizer import ChatTemplateError, Tokenizer
 
 TEXTS = [

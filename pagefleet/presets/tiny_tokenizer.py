@@ -4,7 +4,8 @@ No model hub is reachable from tests or CI, yet the engine, daemon and gateway m
 real tokenizer (merges, special tokens, chat template) in the Hugging Face file format.
 Training on a fixed embedded corpus with one thread makes the files byte-identical on every
 machine, so a checkpoint directory's content depends only on its preset and version.
-Only ``tokenizers`` is needed (no torch): the gateway may call this too.
+Only ``tokenizers`` is needed (no torch): the gateway builds its tokenizer here
+(pagefleet/presets), the engine writes the same files into each tiny checkpoint.
 """
 
 from __future__ import annotations
@@ -233,6 +234,11 @@ def write_tokenizer_files(directory: Path, style: str = "llama") -> dict[str, in
         if cfg.get(k) is not None
     }
     (directory / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2))
+    return special_ids(style, tok, cfg)
+
+
+def special_ids(style: str, tok: Any, cfg: dict) -> dict[str, Any]:
+    """The ids a model config refers to, for ``tok``/``cfg`` of ``style``."""
     ids: dict[str, Any] = {
         "vocab_size": tok.get_vocab_size(with_added_tokens=True),
         "pad": tok.token_to_id(cfg["pad_token"]),
@@ -247,3 +253,21 @@ def write_tokenizer_files(directory: Path, style: str = "llama") -> dict[str, in
         ids["eos"] = tok.token_to_id(EOS_TOKEN)
         ids["eos_ids"] = [tok.token_to_id(EOS_TOKEN), tok.token_to_id(IM_END)]
     return ids
+
+
+def load_tokenizer(style: str = "llama"):  # -> pagefleet.tokenizer.Tokenizer
+    """The tiny tokenizer of ``style`` in memory: what ``Tokenizer.from_dir`` reads back
+    from the files ``write_tokenizer_files`` writes (tests compare the two)."""
+    from pagefleet.tokenizer import Tokenizer
+
+    tok = build_tokenizer(style)
+    cfg = tokenizer_config(style, tok)
+    return Tokenizer(tok, cfg, special_ids(style, tok, cfg)["eos_ids"], cfg["chat_template"])
+
+
+def load_llama():  # -> pagefleet.tokenizer.Tokenizer
+    return load_tokenizer("llama")
+
+
+def load_qwen():  # -> pagefleet.tokenizer.Tokenizer
+    return load_tokenizer("qwen")
