@@ -12,8 +12,6 @@ proves exactly the permissions its Roles grant.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -35,6 +33,9 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from pagefleet.dev import process
+from pagefleet.dev.process import tail
+
 if TYPE_CHECKING:
     from e2e.node_agent import NodeAgentProcess
 
@@ -46,7 +47,6 @@ ETCD_VERSION = "v3.6.8"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
 SERVICE_CIDR = "10.96.0.0/16"
-_PR_SET_PDEATHSIG = 1
 
 
 class ControlPlaneError(RuntimeError):
@@ -93,41 +93,6 @@ def free_ports(count: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
-
-
-def _die_with_parent() -> None:
-    # Runs in the child between fork and exec: if pytest dies without tearing down (SIGKILL,
-    # crash), the kernel kills the component instead of leaving an orphan holding ports.
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def stop_process_group(proc: subprocess.Popen[bytes], grace_s: float) -> None:
-    """SIGTERM the process group led by `proc`, SIGKILL it after `grace_s`; reaps `proc`."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=grace_s)
-    # The leader may have exited while children it forked still hold the group alive.
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
-def tail(path: Path, lines: int, errors_only: bool = False) -> str:
-    """Last `lines` lines of a text file, or a note that it does not exist.
-
-    errors_only keeps klog error/warning lines (E/W prefix) and JSON logs at warn or above.
-    """
-    try:
-        text = path.read_text(errors="replace")
-    except FileNotFoundError:
-        return f"({path} does not exist)"
-    rows = text.splitlines()
-    if errors_only:
-        rows = [r for r in rows if r[:1] in ("E", "W", "F") or '"level":"error"' in r]
-    return "\n".join(rows[-lines:])
 
 
 def wait_for(
@@ -289,7 +254,7 @@ class ControlPlane:
             self.node_agent.stop()
             self.node_agent = None
         for comp in reversed(self._components):
-            stop_process_group(comp.proc, grace_s=10.0)
+            process.stop(comp.proc, grace_s=10.0)
         self._components.clear()
         if self._started and not self.keep_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
@@ -442,16 +407,11 @@ class ControlPlane:
 
     def _spawn(self, name: str, args: list[str]) -> None:
         log_path = self.log_path(name)
-        with log_path.open("wb") as log:
-            proc = subprocess.Popen(
-                [str(self._bins[name]), *args],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=self.workdir,
-                start_new_session=True,  # own process group: stop() signals the whole tree
-                preexec_fn=_die_with_parent,
-            )
+        log_path.unlink(missing_ok=True)
+        # Own process group (stop() signals the whole tree); dies with pytest.
+        proc = process.spawn(
+            [str(self._bins[name]), *args], log_path, cwd=self.workdir, die_with_parent=True
+        )
         self._components.append(Component(name, proc, log_path))
 
     def _start_etcd(self) -> None:

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
-import ctypes
 import ipaddress
 import logging
 import os
@@ -60,6 +59,7 @@ from types import TracebackType
 import yaml
 
 from e2e.kube_client import JSON, KubeAPIError, KubeClient
+from pagefleet.dev import process
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,6 @@ TERMINATION_MESSAGE_MAX_BYTES = 4096
 FALLBACK_LOG_LINES = 80
 FALLBACK_LOG_BYTES = 2048
 _VAR_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.\-]*)\)")
-_PR_SET_PDEATHSIG = 1
 
 
 class PodNetworkError(RuntimeError):
@@ -133,12 +132,6 @@ def expand_vars(text: str, env: dict[str, str]) -> str:
         return env[name] if name in env else m.group(0)
 
     return _VAR_REF.sub(sub, text)
-
-
-def _die_with_parent() -> None:
-    # Pods die with the agent even if it is SIGKILLed (set from the agent's main thread).
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def termination_mount(spec: JSON, log_path: Path) -> tuple[list[str], Path | None]:
@@ -561,26 +554,24 @@ class NodeAgent:
         wrapper, c.termination_file = termination_mount(c.spec, c.log_path)
         with c.log_path.open("ab") as log:
             log.write(f"--- {now_rfc3339()} start: {argv}\n".encode())
-            log.flush()
             c.log_offset = log.tell()
-            try:
-                c.proc = subprocess.Popen(
-                    [*wrapper, *argv],
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    cwd=cwd,
-                    env=self._process_env(env, kubeconfig),
-                    start_new_session=True,
-                    preexec_fn=_die_with_parent,
-                )
-            except OSError as exc:
-                c.waiting_reason = "RunContainerError"
-                c.waiting_message = f"cannot run {argv[0]!r}: {exc}"
-                c.next_start_at = time.monotonic() + c.backoff_s
-                c.backoff_s = min(c.backoff_s * 2, RESTART_BACKOFF_MAX_S)
+        try:
+            # Own process group; dies with the agent even if it is SIGKILLed.
+            c.proc = process.spawn(
+                [*wrapper, *argv],
+                c.log_path,
+                cwd=cwd,
+                env=self._process_env(env, kubeconfig),
+                die_with_parent=True,
+            )
+        except OSError as exc:
+            c.waiting_reason = "RunContainerError"
+            c.waiting_message = f"cannot run {argv[0]!r}: {exc}"
+            c.next_start_at = time.monotonic() + c.backoff_s
+            c.backoff_s = min(c.backoff_s * 2, RESTART_BACKOFF_MAX_S)
+            with c.log_path.open("ab") as log:
                 log.write(f"{c.waiting_message}\n".encode())
-                return
+            return
         c.started_at = now_rfc3339()
         c.waiting_reason = c.waiting_message = ""
         probe = c.spec.get("readinessProbe")
@@ -812,14 +803,7 @@ class NodeAgent:
         proc = c.proc
         if proc is None:
             return
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=grace_s)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        process.stop(proc, grace_s)
         c.proc = None
         c.ready = False
 
@@ -833,9 +817,8 @@ class NodeAgent:
             run.kill_deadline = now + float(grace)
             for c in run.containers:
                 c.ready = False
-                if c.proc is not None and c.proc.poll() is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(c.proc.pid, signal.SIGTERM)
+                if c.proc is not None:
+                    process.signal_group(c.proc, signal.SIGTERM)
             self._report(run)  # Ready=False right away, as the kubelet does
         alive = [c for c in run.containers if c.proc is not None and c.proc.poll() is None]
         if alive and now < run.kill_deadline:
@@ -961,25 +944,20 @@ class NodeAgentProcess:
     def start(self, timeout_s: float = 30.0) -> NodeAgentProcess:
         """Start the agent and return once its Node is registered and Ready."""
         ensure_pod_network()
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "e2e.node_agent",
-                    f"--kubeconfig={self.kubeconfig}",
-                    f"--node-name={self.node_name}",
-                    f"--subnet={self.subnet}",
-                    f"--log-dir={self.log_dir}",
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=REPO_ROOT,
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
-            )
+        self.proc = process.spawn(
+            [
+                sys.executable,
+                "-m",
+                "e2e.node_agent",
+                f"--kubeconfig={self.kubeconfig}",
+                f"--node-name={self.node_name}",
+                f"--subnet={self.subnet}",
+                f"--log-dir={self.log_dir}",
+            ],
+            self.log_path,
+            cwd=REPO_ROOT,
+            die_with_parent=True,
+        )
         client = KubeClient.from_kubeconfig(self.kubeconfig)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -997,21 +975,14 @@ class NodeAgentProcess:
     def check_alive(self) -> None:
         """Raise if the agent process has exited (its log tail says why)."""
         if self.proc is not None and self.proc.poll() is not None:
-            tail_text = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-30:])
+            tail_text = process.tail(self.log_path, 30)
             raise RuntimeError(f"node agent exited {self.proc.returncode}:\n{tail_text}")
 
     def stop(self, grace_s: float = 20.0) -> None:
         """SIGTERM: the agent stops its pods and deletes its Node; SIGKILL after `grace_s`."""
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        process.stop(self.proc, grace_s)
         self.proc = None
 
     def __enter__(self) -> NodeAgentProcess:

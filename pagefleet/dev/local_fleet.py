@@ -20,10 +20,10 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
 
 import click
 
+from pagefleet.dev import process
 from pagefleet.kvindex.redis_auth import PASSWORD_ENV, split_password
 
 logger = logging.getLogger(__name__)
@@ -71,21 +71,13 @@ class Child:
     url: str
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
-    _log: IO[bytes] | None = None
 
     def start(self) -> None:
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the child
         env = dict(os.environ)
         # Each daemon gets the machine's cores to itself only in name: cap torch threads so
         # N daemons on a small box do not oversubscribe the CPU.
         env.setdefault("OMP_NUM_THREADS", "1")
-        self.proc = subprocess.Popen(
-            self.argv,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
+        self.proc = process.spawn(self.argv, self.log_path, env=env)
 
     @property
     def alive(self) -> bool:
@@ -93,34 +85,22 @@ class Child:
 
     def terminate(self) -> None:
         """Send SIGTERM without waiting (stop several children in parallel)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+        if self.proc is not None:
+            process.signal_group(self.proc, signal.SIGTERM)
 
     def stop(self, timeout: float = 10.0) -> None:
         proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        if proc is not None:
+            process.stop(proc, grace_s=timeout)
 
     def kill(self) -> None:
         """SIGKILL, as a crashed pod: no draining, no goodbye to the index."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
+        if self.proc is not None:
+            process.signal_group(self.proc, signal.SIGKILL)
             self.proc.wait(timeout=5)
 
     def log_tail(self, n: int = 20) -> str:
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return "\n".join(lines[-n:])
+        return process.tail(self.log_path, n)
 
 
 @dataclass(slots=True)

@@ -18,9 +18,10 @@ import shutil
 import socket
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 from types import TracebackType
+
+from pagefleet.dev import process
 
 logger = logging.getLogger(__name__)
 
@@ -109,28 +110,24 @@ class LocalRedis:
         # A free port can be taken between probing and binding: retry with another.
         for _attempt in range(5):
             self.port = _free_port()
-            err_path = self._dir / "stderr.log"
-            with open(err_path, "wb") as err_file:
-                proc = subprocess.Popen(
-                    self._argv(),
-                    cwd=self._dir,
-                    stdout=subprocess.DEVNULL,
-                    stderr=err_file,
-                    start_new_session=True,  # Ctrl-C reaches us, and we stop Redis in order
+            log_path = self._dir / "redis.log"
+            log_path.unlink(missing_ok=True)
+            # Own session: Ctrl-C reaches us, and we stop Redis in order.
+            proc = process.spawn(self._argv(), log_path, cwd=self._dir)
+            try:
+                process.wait_until(
+                    "redis-server",
+                    lambda: _ping(self.port),
+                    self.startup_timeout_s,
+                    proc=proc,
                 )
-            deadline = time.monotonic() + self.startup_timeout_s
-            while time.monotonic() < deadline and proc.poll() is None:
-                if _ping(self.port):
-                    self._proc = proc
-                    logger.info(
-                        "redis-server %s listening on 127.0.0.1:%d", self.executable, self.port
-                    )
-                    return self.url
-                time.sleep(0.02)
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(timeout=5)
-            last_err = err_path.read_text(errors="replace").strip()[-2000:]
+            except (TimeoutError, ChildProcessError):
+                process.stop(proc, grace_s=0)
+                last_err = process.tail(log_path, 20).strip()[-2000:]
+                continue
+            self._proc = proc
+            logger.info("redis-server %s listening on 127.0.0.1:%d", self.executable, self.port)
+            return self.url
         shutil.rmtree(self._dir, ignore_errors=True)
         self._dir = None
         raise RuntimeError(f"redis-server ({self.executable}) did not start: {last_err}")
@@ -171,13 +168,8 @@ class LocalRedis:
     def stop(self) -> None:
         """Terminate the server (SIGTERM, then SIGKILL after 5 s) and remove its files."""
         proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
+        if proc is not None:
+            process.stop(proc, grace_s=5.0)
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None

@@ -1,0 +1,121 @@
+"""Child processes for the dev tools and the e2e harness: one way to spawn, wait, stop.
+
+Every child runs in its own session (its own process group), with stdout and stderr
+appended to one log file, so stopping it signals the whole tree it forked and its output
+can be quoted in an error. With ``die_with_parent`` the kernel kills it if its parent dies
+without cleaning up (a SIGKILLed test run leaves no orphan holding ports; Linux only).
+
+Invariant: ``stop`` returns only once the child is reaped and its process group has been
+sent SIGKILL, so nothing it started keeps running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """In the child between fork and exec: SIGKILL me when my parent thread exits."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def spawn(
+    argv: list[str],
+    log_path: Path,
+    *,
+    cwd: Path | str | None = None,
+    env: Mapping[str, str] | None = None,
+    die_with_parent: bool = False,
+) -> subprocess.Popen[bytes]:
+    """Start ``argv`` in a new session, stdin from /dev/null, stdout+stderr appended to
+    ``log_path`` (created with its directory). Raises OSError if it cannot be executed."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab") as log:
+        return subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=cwd,
+            env=dict(env) if env is not None else None,
+            start_new_session=True,
+            preexec_fn=_die_with_parent_hook if die_with_parent else None,
+        )
+
+
+def _die_with_parent_hook() -> None:
+    die_with_parent()
+
+
+def signal_group(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
+    """Send ``sig`` to ``proc``'s process group if it is still running (no wait)."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+
+
+def stop(proc: subprocess.Popen[bytes], grace_s: float) -> int:
+    """SIGTERM the process group led by ``proc``, SIGKILL it after ``grace_s``; reap ``proc``
+    and return its exit status."""
+    if proc.poll() is None:
+        signal_group(proc, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace_s)
+    # The leader may have exited while children it forked still hold the group alive.
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    return proc.wait()
+
+
+def wait_until(
+    what: str,
+    check: Callable[[], bool],
+    timeout_s: float,
+    *,
+    proc: subprocess.Popen[bytes] | None = None,
+    context: Callable[[], str] = lambda: "",
+) -> None:
+    """Poll ``check`` (exceptions count as not yet) until it is true.
+
+    Raises TimeoutError after ``timeout_s``, or ChildProcessError as soon as ``proc`` has
+    exited; either message ends with ``context()`` (e.g. the log's tail).
+    """
+    deadline = time.monotonic() + timeout_s
+    delay = 0.02
+    while True:
+        with contextlib.suppress(Exception):
+            if check():
+                return
+        if proc is not None and proc.poll() is not None:
+            raise ChildProcessError(
+                f"{what}: the process exited with status {proc.returncode}\n{context()}"
+            )
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not ready after {timeout_s:.0f}s\n{context()}")
+        time.sleep(delay)
+        delay = min(delay * 1.5, 0.5)
+
+
+def tail(path: Path, lines: int = 30, errors_only: bool = False) -> str:
+    """The last ``lines`` lines of a log file, or a note that it does not exist.
+
+    ``errors_only`` keeps klog error/warning lines (E/W/F prefix) and JSON logs at error.
+    """
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return f"({path} does not exist)"
+    rows = text.splitlines()
+    if errors_only:
+        rows = [r for r in rows if r[:1] in ("E", "W", "F") or '"level":"error"' in r]
+    return "\n".join(rows[-lines:])
