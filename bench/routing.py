@@ -1,24 +1,32 @@
-"""Cache-aware routing vs round robin vs least load on one seeded multi-tenant chat trace.
+"""Cache-aware routing vs the peer routers, round robin and least load, on two workloads.
 
     .venv/bin/python bench/routing.py --quick
 
-A real fleet: 4 daemons + real Redis + one gateway per policy, all started by pagefleet's
-LocalFleet, on the 4x512 Llama of bench/throughput.py (`--model bench`, the default): a
-model whose prefill, not the fixed per-request path, sets TTFT, as on a real model and GPU.
-(`--model tiny` measures mostly HTTP and Python overhead, where a hit saves little.)
+A real fleet: 4 daemons + real Redis, all started by pagefleet's LocalFleet, on the 4x512
+Llama of bench/throughput.py (`--model bench`, the default): a model whose prefill, not the
+fixed per-request path, sets TTFT, as on a real model and GPU.
 
-Each daemon's KV pool is sized below the trace's prefix working set while the fleet's total
-is above it (by default 1/3 of the working set per daemon; sizes printed), the regime where
-routing decides the hit rate. Every policy replays the same trace; a per-policy salt at the
-start of every system prompt gives each run a cold, disjoint set of prefixes without
-restarting daemons (earlier runs' blocks are unreferenced, so LRU evicts them first).
-Requests run closed-loop (`--concurrency` conversations in flight), or open-loop with
-`--request-rate` (Poisson conversation arrivals, the same schedule for every policy).
+Front doors, each over the same daemons and the same trace: pagefleet's gateway
+(cache_aware, round_robin, least_load) and the peer routers from PyPI, sglang-router and
+vllm-router, each with its cache-aware policy at its defaults (`pip install '.[bench]'`; a
+peer that is not installed is skipped and its keys are null). Before every run every
+daemon's prefix cache is reset (POST /reset_prefix_cache), so each front door starts cold
+on identical prompts; every door is a fresh process per workload shape.
 
-Baseline and ceiling, both measured here: round robin and least load on the same trace,
-and `ideal_hit_rate`, one unbounded cache replaying the trace in order. The last run sends
-one identical prompt many times through the cache_aware gateway to check that a hot
-prompt spreads (`max_pod_share_single_prompt`). Last line: one JSON object.
+Two workload shapes, 8 closed-loop conversations in flight:
+- `chat`: multi-tenant chat, Zipf tenants, ~1200-token system prompts, 1-4 turns.
+- `agentic` (keys with an `_agentic` suffix): tool loops of 2-6 turns, each turn adding a
+  call and a tool result, the next turn sent `--think-ms` after the answer; a few tenants
+  at the start, the others appear mid-run with a burst of conversations each.
+
+Each daemon's KV pool is sized below the chat trace's prefix working set while the fleet's
+total is above it (1/3 of the working set per daemon; sizes printed), the regime where
+routing decides the hit rate. Per-pod shares, prefix hits and evictions come from the
+daemons' own /metrics, the same way for every door. `ideal_hit_rate` is one unbounded cache
+replaying the trace in order. A last run sends one identical prompt many times through the
+cache_aware gateway (`max_pod_share_single_prompt`). `gateway_overhead_ms_*` is the
+gateway's own time per request (parse, tokenize, index lookup, rank, and relaying the first
+chunk), from its `pagefleet_gateway_overhead_seconds` histogram. Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -30,14 +38,20 @@ import sys
 import time
 import urllib.request
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from pagefleet.api.openai import ChatCompletionRequest
-from pagefleet.dev.loadgen import run_workload, summarize, trim
-from pagefleet.dev.local_fleet import FleetSpec, LocalFleet
+from pagefleet.dev.loadgen import RequestResult, run_workload, summarize, trim
+from pagefleet.dev.local_fleet import Child, FleetSpec, LocalFleet
+from pagefleet.dev.peer_routers import PEERS, peer_version, spawn_peer, wait_peer_ready
 from pagefleet.dev.workload import (
+    AgenticSpec,
+    Conversation,
     WorkloadSpec,
+    build_agentic,
     build_conversations,
     flatten,
     ideal_hit_rate,
@@ -46,41 +60,260 @@ from pagefleet.dev.workload import (
 from pagefleet.gateway.prompts import PromptTokenizer
 from pagefleet.kvindex.hashing import block_hashes
 
-POLICIES = ("cache_aware", "round_robin", "least_load")
+OURS = ("cache_aware", "round_robin", "least_load")
+DOORS = ("cache_aware", "sglang", "vllm_router", "round_robin", "least_load")
+BLOCK = 16
 
 
-def _token_ids(tok: PromptTokenizer, convs: list) -> list[list[int]]:
-    return [
-        tok.chat_ids(ChatCompletionRequest(model="tiny", messages=t.as_openai()))
+def _token_ids(tok: PromptTokenizer, convs: list[Conversation]) -> dict[tuple[int, int], list[int]]:
+    return {
+        (t.conversation, t.index): tok.chat_ids(
+            ChatCompletionRequest(model="m", messages=t.as_openai())
+        )
         for t in flatten(convs)
-    ]
+    }
 
 
-def _server_info(url: str) -> dict:
-    with urllib.request.urlopen(url + "/get_server_info", timeout=10) as r:
+def _get_json(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(url, timeout=10) as r:
         return json.loads(r.read())
+
+
+def _post(url: str) -> None:
+    req = urllib.request.Request(url, data=b"{}", headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        r.read()
+
+
+_SCRAPED = {
+    "vllm:request_success": "requests",
+    "vllm:prefix_cache_hits": "hit_tokens",
+    "vllm:prompt_tokens": "prompt_tokens",
+    "pagefleet:kv_cache_evictions": "evictions",
+}
+
+
+def scrape(url: str) -> dict[str, float]:
+    """A daemon's counters this bench compares across doors (summed over label sets)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = dict.fromkeys(_SCRAPED.values(), 0.0)
+    for fam in text_string_to_metric_families(text):
+        key = _SCRAPED.get(fam.name)
+        if key is None:
+            continue
+        for s in fam.samples:
+            if s.name.endswith("_total"):
+                out[key] += s.value
+    return out
+
+
+def histogram_quantiles(url: str, name: str, qs: tuple[float, ...]) -> dict[float, float | None]:
+    """Quantiles (linear inside a bucket, as Prometheus' histogram_quantile) of one
+    histogram summed over its label sets, read from ``url``/metrics."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    buckets: Counter[float] = Counter()
+    for fam in text_string_to_metric_families(text):
+        if fam.name != name:
+            continue
+        for s in fam.samples:
+            if s.name == name + "_bucket":
+                buckets[float(s.labels["le"])] += s.value
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]] if bounds else 0.0
+    out: dict[float, float | None] = {}
+    for q in qs:
+        if total <= 0:
+            out[q] = None
+            continue
+        rank, prev_b, prev_c = q * total, 0.0, 0.0
+        for b in bounds:
+            c = buckets[b]
+            if c >= rank:
+                if b == float("inf"):
+                    out[q] = prev_b
+                else:
+                    frac = (rank - prev_c) / (c - prev_c) if c > prev_c else 1.0
+                    out[q] = prev_b + (b - prev_b) * frac
+                break
+            prev_b, prev_c = b, c
+    return out
+
+
+def miss_breakdown(
+    results: list[RequestResult], ids: dict[tuple[int, int], list[int]], namespace: str
+) -> dict[str, Any]:
+    """Where hit tokens went, against what a single unbounded cache would have hit.
+
+    For each request (in send order): ``ideal`` = leading blocks shared with any request
+    sent earlier; ``done`` = those shared with a request that had already *finished* when
+    this one was sent (its KV surely existed somewhere). Lost tokens split into: the
+    prefix was only in flight elsewhere (``lost_inflight``: no router could have served it
+    from cache, but could have placed it with its twin), and the prefix was finished
+    somewhere but this request did not hit it (``lost_done``: placement or eviction).
+    ``blind`` counts requests whose router predicted fewer blocks than ``done`` (only
+    pagefleet's gateway reports a prediction).
+    """
+    ok = sorted((r for r in results if r.ok), key=lambda r: r.start)
+    sent: list[tuple[RequestResult, list[int]]] = []
+    lost_inflight = lost_done = blind = predicted_n = 0
+    for r in ok:
+        keys = block_hashes(ids[(r.conversation, r.turn)], BLOCK, namespace)
+        ideal = done = 0
+        for prev, pkeys in sent:
+            n = 0
+            while n < min(len(keys), len(pkeys)) and keys[n] == pkeys[n]:
+                n += 1
+            ideal = max(ideal, n)
+            if prev.start + prev.e2e <= r.start:
+                done = max(done, n)
+        sent.append((r, keys))
+        cap = max(r.prompt_tokens - 1, 0)
+        cached = r.cached_tokens
+        lost_done += max(0, min(done * BLOCK, cap) - cached)
+        lost_inflight += max(0, min(ideal * BLOCK, cap) - max(cached, min(done * BLOCK, cap)))
+        if r.predicted_hit >= 0:
+            predicted_n += 1
+            if r.predicted_hit < min(done * BLOCK, cap) and done > 0:
+                blind += 1
+    prompt = sum(r.prompt_tokens for r in ok) or 1
+    return {
+        "lost_frac_done": round(lost_done / prompt, 4),
+        "lost_frac_inflight": round(lost_inflight / prompt, 4),
+        "blind_requests": blind if predicted_n else None,
+    }
+
+
+class Bench:
+    def __init__(self, fleet: LocalFleet, args: argparse.Namespace) -> None:
+        self.fleet = fleet
+        self.args = args
+        self.doors: dict[str, Child] = {}
+
+    def spawn_doors(self, shape: str) -> dict[str, Child]:
+        """Fresh processes for every door of one shape (no router remembers another run)."""
+        doors: dict[str, Child] = {}
+        for name in self.args.doors:
+            if name in OURS:
+                doors[name] = self.fleet.spawn_gateway(name, name=f"gateway-{name}-{shape}")
+            elif peer_version(name) is not None:
+                doors[name] = spawn_peer(name, self.fleet.daemon_urls, self.fleet.log_dir)
+        self.fleet.wait_ready([c for n, c in doors.items() if n in OURS])
+        for n, c in doors.items():
+            if n not in OURS:
+                wait_peer_ready(c, self.fleet.served_model_name)
+        self.doors.update({f"{n}/{shape}": c for n, c in doors.items()})
+        return doors
+
+    def reset_caches(self) -> None:
+        for url in self.fleet.daemon_urls:
+            _post(url + "/reset_prefix_cache")
+
+    def run(
+        self,
+        door: Child,
+        convs: list[Conversation],
+        think_s: float = 0.0,
+        ids: dict[tuple[int, int], list[int]] | None = None,
+    ) -> dict[str, Any]:
+        self.reset_caches()
+        time.sleep(0.3)  # the daemons' next stats snapshot, so the "before" scrape is fresh
+        before = [scrape(u) for u in self.fleet.daemon_urls]
+        results, wall = asyncio.run(
+            run_workload(
+                door.url,
+                self.fleet.served_model_name,
+                convs,
+                self.args.concurrency,
+                progress=False,
+                seed=self.args.seed,
+                think_s=think_s,
+            )
+        )
+        time.sleep(0.6)  # let every daemon's counters catch up with its last request
+        after = [scrape(u) for u in self.fleet.daemon_urls]
+        report = summarize(results, wall)
+        delta = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before, strict=True)]
+        served = sum(d["requests"] for d in delta) or 1.0
+        report["pod_share"] = [round(d["requests"] / served, 3) for d in delta]
+        report["max_pod_share"] = max(report["pod_share"])
+        report["evictions_per_pod"] = [int(d["evictions"]) for d in delta]
+        if ids is not None:
+            report.update(miss_breakdown(results, ids, self.fleet.namespace))
+        return report
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def shape_keys(reports: dict[str, dict[str, Any]], ideal: float, suffix: str) -> dict[str, Any]:
+    """The issue's comparison keys for one shape (``suffix`` "" or "_agentic")."""
+
+    def get(door: str, key: str) -> Any:
+        return reports[door][key] if door in reports else None
+
+    ca_hit, ca_p50 = get("cache_aware", "prefix_hit_rate"), get("cache_aware", "ttft_ms_p50")
+    peers = [p for p in PEERS if p in reports]
+    best_hit = max((reports[p]["prefix_hit_rate"] for p in peers), default=None)
+    best_p50 = min((reports[p]["ttft_ms_p50"] for p in peers), default=None)
+    best_p99 = min((reports[p]["ttft_ms_p99"] for p in peers), default=None)
+    out = {
+        "ideal_hit_rate": round(ideal, 4),
+        "cache_aware_hit_rate": ca_hit,
+        "sglang_hit_rate": get("sglang", "prefix_hit_rate"),
+        "vllm_router_hit_rate": get("vllm_router", "prefix_hit_rate"),
+        "round_robin_hit_rate": get("round_robin", "prefix_hit_rate"),
+        "least_load_hit_rate": get("least_load", "prefix_hit_rate"),
+        "cache_aware_frac_of_ideal": round(ca_hit / ideal, 4) if ca_hit and ideal else None,
+        "ttft_p50_ms_cache_aware": ca_p50,
+        "ttft_p50_ms_sglang": get("sglang", "ttft_ms_p50"),
+        "ttft_p50_ms_vllm_router": get("vllm_router", "ttft_ms_p50"),
+        "ttft_p50_ms_round_robin": get("round_robin", "ttft_ms_p50"),
+        "ttft_p50_ms_least_load": get("least_load", "ttft_ms_p50"),
+        "ttft_p99_ms_cache_aware": get("cache_aware", "ttft_ms_p99"),
+        "ttft_p99_ms_best_peer": best_p99,
+        "ttft_p50_ratio_best_peer_over_ca": _ratio(best_p50, ca_p50),
+        "ttft_p99_ratio_best_peer_over_ca": _ratio(best_p99, get("cache_aware", "ttft_ms_p99")),
+        "hit_rate_minus_best_peer": round(ca_hit - best_hit, 4)
+        if ca_hit is not None and best_hit is not None
+        else None,
+        "ttft_p50_ratio_rr_over_ca": _ratio(get("round_robin", "ttft_ms_p50"), ca_p50),
+        "ttft_mean_ratio_rr_over_ca": _ratio(
+            get("round_robin", "ttft_ms_mean"), get("cache_aware", "ttft_ms_mean")
+        ),
+        "max_pod_share": {d: r["max_pod_share"] for d, r in reports.items()},
+        "evictions": {d: sum(r["evictions_per_pod"]) for d, r in reports.items()},
+        "lost_frac_inflight": {d: r.get("lost_frac_inflight") for d, r in reports.items()},
+        "lost_frac_done": {d: r.get("lost_frac_done") for d, r in reports.items()},
+        "blind_requests_cache_aware": get("cache_aware", "blind_requests"),
+        "failed": sum(r["failed"] for r in reports.values()),
+    }
+    return {k + suffix: v for k, v in out.items()}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="small trace, under ~60 s")
+    ap.add_argument("--quick", action="store_true", help="small traces, under ~60 s")
     ap.add_argument("--daemons", type=int, default=4)
-    ap.add_argument("--requests", type=int, default=None, help="turns per policy")
+    ap.add_argument("--requests", type=int, default=None, help="chat turns per door")
+    ap.add_argument("--agentic-requests", type=int, default=None, help="agentic turns per door")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument(
-        "--request-rate",
-        type=float,
-        default=None,
-        help="open loop: conversations per second (Poisson); default: closed loop",
+        "--doors",
+        default=",".join(DOORS),
+        help="front doors to compare: " + ", ".join(DOORS),
     )
+    ap.add_argument(
+        "--shapes", default="chat,agentic", help="workload shapes: chat, agentic (or one)"
+    )
+    ap.add_argument("--think-ms", type=float, default=5.0, help="agentic: pause between turns")
     ap.add_argument(
         "--kv-blocks-per-daemon",
         type=int,
         default=None,
-        help="default: 1/3 of the trace's prefix working set",
-    )
-    ap.add_argument(
-        "--kv-cache-memory-mb", type=int, default=None, help="size the pool in MiB instead"
+        help="default: 1/3 of the chat trace's prefix working set",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--zipf-s", type=float, default=0.8, help="tenant popularity skew")
@@ -88,8 +321,7 @@ def main() -> None:
         "--tenants",
         type=int,
         default=None,
-        help="default: 16 with --quick, 32 for the full trace (about the same requests per "
-        "tenant, so the full run is the quick one with more traffic, not hotter tenants)",
+        help="chat tenants; default 16 with --quick, 32 for the full trace",
     )
     ap.add_argument(
         "--system-prompt-words",
@@ -99,10 +331,7 @@ def main() -> None:
     )
     ap.add_argument("--weights", default=None, help="cache_aware weights for the gateway")
     ap.add_argument(
-        "--long-prefill-token-threshold",
-        type=int,
-        default=0,
-        help="daemons' per-step prefill cap per request (0: none)",
+        "--gateway-args", default="", help="extra flags for pagefleet's gateways (space separated)"
     )
     ap.add_argument(
         "--model",
@@ -111,6 +340,8 @@ def main() -> None:
         "request's fixed overhead; or a tiny preset or checkpoint dir",
     )
     args = ap.parse_args()
+    args.doors = [d for d in args.doors.split(",") if d]
+    shapes = [s for s in args.shapes.split(",") if s]
     if args.model == "bench":
         from bench_models import ensure_bench_model
 
@@ -121,7 +352,8 @@ def main() -> None:
         args.model = str(resolve_checkpoint_dir(args.model))
 
     t_start = time.perf_counter()
-    n_req = args.requests or (64 if args.quick else 240)
+    n_req = args.requests or (56 if args.quick else 240)
+    n_agent = args.agentic_requests or (56 if args.quick else 200)
     if args.tenants is None:
         args.tenants = 16 if args.quick else 32
     spec = WorkloadSpec(
@@ -135,107 +367,98 @@ def main() -> None:
         max_tokens=4,
         seed=args.seed,
     )
-    # The trace and its prefix working set first: they size the daemons' KV pools. The
-    # gateway computes keys under the fleet's namespace, the served model name.
+    agentic = AgenticSpec(
+        num_conversations=n_agent,  # trimmed to n_agent turns
+        num_tenants=6 if args.quick else 12,
+        initial_tenants=2 if args.quick else 4,
+        system_prompt_words=args.system_prompt_words,
+        zipf_s=args.zipf_s,
+        seed=args.seed,
+    )
     served = args.model
     tok = PromptTokenizer.from_dir(args.model)
-    base = trim(build_conversations(spec), n_req)
-    ids = _token_ids(tok, base)
-    uses: Counter[int] = Counter()
-    for x in ids:
-        uses.update(set(block_hashes(x, 16, served)))
-    # The prefix working set: blocks some later request can reuse (seen twice or more).
-    reusable = sum(1 for n in uses.values() if n >= 2)
-    ideal = ideal_hit_rate(ids, 16, served)
-    lens = sorted(len(x) for x in ids)
-    kv_blocks = None
-    if args.kv_cache_memory_mb is None:
-        # A third of the working set per daemon, 4/3 of it across the fleet: only a router
-        # that partitions the reused prefixes across pods keeps the hit rate near the
-        # ceiling.
-        kv_blocks = args.kv_blocks_per_daemon or max(16, reusable // 3)
+    traces = {
+        "chat": trim(build_conversations(spec), n_req),
+        "agentic": trim(build_agentic(agentic), n_agent),
+    }
+    ids = {shape: _token_ids(tok, convs) for shape, convs in traces.items()}
+    ordered = {s: [ids[s][(t.conversation, t.index)] for t in flatten(traces[s])] for s in traces}
+
+    def working_set(lists: list[list[int]]) -> int:
+        uses: Counter[int] = Counter()
+        for x in lists:
+            uses.update(set(block_hashes(x, BLOCK, served)))
+        return sum(1 for n in uses.values() if n >= 2)
+
+    reusable = {s: working_set(ordered[s]) for s in traces}
+    ideal = {s: ideal_hit_rate(ordered[s], BLOCK, served) for s in traces}
+    # A third of the chat working set per daemon, 4/3 of it across the fleet: only a router
+    # that partitions the reused prefixes across pods keeps the hit rate near the ceiling.
+    kv_blocks = args.kv_blocks_per_daemon or max(16, reusable["chat"] // 3)
     fleet = LocalFleet(
         FleetSpec(
             num_daemons=args.daemons,
             model=args.model,
-            kv_cache_memory_mb=args.kv_cache_memory_mb,
             num_gpu_blocks=kv_blocks,
             seed=args.seed,
             weights=args.weights,
             gateway_port=0,
-            daemon_args=[
-                "--long-prefill-token-threshold",
-                str(args.long_prefill_token_threshold),
-            ],
+            gateway_args=args.gateway_args.split(),
         )
     )
     assert fleet.namespace == served, (fleet.namespace, served)
-    gateways = {}
+    bench = Bench(fleet, args)
+    reports: dict[str, dict[str, dict[str, Any]]] = {}
+    overhead: dict[str, dict[float, float | None]] = {}
+    single_report: dict[str, Any] = {}
     try:
         fleet.start()
-        gateways["cache_aware"] = fleet.gateway
-        for policy in POLICIES[1:]:
-            gateways[policy] = fleet.spawn_gateway(policy, name=f"gateway-{policy}")
-        fleet.wait_ready([g for g in gateways.values() if g is not None])
         t_ready = time.perf_counter() - t_start
-        blocks_per_daemon = int(_server_info(fleet.daemon_urls[0]).get("num_blocks", 0))
+        blocks_per_daemon = int(_get_json(fleet.daemon_urls[0] + "/get_server_info")["num_blocks"])
         print(
             f"fleet ready in {t_ready:.1f}s; {args.daemons} daemons x {blocks_per_daemon} KV "
-            f"blocks = {args.daemons * blocks_per_daemon} fleet blocks; prefix working set "
-            f"{reusable} blocks (all distinct blocks {len(uses)}); {len(ids)} requests, "
-            f"prompt tokens {lens[0]}..{lens[-1]}"
+            f"blocks; prefix working set chat {reusable['chat']} / agentic "
+            f"{reusable['agentic']} blocks; requests chat {len(ordered['chat'])} / agentic "
+            f"{len(ordered['agentic'])}; peers "
+            + ", ".join(f"{p} {peer_version(p)}" for p in PEERS)
         )
-        if not blocks_per_daemon < reusable < args.daemons * blocks_per_daemon:
-            print("WARNING: not in the routing regime (per-daemon < working set < fleet)")
-
-        # Warm every daemon's first-forward costs so no policy pays them.
+        # Warm every daemon's first-forward costs so no door pays them.
         warm = trim(
             build_conversations(
                 WorkloadSpec(num_conversations=2 * args.daemons, max_turns=1, salt="warm ")
             ),
             2 * args.daemons,
         )
+        assert fleet.gateway is not None
         asyncio.run(
             run_workload(
-                gateways["round_robin"].url,
-                fleet.served_model_name,
-                warm,
-                args.daemons,
-                progress=False,
+                fleet.gateway.url, fleet.served_model_name, warm, args.daemons, progress=False
             )
         )
-
-        reports = {}
-        for i, policy in enumerate(POLICIES):
-            salted = replace(spec, salt=f"run {i} {policy}. ")
-            convs = trim(build_conversations(salted), n_req)
-            results, wall = asyncio.run(
-                run_workload(
-                    gateways[policy].url,
-                    fleet.served_model_name,
-                    convs,
-                    args.concurrency,
-                    progress=False,
-                    request_rate=args.request_rate,
-                    seed=args.seed,
+        for shape in shapes:
+            doors = bench.spawn_doors(shape)
+            reports[shape] = {}
+            think = args.think_ms / 1000.0 if shape == "agentic" else 0.0
+            for name, door in doors.items():
+                r = bench.run(door, traces[shape], think, ids[shape])
+                reports[shape][name] = r
+                print(
+                    f"{shape:8s} {name:12s} hit {r['prefix_hit_rate']:.3f}  ttft p50 "
+                    f"{r['ttft_ms_p50']} p99 {r['ttft_ms_p99']} ms  wall {r['wall_s']} s  "
+                    f"failed {r['failed']}  shares {r['pod_share']}  evictions "
+                    f"{r['evictions_per_pod']}  lost inflight/done "
+                    f"{r['lost_frac_inflight']}/{r['lost_frac_done']}  blind "
+                    f"{r['blind_requests']}"
                 )
-            )
-            reports[policy] = summarize(results, wall)
-            r = reports[policy]
-            print(
-                f"{policy:12s} hit {r['prefix_hit_rate']:.3f}  ttft p50 {r['ttft_ms_p50']} ms"
-                f" p90 {r['ttft_ms_p90']} ms  wall {r['wall_s']} s  failed {r['failed']}  "
-                f"max pod share {r['max_pod_share']:.2f}"
-            )
-
+            if "cache_aware" in doors:
+                overhead[shape] = histogram_quantiles(
+                    doors["cache_aware"].url, "pagefleet_gateway_overhead_seconds", (0.5, 0.99)
+                )
         single = single_prompt_trace(48 if args.quick else 160, words=140, salt="single ")
+        bench.reset_caches()
         results, wall = asyncio.run(
             run_workload(
-                gateways["cache_aware"].url,
-                fleet.served_model_name,
-                single,
-                args.concurrency,
-                progress=False,
+                fleet.gateway.url, fleet.served_model_name, single, args.concurrency, progress=False
             )
         )
         single_report = summarize(results, wall)
@@ -245,47 +468,39 @@ def main() -> None:
         )
         t_runs = time.perf_counter() - t_start - t_ready
     finally:
-        for name, g in gateways.items():
-            if g is not None and name != "cache_aware":
-                g.terminate()
+        for c in bench.doors.values():
+            c.terminate()
         fleet.stop()
-        for g in gateways.values():
-            if g is not None:
-                g.stop()
+        for c in bench.doors.values():
+            c.stop()
 
-    ca, rr, ll = (reports[p] for p in POLICIES)
-    out = {
-        "ideal_hit_rate": round(ideal, 4),
-        "cache_aware_hit_rate": ca["prefix_hit_rate"],
-        "round_robin_hit_rate": rr["prefix_hit_rate"],
-        "least_load_hit_rate": ll["prefix_hit_rate"],
-        "cache_aware_frac_of_ideal": round(ca["prefix_hit_rate"] / ideal, 4) if ideal else 0.0,
-        "ttft_p50_ms_cache_aware": ca["ttft_ms_p50"],
-        "ttft_p50_ms_round_robin": rr["ttft_ms_p50"],
-        "ttft_p50_ms_least_load": ll["ttft_ms_p50"],
-        "ttft_p50_ratio_rr_over_ca": round(rr["ttft_ms_p50"] / ca["ttft_ms_p50"], 3)
-        if ca["ttft_ms_p50"]
-        else None,
-        "ttft_mean_ratio_rr_over_ca": round(rr["ttft_ms_mean"] / ca["ttft_ms_mean"], 3)
-        if ca["ttft_ms_mean"]
-        else None,
-        "max_pod_share_single_prompt": single_report["max_pod_share"],
-        "failed_requests": sum(r["failed"] for r in (ca, rr, ll, single_report)),
-        "requests_per_policy": n_req,
-        "model": Path(args.model).name,
-        "tenants": args.tenants,
-        "system_prompt_words": args.system_prompt_words,
-        "long_prefill_token_threshold": args.long_prefill_token_threshold,
-        "load": f"open {args.request_rate}/s"
-        if args.request_rate
-        else f"closed {args.concurrency}",
-        "daemons": args.daemons,
-        "kv_blocks_per_daemon": blocks_per_daemon,
-        "prefix_working_set_blocks": reusable,
-        "start_s": round(t_ready, 1),
-        "runs_s": round(t_runs, 1),
-        "wall_s": round(time.perf_counter() - t_start, 1),
-    }
+    out: dict[str, Any] = {}
+    for shape in shapes:
+        suffix = "" if shape == "chat" else f"_{shape}"
+        out.update(shape_keys(reports[shape], ideal[shape], suffix))
+        ms = {q: (None if v is None else round(v * 1000, 3)) for q, v in overhead[shape].items()}
+        out[f"gateway_overhead_ms_p50{suffix}"] = ms.get(0.5)
+        out[f"gateway_overhead_ms_p99{suffix}"] = ms.get(0.99)
+    out.update(
+        {
+            "max_pod_share_single_prompt": single_report["max_pod_share"],
+            "failed_requests": sum(r["failed"] for s in reports.values() for r in s.values())
+            + single_report["failed"],
+            "peers": {p: peer_version(p) for p in PEERS},
+            "requests_per_door": {s: len(ordered[s]) for s in shapes},
+            "model": Path(args.model).name,
+            "tenants": args.tenants,
+            "system_prompt_words": args.system_prompt_words,
+            "load": f"closed {args.concurrency}",
+            "think_ms_agentic": args.think_ms,
+            "daemons": args.daemons,
+            "kv_blocks_per_daemon": blocks_per_daemon,
+            "prefix_working_set_blocks": reusable,
+            "start_s": round(t_ready, 1),
+            "runs_s": round(t_runs, 1),
+            "wall_s": round(time.perf_counter() - t_start, 1),
+        }
+    )
     print(json.dumps(out))
 
 

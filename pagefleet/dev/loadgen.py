@@ -35,6 +35,7 @@ from pagefleet.dev.workload import Conversation, WorkloadSpec, build_conversatio
 logger = logging.getLogger(__name__)
 
 POD_HEADER = "x-pagefleet-pod"
+HIT_HEADER = "x-pagefleet-predicted-hit-tokens"
 
 
 class BenchOptions(BaseModel):
@@ -89,6 +90,7 @@ class RequestResult:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    predicted_hit: int = -1  # the gateway's x-pagefleet-predicted-hit-tokens; -1: not sent
 
     @property
     def tpot(self) -> float:
@@ -126,6 +128,7 @@ async def _one_turn(client: Any, model: str, turn: Any, timeout_s: float) -> Req
             timeout=timeout_s,
         )
         res.pod = raw.headers.get(POD_HEADER, "")
+        res.predicted_hit = int(raw.headers.get(HIT_HEADER, -1))
         last = None
         async for chunk in raw.parse():
             now = time.perf_counter()
@@ -159,8 +162,12 @@ async def run_workload(
     timeout_s: float = 120.0,
     request_rate: float | None = None,
     seed: int = 0,
+    think_s: float = 0.0,
 ) -> tuple[list[RequestResult], float]:
     """Run conversations; returns per-turn results and the wall time.
+
+    ``think_s``: pause between a turn's last byte and the next turn (an agent's tool call
+    takes a few ms; a person takes seconds).
 
     ``request_rate`` None: closed loop, ``concurrency`` conversations in flight. Otherwise
     open loop: conversation i starts at the i-th arrival of a Poisson process of
@@ -183,7 +190,9 @@ async def run_workload(
         bar = tqdm(total=total, desc="requests", unit="req", leave=False)
 
     async def converse(conv: Conversation) -> None:
-        for turn in conv.turns:  # turn k+1 only after turn k finished
+        for k, turn in enumerate(conv.turns):  # turn k+1 only after turn k finished
+            if k and think_s > 0:
+                await asyncio.sleep(think_s)
             results.append(await _one_turn(client, model, turn, timeout_s))
             if bar is not None:
                 bar.update(1)

@@ -116,6 +116,80 @@ def build_conversations(spec: WorkloadSpec) -> list[Conversation]:
     return out
 
 
+@dataclass(slots=True, frozen=True)
+class AgenticSpec:
+    """Agent loops: long tool-using conversations, and tenants that show up mid-run.
+
+    Each turn appends the agent's call (``assistant_turn_words``) and the tool's result
+    (``tool_result_words``) to the history, so the conversation itself becomes the long
+    prefix. ``initial_tenants`` tenants exist at the start; the others appear one by one
+    over the run, each with a burst of ``burst`` conversations that start back to back
+    (a new customer's agents all start at once), then join the Zipf mix.
+    """
+
+    num_conversations: int = 16
+    num_tenants: int = 6
+    initial_tenants: int = 2
+    burst: int = 2
+    system_prompt_words: int = 200
+    user_turn_words: int = 10
+    assistant_turn_words: int = 12
+    tool_result_words: int = 40
+    min_turns: int = 2
+    max_turns: int = 6
+    zipf_s: float = 0.8
+    max_tokens: int = 4
+    seed: int = 0
+    salt: str = ""
+
+
+def build_agentic(spec: AgenticSpec) -> list[Conversation]:
+    """Conversations in start order; turn k+1's prompt extends turn k's by a tool round."""
+    if not 1 <= spec.initial_tenants <= spec.num_tenants:
+        raise ValueError(
+            f"initial_tenants must be in 1..num_tenants ({spec.num_tenants}), "
+            f"got {spec.initial_tenants}"
+        )
+    prompts = system_prompts(
+        WorkloadSpec(
+            num_tenants=spec.num_tenants,
+            system_prompt_words=spec.system_prompt_words,
+            seed=spec.seed,
+            salt=spec.salt + "agent ",
+        )
+    )
+    rng = random.Random(f"{spec.seed}/agentic")
+    late = spec.num_tenants - spec.initial_tenants
+    # Late tenants arrive evenly over [1/8, 3/4] of the run, so each has time to recur.
+    n = spec.num_conversations
+    arrive_at: dict[int, list[int]] = {}
+    for j in range(late):
+        at = n // 8 + (j * (3 * n // 4 - n // 8)) // max(1, late)
+        arrive_at.setdefault(at, []).append(spec.initial_tenants + j)
+    active = list(range(spec.initial_tenants))
+    pending_burst: list[int] = []
+    out: list[Conversation] = []
+    for cid in range(n):
+        for t in arrive_at.get(cid, ()):
+            active.append(t)
+            pending_burst += [t] * spec.burst
+        if pending_burst:
+            tenant = pending_burst.pop(0)
+        else:
+            tenant = rng.choices(active, zipf_weights(len(active), spec.zipf_s))[0]
+        conv = Conversation(cid, tenant)
+        history: list[tuple[str, str]] = [
+            ("system", prompts[tenant]),
+            ("user", f"[{cid}] task: " + _text(rng, spec.user_turn_words)),
+        ]
+        for k in range(rng.randint(spec.min_turns, spec.max_turns)):
+            conv.turns.append(Turn(cid, tenant, k, tuple(history), spec.max_tokens))
+            history.append(("assistant", "call " + _text(rng, spec.assistant_turn_words)))
+            history.append(("user", "result: " + _text(rng, spec.tool_result_words)))
+        out.append(conv)
+    return out
+
+
 def flatten(convs: Iterable[Conversation]) -> Iterator[Turn]:
     for c in convs:
         yield from c.turns

@@ -1,0 +1,99 @@
+"""The routers people already run, as front doors over a LocalFleet's daemons (benchmarks).
+
+``sglang-router`` and ``vllm-router`` come from PyPI (``pip install 'pagefleet[bench]'``);
+both are Rust binaries behind a Python launcher. Each is started with the daemons' static
+URLs and its own cache-aware policy at its defaults, so a comparison measures their
+designs, not our tuning of them.
+
+Invariant: every router this module starts runs as a ``Child`` the caller stops, listens on
+loopback only, and its Prometheus exporter gets its own free port (both default to the same
+one, and a second router would crash on it).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+import urllib.error
+import urllib.request
+from importlib import metadata
+from pathlib import Path
+
+from pagefleet.dev.local_fleet import Child, free_port
+
+PEERS: dict[str, str] = {"sglang": "sglang-router", "vllm_router": "vllm-router"}
+
+
+def peer_version(kind: str) -> str | None:
+    """The installed distribution's version, or None when it is not installed."""
+    try:
+        return metadata.version(PEERS[kind])
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _executable(dist: str) -> str:
+    # The venv's scripts sit beside its python; PATH may not include them.
+    local = Path(sys.executable).parent / dist
+    found = str(local) if local.exists() else shutil.which(dist)
+    if not found:
+        raise FileNotFoundError(
+            f"{dist} is not installed; `pip install 'pagefleet[bench]'` installs the peer routers"
+        )
+    return found
+
+
+def peer_argv(
+    kind: str, worker_urls: list[str], port: int, policy: str = "cache_aware"
+) -> list[str]:
+    """Command line of one peer router over ``worker_urls`` with ``policy``."""
+    exe = _executable(PEERS[kind])
+    common = [
+        "--host", "127.0.0.1", "--port", str(port),
+        "--policy", policy,
+        "--worker-urls", *worker_urls,
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+    ]  # fmt: skip
+    if kind == "sglang":
+        return [exe, "launch", *common, "--log-level", "warn"]
+    if kind == "vllm_router":
+        return [exe, *common, "--log-level", "warning"]
+    raise ValueError(f"unknown peer router {kind!r}; choose one of {', '.join(PEERS)}")
+
+
+def spawn_peer(
+    kind: str, worker_urls: list[str], log_dir: Path, policy: str = "cache_aware"
+) -> Child:
+    """Start a peer router (not waiting for it; see :func:`wait_peer_ready`)."""
+    port = free_port()
+    child = Child(
+        f"{kind}-{policy}",
+        peer_argv(kind, worker_urls, port, policy),
+        f"http://127.0.0.1:{port}",
+        log_dir / f"{kind}-{policy}.log",
+    )
+    child.start()
+    return child
+
+
+def wait_peer_ready(child: Child, model: str, timeout_s: float = 120.0) -> None:
+    """Block until the router lists ``model`` (its workers registered), or raise."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if not child.alive:
+            raise RuntimeError(f"{child.name} exited; its log ends:\n{child.log_tail()}")
+        try:
+            with urllib.request.urlopen(child.url + "/v1/models", timeout=2) as r:
+                ids = [m.get("id") for m in json.loads(r.read()).get("data", [])]
+            if model in ids:
+                return
+        except (urllib.error.URLError, OSError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"{child.name} did not list model {model!r} within {timeout_s:.0f}s; log "
+                f"{child.log_path}:\n{child.log_tail()}"
+            )
+        time.sleep(0.2)
