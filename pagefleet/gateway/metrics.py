@@ -26,6 +26,10 @@ _LATENCY_BUCKETS = (
     60.0,
 )
 _DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+# Fine around the 2 ms budget of the gateway's own work per request.
+_OVERHEAD_BUCKETS = (
+    0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.1
+)  # fmt: skip
 _TOKEN_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -42,6 +46,7 @@ class GatewayMetrics:
     upstream_latency_seconds: Histogram = field(init=False)
     index_errors: Counter = field(init=False)
     inflight: Gauge = field(init=False)
+    overhead_seconds: Histogram = field(init=False)
 
     def __post_init__(self) -> None:
         r = self.registry
@@ -105,6 +110,14 @@ class GatewayMetrics:
             p + "inflight_requests",
             "Requests this gateway has open per pod.",
             ["pod"],
+            registry=r,
+        )
+
+        self.overhead_seconds = Histogram(
+            p + "overhead_seconds",
+            "The gateway's own time per served request: parse, tokenize, index lookup and "
+            "ranking before the upstream request is sent, plus relaying the first chunk.",
+            buckets=_OVERHEAD_BUCKETS,
             registry=r,
         )
 

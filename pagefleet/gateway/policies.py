@@ -4,22 +4,43 @@ Every policy returns *all* candidates ranked, so the proxy can retry the next-be
 the first refuses the connection. Policies are pure given their inputs and an RNG (tests
 pass a seeded ``random.Random``); only round robin keeps a cursor, per router instance.
 
-Cost model of ``cache_aware`` (lower is better), per ready pod ``p`` and prompt of ``L``
-tokens of which the index says ``m_p`` leading blocks of ``B`` tokens are cached on ``p``:
+Cost model of ``cache_aware`` (lower is better), per ready pod ``p`` and a prompt of ``L``
+tokens (``N`` full blocks of ``B`` tokens) of which ``m_p`` leading blocks are on ``p`` (the
+index's exact answer, or this gateway's recent placements it has not seen yet):
 
-    uncached_frac = (L - m_p * B) / L                  # prefill work still to do, 0..1
+    uncached_frac = (L - m_p * B) / L                   # prefill work still to do, 0..1
     queue         = inflight_p + max(0, running_p + waiting_p - inflight_p(at heartbeat))
-    cost          = w_prefill * uncached_frac + w_queue * queue + w_kv * kv_usage_p
+    excess        = max(0, queue - min over pods of queue - slack)
+    fit           = min(2, (footprint_p + N - m_p) / capacity_p)
+    cost          = w_prefill * uncached_frac + w_queue * excess + w_kv * kv_usage_p
+                    + w_fit * fit
 
 ``queue`` is this gateway's own in-flight count now (exact, instant) plus whatever the
 pod's last heartbeat saw beyond our own requests at the moment it was taken (other gateway
-replicas' traffic). A heartbeat is up to a second old; using it raw would count our
-finished requests as still queued and push traffic away from a pod that is in fact idle.
-With the default weights a full prefix hit is worth about four queued requests. The
-imbalance guard falls back to pure load when the pods holding the longest prefix are all
-busier than the least-loaded pod by more than ``imbalance_abs`` requests: a single hugely
-popular prompt therefore spills over to the other pods, which then cache it too, and exact
-ties are broken at random.
+replicas' traffic).
+
+The load rule: a pod's queue costs nothing while it is within ``slack`` requests of the
+least-loaded pod. Continuous batching admits a request into the next step whatever the
+batch, so a request or two more than elsewhere does not delay this one by a prefill; and
+when every pod is nearly idle, there is nothing to balance. Beyond that slack each extra
+request costs ``w_queue`` of a full prefill (default 0.5: two requests queued ahead beyond
+the slack delay this one about as much as prefilling it elsewhere). The imbalance guard
+falls back to pure load when the pods holding the longest prefix are all busier than the
+least-loaded pod by more than ``imbalance_abs`` requests.
+
+Hot prefixes: when the requests in flight that share this prompt's matched prefix are more
+than one pod's fair share of all in-flight requests plus the slack (``shared > total / pods
++ slack``), one pod cannot carry that prefix; the request is then ranked by load, the cache
+only breaking ties, so the prefix is replicated onto the least-loaded pods (a single hugely
+popular prompt spreads over the fleet). A tenant with its fair share of traffic or less
+keeps its affinity.
+
+Placement (``fit``): ``footprint_p`` is the distinct blocks this gateway sent ``p`` in the
+last minute, the working set it asked ``p`` to keep; ``capacity_p`` is ``p``'s KV pool in
+blocks (from its heartbeat). A prompt no pod holds goes where adding its blocks leaves the
+most room, so tenants spread by the cache they need rather than by request count; a pod
+that already holds the prompt adds nothing to its footprint. Exact ties break at random:
+a popular prompt spreads over the pods that hold it.
 """
 
 from __future__ import annotations
@@ -43,8 +64,18 @@ class RoutingWeights(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     prefill: float = Field(1.0, ge=0, description="cost of a fully uncached prompt")
-    queue: float = Field(0.25, ge=0, description="cost per running/waiting/in-flight request")
+    queue: float = Field(
+        0.5, ge=0, description="cost per queued request beyond the least-loaded pod's + slack"
+    )
+    slack: float = Field(
+        1.0, ge=0, description="requests more than the least-loaded pod that cost nothing"
+    )
     kv: float = Field(0.5, ge=0, description="cost of a pod whose KV cache is fully in use")
+    fit: float = Field(
+        0.25,
+        ge=0,
+        description="cost of a placement that fills the pod's KV pool with its recent working set",
+    )
     imbalance_abs: float = Field(
         4.0, ge=0, description="fall back to least load when best-cache queue exceeds min by more"
     )
@@ -80,6 +111,8 @@ class Candidate:
     inflight: int = 0
     own_at_heartbeat: int = 0  # this gateway's in-flight count when the heartbeat was taken
     has_heartbeat: bool = False
+    footprint_blocks: int = 0  # distinct blocks this gateway recently sent the pod
+    capacity_blocks: int = 0  # the pod's KV pool in blocks (0: unknown)
 
     @property
     def queue(self) -> int:
@@ -93,6 +126,8 @@ class RouteRequest:
     prompt_tokens: int
     block_size: int
     session_key: str | None = None
+    num_blocks: int = 0  # full blocks of the prompt (its block keys)
+    hot: bool = False  # its prefix alone keeps more than one pod's fair share busy
 
 
 @dataclass(slots=True, frozen=True)
@@ -153,28 +188,56 @@ class CacheAwarePolicy:
     def __init__(self, weights: RoutingWeights | None = None) -> None:
         self.weights = weights or RoutingWeights()
 
-    def cost(self, c: Candidate, req: RouteRequest) -> float:
+    def cost(self, c: Candidate, req: RouteRequest, min_queue: int = 0) -> float:
+        """The module docstring's cost; ``min_queue``: the least-loaded pod's queue."""
         w = self.weights
         uncached = req.prompt_tokens - _matched_tokens(c, req)
         frac = uncached / req.prompt_tokens if req.prompt_tokens > 0 else 1.0
-        return w.prefill * frac + w.queue * c.queue + w.kv * c.kv_usage
+        excess = max(0.0, c.queue - min_queue - w.slack)
+        fit = 0.0
+        if c.capacity_blocks > 0:
+            new = max(0, req.num_blocks - c.matched_blocks)
+            fit = min(2.0, (c.footprint_blocks + new) / c.capacity_blocks)
+        return w.prefill * frac + w.queue * excess + w.kv * c.kv_usage + w.fit * fit
 
     def rank(
         self, candidates: list[Candidate], req: RouteRequest, rng: random.Random
     ) -> list[Scored]:
         if not candidates:
             return []
+        min_queue = min(c.queue for c in candidates)
+        if req.hot:
+            # Replicate a hot prefix: least load first, the cache only breaks ties (a
+            # holder wins at equal load; one more request than elsewhere moves it on).
+            return _order(
+                [
+                    Scored(
+                        c.endpoint,
+                        c.queue
+                        + c.kv_usage
+                        + 0.5 * (1 - _matched_tokens(c, req) / req.prompt_tokens),
+                        _matched_tokens(c, req),
+                        c.queue,
+                        "hot_prefix",
+                    )
+                    for c in candidates
+                ],
+                rng,
+            )
         ranked = _order(
             [
                 Scored(
-                    c.endpoint, self.cost(c, req), _matched_tokens(c, req), c.queue, "cache_aware"
+                    c.endpoint,
+                    self.cost(c, req, min_queue),
+                    _matched_tokens(c, req),
+                    c.queue,
+                    "cache_aware",
                 )
                 for c in candidates
             ],
             rng,
         )
         best_match = max(s.matched_tokens for s in ranked)
-        min_queue = min(s.queue for s in ranked)
         # The guard looks at the pods holding the longest prefix, not just the cheapest one:
         # a hot prefix whose holders are all swamped must spill, even if the cost tie-break
         # happens to favour a holder.

@@ -3,8 +3,9 @@
 Invariant: routing never fails because the index does. A lookup that errors or exceeds its
 timeout counts as "no pod holds anything" (cache_aware degrades to load-only) and opens a
 short circuit breaker so later requests do not each pay the timeout while Redis is down.
-Hit predictions come only from the shared index, so several gateway replicas pointed at
-the same index rank the same pods for the same prompt (up to their own in-flight counts).
+Hit predictions come from the shared index, merged (per pod, the larger) with this
+replica's memory of where it sent each block in the last moments (``PlacementMemory``):
+what the index cannot know yet. Replicas differ only by their own recent traffic.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagefleet.gateway.discovery import Discovery, Endpoint
+from pagefleet.gateway.placements import PlacementMemory
 from pagefleet.gateway.policies import Candidate, Policy, RouteRequest, Scored
 from pagefleet.kvindex.hashing import block_hashes
 from pagefleet.kvindex.index import KVIndex, PodLoad
@@ -43,6 +45,7 @@ class RoutingDecision:
     num_blocks: int
     index_ok: bool
     decision_s: float
+    keys: list[int] = field(default_factory=list)
 
     @property
     def predicted_hit_tokens(self) -> int:
@@ -84,7 +87,11 @@ class Router:
     seed: int | None = None
     metrics: GatewayMetrics | None = None
     eject_s: float = 5.0
+    # How long a finished request's placement counts before the index alone decides;
+    # 0 turns the placement memory off.
+    placement_ttl_s: float = 2.0
     inflight: dict[str, int] = field(default_factory=dict)
+    placements: PlacementMemory = field(default_factory=PlacementMemory)
     _ejected: dict[str, float] = field(default_factory=dict)
     _history: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)
     _loads: dict[str, PodLoad] = field(default_factory=dict)
@@ -95,6 +102,7 @@ class Router:
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
         self._breaker = _Breaker(self.breaker_cooldown_s)
+        self.placements.ttl_s = self.placement_ttl_s
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -136,11 +144,17 @@ class Router:
 
     # -- in-flight accounting -------------------------------------------------------------
 
-    def acquire(self, ep: Endpoint) -> None:
+    def acquire(self, ep: Endpoint, keys: Sequence[int] = ()) -> None:
+        """A request (with block ``keys``) is being sent to ``ep``."""
         self._set_inflight(ep.pod, self.inflight.get(ep.pod, 0) + 1)
+        if keys and self.placement_ttl_s > 0:
+            self.placements.begin(keys, ep.pod)
 
-    def release(self, ep: Endpoint) -> None:
+    def release(self, ep: Endpoint, keys: Sequence[int] = ()) -> None:
+        """The request :meth:`acquire` announced finished (or failed)."""
         self._set_inflight(ep.pod, max(0, self.inflight.get(ep.pod, 0) - 1))
+        if keys and self.placement_ttl_s > 0:
+            self.placements.end(keys, ep.pod)
 
     def _set_inflight(self, pod: str, n: int) -> None:
         if n > 0:
@@ -162,6 +176,7 @@ class Router:
         """A pod refused or dropped a request: rank it last for ``eject_s`` seconds, so a
         crashed pod costs one failed attempt, not one per request until discovery notices."""
         self._ejected[ep.pod] = time.monotonic() + self.eject_s
+        self.placements.forget_pod(ep.pod)
 
     def mark_ok(self, ep: Endpoint) -> None:
         self._ejected.pop(ep.pod, None)
@@ -205,6 +220,21 @@ class Router:
         self._breaker.succeeded()
         return matched, True
 
+    def _is_hot(
+        self, keys: list[int], matched: dict[str, int], candidates: list[Candidate]
+    ) -> bool:
+        """The prefix shared with requests in flight keeps more than one pod busy."""
+        if not keys or not matched or not candidates or self.placement_ttl_s <= 0:
+            return False
+        m = min(max(matched.values()), len(keys))
+        if m <= 0:
+            return False
+        shared = self.placements.inflight_with(keys[m - 1])
+        total = sum(c.queue for c in candidates)
+        slack = getattr(getattr(self.policy, "weights", None), "slack", 1.0)
+        # A fair share below one request would make any twin "hot" on an idle fleet.
+        return shared > max(1.0, total / len(candidates)) + slack
+
     async def route(
         self,
         token_ids: Sequence[int] | None,
@@ -221,6 +251,10 @@ class Router:
         if self.policy.uses_index and endpoints:
             keys = self.block_keys(tokens, extra)
             matched, index_ok = await self.lookup(keys)
+            if self.placement_ttl_s > 0:
+                for pod, n in self.placements.lookup(keys).items():
+                    if n > matched.get(pod, 0):
+                        matched[pod] = n
         candidates = []
         for ep in endpoints:
             load = self._loads.get(ep.pod)
@@ -234,10 +268,16 @@ class Router:
                     inflight=self.inflight.get(ep.pod, 0),
                     own_at_heartbeat=self.inflight_at(ep.pod, load.ts) if load else 0,
                     has_heartbeat=load is not None,
+                    footprint_blocks=self.placements.footprint(ep.pod) if keys else 0,
+                    capacity_blocks=load.num_blocks if load else 0,
                 )
             )
         req = RouteRequest(
-            prompt_tokens=len(tokens), block_size=self.block_size, session_key=session_key
+            prompt_tokens=len(tokens),
+            block_size=self.block_size,
+            session_key=session_key,
+            num_blocks=len(keys),
+            hot=self._is_hot(keys, matched, candidates),
         )
         ranked = self._demote_ejected(self.policy.rank(candidates, req, self._rng))
         decision = RoutingDecision(
@@ -247,6 +287,7 @@ class Router:
             num_blocks=len(keys),
             index_ok=index_ok,
             decision_s=time.perf_counter() - t0,
+            keys=keys,
         )
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(

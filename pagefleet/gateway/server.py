@@ -187,6 +187,7 @@ class Gateway:
         model: type[CompletionRequest | ChatCompletionRequest],
         path: str,
     ) -> web.StreamResponse:
+        t_arrival = time.perf_counter()
         body = await request.read()
         try:
             parsed = parse_body(model, body)
@@ -206,7 +207,7 @@ class Gateway:
             )
         if decision.prompt_tokens:
             self.metrics.prompt_tokens_total.inc(decision.prompt_tokens)
-        return await self._forward(request, body, path, parsed.stream, decision)
+        return await self._forward(request, body, path, parsed.stream, decision, t_arrival)
 
     async def _forward(
         self,
@@ -215,6 +216,7 @@ class Gateway:
         path: str,
         stream: bool,
         decision: RoutingDecision,
+        t_arrival: float,
     ) -> web.StreamResponse:
         assert self._session is not None, "gateway used before startup"
         headers = {
@@ -225,7 +227,7 @@ class Gateway:
         for i, scored in enumerate(attempts):
             ep = scored.endpoint
             more_left = i + 1 < len(attempts)
-            self.router.acquire(ep)
+            self.router.acquire(ep, decision.keys)
             self.metrics.inflight.labels(pod=ep.pod).inc()
             try:
                 result = await self._try_pod(
@@ -238,9 +240,10 @@ class Gateway:
                     decision,
                     scored.matched_tokens,
                     more_left,
+                    time.perf_counter() - t_arrival,
                 )
             finally:
-                self.router.release(ep)
+                self.router.release(ep, decision.keys)
                 self.metrics.inflight.labels(pod=ep.pod).dec()
             if isinstance(result, web.StreamResponse):
                 self.router.mark_ok(ep)
@@ -273,8 +276,11 @@ class Gateway:
         decision: RoutingDecision,
         predicted_hit: int,
         more_left: bool,
+        pre_s: float,
     ) -> web.StreamResponse | str:
-        """Serve the request from ``ep``; a string says why to move on to the next pod."""
+        """Serve the request from ``ep``; a string says why to move on to the next pod.
+
+        ``pre_s``: the gateway's own time before this attempt (parse, tokenize, route)."""
         assert self._session is not None
         t0 = time.perf_counter()
         try:
@@ -299,6 +305,7 @@ class Gateway:
                 self.metrics.upstream_latency_seconds.labels(pod=ep.pod).observe(
                     time.perf_counter() - t0
                 )
+                self.metrics.overhead_seconds.observe(pre_s)
                 return web.Response(status=upstream.status, body=payload, headers=out_headers)
             try:
                 first = await asyncio.wait_for(
@@ -308,12 +315,13 @@ class Gateway:
                 return f"{type(exc).__name__} before the first byte: {exc}"
             if not first:
                 return "stream closed before the first byte"
-            ttft = time.perf_counter() - t0
-            self.metrics.upstream_ttft_seconds.labels(pod=ep.pod).observe(ttft)
+            t_first = time.perf_counter()
+            self.metrics.upstream_ttft_seconds.labels(pod=ep.pod).observe(t_first - t0)
             self._count(ep, decision, predicted_hit, upstream.status)
             resp = web.StreamResponse(status=upstream.status, headers=out_headers)
             await resp.prepare(request)
             await resp.write(first)
+            self.metrics.overhead_seconds.observe(pre_s + time.perf_counter() - t_first)
             try:
                 async for chunk in upstream.content.iter_any():
                     try:

@@ -103,7 +103,7 @@ async def test_imbalance_guard_falls_back_to_least_load() -> None:
     prompt = _prompt(2, 10 * BS)
     await _store(index, PODS[0], prompt)
     # Moderate load on the holder: cache still wins.
-    await _beat(index, {PODS[0]: 3})
+    await _beat(index, {PODS[0]: 2})
     router = await _router("cache_aware", index)
     try:
         d = await router.route(prompt)
@@ -235,7 +235,8 @@ async def test_index_failure_degrades_to_load_only_and_opens_breaker() -> None:
     index = _BrokenIndex(NS)
     router = await _router("cache_aware", index, breaker_cooldown_s=60)
     try:
-        router.acquire(Endpoint(PODS[1], URLS[1]))
+        for _ in range(2):  # beyond the slack of one request
+            router.acquire(Endpoint(PODS[1], URLS[1]))
         d = await router.route(_prompt(3, 5 * BS))
         assert not d.index_ok
         assert d.ranked and d.ranked[-1].endpoint.pod == PODS[1]
@@ -258,15 +259,51 @@ def test_weights_parse_and_reject_unknown_names() -> None:
 
 
 def test_cache_aware_cost_trades_hits_against_queue() -> None:
-    policy = CacheAwarePolicy(RoutingWeights(prefill=1.0, queue=0.25, kv=0.0))
+    policy = CacheAwarePolicy(RoutingWeights(prefill=1.0, queue=0.5, slack=1, kv=0.0, fit=0.0))
     ep = [Endpoint(p, u) for p, u in zip(PODS, URLS, strict=True)]
-    req = RouteRequest(prompt_tokens=10 * BS, block_size=BS)
-    # Full hit with 3 queued (cost 0.75) beats a cold idle pod (cost 1.0) ...
-    ranked = policy.rank([Candidate(ep[0], 10, running=3), Candidate(ep[1])], req, random.Random(0))
+    req = RouteRequest(prompt_tokens=10 * BS, block_size=BS, num_blocks=10)
+    # Full hit with 2 queued (cost 0.5 * (2 - 1)) beats a cold idle pod (cost 1.0) ...
+    ranked = policy.rank([Candidate(ep[0], 10, running=2), Candidate(ep[1])], req, random.Random(0))
     assert ranked[0].endpoint == ep[0]
-    # ... but not with 5 queued (cost 1.25).
-    ranked = policy.rank([Candidate(ep[0], 10, running=5), Candidate(ep[1])], req, random.Random(0))
+    # ... but not with 4 queued (cost 1.5).
+    ranked = policy.rank([Candidate(ep[0], 10, running=4), Candidate(ep[1])], req, random.Random(0))
     assert ranked[0].endpoint == ep[1]
+    # Load is counted from the least-loaded pod: all busy alike, the hit wins however busy.
+    busy = [Candidate(ep[0], 10, running=9), Candidate(ep[1], running=8)]
+    assert policy.rank(busy, req, random.Random(0))[0].endpoint == ep[0]
+
+
+def test_slack_makes_a_request_or_two_more_free() -> None:
+    """Nearly idle pods: a partial hit stays with its holder whatever the in-flight counts;
+    with slack 0 the same one-request difference moves it."""
+    ep = [Endpoint(p, u) for p, u in zip(PODS, URLS, strict=True)]
+    req = RouteRequest(prompt_tokens=10 * BS, block_size=BS, num_blocks=10)
+    cands = [Candidate(ep[0], 6, running=1), Candidate(ep[1])]
+    slack = CacheAwarePolicy(RoutingWeights(queue=0.5, slack=1, kv=0.0, fit=0.0))
+    assert slack.rank(cands, req, random.Random(0))[0].endpoint == ep[0]
+    strict = CacheAwarePolicy(RoutingWeights(queue=1.0, slack=0, kv=0.0, fit=0.0))
+    assert strict.rank(cands, req, random.Random(0))[0].endpoint == ep[1]
+
+
+def test_new_prefix_goes_where_its_blocks_fit() -> None:
+    """No pod holds the prompt: the pod with the smallest recent footprint for its capacity
+    wins, even when it has a request more in flight (within the slack)."""
+    ep = [Endpoint(p, u) for p, u in zip(PODS, URLS, strict=True)]
+    req = RouteRequest(prompt_tokens=40 * BS, block_size=BS, num_blocks=40)
+    policy = CacheAwarePolicy()
+    cands = [
+        Candidate(ep[0], footprint_blocks=300, capacity_blocks=200),
+        Candidate(ep[1], running=1, footprint_blocks=40, capacity_blocks=200),
+        Candidate(ep[2], footprint_blocks=160, capacity_blocks=200),
+    ]
+    for seed in range(5):
+        assert policy.rank(cands, req, random.Random(seed))[0].endpoint == ep[1]
+    # A bigger pool is more room for the same footprint.
+    cands = [
+        Candidate(ep[0], footprint_blocks=100, capacity_blocks=100),
+        Candidate(ep[1], footprint_blocks=100, capacity_blocks=400),
+    ]
+    assert policy.rank(cands, req, random.Random(0))[0].endpoint == ep[1]
 
 
 async def test_failed_pod_is_ranked_last_until_ejection_expires() -> None:

@@ -1,0 +1,144 @@
+"""What this gateway sent where, for the moments the index cannot know it yet.
+
+The index learns a block only after a daemon computed it and its event reached Redis: a
+request's prefill (queueing included) plus the publisher's flush. Requests sharing a new
+prefix that arrive in that window — a tenant's first burst, an agent's next turn — would
+otherwise each look like a miss everywhere, be spread by load, and be prefilled (and
+cached, evicting others) on several pods. No router that waits for the engine to publish
+can place them together; sglang-router and vllm-router never wait: they remember what they
+routed. This module does the same, only for the short time until the exact index takes
+over.
+
+Invariant: a (block key, pod) pair counts as "sent" while a request carrying that key is
+in flight to that pod, and for ``ttl_s`` after the last such request finished; then it is
+forgotten and the index alone decides. The router takes, per pod, the larger of the
+index's match and this one, so the index overrules whenever it knows more, and a record
+whose blocks the pod did not keep (eviction) lapses ``ttl_s`` after the request ended.
+
+Per gateway replica, not shared through Redis: a replica's own traffic is what it cannot
+see in the index yet; sharing would cost a Redis write per request on the hot path to
+cover only what other replicas sent in the last ``ttl_s``, which the measurement in
+docs/gateway.md shows is rare once the index catches up within that time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class PlacementMemory:
+    """Recent placements for matching (``ttl_s``) and each pod's recent footprint.
+
+    The footprint of a pod is the number of distinct block keys this gateway sent it in the
+    last ``footprint_window_s``: the working set it asked that pod to keep. New prefixes go
+    where the footprint leaves the most room, as a cache that must hold what it was sent.
+    """
+
+    ttl_s: float = 2.0
+    footprint_window_s: float = 60.0
+    clock: Callable[[], float] = time.monotonic
+    # pod -> key -> last time sent; deque of (time, pod, key) to age them out
+    _seen: dict[str, dict[int, float]] = field(default_factory=dict)
+    _seen_q: deque[tuple[float, str, int]] = field(default_factory=deque)
+    # key -> pod -> requests in flight carrying that key to that pod
+    _live: dict[int, dict[str, int]] = field(default_factory=dict)
+    # key -> pod -> time after which a finished placement is forgotten
+    _until: dict[int, dict[str, float]] = field(default_factory=dict)
+    _expiry: deque[tuple[float, int, str]] = field(default_factory=deque)
+
+    def begin(self, keys: Sequence[int], pod: str) -> None:
+        """A request carrying ``keys`` was sent to ``pod``."""
+        now = self.clock()
+        seen = self._seen.setdefault(pod, {})
+        for k in keys:
+            pods = self._live.setdefault(k, {})
+            pods[pod] = pods.get(pod, 0) + 1
+            seen[k] = now
+            self._seen_q.append((now, pod, k))
+
+    def end(self, keys: Sequence[int], pod: str) -> None:
+        """That request finished (or failed): remember it for ``ttl_s`` more."""
+        until = self.clock() + self.ttl_s
+        for k in keys:
+            pods = self._live.get(k)
+            if pods is None or pod not in pods:
+                continue
+            if pods[pod] <= 1:
+                del pods[pod]
+                if not pods:
+                    del self._live[k]
+            else:
+                pods[pod] -= 1
+            self._until.setdefault(k, {})[pod] = until
+            self._expiry.append((until, k, pod))
+        self._prune()
+
+    def inflight_with(self, key: int) -> int:
+        """Requests in flight (any pod) whose prompt carries block ``key``."""
+        return sum(self._live.get(key, {}).values())
+
+    def footprint(self, pod: str) -> int:
+        """Distinct keys sent to ``pod`` within ``footprint_window_s``."""
+        self._prune()
+        return len(self._seen.get(pod, ()))
+
+    def forget_pod(self, pod: str) -> None:
+        """Drop every finished record of ``pod`` (it failed, or cleared its cache)."""
+        self._seen.pop(pod, None)
+        for k in list(self._until):
+            pods = self._until[k]
+            pods.pop(pod, None)
+            if not pods:
+                del self._until[k]
+
+    def lookup(self, keys: Sequence[int]) -> dict[str, int]:
+        """Pod -> number of leading ``keys`` sent to it (in flight or within ``ttl_s``)."""
+        if not keys:
+            return {}
+        self._prune()
+        alive = self._holders(keys[0])
+        matched: dict[str, int] = {}
+        if not alive:
+            return matched
+        for i in range(1, len(keys)):
+            still = alive & self._holders(keys[i])
+            for pod in alive - still:
+                matched[pod] = i
+            alive = still
+            if not alive:
+                break
+        for pod in alive:
+            matched[pod] = len(keys)
+        return matched
+
+    def __len__(self) -> int:
+        return len(self._live) + len(self._until)
+
+    def _holders(self, key: int) -> set[str]:
+        pods = set(self._live.get(key, ()))
+        pods.update(self._until.get(key, ()))
+        return pods
+
+    def _prune(self) -> None:
+        now = self.clock()
+        horizon = now - self.footprint_window_s
+        sq = self._seen_q
+        while sq and sq[0][0] <= horizon:
+            t, pod, k = sq.popleft()
+            seen = self._seen.get(pod)
+            # Sent again since: the newer entry ages it out.
+            if seen is not None and seen.get(k) == t:
+                del seen[k]
+        q = self._expiry
+        while q and q[0][0] <= now:
+            until, k, pod = q.popleft()
+            pods = self._until.get(k)
+            # Renewed since (a later request ended later): that record's own entry expires it.
+            if pods is not None and pods.get(pod) == until:
+                del pods[pod]
+                if not pods:
+                    del self._until[k]

@@ -1,0 +1,224 @@
+"""The gateway's memory of its recent placements, alone and merged with the index."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from pagefleet.gateway.discovery import Endpoint, StaticDiscovery
+from pagefleet.gateway.placements import PlacementMemory
+from pagefleet.gateway.policies import make_policy
+from pagefleet.gateway.router import Router
+from pagefleet.kvindex.events import BlockStored, KVEventBatch
+from pagefleet.kvindex.hashing import block_hashes
+from pagefleet.kvindex.index import PodLoad
+from pagefleet.kvindex.memory import MemoryKVIndex
+
+BS = 16
+NS = "ns"
+URLS = [f"http://127.0.0.1:{9100 + i}" for i in range(4)]
+PODS = [f"127.0.0.1:{9100 + i}" for i in range(4)]
+EPS = [Endpoint(p, u) for p, u in zip(PODS, URLS, strict=True)]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 1000) for _ in range(n)]
+
+
+def test_memory_counts_in_flight_then_forgets_after_ttl() -> None:
+    clock = FakeClock()
+    mem = PlacementMemory(ttl_s=2.0, footprint_window_s=10.0, clock=clock)
+    keys = list(range(1, 11))
+    mem.begin(keys, "a")
+    mem.begin(keys[:4], "b")
+    assert mem.lookup(keys) == {"a": 10, "b": 4}
+    assert mem.lookup([99, *keys]) == {}  # leading blocks only
+    clock.t += 100  # in flight: never forgotten
+    assert mem.lookup(keys) == {"a": 10, "b": 4}
+    mem.end(keys, "a")
+    clock.t += 1.9
+    assert mem.lookup(keys)["a"] == 10
+    clock.t += 0.2
+    assert mem.lookup(keys) == {"b": 4}
+    mem.end(keys[:4], "b")
+    clock.t += 2.1
+    assert mem.lookup(keys) == {} and len(mem) == 0
+
+
+def test_memory_renewed_record_outlives_the_older_one() -> None:
+    clock = FakeClock()
+    mem = PlacementMemory(ttl_s=2.0, clock=clock)
+    keys = [7, 8, 9]
+    mem.begin(keys, "a")
+    mem.begin(keys, "a")
+    mem.end(keys, "a")  # one of two still in flight
+    clock.t += 5
+    assert mem.lookup(keys) == {"a": 3}
+    mem.end(keys, "a")
+    clock.t += 1
+    mem.begin(keys, "a")
+    mem.end(keys, "a")  # renewed 1 s later: expires at +3 from the first end, not +2
+    clock.t += 1.5
+    assert mem.lookup(keys) == {"a": 3}
+    clock.t += 1.0
+    assert mem.lookup(keys) == {}
+
+
+def test_footprint_counts_distinct_recent_blocks_per_pod() -> None:
+    clock = FakeClock()
+    mem = PlacementMemory(ttl_s=1.0, footprint_window_s=10.0, clock=clock)
+    mem.begin([1, 2, 3], "a")
+    mem.end([1, 2, 3], "a")
+    clock.t += 6
+    mem.begin([1, 2, 3, 4], "a")  # 1-3 sent again: counted once, aged from now
+    mem.begin([5], "b")
+    assert (mem.footprint("a"), mem.footprint("b")) == (4, 1)
+    clock.t += 5  # the first request's entries age out; the second's are 5 s old
+    assert mem.footprint("a") == 4
+    clock.t += 6
+    assert (mem.footprint("a"), mem.footprint("b")) == (0, 0)
+    mem.begin([1], "c")
+    mem.forget_pod("c")
+    assert mem.footprint("c") == 0
+
+
+async def _router(index: MemoryKVIndex, seed: int = 0, **kw) -> Router:
+    r = Router(
+        discovery=StaticDiscovery(URLS),
+        policy=make_policy("cache_aware"),
+        index=index,
+        block_size=BS,
+        kv_namespace=NS,
+        seed=seed,
+        **kw,
+    )
+    await r.start()
+    return r
+
+
+async def _beat(index: MemoryKVIndex, num_blocks: int = 0) -> None:
+    for pod in PODS:
+        await index.heartbeat(pod, PodLoad(num_blocks=num_blocks), ttl_s=60)
+
+
+async def _store(index: MemoryKVIndex, pod: str, tokens: list[int], seq: int) -> None:
+    keys = block_hashes(tokens, BS, NS)
+    await index.apply(
+        pod, KVEventBatch(ts=0.0, seq=seq, events=[BlockStored(keys, None, tokens, BS)])
+    )
+
+
+async def test_a_new_prefix_burst_lands_on_one_pod_before_the_index_knows() -> None:
+    """Three requests of one new system prompt arrive together: the index knows nothing
+    yet; without the memory they would spread by load over three pods."""
+    index = MemoryKVIndex(NS)
+    await _beat(index)
+    system = _prompt(1, 40 * BS)
+    for seed in range(10):
+        router = await _router(index, seed=seed)
+        try:
+            pods = []
+            for user in range(3):
+                d = await router.route(system + _prompt(100 + user, 20))
+                router.acquire(d.ranked[0].endpoint, d.keys)
+                pods.append(d.ranked[0].endpoint.pod)
+            assert len(set(pods)) == 1, pods
+            assert d.predicted_hit_tokens == 40 * BS  # the in-flight twin, not the index
+        finally:
+            await router.close()
+        off = await _router(index, seed=seed, placement_ttl_s=0)
+        try:
+            spread = set()
+            for user in range(3):
+                d = await off.route(system + _prompt(100 + user, 20))
+                off.acquire(d.ranked[0].endpoint, d.keys)
+                spread.add(d.ranked[0].endpoint.pod)
+            assert len(spread) >= 2  # the measured failure the memory fixes
+        finally:
+            await off.close()
+
+
+async def test_the_index_overrules_the_memory_once_the_record_lapses() -> None:
+    clock = FakeClock()
+    index = MemoryKVIndex(NS)
+    await _beat(index)
+    prompt = _prompt(2, 30 * BS)
+    router = await _router(index, placement_ttl_s=2.0)
+    router.placements.clock = clock
+    try:
+        d = await router.route(prompt)
+        first = d.ranked[0].endpoint
+        router.acquire(first, d.keys)
+        router.release(first, d.keys)
+        # The first pod evicted the prompt (no events); another pod computed it since.
+        other = next(p for p in PODS if p != first.pod)
+        await _store(index, other, prompt, 1)
+        d = await router.route(prompt)
+        assert {s.endpoint.pod for s in d.ranked[:2]} == {first.pod, other}
+        clock.t += 2.5
+        d = await router.route(prompt)
+        assert d.ranked[0].endpoint.pod == other
+        assert {s.endpoint.pod: s.matched_tokens for s in d.ranked}[first.pod] == 0
+    finally:
+        await router.close()
+
+
+async def test_single_hot_prompt_spreads_with_the_memory_on() -> None:
+    """Closed loop, 8 in flight, index events arriving only when a request ends: the
+    memory must not pin a hot prompt to its first pod (busiest share <= 0.35)."""
+    index = MemoryKVIndex(NS)
+    await _beat(index, num_blocks=200)
+    prompt = _prompt(9, 30 * BS)
+    router = await _router(index, seed=11)
+    try:
+        inflight: list[tuple[Endpoint, list[int]]] = []
+        share: Counter[str] = Counter()
+        first48: Counter[str] = Counter()
+        for i in range(400):
+            d = await router.route(prompt)
+            ep = d.ranked[0].endpoint
+            router.acquire(ep, d.keys)
+            inflight.append((ep, d.keys))
+            share[ep.pod] += 1
+            if i < 48:
+                first48[ep.pod] += 1
+            if len(inflight) >= 8:
+                done, keys = inflight.pop(0)
+                router.release(done, keys)
+                await _store(index, done.pod, prompt, i)
+        assert max(share.values()) / 400 <= 0.35, share
+        assert max(first48.values()) / 48 <= 0.35, first48
+        assert len(share) == 4
+    finally:
+        await router.close()
+
+
+async def test_tenants_spread_by_footprint_not_request_count() -> None:
+    """Eight tenants' prompts of 50 blocks, pods of 100 blocks, one at a time (idle fleet):
+    each pod ends up with two tenants, none with three (which would evict)."""
+    index = MemoryKVIndex(NS)
+    await _beat(index, num_blocks=100)
+    router = await _router(index, seed=5)
+    try:
+        where: dict[int, str] = {}
+        for t in range(8):
+            tenant = _prompt(1000 + t, 50 * BS)
+            for _turn in range(1 + (t % 3)):
+                d = await router.route(tenant + _prompt(t * 10 + _turn, 10))
+                ep = d.ranked[0].endpoint
+                router.acquire(ep, d.keys)
+                router.release(ep, d.keys)
+                where.setdefault(t, ep.pod)
+                assert ep.pod == where[t]  # later turns follow the tenant
+        assert sorted(Counter(where.values()).values()) == [2, 2, 2, 2], where
+    finally:
+        await router.close()
