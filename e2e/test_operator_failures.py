@@ -1,4 +1,5 @@
-"""An InferenceService whose daemons cannot start (issue 14): the operator says why.
+"""Faults around the operator (issue 14): daemons that cannot start, an operator killed
+mid-reconcile.
 
 A model path that does not exist makes every daemon exit at start-up with a one-line cause
 in its termination-message file; the node agent reports it as the container's
@@ -6,19 +7,31 @@ lastState.terminated.message with a rising restartCount, as a kubelet does, and 
 operator turns it into Degraded=True / CrashLoopBackOff carrying that message. Fixing the
 path rolls out pods that start, and Degraded clears. Along the way: the hardened pod
 fields and the NetworkPolicies exist on the real API server.
+
+The operator here is this module's own (same identity and flags as test_operator.py's) so a
+test can SIGKILL it halfway through a pass and start it again: the service must converge
+with exactly one of every object.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from e2e.cluster import ControlPlane, eventually
 from e2e.kube_client import KubeClient
-from e2e.test_operator import (  # noqa: F401  (module-scoped fixtures)
+from e2e.test_operator import (
     API,
+    CRD,
     PAGEFLEET,
+    ROOT,
     Operator,
     _pods,
     _tiny_checkpoint,
@@ -28,18 +41,77 @@ from e2e.test_operator import (  # noqa: F401  (module-scoped fixtures)
     events_for,
     get_is,
     infsvc,
-    operator,
-    redis_url,
+    redis_url,  # noqa: F401  (module-scoped fixture)
 )
 
 pytestmark = pytest.mark.e2e
+
+
+class RestartableOperator:
+    """`pagefleet operator` as the operator ServiceAccount; `kill()` is SIGKILL (no
+    cleanup, as a node failure or OOM kill), `start()` a fresh process on the same log."""
+
+    def __init__(self, cluster: ControlPlane, log: Path) -> None:
+        self.kubeconfig = cluster.service_account_kubeconfig(
+            "pagefleet-system", "pagefleet-operator"
+        )
+        self.log = log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [PAGEFLEET, "operator", "--all-namespaces", "--resync-seconds", "3", "-v"],
+                env={**os.environ, "KUBECONFIG": str(self.kubeconfig)},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def check_alive(self) -> None:
+        assert self.proc is not None
+        Operator(self.proc, self.log).check_alive()
+
+
+@pytest.fixture(scope="module")
+def operator(
+    cluster: ControlPlane, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RestartableOperator]:
+    cluster.kubectl("apply", "-f", str(CRD))
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "-f", str(CRD))
+    cluster.kubectl("apply", "-f", str(ROOT / "deploy" / "rbac.yaml"))
+    op = RestartableOperator(cluster, tmp_path_factory.mktemp("operator") / "operator.log")
+    op.start()
+    try:
+        yield op
+    finally:
+        op.stop()
+        refused = [
+            line
+            for line in op.log.read_text(errors="replace").splitlines()
+            if "is forbidden: User" in line
+        ]
+        assert not refused, "the operator was refused by RBAC:\n" + "\n".join(refused[:20])
 
 
 def test_crash_looping_daemons_degrade_with_their_last_words_then_recover(
     cluster: ControlPlane,
     kube: KubeClient,
     namespace: str,
-    operator: Operator,  # noqa: F811
+    operator: RestartableOperator,
     redis_url: str,  # noqa: F811
 ) -> None:
     t0 = time.monotonic()
@@ -103,3 +175,99 @@ def test_crash_looping_daemons_degrade_with_their_last_words_then_recover(
     assert condition(obj, "Degraded")["status"] == "False"
     operator.check_alive()
     print(f"degraded after {degraded_s:.1f}s; recovered {time.monotonic() - t1:.1f}s after the fix")
+
+
+CHILDREN = [
+    ("/api/v1", "configmaps", "config"),
+    ("/api/v1", "serviceaccounts", "gateway"),
+    ("/apis/rbac.authorization.k8s.io/v1", "roles", "gateway"),
+    ("/apis/rbac.authorization.k8s.io/v1", "rolebindings", "gateway"),
+    ("/apis/apps/v1", "deployments", "unified"),
+    ("/api/v1", "services", "unified"),
+    ("/apis/apps/v1", "deployments", "gateway"),
+    ("/api/v1", "services", "gateway"),
+    ("/apis/networking.k8s.io/v1", "networkpolicies", "daemons"),
+    ("/apis/networking.k8s.io/v1", "networkpolicies", "gateway"),
+]
+
+
+def _owned(kube: KubeClient, ns: str, group: str, plural: str, service: str) -> list[str]:
+    items = kube.get(
+        f"{group}/namespaces/{ns}/{plural}", {"labelSelector": f"pagefleet.io/service={service}"}
+    )["items"]
+    return sorted(
+        i["metadata"]["name"] for i in items if not i["metadata"].get("deletionTimestamp")
+    )
+
+
+def _present(kube: KubeClient, ns: str, service: str) -> int:
+    return sum(
+        kube.get_or_none(f"{group}/namespaces/{ns}/{plural}/{service}-{suffix}") is not None
+        for group, plural, suffix in CHILDREN
+    )
+
+
+def test_operator_killed_mid_reconcile_converges_without_duplicates(
+    cluster: ControlPlane,
+    kube: KubeClient,
+    namespace: str,
+    operator: RestartableOperator,
+    redis_url: str,  # noqa: F811
+) -> None:
+    """SIGKILL the operator once the first child of a new service exists (the pass is
+    then half done), start it again: the service becomes Ready with exactly one of every
+    child, one ReplicaSet per Deployment and no extra pods."""
+    spec: dict[str, Any] = {
+        "model": {"source": {"path": _tiny_checkpoint()}, "servedModelName": "tiny"},
+        "command": [PAGEFLEET],
+        "engine": {"kvCacheMemoryMB": 16, "maxNumSeqs": 4},
+        "roles": {"unified": {"replicas": 1}},
+        "router": {"replicas": 1},
+        "index": {"redisURL": redis_url},
+    }
+    present_at_kill = len(CHILDREN)
+    name = ""
+    # The kill must land inside the first pass; if a pass ever finishes before the poll
+    # sees its first child, try again with a fresh service.
+    for attempt in range(3):
+        name = f"restart{attempt}"
+        res = apply(cluster, infsvc(name, namespace, spec))
+        assert res.returncode == 0, res.stderr
+        deadline = time.monotonic() + 60
+        cm = f"/api/v1/namespaces/{namespace}/configmaps/{name}-config"
+        while kube.get_or_none(cm) is None:
+            assert time.monotonic() < deadline, "the operator never created the ConfigMap"
+        operator.kill()
+        present_at_kill = _present(kube, namespace, name)
+        operator.start()
+        if present_at_kill < len(CHILDREN):
+            break
+        cluster.kubectl("delete", "infsvc", name, "-n", namespace, "--wait=false")
+    assert present_at_kill < len(CHILDREN), "every pass finished before the kill"
+    t0 = time.monotonic()
+    obj = _wait_ready(kube, namespace, name, timeout_s=240)
+    converged_s = time.monotonic() - t0
+    assert condition(obj, "Degraded")["status"] == "False"
+
+    for group, plural, suffix in CHILDREN:
+        assert f"{name}-{suffix}" in _owned(kube, namespace, group, plural, name), plural
+    assert _owned(kube, namespace, "/apis/apps/v1", "deployments", name) == [
+        f"{name}-gateway",
+        f"{name}-unified",
+    ]
+    assert len(_owned(kube, namespace, "/api/v1", "configmaps", name)) == 1
+    assert len(_owned(kube, namespace, "/apis/networking.k8s.io/v1", "networkpolicies", name)) == 2
+    # One ReplicaSet per Deployment: the restarted operator applied the same template.
+    for component in ("unified", "gateway"):
+        rs = _owned(kube, namespace, "/apis/apps/v1", "replicasets", name)
+        assert sum(r.startswith(f"{name}-{component}-") for r in rs) == 1, rs
+        pods = _pods(kube, namespace, f"pagefleet.io/service={name},pagefleet.io/role={component}")
+        assert len(pods) == 1, [p["metadata"]["name"] for p in pods]
+    # The gateway found the daemon with its projected token (no token is automounted).
+    (gw,) = _pods(kube, namespace, f"pagefleet.io/service={name},pagefleet.io/role=gateway")
+    assert gw["spec"]["automountServiceAccountToken"] is False
+    operator.check_alive()
+    print(
+        f"killed with {present_at_kill}/{len(CHILDREN)} children applied "
+        f"(attempt {attempt + 1}); Ready {converged_s:.1f}s after the restart"
+    )
