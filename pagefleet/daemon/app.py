@@ -25,6 +25,7 @@ from aiohttp import web
 
 import pagefleet
 from pagefleet.api.openai import RequestValidationError
+from pagefleet.daemon import quiet_preface
 from pagefleet.daemon.admission import Admission
 from pagefleet.daemon.config import DaemonConfig
 from pagefleet.daemon.engine_loop import EngineLoop
@@ -171,6 +172,7 @@ class Daemon:
     # -- app ------------------------------------------------------------------------------
 
     def _build_app(self) -> web.Application:
+        quiet_preface.install()
         app = web.Application(
             middlewares=[self._errors_middleware], client_max_size=self.config.max_body_bytes
         )
@@ -181,6 +183,7 @@ class Daemon:
         r.add_get("/metrics", self.metrics_handler)
         r.add_get("/version", self.version)
         # What sglang-router / vllm-router probe when a worker registers.
+        r.add_get("/model_info", self.model_info)
         r.add_get("/get_model_info", self.model_info)
         r.add_get("/get_server_info", self.server_info)
         r.add_get("/server_info", self.server_info)
@@ -252,6 +255,8 @@ class Daemon:
         info = self.config.model_dump(exclude={"redis_url"})
         info.update(
             version=pagefleet.__version__,
+            model_path=self.config.model,
+            tokenizer_path=self.config.model,
             served_model_name=self.config.model_name,
             pod=self.config.pod,
             ready=self.ready,

@@ -85,6 +85,9 @@ class OpenAIServing:
         router.add_post("/v1/chat/completions", self.chat_completions)
         router.add_get("/v1/models", self.models)
         router.add_post("/tokenize", self.tokenize)
+        # As vLLM's: the prompts the engine would see, without generating (vllm-router).
+        router.add_post("/v1/completions/render", self.render_completion)
+        router.add_post("/v1/chat/completions/render", self.render_chat)
         router.add_post("/detokenize", self.detokenize)
 
     # -- the engine's fixed attributes ----------------------------------------------------
@@ -121,6 +124,31 @@ class OpenAIServing:
         return json_model(
             TokenizeResponse(count=len(ids), max_model_len=self.max_model_len(), tokens=ids)
         )
+
+    async def render_completion(self, request: web.Request) -> web.Response:
+        """``[{"prompt": text, "prompt_token_ids": ids}, ...]``, one per prompt, as vLLM."""
+        req = parse_body(CompletionRequest, await request.read())
+        self._check_model(req.model)
+        tok = self._tokenizer()
+        out = []
+        for p in req.prompts():
+            if isinstance(p, list):
+                out.append(
+                    {"prompt": tok.decode(p, skip_special_tokens=False), "prompt_token_ids": p}
+                )
+            else:
+                out.append({"prompt": p, "prompt_token_ids": tok.encode(p)})
+        return web.json_response(out)
+
+    async def render_chat(self, request: web.Request) -> web.Response:
+        """``[conversation, [{"prompt": rendered, "prompt_token_ids": ids}]]``, as vLLM."""
+        req = parse_body(ChatCompletionRequest, await request.read())
+        self._check_model(req.model)
+        tok = self._tokenizer()
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        ids = self._chat_prompt_ids(messages, req.add_generation_prompt, req.chat_template_kwargs)
+        text = tok.decode(ids, skip_special_tokens=False)
+        return web.json_response([messages, [{"prompt": text, "prompt_token_ids": ids}]])
 
     async def detokenize(self, request: web.Request) -> web.Response:
         req = parse_body(DetokenizeRequest, await request.read())

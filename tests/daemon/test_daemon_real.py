@@ -261,3 +261,48 @@ async def test_probes_models_tokenize(live):
             assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] == 256
         async with s.post(f"{live.url}/detokenize", json={"tokens": tok["tokens"]}) as r:
             assert PROMPT in (await r.json())["prompt"]
+
+
+async def test_what_the_peer_routers_ask_of_a_worker(live, caplog):
+    """sglang-router reads /model_info and /server_info (model_path); vllm-router renders
+    prompts with /v1/completions/render; both get answers, not 404s."""
+    async with aiohttp.ClientSession() as s:
+        for path in ("/model_info", "/server_info"):
+            async with s.get(live.url + path) as r:
+                assert r.status == 200, path
+                info = await r.json()
+                assert info["model_path"] == "tiny", path
+        async with s.post(f"{live.url}/tokenize", json={"prompt": PROMPT}) as r:
+            want = (await r.json())["tokens"]
+        rendered = []
+        for prompt in ([PROMPT, "and then"], want[:5]):
+            body = {"model": MODEL, "prompt": prompt}
+            async with s.post(f"{live.base_url}/completions/render", json=body) as r:
+                assert r.status == 200, await r.text()
+                rendered += await r.json()
+        assert len(rendered) == 3
+        assert rendered[0]["prompt_token_ids"] == want and rendered[0]["prompt"] == PROMPT
+        assert rendered[2]["prompt_token_ids"] == want[:5]
+        msgs = [{"role": "user", "content": "Hello there"}]
+        async with s.post(f"{live.url}/tokenize", json={"messages": msgs}) as r:
+            chat_ids = (await r.json())["tokens"]
+        body = {"model": MODEL, "messages": msgs}
+        async with s.post(f"{live.base_url}/chat/completions/render", json=body) as r:
+            conversation, prompts = await r.json()
+        assert conversation == msgs and prompts[0]["prompt_token_ids"] == chat_ids
+        assert "Hello there" in prompts[0]["prompt"]
+        async with s.post(
+            f"{live.base_url}/completions/render", json={"model": "other", "prompt": "x"}
+        ) as r:
+            assert r.status == 404 and "error" in await r.json()
+    # An HTTP/2 connection preface: a plain 400, and no stack trace at ERROR.
+    caplog.clear()
+    host, port = live.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+    await writer.drain()
+    head = await asyncio.wait_for(reader.read(64), 10)
+    writer.close()
+    assert re.match(rb"HTTP/1\.[01] 400 ", head), head
+    await asyncio.sleep(0.05)
+    assert not [r for r in caplog.records if r.levelno >= 40], caplog.text
