@@ -20,7 +20,12 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "up": ("pagefleet.dev.local_fleet", "Start a local fleet: Redis, N daemons, a gateway."),
     "bench": ("pagefleet.dev.loadgen", "Drive a workload through a gateway; print a report."),
     "crd": ("pagefleet.api.crd", "Print the InferenceService CRD YAML generated from the spec."),
+    "dashboards": ("pagefleet.dev.dashboards", "Generate the Grafana dashboards into the chart."),
     "generate": ("pagefleet.dev.generate", "Run the engine alone on a few prompts; report."),
+    "teardown": (
+        "pagefleet.operator.teardown",
+        "Delete every InferenceService and wait for the operator (Helm pre-delete hook).",
+    ),
 }
 
 

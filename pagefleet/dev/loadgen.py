@@ -58,6 +58,7 @@ class BenchOptions(BaseModel):
     slo_ttft_ms: float = 500.0
     slo_tpot_ms: float = 100.0
     plot_dir: Path | None = None
+    prometheus_url: str | None = None
     tokenizer_dir: str | None = None
     progress: bool = True
     timeout_s: float = 120.0
@@ -375,10 +376,25 @@ async def run_bench(opts: BenchOptions) -> tuple[dict[str, Any], list[RequestRes
 
 
 def run_bench_sync(opts: BenchOptions) -> dict[str, Any]:
+    started = time.time()
     report, results = asyncio.run(run_bench(opts))
+    ended = time.time()
     print_report(report, f"pagefleet bench: {report['requests']} chat requests via {opts.url}")
     if opts.plot_dir is not None:
-        for p in write_plots(results, report, opts.plot_dir):
+        from pagefleet.dev.slo_plots import plot_bench
+
+        paths = write_plots(results, report, opts.plot_dir)
+        paths += plot_bench(
+            results,
+            report,
+            opts.plot_dir,
+            opts.prometheus_url,
+            opts.slo_ttft_ms / 1000,
+            opts.slo_tpot_ms / 1000,
+            started,
+            ended,
+        )
+        for p in paths:
             click.echo(f"wrote {p}", err=True)
     return report
 
@@ -420,7 +436,15 @@ def run_bench_sync(opts: BenchOptions) -> dict[str, Any]:
     "plot_dir",
     default=None,
     type=click.Path(path_type=Path),
-    help="Write PNG plots into this directory.",
+    help="Write PNG plots into this directory: latency CDFs, per-pod share and the "
+    "dashboard's SLO panels (from --prometheus, else from the bench's own samples).",
+)
+@click.option(
+    "--prometheus",
+    "prometheus_url",
+    default=None,
+    help="Prometheus scraping the fleet (e.g. http://127.0.0.1:9090): --plot then draws the "
+    "dashboard's SLO panels from its query_range data.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Also print the report as one JSON line.")
 @click.option("--no-progress", is_flag=True)

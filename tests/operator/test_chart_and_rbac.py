@@ -102,7 +102,7 @@ def test_chart_static_files_parse():
     assert dashboards
     for path in dashboards:
         dash = json.loads(path.read_text())
-        exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+        exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
         assert any("vllm:time_to_first_token_seconds" in e for e in exprs)
         assert dash["uid"] and dash["title"]
 
@@ -143,6 +143,23 @@ def test_helm_lint():
 
 def test_helm_template_default_install():
     docs = _template()
+    # The uninstall hook's ServiceAccount, ClusterRole(Binding) and Job render too.
+    hooks = [d for d in docs if "helm.sh/hook" in d["metadata"].get("annotations", {})]
+    assert sorted(d["kind"] for d in hooks) == [
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Job",
+        "ServiceAccount",
+    ]
+    assert {d["metadata"]["annotations"]["helm.sh/hook"] for d in hooks} == {"pre-delete"}
+    (job,) = [d for d in hooks if d["kind"] == "Job"]
+    assert job["spec"]["template"]["spec"]["containers"][0]["command"] == [
+        "pagefleet",
+        "teardown",
+        "--all-namespaces",
+        "--timeout-seconds=300",
+    ]
+    docs = [d for d in docs if d not in hooks]
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == [
         "ClusterRole",
@@ -174,6 +191,8 @@ def test_helm_template_with_redis_namespaces_and_monitoring_apis():
     )
     by_kind: dict[str, list[dict[str, Any]]] = {}
     for d in docs:
+        if "helm.sh/hook" in d["metadata"].get("annotations", {}):
+            continue  # the uninstall hook's own RBAC: test_helm_template_default_install
         by_kind.setdefault(d["kind"], []).append(d)
     assert sorted(r["metadata"]["namespace"] for r in by_kind["Role"]) == ["team-a", "team-b"]
     assert len(by_kind["RoleBinding"]) == 2
@@ -182,20 +201,25 @@ def test_helm_template_with_redis_namespaces_and_monitoring_apis():
     op = next(d for d in by_kind["Deployment"] if d["metadata"]["name"].endswith("-operator"))
     c = op["spec"]["template"]["spec"]["containers"][0]
     assert "--namespace=team-a" in c["command"] and "--namespace=team-b" in c["command"]
-    assert c["env"] == [
+    assert c["env"][0] == {
+        "name": "POD_IP",
+        "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
+    }
+    assert c["env"][1:] == [
         {
             "name": "PAGEFLEET_DEFAULT_REDIS_URL",
             "value": "redis://pf-pagefleet-redis.pagefleet-system.svc:6379/0",
         },
         {"name": "PAGEFLEET_DEFAULT_REDIS_SECRET", "value": "pf-pagefleet-redis-auth"},
     ]
+    assert "--liveness=http://$(POD_IP):8080/healthz" in c["command"]
     assert any(s["metadata"]["name"] == "pf-pagefleet-redis" for s in by_kind["Service"])
     assert by_kind["PodMonitor"][0]["spec"]["selector"]["matchLabels"] == {
         "app.kubernetes.io/managed-by": "pagefleet-operator"
     }
-    rules = by_kind["PrometheusRule"][0]["spec"]["groups"][0]["rules"]
-    alerts = {r["alert"] for r in rules if "alert" in r}
-    assert {"PagefleetTTFTSLOBreached", "PagefleetTPOTSLOBreached"} <= alerts
+    groups = by_kind["PrometheusRule"][0]["spec"]["groups"]
+    alerts = {r["alert"] for g in groups for r in g["rules"] if "alert" in r}
+    assert {"PagefleetTTFTErrorBudgetBurnFast", "PagefleetTPOTErrorBudgetBurnSlow"} <= alerts
 
 
 def test_helm_template_security_options_and_bundled_redis_auth():

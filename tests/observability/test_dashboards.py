@@ -1,0 +1,72 @@
+"""The Grafana dashboard is generated from pagefleet/dev/dashboards.py (grafana-foundation-sdk)
+and checked in under the chart; this fails when the two differ (regenerate with
+`pagefleet dashboards`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pagefleet.dev.dashboards import (
+    DASHBOARD_FILE,
+    ROWS,
+    all_queries,
+    build_dashboard,
+    render_json,
+    substitute,
+)
+
+CHART_DASHBOARDS = Path(__file__).resolve().parents[2] / "helm" / "pagefleet" / "dashboards"
+
+
+def test_checked_in_dashboard_matches_the_generator() -> None:
+    checked_in = (CHART_DASHBOARDS / DASHBOARD_FILE).read_text()
+    assert checked_in == render_json(), (
+        "helm/pagefleet/dashboards is stale: run `pagefleet dashboards`"
+    )
+    assert sorted(p.name for p in CHART_DASHBOARDS.glob("*.json")) == [DASHBOARD_FILE]
+
+
+def test_every_panel_and_query_is_in_the_json() -> None:
+    dash = build_dashboard()
+    panels = [p for p in dash["panels"] if p["type"] != "row"]  # type: ignore[union-attr]
+    assert [p["title"] for p in panels] == [s.title for _, specs in ROWS for s in specs]
+    exprs = [t["expr"] for p in panels for t in p["targets"]]
+    assert exprs == [q.expr for _, q in all_queries()]
+    for p in panels:
+        assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+        assert len({t["refId"] for t in p["targets"]}) == len(p["targets"])
+    names = [v["name"] for v in dash["templating"]["list"]]  # type: ignore[index]
+    assert names[:3] == ["datasource", "namespace", "inferenceservice"]
+
+
+def test_panels_a_platform_team_expects() -> None:
+    text = "\n".join(q.expr for _, q in all_queries())
+    for needle in (
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:request_time_per_output_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:prefix_cache_hits_total",
+        "vllm:kv_cache_usage_perc",
+        "pagefleet:kv_cache_evictions_total",
+        "vllm:num_requests_waiting",
+        'code=~"429|503"',
+        "pagefleet_gateway_requests_total",
+        "pagefleet_gateway_predicted_hit_tokens_sum",
+        "pagefleet_gateway_upstream_retries_total",
+        "pagefleet_gateway_routing_decision_seconds_bucket",
+        "$replica_cost_per_hour",
+    ):
+        assert needle in text, needle
+    for q in (0.5, 0.9, 0.99):
+        assert f"histogram_quantile({q}, sum by (le, role)" in text
+
+
+def test_substitute_leaves_no_variable_and_refuses_unknown_ones() -> None:
+    for _, q in all_queries():
+        assert "$" not in substitute(q.expr)
+    with pytest.raises(ValueError, match="unknown dashboard variable"):
+        substitute("rate(x[$nope])")
+    assert json.loads(render_json())["uid"] == "pagefleet-slo"

@@ -1,0 +1,168 @@
+"""Every dashboard query and every rule expression, executed on a real Prometheus that
+scrapes a real local fleet (Redis, 2 daemons on the tiny model, the gateway) under traffic.
+
+Prometheus (the Debian package's binary) runs on a free loopback port with a generated
+scrape config that adds the labels the chart's PodMonitor adds in a cluster (`namespace`,
+`inferenceservice`) and honours the targets' own (`pod`, `role`). The rules are the chart's
+PrometheusRule as the real helm renders it, loaded as Prometheus rule files.
+
+A query must parse and return data after traffic. The few that only have series once the
+event happens (429/503, retries, index errors) must parse and their metric family must be
+exported. Alert expressions filter on thresholds a healthy fleet does not cross, so they are
+executed in `bool` form (`a > x` -> `a > bool x`): same series, same parse, no filtering.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client import start_http_server
+
+from pagefleet.dev.dashboards import VARIABLE_DEFAULTS, all_queries, substitute
+from pagefleet.dev.loadgen import BenchOptions, run_bench
+from pagefleet.dev.local_fleet import FleetSpec, LocalFleet, free_port
+from pagefleet.dev.prometheus import LocalPrometheus, PrometheusAPI, ScrapeTarget
+from pagefleet.operator.metrics import OperatorMetrics
+from pagefleet.testing.helm import rule_groups
+
+pytestmark = pytest.mark.slow
+
+NAMESPACE = "pf-test"
+SERVICE = "tiny"
+# Rate windows long enough to span the whole traffic burst (Grafana's $__rate_interval).
+RATE = "2m"
+
+
+def _addr(url: str) -> str:
+    return url.removeprefix("http://")
+
+
+@pytest.fixture(scope="module")
+def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """A fleet under traffic, scraped every second; yields the API and the rules."""
+    tmp = tmp_path_factory.mktemp("prom")
+    rules = rule_groups()
+    rules_path = tmp / "rules.yaml"
+    rules_path.write_text(yaml.safe_dump(rules))
+    spec = FleetSpec(num_daemons=2, log_dir=tmp / "fleet", seed=0, num_gpu_blocks=256)
+    # The operator's registry, served as `pagefleet operator --metrics-port` serves it. No
+    # InferenceService autoscales here, so its per-role series stay empty; the families
+    # must still be exported for the autoscaling panels' queries.
+    operator_port = free_port()
+    server, _ = start_http_server(
+        operator_port, addr="127.0.0.1", registry=OperatorMetrics().registry
+    )
+    with LocalFleet(spec) as fleet:
+        labels = {"namespace": NAMESPACE, "inferenceservice": SERVICE}
+        targets = [ScrapeTarget(_addr(u), labels) for u in fleet.daemon_urls]
+        targets.append(ScrapeTarget(_addr(fleet.gateway_url), labels))
+        targets.append(ScrapeTarget(f"127.0.0.1:{operator_port}"))
+        with LocalPrometheus(targets, rule_files=[rules_path], interval_s=1.0) as prom:
+            api = prom.api
+            deadline = time.monotonic() + 30
+            while api.targets_up() < len(targets):
+                assert time.monotonic() < deadline, prom.log_path.read_text()[-2000:]
+                time.sleep(0.5)
+            t0 = time.time()
+            opts = BenchOptions(
+                url=fleet.gateway_url,
+                model=fleet.served_model_name,
+                num_requests=40,
+                concurrency=4,
+                num_tenants=4,
+                system_prompt_words=60,
+                max_tokens=8,
+                progress=False,
+            )
+            report, _ = asyncio.run(run_bench(opts))
+            assert report["failed"] == 0, report["errors"]
+            time.sleep(4)  # a few scrapes and rule evaluations after the last request
+            yield {"api": api, "rules": rules, "start": t0, "end": time.time()}
+    server.shutdown()
+
+
+def _finite(result: list[dict[str, Any]]) -> bool:
+    return any(math.isfinite(float(r["value"][1])) for r in result)
+
+
+def test_every_dashboard_query_returns_data(observed: dict[str, Any]) -> None:
+    api: PrometheusAPI = observed["api"]
+    families = set(api.metadata())
+    empty_ok, failures = [], []
+    for title, q in all_queries():
+        expr = substitute(q.expr, {"namespace": NAMESPACE, "inferenceservice": SERVICE}, RATE)
+        result = api.query(expr)  # raises PrometheusError on a parse error
+        if q.empty_unless is not None:
+            # Counters are exported under their family name (no `_total`).
+            if q.empty_unless not in families and f"{q.empty_unless}_total" not in families:
+                failures.append(f"{title}: family {q.empty_unless} not exported")
+            if not result:
+                empty_ok.append(q.empty_unless)
+            continue
+        if not result or not _finite(result):
+            failures.append(f"{title} [{q.legend}]: {expr} -> {result}")
+    assert not failures, "\n".join(failures)
+    # On a healthy fleet nothing is refused or retried: those stay empty, as expected.
+    assert "pagefleet:requests_rejected" in empty_ok
+
+
+def test_dashboard_variable_queries_find_the_fleet(observed: dict[str, Any]) -> None:
+    api: PrometheusAPI = observed["api"]
+    by = api.query("count by (namespace, inferenceservice, role) (vllm:num_requests_running)")
+    assert [r["metric"] for r in by] == [
+        {"namespace": NAMESPACE, "inferenceservice": SERVICE, "role": "unified"}
+    ]
+    assert by[0]["value"][1] == "2"
+    pods = api.query("count by (pod) (pagefleet_gateway_requests_total)")
+    assert len(pods) == 2  # the gateway spread the traffic over both daemons
+
+
+def _as_bool(expr: str) -> str:
+    return re.sub(r" (>=|<=|==|!=|>|<) ", r" \1 bool ", expr)
+
+
+def test_every_rule_expression_returns_data(observed: dict[str, Any]) -> None:
+    api: PrometheusAPI = observed["api"]
+    failures = []
+    rules = [r for g in observed["rules"]["groups"] for r in g["rules"]]
+    assert len(rules) >= 15
+    for rule in rules:
+        expr = rule["expr"] if "record" in rule else _as_bool(rule["expr"])
+        result = api.query(expr)
+        if not result:
+            failures.append(f"{rule.get('record') or rule['alert']}: {expr}")
+        if "record" in rule and not api.query(rule["record"]):
+            failures.append(f"recorded series {rule['record']} missing")
+    assert not failures, "\n".join(failures)
+    # Prometheus evaluated every rule without error; a healthy fleet fires nothing.
+    loaded = [r for g in api.rules() for r in g["rules"]]
+    assert len(loaded) == len(rules)
+    assert all(r["health"] == "ok" for r in loaded), [r for r in loaded if r["health"] != "ok"]
+    assert not [r["name"] for r in loaded if r.get("state") == "firing"]
+    ratio = api.query("pagefleet:ttft_slo_error_ratio:rate5m")
+    assert float(ratio[0]["value"][1]) == 0.0  # the tiny model answers well within 2 s
+
+
+def test_bench_plots_the_slo_panels_from_query_range(
+    observed: dict[str, Any], tmp_path: Path
+) -> None:
+    from pagefleet.dev.slo_plots import plot_from_prometheus
+
+    paths = plot_from_prometheus(
+        observed["api"],
+        tmp_path,
+        start=observed["start"],
+        end=observed["end"],
+        variables={**VARIABLE_DEFAULTS, "namespace": NAMESPACE},
+    )
+    assert [p.name for p in paths] == ["slo_latency.png", "slo_goodput_cache.png"]
+    for p in paths:
+        assert p.stat().st_size > 10_000
