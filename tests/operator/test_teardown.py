@@ -1,0 +1,60 @@
+"""`pagefleet teardown` (the chart's pre-delete hook) against an in-memory API; the real
+thing runs in e2e/test_helm.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagefleet.operator.teardown import Teardown
+
+
+class FakeCustomObjects:
+    """Deleting marks an object terminating; the 'operator' releases it a poll later."""
+
+    def __init__(self, objs: dict[tuple[str, str], dict[str, Any]], release: bool) -> None:
+        self.objs = objs
+        self.release = release
+        self.deletes: list[tuple[str, str]] = []
+
+    def _items(self, ns: str | None) -> dict[str, Any]:
+        if self.release:  # released by the operator since the last look
+            for key in [k for k, o in self.objs.items() if o["metadata"].get("deletionTimestamp")]:
+                del self.objs[key]
+        return {"items": [o for (n, _), o in self.objs.items() if ns is None or n == ns]}
+
+    def list_cluster_custom_object(self, group: str, version: str, plural: str) -> Any:
+        return self._items(None)
+
+    def list_namespaced_custom_object(self, group: str, version: str, ns: str, plural: str) -> Any:
+        return self._items(ns)
+
+    def delete_namespaced_custom_object(
+        self, group: str, version: str, ns: str, plural: str, name: str
+    ) -> None:
+        self.deletes.append((ns, name))
+        self.objs[(ns, name)]["metadata"]["deletionTimestamp"] = "now"
+
+
+def _obj(ns: str, name: str) -> dict[str, Any]:
+    meta = {"namespace": ns, "name": name, "finalizers": ["pagefleet.io/finalizer"]}
+    return {"metadata": meta}
+
+
+def test_deletes_only_the_watched_namespaces_and_waits() -> None:
+    objs = {(ns, n): _obj(ns, n) for ns, n in [("a", "x"), ("a", "y"), ("b", "z")]}
+    api = FakeCustomObjects(objs, release=True)
+    td = Teardown(api, ["a"])
+    assert td.delete_all() == ["a/x", "a/y"]
+    assert td.wait_gone(timeout_s=5, poll_s=0.01) == []
+    assert list(objs) == [("b", "z")]
+
+
+def test_reports_what_the_operator_did_not_release() -> None:
+    objs = {("a", "x"): _obj("a", "x")}
+    api = FakeCustomObjects(objs, release=False)
+    td = Teardown(api, None)
+    assert td.delete_all() == ["a/x"]
+    assert td.delete_all() == []  # already terminating: not deleted twice
+    left = td.wait_gone(timeout_s=0.05, poll_s=0.01)
+    assert [o["metadata"]["name"] for o in left] == ["x"]
+    assert api.deletes == [("a", "x")]
