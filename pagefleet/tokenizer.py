@@ -1,5 +1,8 @@
 """The model's tokenizer without transformers or torch (the gateway imports this).
 
+GGUF files carry their tokenizer in metadata; ``pagefleet.gguf_tokenizer`` rebuilds it
+into this same class.
+
 Wraps a ``tokenizers.Tokenizer`` loaded from a Hugging Face checkpoint directory plus its
 ``tokenizer_config.json``. Special tokens such as BOS come from tokenizer.json's
 post-processor, which is what ``transformers``' fast tokenizers apply too, so ids agree
@@ -93,10 +96,17 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
-        """Load tokenizer.json + tokenizer_config.json (+ generation_config.json for eos)."""
+        """Load tokenizer.json + tokenizer_config.json (+ generation_config.json for eos), or
+        the tokenizer in the metadata of a GGUF file (``path`` or the one inside it)."""
         path = Path(path)
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
+            # Imported here: gguf_tokenizer builds on this module.
+            from pagefleet.gguf_tokenizer import find_gguf_file, tokenizer_from_gguf
+
+            gguf_file = find_gguf_file(path)
+            if gguf_file is not None:
+                return tokenizer_from_gguf(gguf_file)
             raise FileNotFoundError(
                 f"{tok_file} not found: pagefleet needs a fast tokenizer (tokenizer.json). "
                 "Convert a slow tokenizer once with transformers "

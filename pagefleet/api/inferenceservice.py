@@ -89,7 +89,8 @@ class ModelSource(_Model):
 
     path: str = Field(min_length=1, max_length=4096)
     """Directory of the Hugging Face checkpoint as the daemon sees it (config.json,
-    *.safetensors, tokenizer files), or a built-in preset name such as `tiny`."""
+    *.safetensors, tokenizer files), a GGUF file (or a directory holding one), or a
+    built-in preset name such as `tiny` or `smollm2-135m`."""
     persistent_volume_claim: PVCSource | None = None
     """Mount this PersistentVolumeClaim at mountPath (read-only by default)."""
     host_path: str | None = None

@@ -57,7 +57,8 @@ async def serve(config: DaemonConfig) -> None:
     "--model",
     default="tiny",
     show_default=True,
-    help="Checkpoint directory or a tiny preset (tiny, tiny-qwen2, tiny-qwen3).",
+    help="Checkpoint directory, .gguf file, or a preset (tiny, tiny-qwen2, tiny-qwen3, "
+    "smollm2-135m).",
 )
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=int)

@@ -309,7 +309,10 @@ class LocalFleet:
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-n", "--num-daemons", default=2, show_default=True, type=int)
 @click.option(
-    "--model", default="tiny", show_default=True, help="Checkpoint directory or tiny preset."
+    "--model",
+    default="tiny",
+    show_default=True,
+    help="Checkpoint directory, .gguf file, or preset (tiny, smollm2-135m, ...).",
 )
 @click.option("--served-model-name", default=None)
 @click.option("--redis-url", default=None, help="Use this Redis instead of starting one.")

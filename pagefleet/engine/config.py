@@ -13,7 +13,7 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 @dataclass(slots=True)
 class EngineConfig:
-    model: str = "tiny"  # a directory or a tiny preset name
+    model: str = "tiny"  # a directory, a .gguf file, or a preset name (tiny*, smollm2-135m)
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "cpu"
     attention_backend: str | None = None

@@ -1,8 +1,10 @@
-"""Load a Hugging Face checkpoint directory into our model, plus its tokenizer.
+"""Load a checkpoint into our model, plus its tokenizer.
 
-A directory holds config.json, model.safetensors or shards named by
-model.safetensors.index.json, and tokenizer.json/tokenizer_config.json. Tensors stream
-from the memory-mapped safetensors files straight into the (already allocated) fused
+Two formats. A Hugging Face directory holds config.json, model.safetensors or shards named
+by model.safetensors.index.json, and tokenizer.json/tokenizer_config.json; tensors stream
+from the memory-mapped safetensors files. A GGUF file (or a directory holding exactly one)
+carries config, tokenizer and chat template in its metadata; its tensors are dequantized
+(see ``gguf_loader``). Either way tensors go straight into the (already allocated) fused
 parameters, converted to the run dtype one tensor at a time.
 """
 
@@ -17,6 +19,7 @@ import torch
 
 from pagefleet.engine.model_config import ModelConfig, resolve_dtype
 from pagefleet.engine.models import CausalLM, get_model_class
+from pagefleet.gguf_tokenizer import find_gguf_file
 from pagefleet.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -68,22 +71,49 @@ def iter_checkpoint_tensors(
 def load_model(
     path: str | Path, dtype: str = "auto", device: str = "cpu"
 ) -> tuple[CausalLM, ModelConfig, Tokenizer]:
-    """Build the model for ``path``'s config.json, fill every weight, return it in eval mode.
+    """Build the model for the checkpoint at ``path``, fill every weight, return it in eval
+    mode. ``path`` is a Hugging Face directory, a ``.gguf`` file, or a directory holding one.
 
     Raises FileNotFoundError for a missing file and ValueError for an unsupported
-    architecture, a tensor whose shape disagrees with config.json, or missing tensors.
-    ``config.dtype`` is set to the dtype the model runs in.
+    architecture or quantization type, a tensor whose shape disagrees with the config, or
+    missing tensors. ``config.dtype`` is set to the dtype the model runs in.
     """
     path = Path(path)
-    if not path.is_dir():
+    gguf_file = find_gguf_file(path)
+    if gguf_file is None and not path.is_dir():
         raise FileNotFoundError(
-            f"model directory {path} does not exist: pass a Hugging Face checkpoint directory "
-            "or a tiny preset name (tiny, tiny-qwen2, tiny-qwen3, tiny-llama3)"
+            f"model {path} does not exist: pass a Hugging Face checkpoint directory, a .gguf "
+            "file, or a preset name (tiny, tiny-qwen2, tiny-qwen3, tiny-llama3, smollm2-135m)"
         )
-    config = ModelConfig.from_dir(path)
-    run_dtype = resolve_dtype(dtype, config.dtype, device)
+    if gguf_file is not None:
+        from pagefleet.engine import gguf_loader
+        from pagefleet.gguf_tokenizer import build_tokenizer, read_fields
+
+        reader = gguf_loader.open_gguf(gguf_file)
+        fields = read_fields(reader)
+        names = {t.name for t in reader.tensors}
+        cfg = gguf_loader.config_dict(fields, names)
+        gguf_loader.check_tensor_types(reader)
+        config = ModelConfig.from_dict(cfg)
+        tokenizer = build_tokenizer(fields)
+        run_dtype = resolve_dtype(dtype, config.dtype, device)
+
+        def tensors(target: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+            for name, t in gguf_loader.iter_gguf_tensors(reader, cfg, run_dtype):
+                yield name, t.to(device=target)
+
+        source = gguf_file
+    else:
+        config = ModelConfig.from_dir(path)
+        tokenizer = Tokenizer.from_dir(path)
+        run_dtype = resolve_dtype(dtype, config.dtype, device)
+
+        def tensors(target: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+            for name, t in iter_checkpoint_tensors(path, target):
+                yield name, t.to(device=target, dtype=run_dtype)
+
+        source = path
     config.dtype = run_dtype
-    tokenizer = Tokenizer.from_dir(path)
     if not config.eos_token_ids:
         config.eos_token_ids = list(tokenizer.eos_token_ids)
 
@@ -96,16 +126,13 @@ def load_model(
     model = model.to(dtype=run_dtype).to_empty(device=target)
     model.model.rotary_emb.reset_cache(target)
 
-    loaded = model.load_weights(
-        (name, t.to(device=target, dtype=run_dtype))
-        for name, t in iter_checkpoint_tensors(path, target)
-    )
+    loaded = model.load_weights(tensors(target))
     missing = sorted(model.expected_weights() - loaded)
     if missing:
         shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
         raise ValueError(
-            f"checkpoint {path} lacks {len(missing)} tensor(s) the config requires: {shown}. "
-            "Is the download complete and does config.json belong to these weights?"
+            f"checkpoint {source} lacks {len(missing)} tensor(s) the config requires: {shown}. "
+            "Is the download complete and does the config belong to these weights?"
         )
     model.eval()
     logger.info(
@@ -113,7 +140,7 @@ def load_model(
         config.architecture,
         config.num_hidden_layers,
         config.hidden_size,
-        path,
+        source,
         run_dtype,
         target,
     )
@@ -121,16 +148,21 @@ def load_model(
 
 
 def resolve_model(spec: str) -> Path:
-    """``"tiny*"`` -> the preset's cached checkpoint (written on first use); else a directory."""
+    """``"tiny*"`` -> the preset's cached checkpoint (written on first use); a GGUF preset
+    (``smollm2-135m``) -> its file in the installed package; else a directory or a .gguf."""
     from pagefleet.engine.tiny import PRESETS, ensure_tiny_checkpoint
+    from pagefleet.model_presets import GGUF_PRESETS, gguf_preset_path
 
     if spec in PRESETS:
         return ensure_tiny_checkpoint(spec)
+    preset = gguf_preset_path(spec)
+    if preset is not None:
+        return preset
     path = Path(spec).expanduser()
-    if not path.is_dir():
-        hint = ", ".join(sorted(PRESETS))
+    if not (path.is_dir() or (path.is_file() and path.suffix == ".gguf")):
+        hint = ", ".join([*sorted(PRESETS), *GGUF_PRESETS])
         raise FileNotFoundError(
-            f"model {spec!r} is neither a checkpoint directory nor a tiny preset ({hint}); "
-            "download the model (e.g. huggingface-cli download) and pass its directory"
+            f"model {spec!r} is neither a checkpoint directory, a .gguf file nor a preset "
+            f"({hint}); download the model (e.g. huggingface-cli download) and pass its path"
         )
     return path
