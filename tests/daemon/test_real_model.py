@@ -25,6 +25,7 @@ from pagefleet.daemon.config import DaemonConfig
 from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.engine import LLMEngine
 from pagefleet.engine.loader import load_model, resolve_model
+from pagefleet.engine.parts import load_parts
 from pagefleet.engine.sampling_params import SamplingParams
 
 from .conftest import LiveDaemon, free_port, live_daemon
@@ -45,8 +46,18 @@ CHAT = [
 ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # On a shared 2-core machine torch's thread pool under contention is many times slower
+    # than one thread (the daemons of `pagefleet up` run with OMP_NUM_THREADS=1 too).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
-def loaded():
+def loaded(one_thread):
     return load_model(resolve_model(PRESET))
 
 
@@ -93,9 +104,8 @@ def test_greedy_matches_transformers_batched_chunked_and_cached(loaded, prompts,
     assert (config.num_attention_heads, config.num_key_value_heads) == (9, 3)
     assert config.tie_word_embeddings
     # A 24-token budget chunks every chat prompt (~40 tokens) and mixes chunks with decodes.
-    engine = LLMEngine(
-        EngineConfig(model=PRESET, max_num_batched_tokens=24, block_size=16), loaded=loaded
-    )
+    cfg = EngineConfig(model=PRESET, max_num_batched_tokens=24, block_size=16)
+    engine = LLMEngine(cfg, parts=load_parts(cfg, loaded=loaded))
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     first = [r.outputs[0].token_ids for r in engine.generate(prompts, params)]
     hits_before = engine.stats().prefix_hits_tokens
@@ -124,7 +134,8 @@ async def live(loaded):
     )  # fmt: skip
 
     def factory(config: DaemonConfig, sink):
-        return LLMEngine(config.engine_config(), event_sink=sink, loaded=loaded)
+        cfg = config.engine_config()
+        return LLMEngine(cfg, event_sink=sink, parts=load_parts(cfg, loaded=loaded))
 
     async with live_daemon(cfg, engine_factory=factory) as d:
         yield d
