@@ -30,12 +30,20 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_checkpoint_dir(spec: str) -> Path:
-    """A checkpoint directory for ``spec`` (a directory, or a tiny preset written on first
-    use). Presets resolve in a child process: the engine's writer needs torch, and ``up``
-    itself stays light (it only starts processes)."""
+    """A checkpoint directory or GGUF file for ``spec`` (a path, a GGUF preset, or a tiny
+    preset written on first use). Tiny presets resolve in a child process: the engine's
+    writer needs torch, and ``up`` itself stays light (it only starts processes)."""
+    from pagefleet.presets.gguf_presets import gguf_preset_path
+
     path = Path(spec).expanduser()
-    if path.is_dir():
+    if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
         return path
+    try:
+        preset = gguf_preset_path(spec)
+    except FileNotFoundError as exc:
+        raise click.ClickException(str(exc)) from None
+    if preset is not None:
+        return preset
     code = (
         "from pagefleet.engine.loader import resolve_model as r; import sys; print(r(sys.argv[1]))"
     )

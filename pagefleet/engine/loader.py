@@ -151,7 +151,7 @@ def resolve_model(spec: str) -> Path:
     """``"tiny*"`` -> the preset's cached checkpoint (written on first use); a GGUF preset
     (``smollm2-135m``) -> its file in the installed package; else a directory or a .gguf."""
     from pagefleet.engine.tiny import PRESETS, ensure_tiny_checkpoint
-    from pagefleet.model_presets import GGUF_PRESETS, gguf_preset_path
+    from pagefleet.presets.gguf_presets import GGUF_PRESETS, gguf_preset_path
 
     if spec in PRESETS:
         return ensure_tiny_checkpoint(spec)

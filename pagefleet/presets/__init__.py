@@ -35,18 +35,20 @@ TOKENIZER_PRESETS: MappingProxyType[str, str] = MappingProxyType(
         "tiny-mistral": "pagefleet.presets.tiny_tokenizer:load_llama",
         "tiny-qwen2": "pagefleet.presets.tiny_tokenizer:load_qwen",
         "tiny-qwen3": "pagefleet.presets.tiny_tokenizer:load_qwen",
+        "smollm2-135m": "pagefleet.presets.gguf_presets:load_smollm2_135m",
     }
 )
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
-    """The tokenizer (with its chat template) of a checkpoint directory or a preset name.
+    """The tokenizer (with its chat template) of a checkpoint directory, a GGUF file or a
+    preset name.
 
     Never imports torch. Raises FileNotFoundError naming the presets when ``spec`` is
     neither.
     """
     path = Path(spec).expanduser()
-    if path.is_dir():
+    if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
         return Tokenizer.from_dir(path)
     target = TOKENIZER_PRESETS.get(spec)
     if target is None:

@@ -165,21 +165,22 @@ async def test_streamed_chat_through_the_daemon_says_paris(live: LiveDaemon) -> 
     assert len([p for p in pieces if p]) > 3  # streamed, not one blob
 
 
-def test_gateway_resolves_the_preset_tokenizer_without_torch(loaded) -> None:
+def test_gateway_builds_the_preset_tokenizer_without_torch(loaded) -> None:
     code = (
         "import json, sys\n"
-        "from pagefleet.gateway.cli import resolve_model_dir\n"
-        "from pagefleet.tokenizer import Tokenizer\n"
-        f"t = Tokenizer.from_dir(resolve_model_dir({PRESET!r}))\n"
+        "from pagefleet.gateway.cli import GatewayConfig, build_gateway\n"
+        f"gw = build_gateway(GatewayConfig(model={PRESET!r}, endpoints=['127.0.0.1:1']))\n"
+        "t = gw.tokenizer.tokenizer\n"
         "msgs = [{'role': 'user', 'content': 'hi'}]\n"
         "ids = t.encode(t.apply_chat_template(msgs), add_special_tokens=False)\n"
-        "print(json.dumps({'torch': 'torch' in sys.modules, 'ids': ids}))\n"
+        "heavy = [m for m in sys.modules if m == 'torch' or m.startswith('pagefleet.engine')]\n"
+        "print(json.dumps({'torch': heavy, 'ids': ids}))\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
     )
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got["torch"] is False
+    assert got["torch"] == []
     tok = loaded[2]
     msgs = [{"role": "user", "content": "hi"}]
     assert got["ids"] == tok.encode(tok.apply_chat_template(msgs), add_special_tokens=False)

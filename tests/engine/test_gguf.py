@@ -191,15 +191,15 @@ def test_unsupported_type_and_architecture_are_named(tmp_path: Path, vocab) -> N
 
 
 def test_gguf_preset_missing_package_says_how_to_install(monkeypatch) -> None:
-    from pagefleet import model_presets
+    from pagefleet.presets import gguf_presets
 
-    fake = model_presets.GGUFPreset(
+    fake = gguf_presets.GGUFPreset(
         package="pagefleet_no_such_package",
         filename="x.gguf",
         install="pip install x",
         description="",
     )
-    monkeypatch.setattr(model_presets, "GGUF_PRESETS", {"smollm2-135m": fake})
+    monkeypatch.setattr(gguf_presets, "GGUF_PRESETS", {"smollm2-135m": fake})
     with pytest.raises(FileNotFoundError, match="run `pip install x`"):
         resolve_model("smollm2-135m")
     with pytest.raises(FileNotFoundError, match="smollm2-135m"):

@@ -1,9 +1,10 @@
 """Real-model presets: names that resolve to a GGUF file shipped inside a PyPI package.
 
-Torch-free, so the gateway resolves a preset to the same file as the daemons without
-loading the engine. Invariant: a preset resolves to an existing file or raises an error
-that says which package to install; a name that is not a preset resolves to None and the
-caller tries its other sources (directories, tiny presets).
+Torch-free, so the gateway resolves a preset's tokenizer from the same file the daemons
+load (``pagefleet.gguf_tokenizer.build_tokenizer`` serves both sides). Invariant: a preset
+resolves to an existing file or raises an error that says which package to install; a
+name that is not a preset resolves to None and the caller tries its other sources
+(directories, tiny presets).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
+
+from pagefleet.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,3 +60,12 @@ def gguf_preset_path(name: str) -> Path | None:
         f"which is not installed: run `{preset.install}` in this environment "
         "(make setup does it)"
     )
+
+
+def load_smollm2_135m() -> Tokenizer:
+    """The smollm2-135m preset's tokenizer and chat template, from its GGUF metadata."""
+    from pagefleet.gguf_tokenizer import tokenizer_from_gguf
+
+    path = gguf_preset_path("smollm2-135m")
+    assert path is not None
+    return tokenizer_from_gguf(path)
