@@ -161,7 +161,7 @@ def test_resolve_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert path.is_relative_to(tmp_path / "cache")
     assert (path / "config.json").is_file()
     assert resolve_model(str(path)) == path
-    with pytest.raises(FileNotFoundError, match="neither a checkpoint directory, a .gguf file nor"):
+    with pytest.raises(FileNotFoundError, match=r"neither a checkpoint directory, a \.gguf"):
         resolve_model(str(tmp_path / "nope"))
 
 
