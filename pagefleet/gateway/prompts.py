@@ -11,14 +11,17 @@ import logging
 from pathlib import Path
 
 from pagefleet.api.openai import ChatCompletionRequest, CompletionRequest
+from pagefleet.gateway.segment_cache import SegmentCachedEncoder
 from pagefleet.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 
 class PromptTokenizer:
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, cache_segments: bool = True) -> None:
         self.tokenizer = tokenizer
+        # Chat turns repeat their system prompt and history: encode only what is new.
+        self.segments = SegmentCachedEncoder(tokenizer) if cache_segments else None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> PromptTokenizer:
@@ -39,4 +42,7 @@ class PromptTokenizer:
             **(req.chat_template_kwargs or {}),
         )
         # A template that writes BOS itself must not get a second one from the encoder.
-        return self.tokenizer.encode(text, add_special_tokens=not self.tokenizer.template_adds_bos)
+        add = not self.tokenizer.template_adds_bos
+        if self.segments is not None:
+            return self.segments.encode(text, add_special_tokens=add)
+        return self.tokenizer.encode(text, add_special_tokens=add)
