@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
-## The main job: a local fleet (Redis, 2 daemons, gateway) on the tiny model, a short bench, a report.
+## The main job: a local fleet (Redis, 2 daemons, gateway) on SmolLM2-135M, a short bench, a report.
 run: setup
 	$(PAGEFLEET) up --bench
 

@@ -403,7 +403,12 @@ def run_bench_sync(opts: BenchOptions) -> dict[str, Any]:
 @click.option(
     "--url", required=True, help="Gateway (or daemon) base URL, e.g. http://127.0.0.1:8080"
 )
-@click.option("--model", default="tiny", show_default=True, help="Served model name.")
+@click.option(
+    "--model",
+    default="smollm2-135m",
+    show_default=True,
+    help="Served model name (pagefleet up serves its --model under that name).",
+)
 @click.option("-n", "--num-requests", default=48, show_default=True, type=int)
 @click.option(
     "-c",

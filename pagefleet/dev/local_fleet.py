@@ -318,9 +318,10 @@ class LocalFleet:
 @click.option("-n", "--num-daemons", default=2, show_default=True, type=int)
 @click.option(
     "--model",
-    default="tiny",
+    # The real model by default, so the first run shows real answers; tiny for speed.
+    default="smollm2-135m",
     show_default=True,
-    help="Checkpoint directory, .gguf file, or preset (tiny, smollm2-135m, ...).",
+    help="Checkpoint directory, .gguf file, or preset (smollm2-135m, tiny, ...).",
 )
 @click.option("--served-model-name", default=None)
 @click.option("--redis-url", default=None, help="Use this Redis instead of starting one.")
@@ -434,6 +435,9 @@ def command(
                     tokenizer_dir=fleet.model_dir,
                 )
             )
+            from pagefleet.dev.sample_chat import QUESTION, ask
+
+            click.echo(f"\nQ: {QUESTION}\nA: {ask(fleet.gateway_url, fleet.served_model_name)}")
             return
         click.echo("Ctrl-C to stop", err=True)
         with contextlib.suppress(KeyboardInterrupt):
