@@ -134,6 +134,12 @@ class Tokenizer:
     def __len__(self) -> int:
         return self.vocab_size
 
+    @cached_property
+    def max_token_chars(self) -> int:
+        """Characters of the longest vocabulary entry: a text of ``c`` characters has at
+        least ``c / max_token_chars`` tokens (a cheap lower bound, no encoding needed)."""
+        return max((len(s) for s in self._tok.get_vocab(with_added_tokens=True)), default=1) or 1
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; BOS (if the checkpoint adds one) only when asked."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids

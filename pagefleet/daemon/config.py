@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagefleet.api.limits import DEFAULT_MAX_BODY_BYTES
 from pagefleet.engine.config import EngineConfig
 
 Role = Literal["unified", "prefill", "decode"]
@@ -41,7 +42,7 @@ class DaemonConfig(BaseModel):
     attention_backend: str | None = None
     # How many requests may wait beyond the running batch before new ones get 429.
     max_queue: int = Field(default=256, ge=0)
-    max_body_bytes: int = Field(default=4 << 20, ge=1024)
+    max_body_bytes: int = Field(default=DEFAULT_MAX_BODY_BYTES, ge=1024)
     drain_timeout_s: float = Field(default=30.0, ge=0)
     heartbeat_s: float = Field(default=1.0, gt=0)
     heartbeat_ttl_s: float = Field(default=5.0, gt=0)

@@ -7,15 +7,18 @@ checkpoint directory or, for a preset name, from pagefleet.presets (torch-free).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 import sys
+from pathlib import Path
 from typing import Literal
 
 import click
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from pagefleet.api.limits import DEFAULT_MAX_BODY_BYTES
 from pagefleet.gateway.policies import POLICY_NAMES, RoutingWeights
 
 logger = logging.getLogger(__name__)
@@ -44,6 +47,16 @@ class GatewayConfig(BaseModel):
     index_timeout_ms: float = Field(100.0, gt=0)
     seed: int | None = None
     log_level: str = "warning"
+    max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024)
+    max_concurrency: int = Field(1024, ge=1)
+    max_model_len: int | None = Field(None, ge=2)
+    first_byte_timeout_s: float = Field(60.0, gt=0)
+    inter_chunk_timeout_s: float = Field(30.0, gt=0)
+    request_timeout_s: float = Field(600.0, gt=0)
+    probe_interval_s: float = Field(1.0, ge=0)
+    probe_timeout_s: float = Field(1.0, gt=0)
+    probe_failures: int = Field(2, ge=1)
+    intake_workers: int = Field(2, ge=0)
 
     @model_validator(mode="after")
     def _check(self) -> GatewayConfig:
@@ -80,16 +93,43 @@ def _load_tokenizer(spec: str):  # -> pagefleet.tokenizer.Tokenizer
         ) from None
 
 
+def checkpoint_max_len(model_dir: Path) -> int | None:
+    """The context length a daemon serves this checkpoint with by default (its position
+    embeddings, capped at a sliding window as the engine does), or None if unknown."""
+    try:
+        cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    n = cfg.get("max_position_embeddings")
+    if not isinstance(n, int) or n < 2:
+        return None
+    window = cfg.get("sliding_window")
+    arch = (cfg.get("architectures") or [""])[0]
+    if (
+        isinstance(window, int)
+        and window > 1
+        and (arch == "MistralForCausalLM" or cfg.get("use_sliding_window"))
+    ):
+        n = min(n, window)
+    return n
+
+
 def build_gateway(config: GatewayConfig):  # -> Gateway (imports kept local for start-up cost)
     from pagefleet.gateway.discovery import KubernetesDiscovery, StaticDiscovery
     from pagefleet.gateway.policies import make_policy
     from pagefleet.gateway.prompts import PromptTokenizer
     from pagefleet.gateway.router import Router
     from pagefleet.gateway.server import Gateway, ProxySettings
+    from pagefleet.httpauth import Credentials
     from pagefleet.kvindex.memory import MemoryKVIndex
 
     if config.discovery == "static":
-        discovery = StaticDiscovery(config.endpoints)
+        discovery = StaticDiscovery(
+            config.endpoints,
+            probe_interval_s=config.probe_interval_s or None,
+            probe_timeout_s=config.probe_timeout_s,
+            unhealthy_after=config.probe_failures,
+        )
     else:
         assert config.service is not None
         discovery = KubernetesDiscovery(config.namespace, config.service, config.target_port_value)
@@ -108,7 +148,17 @@ def build_gateway(config: GatewayConfig):  # -> Gateway (imports kept local for 
         # cache_aware then routes on this gateway's in-flight counts alone.
         logger.warning("no --redis-url: the prefix index is empty; cache_aware routes on load")
         index = MemoryKVIndex(config.namespace_key)
-    tokenizer = PromptTokenizer(_load_tokenizer(config.model)) if config.model else None
+    tokenizer = (
+        PromptTokenizer(_load_tokenizer(config.model), spec=config.model) if config.model else None
+    )
+    model_dir = Path(config.model).expanduser() if config.model else None
+    max_model_len = config.max_model_len or (
+        checkpoint_max_len(model_dir) if model_dir is not None else None
+    )
+    try:
+        credentials = Credentials.from_env()
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
     router = Router(
         discovery=discovery,
         policy=make_policy(config.policy, config.weights),
@@ -122,7 +172,17 @@ def build_gateway(config: GatewayConfig):  # -> Gateway (imports kept local for 
         router=router,
         tokenizer=tokenizer,
         served_model_name=config.model_name,
-        proxy=ProxySettings(max_attempts=config.max_attempts),
+        proxy=ProxySettings(
+            max_attempts=config.max_attempts,
+            first_byte_timeout_s=config.first_byte_timeout_s,
+            inter_chunk_timeout_s=config.inter_chunk_timeout_s,
+            request_timeout_s=config.request_timeout_s,
+            max_body_bytes=config.max_body_bytes,
+            max_concurrency=config.max_concurrency,
+            max_model_len=max_model_len,
+            intake_workers=config.intake_workers,
+        ),
+        credentials=credentials,
     )
 
 
@@ -208,6 +268,80 @@ def _split(value: str | None) -> list[str]:
     help="Pods tried per request when they fail before the first byte.",
 )
 @click.option("--index-timeout-ms", default=100.0, show_default=True, type=float)
+@click.option(
+    "--max-body-bytes",
+    default=DEFAULT_MAX_BODY_BYTES,
+    show_default=True,
+    type=int,
+    help="Largest request body; keep equal to the daemons' --max-body-bytes.",
+)
+@click.option(
+    "--max-concurrency",
+    default=1024,
+    show_default=True,
+    type=int,
+    help="Requests open at once across the gateway; past it, 429 with Retry-After.",
+)
+@click.option(
+    "--max-model-len",
+    default=None,
+    type=int,
+    help="Context length prompts are checked against (default: the checkpoint's).",
+)
+@click.option(
+    "--first-byte-timeout",
+    "first_byte_timeout_s",
+    default=60.0,
+    show_default=True,
+    type=float,
+    help="Streams: seconds to the first byte before the pod counts as hung (retried).",
+)
+@click.option(
+    "--inter-chunk-timeout",
+    "inter_chunk_timeout_s",
+    default=30.0,
+    show_default=True,
+    type=float,
+    help="Streams: longest silence between chunks before the pod counts as hung.",
+)
+@click.option(
+    "--request-timeout",
+    "request_timeout_s",
+    default=600.0,
+    show_default=True,
+    type=float,
+    help="Non-streamed requests: seconds for the whole answer.",
+)
+@click.option(
+    "--probe-interval",
+    "probe_interval_s",
+    default=1.0,
+    show_default=True,
+    type=float,
+    help="Static discovery: seconds between /ready probes of each pod (0: no probing).",
+)
+@click.option(
+    "--probe-timeout",
+    "probe_timeout_s",
+    default=1.0,
+    show_default=True,
+    type=float,
+    help="Static discovery: a probe not answered in this many seconds is a miss.",
+)
+@click.option(
+    "--probe-failures",
+    default=2,
+    show_default=True,
+    type=int,
+    help="Static discovery: misses in a row that drop a pod as unreachable.",
+)
+@click.option(
+    "--intake-workers",
+    default=2,
+    show_default=True,
+    type=int,
+    help="Processes that parse and tokenize large bodies off the event loop (0: inline).",
+)
 @click.option("--seed", default=None, type=int, help="Seed the tie-break RNG (tests, benchmarks).")
 @click.option(
     "--log-level",
@@ -216,7 +350,11 @@ def _split(value: str | None) -> list[str]:
     type=click.Choice(["debug", "info", "warning", "error"]),
 )
 def command(**kw: object) -> None:
-    """Run the cache-aware OpenAI-compatible gateway in front of pagefleet daemons."""
+    """Run the cache-aware OpenAI-compatible gateway in front of pagefleet daemons.
+
+    API keys come from the environment, never flags: PAGEFLEET_API_KEYS (comma separated)
+    and/or PAGEFLEET_API_KEYS_FILE (one per line). Without them every client is served.
+    """
     logging.basicConfig(
         level=str(kw["log_level"]).upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urlsplit
@@ -51,27 +51,117 @@ def normalize_url(url: str) -> str:
 
 
 class StaticDiscovery:
-    """A fixed list of daemon URLs; pod names follow :func:`pod_name_for_url` unless given."""
+    """A fixed list of daemon URLs; pod names follow :func:`pod_name_for_url` unless given.
 
-    def __init__(self, urls: Iterable[str], pod_names: Mapping[str, str] | None = None) -> None:
+    With ``probe_interval_s`` set, every pod's ``/ready`` is polled: a pod that answers
+    non-2xx (loading, draining) leaves ``endpoints()`` at once; one that does not answer
+    within ``probe_timeout_s`` ``unhealthy_after`` times in a row (dead or frozen) leaves
+    too and is reported to the ``subscribe_unreachable`` listeners, so requests waiting on
+    it move on; any pod is re-admitted by its next 2xx answer.
+    """
+
+    def __init__(
+        self,
+        urls: Iterable[str],
+        pod_names: Mapping[str, str] | None = None,
+        probe_interval_s: float | None = None,
+        probe_timeout_s: float = 1.0,
+        unhealthy_after: int = 2,
+    ) -> None:
         names = dict(pod_names or {})
-        self._endpoints = []
+        self._all: list[Endpoint] = []
         for raw in urls:
             if not raw.strip():
                 continue
             url = normalize_url(raw)
-            self._endpoints.append(Endpoint(pod=names.get(url) or pod_name_for_url(url), url=url))
-        if not self._endpoints:
+            self._all.append(Endpoint(pod=names.get(url) or pod_name_for_url(url), url=url))
+        if not self._all:
             raise ValueError("static discovery needs at least one endpoint URL (--endpoints)")
+        self.probe_interval_s = probe_interval_s
+        self.probe_timeout_s = probe_timeout_s
+        self.unhealthy_after = max(1, unhealthy_after)
+        self._out: set[str] = set()  # pods currently dropped
+        self._misses: dict[str, int] = {}
+        self._listeners: list[Callable[[str], None]] = []
+        self._task: asyncio.Task[None] | None = None
+        self._session: Any = None
 
     def endpoints(self) -> list[Endpoint]:
-        return list(self._endpoints)
+        if not self._out:
+            return list(self._all)
+        return [ep for ep in self._all if ep.pod not in self._out]
+
+    def subscribe_unreachable(self, callback: Callable[[str], None]) -> None:
+        self._listeners.append(callback)
 
     async def start(self) -> None:
-        return None
+        if self.probe_interval_s is None or self.probe_interval_s <= 0:
+            return
+        import aiohttp  # lazy: only probing needs a client
+
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=self.probe_timeout_s)
+        )
+        await self.probe_all()
+        self._task = asyncio.create_task(self._probe_loop(), name="static-discovery-probe")
 
     async def close(self) -> None:
-        return None
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _probe_loop(self) -> None:
+        assert self.probe_interval_s is not None
+        while True:
+            await asyncio.sleep(self.probe_interval_s)
+            await self.probe_all()
+
+    async def probe_all(self) -> None:
+        """Probe every pod once, concurrently, and apply the verdicts."""
+        results = await asyncio.gather(*(self._probe(ep) for ep in self._all))
+        for ep, status in zip(self._all, results, strict=True):
+            self._apply(ep, status)
+
+    async def _probe(self, ep: Endpoint) -> int | None:
+        """HTTP status of ``/ready``, or None when the pod did not answer in time."""
+        import aiohttp
+
+        try:
+            async with self._session.get(ep.url + "/ready") as r:
+                return r.status
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            return None
+
+    def _apply(self, ep: Endpoint, status: int | None) -> None:
+        pod = ep.pod
+        if status is not None and 200 <= status < 300:
+            self._misses.pop(pod, None)
+            if pod in self._out:
+                self._out.discard(pod)
+                logger.warning("pod %s is ready again; routing to it", pod)
+            return
+        if status is not None:
+            # It answered: alive but not taking new work (loading, draining). Its
+            # in-flight requests may still finish, so no one is told to give up.
+            self._misses.pop(pod, None)
+            if pod not in self._out:
+                self._out.add(pod)
+                logger.warning("pod %s answered /ready with %d; not routing to it", pod, status)
+            return
+        misses = self._misses.get(pod, 0) + 1
+        self._misses[pod] = misses
+        if misses == self.unhealthy_after:  # report once per outage
+            self._out.add(pod)
+            logger.warning(
+                "pod %s did not answer /ready %d times in a row; dropped until it does", pod, misses
+            )
+            for cb in list(self._listeners):
+                cb(pod)
 
 
 def _get(obj: Mapping[str, Any] | None, *keys: str) -> Any:

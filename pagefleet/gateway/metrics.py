@@ -47,6 +47,9 @@ class GatewayMetrics:
     index_errors: Counter = field(init=False)
     inflight: Gauge = field(init=False)
     overhead_seconds: Histogram = field(init=False)
+    rejected: Counter = field(init=False)
+    broken_streams: Counter = field(init=False)
+    unhealthy: Counter = field(init=False)
 
     def __post_init__(self) -> None:
         r = self.registry
@@ -118,6 +121,25 @@ class GatewayMetrics:
             "The gateway's own time per served request: parse, tokenize, index lookup and "
             "ranking before the upstream request is sent, plus relaying the first chunk.",
             buckets=_OVERHEAD_BUCKETS,
+            registry=r,
+        )
+        self.rejected = Counter(
+            p + "rejected_requests",
+            "Requests the gateway refused itself, by reason (concurrency, too_large, "
+            "context_length, invalid).",
+            ["reason"],
+            registry=r,
+        )
+        self.broken_streams = Counter(
+            p + "broken_streams",
+            "Streams that broke after their first byte (ended with an error event).",
+            ["pod"],
+            registry=r,
+        )
+        self.unhealthy = Counter(
+            p + "pod_unhealthy",
+            "Times a pod was marked unhealthy (timeout or failed probe).",
+            ["pod"],
             registry=r,
         )
 

@@ -18,14 +18,25 @@ logger = logging.getLogger(__name__)
 
 
 class PromptTokenizer:
-    def __init__(self, tokenizer: Tokenizer, cache_segments: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, spec: str | None = None, cache_segments: bool = True
+    ) -> None:
         self.tokenizer = tokenizer
+        # The --model value (directory or preset), so a worker process can load the same.
+        self.spec = spec
         # Chat turns repeat their system prompt and history: encode only what is new.
         self.segments = SegmentCachedEncoder(tokenizer) if cache_segments else None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> PromptTokenizer:
-        return cls(Tokenizer.from_dir(path))
+        return cls(Tokenizer.from_dir(path), str(path))
+
+    @classmethod
+    def from_spec(cls, spec: str) -> PromptTokenizer:
+        """A checkpoint directory or a preset name (torch-free, see pagefleet.presets)."""
+        from pagefleet.presets import load_tokenizer
+
+        return cls(load_tokenizer(spec), spec)
 
     def completion_ids(self, req: CompletionRequest) -> list[int]:
         """Ids of the first prompt of the batch (a batch is routed as one unit)."""
@@ -34,15 +45,20 @@ class PromptTokenizer:
             return list(first)
         return self.tokenizer.encode(first, add_special_tokens=True)
 
-    def chat_ids(self, req: ChatCompletionRequest) -> list[int]:
+    def chat_text(self, req: ChatCompletionRequest) -> str:
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        text = self.tokenizer.apply_chat_template(
+        return self.tokenizer.apply_chat_template(
             messages,
             add_generation_prompt=req.add_generation_prompt,
             **(req.chat_template_kwargs or {}),
         )
+
+    def chat_text_ids(self, text: str) -> list[int]:
         # A template that writes BOS itself must not get a second one from the encoder.
         add = not self.tokenizer.template_adds_bos
         if self.segments is not None:
             return self.segments.encode(text, add_special_tokens=add)
         return self.tokenizer.encode(text, add_special_tokens=add)
+
+    def chat_ids(self, req: ChatCompletionRequest) -> list[int]:
+        return self.chat_text_ids(self.chat_text(req))

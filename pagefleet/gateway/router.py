@@ -6,6 +6,13 @@ short circuit breaker so later requests do not each pay the timeout while Redis 
 Hit predictions come from the shared index, merged (per pod, the larger) with this
 replica's memory of where it sent each block in the last moments (``PlacementMemory``):
 what the index cannot know yet. Replicas differ only by their own recent traffic.
+
+Health: a pod that failed a request is ranked last for ``eject_s``; one that hung (timed
+out, or its discovery probe did) is also signalled to every request waiting on it, which
+then moves on. While heartbeats can be read, a pod without a live heartbeat ranks after
+every pod with one (it may be frozen: no load figures is not the same as idle). Values
+read from the index are range-checked: a forged or corrupt entry is clamped or dropped,
+never trusted to make a pod look infinitely attractive.
 """
 
 from __future__ import annotations
@@ -13,10 +20,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -33,6 +41,45 @@ logger = logging.getLogger(__name__)
 
 # In-flight changes remembered per pod, to line heartbeats up with our own traffic.
 _HISTORY_LEN = 512
+# Largest believable queue in a heartbeat; beyond it the entry is forged or corrupt.
+_MAX_QUEUE = 1_000_000
+# Heartbeat clock skew tolerated into the future, in seconds.
+_MAX_SKEW_S = 30.0
+
+
+def sane_load(load: object) -> PodLoad | None:
+    """``load`` with its figures clamped to their ranges, or None when it is not usable.
+
+    Counts must be ints in [0, 1e6], ``kv_usage`` a finite number in [0, 1], ``ts`` not in
+    the future beyond a clock skew. A heartbeat claiming negative load (which would rank
+    the pod best forever) is dropped rather than clamped to zero.
+    """
+    if not isinstance(load, PodLoad):
+        return None
+    try:
+        running, waiting = load.running, load.waiting
+        kv, ts = float(load.kv_usage), float(load.ts)
+        if isinstance(running, bool) or isinstance(waiting, bool):
+            return None
+        if not (isinstance(running, int) and isinstance(waiting, int)):
+            return None
+        if running < 0 or waiting < 0 or not math.isfinite(kv) or kv < 0 or not math.isfinite(ts):
+            return None
+        if ts > time.time() + _MAX_SKEW_S:
+            return None
+        return PodLoad(
+            running=min(running, _MAX_QUEUE),
+            waiting=min(waiting, _MAX_QUEUE),
+            kv_usage=min(kv, 1.0),
+            num_blocks=load.num_blocks if isinstance(load.num_blocks, int) else 0,
+            num_cached_blocks=(
+                load.num_cached_blocks if isinstance(load.num_cached_blocks, int) else 0
+            ),
+            role=load.role if isinstance(load.role, str) else "unified",
+            ts=ts,
+        )
+    except (TypeError, ValueError):
+        return None
 
 
 @dataclass(slots=True)
@@ -98,6 +145,8 @@ class Router:
     _rng: random.Random = field(default_factory=random.Random)
     _breaker: _Breaker = field(default_factory=lambda: _Breaker(1.0))
     _load_task: asyncio.Task[None] | None = None
+    _loads_ok: bool = False  # the last heartbeat read succeeded
+    _watchers: dict[str, set[Callable[[], None]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
@@ -107,6 +156,9 @@ class Router:
     # -- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:
+        subscribe = getattr(self.discovery, "subscribe_unreachable", None)
+        if subscribe is not None:
+            subscribe(self._pod_unreachable)
         await self.discovery.start()
         if self.index is not None:
             await self.refresh_loads()
@@ -137,10 +189,19 @@ class Router:
             if self._loads:
                 logger.warning("index heartbeat read failed (%s); routing on in-flight counts", exc)
             self._loads = {}
+            self._loads_ok = False
             if self.metrics is not None:
                 self.metrics.index_errors.labels(op="pods").inc()
             return
-        self._loads = dict(pods)
+        loads: dict[str, PodLoad] = {}
+        for pod, raw in pods.items():
+            load = sane_load(raw)
+            if load is None:
+                logger.debug("ignoring pod %r's heartbeat: values out of range", pod)
+                continue
+            loads[pod] = load
+        self._loads = loads
+        self._loads_ok = True
 
     # -- in-flight accounting -------------------------------------------------------------
 
@@ -181,16 +242,48 @@ class Router:
     def mark_ok(self, ep: Endpoint) -> None:
         self._ejected.pop(ep.pod, None)
 
-    def _demote_ejected(self, ranked: list[Scored]) -> list[Scored]:
-        if not self._ejected:
-            return ranked
+    def mark_hung(self, ep: Endpoint) -> None:
+        """A pod timed out: rank it last and release every request waiting on it."""
+        self._pod_unreachable(ep.pod)
+
+    def _pod_unreachable(self, pod: str) -> None:
+        self._ejected[pod] = time.monotonic() + self.eject_s
+        if self.metrics is not None:
+            self.metrics.unhealthy.labels(pod=pod).inc()
+        for cb in list(self._watchers.get(pod, ())):
+            cb()
+
+    def watch(self, pod: str, on_hung: Callable[[], None]) -> Callable[[], None]:
+        """Call ``on_hung`` if ``pod`` is marked hung; returns the function that unwatches."""
+        watchers = self._watchers.setdefault(pod, set())
+        watchers.add(on_hung)
+
+        def unwatch() -> None:
+            watchers.discard(on_hung)
+            if not watchers and self._watchers.get(pod) is watchers:
+                del self._watchers[pod]
+
+        return unwatch
+
+    def _demote_unhealthy(self, ranked: list[Scored]) -> list[Scored]:
+        """Healthy pods first, then pods without a live heartbeat, then ejected ones."""
         now = time.monotonic()
         for pod, until in list(self._ejected.items()):
             if until <= now:
                 del self._ejected[pod]
-        healthy = [s for s in ranked if s.endpoint.pod not in self._ejected]
-        # Never drop candidates: if every pod is ejected, still try them in order.
-        return healthy + [s for s in ranked if s.endpoint.pod in self._ejected]
+        check_hb = self.index is not None and self._loads_ok
+        if not self._ejected and not check_hb:
+            return ranked
+        # Never drop candidates: if every pod is demoted, still try them in order.
+        tiers: tuple[list[Scored], list[Scored], list[Scored]] = ([], [], [])
+        for s in ranked:
+            if s.endpoint.pod in self._ejected:
+                tiers[2].append(s)
+            elif check_hb and s.endpoint.pod not in self._loads:
+                tiers[1].append(s)
+            else:
+                tiers[0].append(s)
+        return tiers[0] + tiers[1] + tiers[2]
 
     # -- routing --------------------------------------------------------------------------
 
@@ -218,7 +311,13 @@ class Router:
                 self.metrics.index_errors.labels(op="lookup").inc()
             return {}, False
         self._breaker.succeeded()
-        return matched, True
+        # One forged entry must not claim more blocks than the prompt has.
+        n = len(keys)
+        return {
+            pod: min(int(v), n)
+            for pod, v in matched.items()
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0
+        }, True
 
     def _is_hot(
         self, keys: list[int], matched: dict[str, int], candidates: list[Candidate]
@@ -279,7 +378,7 @@ class Router:
             num_blocks=len(keys),
             hot=self._is_hot(keys, matched, candidates),
         )
-        ranked = self._demote_ejected(self.policy.rank(candidates, req, self._rng))
+        ranked = self._demote_unhealthy(self.policy.rank(candidates, req, self._rng))
         decision = RoutingDecision(
             ranked=ranked,
             policy=self.policy.name,

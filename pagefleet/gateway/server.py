@@ -3,12 +3,18 @@
 Invariants:
 - A request is retried on the next-ranked pod only while nothing has reached the client:
   connection refused/reset, a 503 or 429 from the pod (draining, or its queue is full:
-  nothing was computed), or a stream that dies before its first body byte. After the
-  first byte the stream is passed through as is.
+  nothing was computed), a timeout before the first byte, or a stream that dies before its
+  first body byte. After the first byte the stream is passed through as is.
+- A stream that breaks after its first byte (pod killed, hung past the inter-chunk
+  timeout) ends with an SSE ``error`` event in OpenAI's shape and no ``[DONE]``; a
+  non-streamed answer is either complete or an error status with an error body. A
+  client never gets a 200 that looks complete but is not.
 - Upstream error responses (other 4xx and 5xx, and 429/503 once no other pod is left)
-  reach the client with
-  their status and body unchanged.
-- Every response names the pod that served it in ``x-pagefleet-pod``.
+  reach the client with their status and body unchanged.
+- Bodies over ``max_body_bytes`` (the daemon's limit) are refused before being read;
+  large bodies are parsed and tokenized in worker processes, so ``/health`` and other
+  streams never wait for them; at most ``max_concurrency`` requests are open at once.
+- Every proxied response names the pod that served it in ``x-pagefleet-pod``.
 """
 
 from __future__ import annotations
@@ -18,22 +24,21 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
-from pagefleet.api.openai import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    RequestValidationError,
-    parse_body,
-)
+from pagefleet.api.limits import DEFAULT_MAX_BODY_BYTES
+from pagefleet.api.openapi import gateway_openapi
 from pagefleet.gateway.discovery import Endpoint
+from pagefleet.gateway.intake import Intake, IntakePool
 from pagefleet.gateway.metrics import GatewayMetrics
 from pagefleet.gateway.prompts import PromptTokenizer
 from pagefleet.gateway.router import Router, RoutingDecision
+from pagefleet.httpauth import AuthPolicy, Credentials
 
 logger = logging.getLogger(__name__)
 
@@ -56,25 +61,68 @@ _DROP_REQUEST_HEADERS = {
     "accept-encoding",
 }
 _DROP_RESPONSE_HEADERS = _DROP_REQUEST_HEADERS | {"content-encoding", "date", "server"}
+_DONE = b"data: [DONE]"
+# Errors that mean the client is gone while we write to it.
+_CLIENT_GONE = (ConnectionError, RuntimeError, aiohttp.ClientConnectionResetError)
 
 ROUTER_KEY: web.AppKey[Router] = web.AppKey("router", Router)
 
 
+def error_body(message: str, err_type: str, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": err_type, "param": None, "code": code}}
+
+
 def error_response(
-    status: int, message: str, err_type: str, code: str | None = None
+    status: int,
+    message: str,
+    err_type: str,
+    code: str | None = None,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
 ) -> web.Response:
-    body = {"error": {"message": message, "type": err_type, "param": None, "code": code}}
-    return web.json_response(body, status=status)
+    body = error_body(message, err_type, code)
+    body["error"]["param"] = param
+    return web.json_response(body, status=status, headers=headers)
 
 
 @dataclass(slots=True)
 class ProxySettings:
     max_attempts: int = 3
     connect_timeout_s: float = 3.0
-    # A pod that accepted the request but sends nothing for this long counts as failed
-    # before the first byte (only while nothing reached the client yet).
-    first_byte_timeout_s: float = 300.0
-    read_timeout_s: float = 600.0
+    # Streams: from forwarding to the first body byte. Past it the pod counts as hung:
+    # marked unhealthy, and the request moves to the next pod (nothing reached the client).
+    first_byte_timeout_s: float = 60.0
+    # Streams: the longest silence between two chunks; past it the pod counts as hung and
+    # the client gets an error event.
+    inter_chunk_timeout_s: float = 30.0
+    # Non-streamed answers arrive whole at the end: only a total limit applies (a hung
+    # pod is caught sooner by the discovery probe, which releases its requests).
+    request_timeout_s: float = 600.0
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_concurrency: int = 1024
+    # Context length the gateway checks prompts against (None: leave it to the daemons).
+    max_model_len: int | None = None
+    intake_workers: int = 2
+
+
+class _Attempt:
+    """One try on one pod; the router's hang signal for the pod cuts its waits short."""
+
+    __slots__ = ("down", "upstream")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.down: asyncio.Future[None] = loop.create_future()
+        self.upstream: aiohttp.ClientResponse | None = None
+
+    def pod_down(self) -> None:
+        if not self.down.done():
+            self.down.set_result(None)
+        if self.upstream is not None:
+            self.upstream.close()  # a pending read raises at once
+
+
+class _Failed(Exception):
+    """An attempt failed before anything reached the client; the message says why."""
 
 
 @dataclass(slots=True)
@@ -86,20 +134,35 @@ class Gateway:
     served_model_name: str
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     proxy: ProxySettings = field(default_factory=ProxySettings)
+    credentials: Credentials = field(default_factory=Credentials)
+    intake: IntakePool | None = None
     _session: aiohttp.ClientSession | None = None
     _started: float = field(default_factory=time.time)
+    _active: int = 0
+    _auth: AuthPolicy | None = None
 
     def __post_init__(self) -> None:
         self.router.metrics = self.metrics
+        if self.intake is None:
+            self.intake = IntakePool(
+                self.tokenizer, self.proxy.max_model_len, workers=self.proxy.intake_workers
+            )
+        self._auth = AuthPolicy(self.credentials, component="gateway")
 
     # -- app ------------------------------------------------------------------------------
 
     def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=64 << 20)
+        assert self._auth is not None
+        # The body cap is enforced in _read_body (OpenAI-shaped 413), aiohttp's is a backstop.
+        app = web.Application(
+            client_max_size=self.proxy.max_body_bytes,
+            middlewares=[self._errors_middleware, self._auth.middleware],
+        )
         app[ROUTER_KEY] = self.router
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics_handler)
+        app.router.add_get("/openapi.json", self.openapi)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -109,21 +172,52 @@ class Gateway:
 
     async def _on_startup(self, app: web.Application) -> None:
         timeout = aiohttp.ClientTimeout(
-            total=None,
-            sock_connect=self.proxy.connect_timeout_s,
-            sock_read=self.proxy.read_timeout_s,
+            total=None, sock_connect=self.proxy.connect_timeout_s, sock_read=None
         )
         # limit=0: the gateway must not queue requests on its own connection pool.
         connector = aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True)
         self._session = aiohttp.ClientSession(
             timeout=timeout, connector=connector, auto_decompress=False
         )
+        assert self.intake is not None and self._auth is not None
+        self.intake.start()
+        self._auth.warn_if_open()
         await self.router.start()
 
     async def _on_cleanup(self, app: web.Application) -> None:
         if self._session is not None:
             await self._session.close()
+        if self.intake is not None:
+            self.intake.close()
         await self.router.close()
+
+    @web.middleware
+    async def _errors_middleware(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[Any]]
+    ) -> web.StreamResponse:
+        """aiohttp's own errors (404, 405, 413) in OpenAI's shape, like the daemon's."""
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            if exc.status == 404:
+                msg, code = f"no route {request.method} {request.path}", "not_found"
+            elif exc.status == 405:
+                msg, code = f"method {request.method} not allowed on {request.path}", None
+            elif exc.status == 413:
+                return self._too_large()
+            else:
+                msg, code = exc.reason or "bad request", None
+            return error_response(exc.status, msg, "invalid_request_error", code)
+
+    def _too_large(self) -> web.Response:
+        return error_response(
+            413,
+            f"request body too large: the limit is {self.proxy.max_body_bytes} bytes",
+            "invalid_request_error",
+            code="request_too_large",
+        )
 
     # -- plain endpoints ------------------------------------------------------------------
 
@@ -141,6 +235,9 @@ class Gateway:
             body=self.metrics.render(),
             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
         )
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(gateway_openapi())
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(
@@ -160,42 +257,64 @@ class Gateway:
     # -- proxied endpoints ----------------------------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, CompletionRequest, "/v1/completions")
+        return await self._handle(request, "completion", "/v1/completions")
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, ChatCompletionRequest, "/v1/chat/completions")
+        return await self._handle(request, "chat", "/v1/chat/completions")
 
-    def _prompt_ids(self, parsed: CompletionRequest | ChatCompletionRequest) -> list[int] | None:
-        if self.tokenizer is None:
-            # Token-id prompts need no tokenizer; text prompts then route on load only.
-            if isinstance(parsed, CompletionRequest):
-                first = parsed.prompts()[0]
-                if isinstance(first, list):
-                    return list(first)
+    async def _read_body(self, request: web.Request) -> bytes | None:
+        """The body, or None when it exceeds the cap (checked before reading when declared)."""
+        limit = self.proxy.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
             return None
         try:
-            if isinstance(parsed, ChatCompletionRequest):
-                return self.tokenizer.chat_ids(parsed)
-            return self.tokenizer.completion_ids(parsed)
-        except Exception as exc:  # the daemon owns the verdict on bad prompts; route on load
-            logger.debug("could not tokenize for routing (%s); routing on load only", exc)
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
             return None
+        return body if len(body) <= limit else None
 
-    async def _handle(
-        self,
-        request: web.Request,
-        model: type[CompletionRequest | ChatCompletionRequest],
-        path: str,
-    ) -> web.StreamResponse:
+    async def _handle(self, request: web.Request, kind: str, path: str) -> web.StreamResponse:
         t_arrival = time.perf_counter()
-        body = await request.read()
+        if self._active >= self.proxy.max_concurrency:
+            self.metrics.rejected.labels(reason="concurrency").inc()
+            return error_response(
+                429,
+                f"gateway busy: {self._active} requests open, the limit is "
+                f"{self.proxy.max_concurrency} (--max-concurrency); retry after a second",
+                "rate_limit_error",
+                code="gateway_busy",
+                headers={"Retry-After": "1"},
+            )
+        self._active += 1
         try:
-            parsed = parse_body(model, body)
-        except RequestValidationError as exc:
-            return error_response(400, exc.message, "invalid_request_error")
-        token_ids = self._prompt_ids(parsed)
-        session_key = request.headers.get(SESSION_HEADER) or _session_from_body(parsed)
-        decision = await self.router.route(token_ids, session_key=session_key)
+            return await self._admitted(request, kind, path, t_arrival)
+        finally:
+            self._active -= 1
+
+    async def _admitted(
+        self, request: web.Request, kind: str, path: str, t_arrival: float
+    ) -> web.StreamResponse:
+        body = await self._read_body(request)
+        if body is None:
+            self.metrics.rejected.labels(reason="too_large").inc()
+            return self._too_large()
+        assert self.intake is not None
+        try:
+            intake: Intake = await self.intake.inspect(kind, body)
+        except RuntimeError as exc:
+            return error_response(
+                503, str(exc), "server_error", code="intake_failed", headers={"Retry-After": "1"}
+            )
+        if intake.error is not None:
+            err = intake.error
+            self.metrics.rejected.labels(
+                reason="context_length" if err.code == "context_length_exceeded" else "invalid"
+            ).inc()
+            return error_response(
+                err.status, err.message, "invalid_request_error", err.code, err.param
+            )
+        session_key = request.headers.get(SESSION_HEADER) or intake.session_key
+        decision = await self.router.route(intake.token_ids, session_key=session_key)
         self.metrics.decision_seconds.labels(policy=decision.policy).observe(decision.decision_s)
         if not decision.ranked:
             return error_response(
@@ -204,10 +323,11 @@ class Gateway:
                 "the gateway's --endpoints/--service",
                 "service_unavailable",
                 code="no_endpoints",
+                headers={"Retry-After": "1"},
             )
         if decision.prompt_tokens:
             self.metrics.prompt_tokens_total.inc(decision.prompt_tokens)
-        return await self._forward(request, body, path, parsed.stream, decision, t_arrival)
+        return await self._forward(request, body, path, intake.stream, decision, t_arrival)
 
     async def _forward(
         self,
@@ -222,34 +342,35 @@ class Gateway:
         headers = {
             k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST_HEADERS
         }
+        # The gateway's key is not the daemon's: never forward the client's credentials.
+        headers.pop("Authorization", None)
+        headers.pop("authorization", None)
         attempts = decision.ranked[: max(1, self.proxy.max_attempts)]
         last_error = "no attempt made"
+        hung = False
         for i, scored in enumerate(attempts):
             ep = scored.endpoint
             more_left = i + 1 < len(attempts)
             self.router.acquire(ep, decision.keys)
             self.metrics.inflight.labels(pod=ep.pod).inc()
+            attempt = _Attempt(asyncio.get_running_loop())
+            unwatch = self.router.watch(ep.pod, attempt.pod_down)
             try:
                 result = await self._try_pod(
-                    request,
-                    ep,
-                    path,
-                    body,
-                    headers,
-                    stream,
-                    decision,
-                    scored.matched_tokens,
-                    more_left,
+                    request, ep, path, body, headers, stream, decision,
+                    scored.matched_tokens, more_left, attempt,
                     time.perf_counter() - t_arrival,
-                )
+                )  # fmt: skip
+            except _Failed as exc:
+                result = str(exc)
             finally:
+                unwatch()
                 self.router.release(ep, decision.keys)
                 self.metrics.inflight.labels(pod=ep.pod).dec()
             if isinstance(result, web.StreamResponse):
-                self.router.mark_ok(ep)
                 return result
             last_error = result
-            self.router.mark_failed(ep)
+            hung = hung or "timed out" in result
             self.metrics.retries.labels(pod=ep.pod).inc()
             logger.info(
                 "pod %s failed before the first byte (%s); %s",
@@ -258,12 +379,43 @@ class Gateway:
                 "trying the next one" if more_left else "no pod left",
             )
         return error_response(
-            502,
+            504 if hung else 502,
             f"every candidate pod failed before responding (last: {last_error}); "
             "the daemons may be restarting, retry shortly",
             "upstream_error",
-            code="upstream_unavailable",
+            code="upstream_timeout" if hung else "upstream_unavailable",
+            headers={"Retry-After": "1"},
         )
+
+    async def _send(
+        self, ep: Endpoint, path: str, body: bytes, headers: dict[str, str],
+        timeout: float, attempt: _Attempt,
+    ) -> aiohttp.ClientResponse:  # fmt: skip
+        """POST to the pod; wait for its response headers at most ``timeout`` seconds."""
+        assert self._session is not None
+        task = asyncio.ensure_future(self._session.post(ep.url + path, data=body, headers=headers))
+        try:
+            done, _ = await asyncio.wait(
+                {task, attempt.down}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+        except BaseException:
+            task.cancel()
+            raise
+        if task in done:
+            try:
+                upstream = task.result()
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                self.router.mark_failed(ep)
+                raise _Failed(f"{type(exc).__name__}: {exc}") from None
+            attempt.upstream = upstream
+            return upstream
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        if attempt.down.done():
+            raise _Failed("pod marked unhealthy while waiting for its response")
+        self.router.mark_hung(ep)
+        raise _Failed(f"timed out after {timeout:.1f}s waiting for the pod's response")
 
     async def _try_pod(
         self,
@@ -276,17 +428,15 @@ class Gateway:
         decision: RoutingDecision,
         predicted_hit: int,
         more_left: bool,
+        attempt: _Attempt,
         pre_s: float,
     ) -> web.StreamResponse | str:
         """Serve the request from ``ep``; a string says why to move on to the next pod.
 
         ``pre_s``: the gateway's own time before this attempt (parse, tokenize, route)."""
-        assert self._session is not None
         t0 = time.perf_counter()
-        try:
-            upstream = await self._session.post(ep.url + path, data=body, headers=headers)
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            return f"{type(exc).__name__}: {exc}"
+        budget = self.proxy.first_byte_timeout_s if stream else self.proxy.request_timeout_s
+        upstream = await self._send(ep, path, body, headers, budget, attempt)
         try:
             out_headers = {
                 k: v for k, v in upstream.headers.items() if k.lower() not in _DROP_RESPONSE_HEADERS
@@ -295,12 +445,20 @@ class Gateway:
             out_headers[POLICY_HEADER] = decision.policy
             out_headers[HIT_HEADER] = str(predicted_hit)
             if upstream.status in (429, 503) and more_left:
+                self.router.mark_failed(ep)
                 return f"HTTP {upstream.status} from pod: {(await upstream.read())[:200]!r}"
+            left = max(0.001, budget - (time.perf_counter() - t0))
             if upstream.status >= 400 or not stream:
                 try:
-                    payload = await upstream.read()
-                except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                    async with asyncio.timeout(left):
+                        payload = await upstream.read()
+                except TimeoutError:
+                    self.router.mark_hung(ep)
+                    return f"timed out after {budget:.1f}s reading the pod's answer"
+                except (aiohttp.ClientError, OSError) as exc:
+                    self.router.mark_failed(ep)
                     return f"{type(exc).__name__} while reading the body: {exc}"
+                self.router.mark_ok(ep)
                 self._count(ep, decision, predicted_hit, upstream.status)
                 self.metrics.upstream_latency_seconds.labels(pod=ep.pod).observe(
                     time.perf_counter() - t0
@@ -308,47 +466,88 @@ class Gateway:
                 self.metrics.overhead_seconds.observe(pre_s)
                 return web.Response(status=upstream.status, body=payload, headers=out_headers)
             try:
-                first = await asyncio.wait_for(
-                    upstream.content.readany(), self.proxy.first_byte_timeout_s
-                )
-            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                async with asyncio.timeout(left):
+                    first = await upstream.content.readany()
+            except TimeoutError:
+                self.router.mark_hung(ep)
+                return f"timed out after {budget:.1f}s before the first byte"
+            except (aiohttp.ClientError, OSError) as exc:
+                self.router.mark_failed(ep)
                 return f"{type(exc).__name__} before the first byte: {exc}"
             if not first:
+                self.router.mark_failed(ep)
                 return "stream closed before the first byte"
+            self.router.mark_ok(ep)
             t_first = time.perf_counter()
             self.metrics.upstream_ttft_seconds.labels(pod=ep.pod).observe(t_first - t0)
             self._count(ep, decision, predicted_hit, upstream.status)
             resp = web.StreamResponse(status=upstream.status, headers=out_headers)
-            await resp.prepare(request)
-            await resp.write(first)
-            self.metrics.overhead_seconds.observe(pre_s + time.perf_counter() - t_first)
             try:
-                async for chunk in upstream.content.iter_any():
-                    try:
-                        await resp.write(chunk)
-                    except (ConnectionResetError, RuntimeError) as exc:
-                        # The client hung up; leaving here closes the upstream connection,
-                        # which makes the daemon abort the request and free its blocks.
-                        logger.debug("client went away while streaming from %s: %s", ep.pod, exc)
-                        return resp
-            except (TimeoutError, aiohttp.ClientError) as exc:
-                # Bytes already reached the client: nothing to retry; end the stream.
-                logger.warning(
-                    "stream from pod %s broke after %.2fs: %s",
-                    ep.pod,
-                    time.perf_counter() - t0,
-                    exc,
-                )
-            self.metrics.upstream_latency_seconds.labels(pod=ep.pod).observe(
-                time.perf_counter() - t0
-            )
-            with contextlib.suppress(ConnectionResetError, RuntimeError):
-                await resp.write_eof()
+                await resp.prepare(request)
+                await resp.write(first)
+            except _CLIENT_GONE as exc:
+                logger.debug("client went away before its stream from %s began: %s", ep.pod, exc)
+                return resp
+            self.metrics.overhead_seconds.observe(pre_s + time.perf_counter() - t_first)
+            await self._pump(request, resp, upstream, ep, first, t0)
             return resp
         finally:
             upstream.release()
             if not upstream.closed:
                 upstream.close()
+
+    async def _pump(
+        self,
+        request: web.Request,
+        resp: web.StreamResponse,
+        upstream: aiohttp.ClientResponse,
+        ep: Endpoint,
+        first: bytes,
+        t0: float,
+    ) -> None:
+        """Copy the stream to the client; end a broken one with an error event, no [DONE]."""
+        tail = first[-64:]
+        broken: str | None = None
+        while True:
+            try:
+                async with asyncio.timeout(self.proxy.inter_chunk_timeout_s):
+                    chunk = await upstream.content.readany()
+            except TimeoutError:
+                self.router.mark_hung(ep)
+                broken = (
+                    f"the model pod {ep.pod} sent nothing for "
+                    f"{self.proxy.inter_chunk_timeout_s:.1f}s"
+                )
+                break
+            except (aiohttp.ClientError, OSError) as exc:
+                self.router.mark_failed(ep)
+                broken = f"the connection to model pod {ep.pod} broke ({type(exc).__name__})"
+                break
+            if not chunk:
+                if _DONE not in tail:
+                    self.router.mark_failed(ep)
+                    broken = f"model pod {ep.pod} closed the stream before it was complete"
+                break
+            tail = (tail + chunk)[-64:]
+            try:
+                await resp.write(chunk)
+            except _CLIENT_GONE as exc:
+                # The client hung up; leaving closes the upstream connection, which makes
+                # the daemon abort the request and free its blocks.
+                logger.debug("client went away while streaming from %s: %s", ep.pod, exc)
+                return
+        self.metrics.upstream_latency_seconds.labels(pod=ep.pod).observe(time.perf_counter() - t0)
+        with contextlib.suppress(*_CLIENT_GONE):
+            if broken is not None:
+                self.metrics.broken_streams.labels(pod=ep.pod).inc()
+                logger.warning("stream broke after %.2fs: %s", time.perf_counter() - t0, broken)
+                body = error_body(
+                    f"{broken}; the output is incomplete, retry the request",
+                    "server_error",
+                    "upstream_stream_broken",
+                )
+                await resp.write(b"data: " + dumps(body) + b"\n\n")
+            await resp.write_eof()
 
     def _count(
         self, ep: Endpoint, decision: RoutingDecision, predicted_hit: int, status: int
@@ -356,11 +555,6 @@ class Gateway:
         self.metrics.requests.labels(policy=decision.policy, pod=ep.pod).inc()
         self.metrics.responses.labels(pod=ep.pod, code=str(status)).inc()
         self.metrics.predicted_hit_tokens.observe(predicted_hit)
-
-
-def _session_from_body(parsed: CompletionRequest | ChatCompletionRequest) -> str | None:
-    value = (parsed.model_extra or {}).get("session_id") or parsed.user
-    return value if isinstance(value, str) and value else None
 
 
 def dumps(obj: Any) -> bytes:

@@ -1,0 +1,222 @@
+"""Request intake: body -> validated request, routing ids and the context-length verdict,
+off the gateway's event loop when the body is large.
+
+Parsing a 4 MiB body and tokenizing its prompt hold the GIL for up to a second, which
+would stall every stream and probe the gateway serves. Bodies above ``inline_bytes`` are
+therefore handled in worker *processes* (a thread would still hold the GIL), small ones
+inline where the hop would cost more than the work.
+
+Invariants:
+- ``inspect`` refuses what the daemon would refuse for length, with the daemon's
+  ``context_length_exceeded`` error (the shared ``context_length_error``), and lets through
+  everything the daemon would accept;
+- a prompt is never tokenized when a bound already decides: ``len(utf-8) + specials`` tokens
+  at most (every token covers at least one byte), ``chars / max_token_chars`` at least;
+- the result is small (the first prompt's ids, capped at the context length), so the hop
+  back from a worker is cheap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import multiprocessing
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+
+from pagefleet.api.limits import context_length_error
+from pagefleet.api.openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestValidationError,
+    parse_body,
+)
+from pagefleet.gateway.prompts import PromptTokenizer
+
+logger = logging.getLogger(__name__)
+
+# Special tokens a tokenizer adds around one text (BOS, EOS, ...), as an upper bound.
+_SPECIALS = 4
+
+
+@dataclass(slots=True, frozen=True)
+class IntakeError:
+    status: int
+    message: str
+    param: str | None = None
+    code: str | None = None
+
+
+@dataclass(slots=True)
+class Intake:
+    """What the gateway needs of a body: routing inputs, or why it is refused."""
+
+    stream: bool = False
+    session_key: str | None = None
+    token_ids: list[int] | None = None  # the first prompt's ids (None: route on load)
+    error: IntakeError | None = None
+
+
+def _too_long(
+    tok: PromptTokenizer | None,
+    text: str | None,
+    ids: list[int] | None,
+    max_tokens: int | None,
+    limit: int | None,
+    encode: functools.partial[list[int]] | None,
+) -> tuple[list[int] | None, IntakeError | None]:
+    """Ids of one prompt (when computed) and a context-length error (when it cannot fit)."""
+    if ids is not None:
+        err = context_length_error(len(ids), max_tokens, limit) if limit else None
+        return ids, _ctx(err)
+    if tok is None or text is None or encode is None:
+        return None, None
+    if limit:
+        at_least = -(-len(text) // tok.tokenizer.max_token_chars)
+        if at_least >= limit or (max_tokens is not None and at_least + max_tokens > limit):
+            return None, _ctx(context_length_error(at_least, max_tokens, limit, at_least=True))
+    try:
+        ids = encode(text)
+    except Exception as exc:  # the daemon owns the verdict on odd prompts; route on load
+        logger.debug("could not tokenize for routing (%s); routing on load only", exc)
+        return None, None
+    err = context_length_error(len(ids), max_tokens, limit) if limit else None
+    return ids, _ctx(err)
+
+
+def _ctx(err: tuple[str, str] | None) -> IntakeError | None:
+    if err is None:
+        return None
+    return IntakeError(400, err[0], err[1], "context_length_exceeded")
+
+
+def _surely_fits(text: str, max_tokens: int | None, limit: int) -> bool:
+    upper = len(text.encode("utf-8", "surrogatepass")) + _SPECIALS
+    return upper < limit and (max_tokens is None or upper + max_tokens <= limit)
+
+
+def inspect(
+    kind: str, body: bytes, tok: PromptTokenizer | None, max_model_len: int | None
+) -> Intake:
+    """Validate ``body`` (``kind``: "completion" or "chat") and compute its routing ids."""
+    model = ChatCompletionRequest if kind == "chat" else CompletionRequest
+    try:
+        parsed = parse_body(model, body)
+    except RequestValidationError as exc:
+        return Intake(error=IntakeError(400, exc.message, exc.param))
+    out = Intake(stream=parsed.stream, session_key=_session_from_body(parsed))
+    limit = max_model_len
+    if isinstance(parsed, ChatCompletionRequest):
+        if tok is None:
+            return out
+        try:
+            text = tok.chat_text(parsed)
+        except Exception as exc:  # the daemon answers template errors with its own 400
+            logger.debug("chat template failed at the gateway (%s)", exc)
+            return out
+        ids, err = _too_long(
+            tok, text, None, parsed.effective_max_tokens(), limit,
+            functools.partial(_chat_encode, tok),
+        )  # fmt: skip
+        out.token_ids, out.error = ids, err
+        return out
+    prompts = parsed.prompts()
+    encode = functools.partial(_completion_encode, tok) if tok is not None else None
+    for i, p in enumerate(prompts):
+        text = p if isinstance(p, str) else None
+        ids = list(p) if isinstance(p, list) else None
+        if (
+            i > 0
+            and text is not None
+            and (not limit or _surely_fits(text, parsed.max_tokens, limit))
+        ):
+            continue  # only the first prompt's ids are needed for routing
+        ids, err = _too_long(tok, text, ids, parsed.max_tokens, limit, encode)
+        if i == 0:
+            out.token_ids = ids
+        if err is not None:
+            out.error = err
+            return out
+    return out
+
+
+def _completion_encode(tok: PromptTokenizer, text: str) -> list[int]:
+    return tok.tokenizer.encode(text, add_special_tokens=True)
+
+
+def _chat_encode(tok: PromptTokenizer, text: str) -> list[int]:
+    return tok.chat_text_ids(text)
+
+
+def _session_from_body(parsed: CompletionRequest | ChatCompletionRequest) -> str | None:
+    value = (parsed.model_extra or {}).get("session_id") or parsed.user
+    return value if isinstance(value, str) and value else None
+
+
+@functools.cache
+def _worker_tokenizer(spec: str) -> PromptTokenizer:
+    # Loaded once per worker process (the cache lives only in the worker).
+    return PromptTokenizer.from_spec(spec)
+
+
+def _worker_inspect(kind: str, body: bytes, path: str | None, max_model_len: int | None) -> Intake:
+    return inspect(kind, body, _worker_tokenizer(path) if path else None, max_model_len)
+
+
+def _worker_init(path: str | None) -> None:
+    if path:
+        _worker_tokenizer(path)
+
+
+@dataclass(slots=True)
+class IntakePool:
+    """Runs ``inspect`` inline for small bodies and in worker processes for large ones."""
+
+    tokenizer: PromptTokenizer | None
+    max_model_len: int | None = None
+    workers: int = 2
+    inline_bytes: int = 8192
+    _executor: Executor | None = None
+
+    def start(self) -> None:
+        if self.workers <= 0:
+            return
+        path = self.tokenizer.spec if self.tokenizer is not None else None
+        if self.tokenizer is not None and path is None:
+            # A tokenizer built in memory cannot be reloaded elsewhere: use threads.
+            self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="intake")
+            return
+        # spawn, not fork: this process runs an event loop and threads.
+        self._executor = ProcessPoolExecutor(
+            self.workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_worker_init,
+            initargs=(path,),
+        )
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+    async def inspect(self, kind: str, body: bytes) -> Intake:
+        """The body's Intake; raises RuntimeError when a worker died (the caller answers 503)."""
+        if self._executor is None or len(body) <= self.inline_bytes:
+            return inspect(kind, body, self.tokenizer, self.max_model_len)
+        loop = asyncio.get_running_loop()
+        if isinstance(self._executor, ThreadPoolExecutor):
+            fn = functools.partial(inspect, kind, body, self.tokenizer, self.max_model_len)
+            return await loop.run_in_executor(self._executor, fn)
+        path = self.tokenizer.spec if self.tokenizer is not None else None
+        try:
+            return await loop.run_in_executor(
+                self._executor, _worker_inspect, kind, body, path, self.max_model_len
+            )
+        except BrokenProcessPool as exc:
+            # A worker died (killed, out of memory): replace the pool for the next request.
+            logger.warning("intake worker died (%s); restarting the worker pool", exc)
+            self.close()
+            self.start()
+            raise RuntimeError("the gateway's request worker died; retry the request") from exc

@@ -1,0 +1,189 @@
+"""Bearer API keys and a separate admin token, for the gateway and for a daemon exposed on
+its own (aiohttp middleware).
+
+Configuration (environment only, so no secret ever appears on a command line):
+
+- ``PAGEFLEET_API_KEYS``: client keys, comma separated; ``PAGEFLEET_API_KEYS_FILE``: a file
+  with one key per line (blank lines and ``#`` comments ignored). Both may be set.
+- ``PAGEFLEET_ADMIN_TOKEN`` or ``PAGEFLEET_ADMIN_TOKEN_FILE``: the admin token, for the
+  state-changing and introspection endpoints (``/reset_prefix_cache``, ``/get_server_info``).
+
+Invariants:
+- keys live in memory only as SHA-256 digests; a presented key is hashed once and compared
+  with ``hmac.compare_digest`` against every stored digest, without an early exit, so the
+  time taken says nothing about which key (or how much of one) matched;
+- ``/health``, ``/ready``, ``/metrics`` and ``/openapi.json`` never need a key;
+- admin paths accept only the admin token, never a client key; with client keys but no
+  admin token configured they are closed (403);
+- with nothing configured every path is open, as before, and one warning says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiohttp import web
+
+logger = logging.getLogger(__name__)
+
+ENV_KEYS = "PAGEFLEET_API_KEYS"
+ENV_KEYS_FILE = "PAGEFLEET_API_KEYS_FILE"
+ENV_ADMIN = "PAGEFLEET_ADMIN_TOKEN"
+ENV_ADMIN_FILE = "PAGEFLEET_ADMIN_TOKEN_FILE"
+
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json"})
+ADMIN_PATHS = frozenset({"/reset_prefix_cache", "/get_server_info", "/server_info"})
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8")).digest()
+
+
+def _read_lines(path: str) -> list[str]:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"cannot read the key file {path}: {exc.strerror}") from None
+    return [
+        ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")
+    ]
+
+
+@dataclass(slots=True, frozen=True)
+class Credentials:
+    """Digests of the client keys and of the admin token (empty: not configured)."""
+
+    client: tuple[bytes, ...] = ()
+    admin: tuple[bytes, ...] = ()
+
+    @classmethod
+    def from_keys(cls, client: Iterable[str] = (), admin: str | None = None) -> Credentials:
+        keys = [k for k in client if k]
+        return cls(
+            client=tuple(_digest(k) for k in keys),
+            admin=(_digest(admin),) if admin else (),
+        )
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Credentials:
+        """Read the ``PAGEFLEET_*`` variables; raises ValueError naming an unreadable file."""
+        env = os.environ if env is None else env
+        keys = [k.strip() for k in env.get(ENV_KEYS, "").split(",") if k.strip()]
+        if env.get(ENV_KEYS_FILE):
+            keys += _read_lines(env[ENV_KEYS_FILE])
+        admin = env.get(ENV_ADMIN, "").strip() or None
+        if admin is None and env.get(ENV_ADMIN_FILE):
+            lines = _read_lines(env[ENV_ADMIN_FILE])
+            admin = lines[0] if lines else None
+        if env.get(ENV_KEYS_FILE) and not keys:
+            raise ValueError(f"{ENV_KEYS_FILE}={env[ENV_KEYS_FILE]} holds no key")
+        return cls.from_keys(keys, admin)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.client or self.admin)
+
+    @staticmethod
+    def _matches(presented: bytes, digests: tuple[bytes, ...]) -> bool:
+        ok = False
+        for d in digests:  # no early exit: every digest is compared
+            ok |= hmac.compare_digest(presented, d)
+        return ok
+
+    def is_client(self, key: str) -> bool:
+        return self._matches(_digest(key), self.client)
+
+    def is_admin(self, key: str) -> bool:
+        return self._matches(_digest(key), self.admin)
+
+
+def _error(status: int, message: str, code: str) -> web.Response:
+    body = {
+        "error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}
+    }
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else {}
+    return web.Response(
+        status=status, text=json.dumps(body), content_type="application/json", headers=headers
+    )
+
+
+def _bearer(request: web.Request) -> str | None:
+    value = request.headers.get("Authorization", "")
+    scheme, _, token = value.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass(slots=True)
+class AuthPolicy:
+    """Which paths need what; ``middleware`` enforces it on an aiohttp app."""
+
+    credentials: Credentials
+    component: str = "server"
+    open_paths: frozenset[str] = OPEN_PATHS
+    admin_paths: frozenset[str] = ADMIN_PATHS
+    _warned: bool = field(default=False)
+
+    def warn_if_open(self) -> None:
+        """Log once when anyone who reaches the port may use the API."""
+        if self._warned:
+            return
+        self._warned = True
+        if not self.credentials.client:
+            logger.warning(
+                "%s: no API keys configured (%s / %s): every client that reaches this port "
+                "is served",
+                self.component,
+                ENV_KEYS,
+                ENV_KEYS_FILE,
+            )
+
+    def check(self, path: str, token: str | None) -> web.Response | None:
+        """None when the request may proceed, else the 401/403 response to send."""
+        creds = self.credentials
+        if path in self.open_paths or not creds.enabled:
+            return None
+        if path in self.admin_paths:
+            if not creds.admin:
+                return _error(
+                    403,
+                    f"{path} needs the admin token and none is configured; set "
+                    f"{ENV_ADMIN} or {ENV_ADMIN_FILE} on this server",
+                    "admin_token_not_configured",
+                )
+            if token is None or not creds.is_admin(token):
+                return _error(
+                    401,
+                    f"{path} needs the admin token: send 'Authorization: Bearer <admin token>'",
+                    "invalid_admin_token",
+                )
+            return None
+        if not creds.client:
+            return None
+        if token is None:
+            return _error(
+                401,
+                "missing API key: send 'Authorization: Bearer <key>'",
+                "invalid_api_key",
+            )
+        if not creds.is_client(token) and not creds.is_admin(token):
+            return _error(401, "incorrect API key provided", "invalid_api_key")
+        return None
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        refused = self.check(request.path, _bearer(request))
+        if refused is not None:
+            return refused
+        return await handler(request)
