@@ -19,9 +19,11 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import multiprocessing
+import os
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -101,6 +103,17 @@ def inspect(
     kind: str, body: bytes, tok: PromptTokenizer | None, max_model_len: int | None
 ) -> Intake:
     """Validate ``body`` (``kind``: "completion" or "chat") and compute its routing ids."""
+    out = _inspect(kind, body, tok, max_model_len)
+    if out.error is not None:
+        out.token_ids = None  # refused: nothing to route, nothing to ship back
+    elif out.token_ids is not None and max_model_len:
+        out.token_ids = out.token_ids[:max_model_len]
+    return out
+
+
+def _inspect(
+    kind: str, body: bytes, tok: PromptTokenizer | None, max_model_len: int | None
+) -> Intake:
     model = ChatCompletionRequest if kind == "chat" else CompletionRequest
     try:
         parsed = parse_body(model, body)
@@ -165,7 +178,14 @@ def _worker_inspect(kind: str, body: bytes, path: str | None, max_model_len: int
     return inspect(kind, body, _worker_tokenizer(path) if path else None, max_model_len)
 
 
+def _noop() -> None:
+    return None
+
+
 def _worker_init(path: str | None) -> None:
+    # Batch work: on a busy machine the gateway's event loop must win the CPU over it.
+    with contextlib.suppress(OSError):
+        os.nice(5)
     if path:
         _worker_tokenizer(path)
 
@@ -195,6 +215,10 @@ class IntakePool:
             initializer=_worker_init,
             initargs=(path,),
         )
+        # Start every worker now: spawning one later would stall the loop of the request
+        # that needed it.
+        for _ in range(self.workers):
+            self._executor.submit(_noop)
 
     def close(self) -> None:
         if self._executor is not None:

@@ -1,0 +1,547 @@
+"""The gateway under hostile input and failing upstreams (issue 14), against real sockets.
+
+Upstreams are small scripted HTTP servers on 127.0.0.1 (cut a stream, hang, refuse); the
+real-daemon fault suite is tests/faults/. Each test here would fail on the gateway before
+the hardening: it accepted 64 MB bodies, tokenized on its loop, passed cut streams through
+as clean 200s and waited 300 s for a hung pod.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+from aiohttp import web
+
+from pagefleet.gateway.discovery import StaticDiscovery
+from pagefleet.gateway.policies import Candidate, RouteRequest, make_policy
+from pagefleet.gateway.router import Router, sane_load
+from pagefleet.gateway.server import POD_HEADER, Gateway, ProxySettings
+from pagefleet.httpauth import Credentials
+from pagefleet.kvindex.index import PodLoad
+from pagefleet.kvindex.memory import MemoryKVIndex
+
+CHUNK = {
+    "id": "cmpl-1",
+    "object": "text_completion",
+    "created": 1,
+    "model": "tiny",
+    "choices": [{"index": 0, "text": "t ", "finish_reason": None, "logprobs": None}],
+}
+DONE_BODY = {
+    "id": "cmpl-1",
+    "object": "text_completion",
+    "created": 1,
+    "model": "tiny",
+    "choices": [{"index": 0, "text": "ok", "finish_reason": "length", "logprobs": None}],
+    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Upstream:
+    """A stand-in daemon; ``behaviour`` may be changed while it runs."""
+
+    behaviour: str
+    ready_status: int = 200
+    ready_hang: bool = False
+    port: int = 0
+    hits: int = 0
+    headers: list[dict[str, str]] = field(default_factory=list)
+    runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pod(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def ready(self, request: web.Request) -> web.Response:
+        if self.ready_hang:
+            await asyncio.sleep(3600)
+        return web.json_response({"status": "x"}, status=self.ready_status)
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.hits += 1
+        self.headers.append(dict(request.headers))
+        body = await request.json()
+        b = self.behaviour
+        if b == "hang":
+            await asyncio.sleep(3600)
+        if not body.get("stream"):
+            if b == "cut":  # promise more than is sent, then drop the connection
+                resp = web.StreamResponse(headers={"Content-Length": "1000"})
+                await resp.prepare(request)
+                await resp.write(b'{"id": "cmpl-1", "choi')
+                assert request.transport is not None
+                request.transport.close()
+                return resp
+            return web.json_response(DONE_BODY)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for _ in range(3):
+            await resp.write(f"data: {json.dumps(CHUNK)}\n\n".encode())
+            await asyncio.sleep(0.02)
+        if b == "cut":
+            assert request.transport is not None
+            request.transport.close()
+            return resp
+        if b == "stall":
+            await asyncio.sleep(3600)
+        if b == "eof":  # a clean end of the HTTP body, but the SSE stream never finished
+            await resp.write_eof()
+            return resp
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+async def _serve(app: web.Application) -> tuple[web.AppRunner, int]:
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+
+async def _upstream(behaviour: str) -> Upstream:
+    up = Upstream(behaviour)
+    app = web.Application()
+    app.router.add_post("/v1/completions", up.handle)
+    app.router.add_post("/v1/chat/completions", up.handle)
+    app.router.add_get("/ready", up.ready)
+    up.runner, up.port = await _serve(app)
+    return up
+
+
+@dataclass
+class Fleet:
+    gateway: Gateway
+    url: str
+    upstreams: list[Upstream]
+    runner: web.AppRunner
+
+
+@pytest.fixture
+async def make_fleet() -> AsyncIterator[Callable]:
+    made: list[Fleet] = []
+
+    async def factory(
+        behaviours: list[str],
+        probe_s: float | None = None,
+        credentials: Credentials | None = None,
+        **proxy_kw,
+    ) -> Fleet:
+        ups = [await _upstream(b) for b in behaviours]
+        router = Router(
+            discovery=StaticDiscovery(
+                [u.url for u in ups], probe_interval_s=probe_s, probe_timeout_s=probe_s or 1.0
+            ),
+            policy=make_policy("round_robin"),
+            seed=0,
+        )
+        gw = Gateway(
+            router=router,
+            tokenizer=None,
+            served_model_name="tiny",
+            proxy=ProxySettings(**{"intake_workers": 0, **proxy_kw}),
+            credentials=credentials or Credentials(),
+        )
+        runner, port = await _serve(gw.make_app())
+        fleet = Fleet(gw, f"http://127.0.0.1:{port}", ups, runner)
+        made.append(fleet)
+        return fleet
+
+    yield factory
+    for f in made:
+        await f.runner.cleanup()
+        for u in f.upstreams:
+            assert u.runner is not None
+            await u.runner.cleanup()
+
+
+def _is_openai_error(body: dict) -> bool:
+    err = body.get("error")
+    return isinstance(err, dict) and isinstance(err.get("message"), str) and "type" in err
+
+
+# -- streams that break -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("behaviour", ["cut", "eof"])
+async def test_broken_stream_ends_with_an_error_event_not_done(make_fleet, behaviour) -> None:
+    fleet = await make_fleet([behaviour])
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(fleet.url + "/v1/completions", json={"prompt": "hi", "stream": True}) as r,
+    ):
+        assert r.status == 200
+        raw = await r.read()
+    events = [e for e in raw.decode().split("\n\n") if e.strip()]
+    assert b"[DONE]" not in raw
+    assert len(events) == 4, events  # 3 chunks, then the error
+    last = json.loads(events[-1].removeprefix("data: "))
+    assert _is_openai_error(last) and last["error"]["code"] == "upstream_stream_broken"
+    # The official client raises instead of returning a short answer as if complete.
+    client = openai.AsyncOpenAI(base_url=fleet.url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.APIError, match="incomplete"):
+        async for _ in await client.completions.create(model="tiny", prompt="hi", stream=True):
+            pass
+    await client.close()
+
+
+async def test_cut_non_streamed_answer_retries_then_502s(make_fleet) -> None:
+    fleet = await make_fleet(["cut", "ok"])
+    async with aiohttp.ClientSession() as s:
+        for _ in range(2):  # one of the two starts on the cutting pod and moves on
+            async with s.post(fleet.url + "/v1/completions", json={"prompt": "hi"}) as r:
+                assert r.status == 200 and (await r.json()) == DONE_BODY
+        fleet.upstreams[1].behaviour = "cut"
+        async with s.post(fleet.url + "/v1/completions", json={"prompt": "hi"}) as r:
+            assert r.status == 502
+            assert _is_openai_error(await r.json())
+
+
+# -- hangs --------------------------------------------------------------------------------
+
+
+async def test_hang_before_first_byte_moves_on_and_marks_the_pod(make_fleet) -> None:
+    fleet = await make_fleet(["hang", "ok"], first_byte_timeout_s=0.5)
+    hung = fleet.upstreams[0]
+    async with aiohttp.ClientSession() as s:
+        for _ in range(2):  # round robin: one of the two starts on the hung pod
+            t0 = time.monotonic()
+            async with s.post(
+                fleet.url + "/v1/completions", json={"prompt": "hi", "stream": True}
+            ) as r:
+                assert r.status == 200 and r.headers[POD_HEADER] == fleet.upstreams[1].pod
+                assert (await r.read()).endswith(b"data: [DONE]\n\n")
+            assert time.monotonic() - t0 < 2.0
+        # The hung pod is skipped now (round robin would pick it for every other one).
+        for _ in range(4):
+            async with s.post(fleet.url + "/v1/completions", json={"prompt": "hi"}) as r:
+                assert r.status == 200
+    assert hung.hits == 1
+
+
+async def test_stall_mid_stream_is_detected_at_the_inter_chunk_timeout(make_fleet) -> None:
+    fleet = await make_fleet(["stall"], inter_chunk_timeout_s=0.5)
+    async with aiohttp.ClientSession() as s:
+        t0 = time.monotonic()
+        async with s.post(
+            fleet.url + "/v1/completions", json={"prompt": "hi", "stream": True}
+        ) as r:
+            raw = await r.read()
+        took = time.monotonic() - t0
+    assert 0.5 <= took < 1.5
+    assert b"[DONE]" not in raw and b"upstream_stream_broken" in raw
+
+
+async def test_probe_releases_requests_waiting_on_a_frozen_pod(make_fleet) -> None:
+    fleet = await make_fleet(["ok", "ok"], probe_s=0.2, request_timeout_s=30.0)
+    frozen = fleet.upstreams[0]
+    async with aiohttp.ClientSession() as s:
+        frozen.behaviour, frozen.ready_hang = "hang", True
+        t0 = time.monotonic()
+        results = await asyncio.gather(
+            *(s.post(fleet.url + "/v1/completions", json={"prompt": "hi"}) for _ in range(4))
+        )
+        took = time.monotonic() - t0
+        assert [r.status for r in results] == [200] * 4
+        # Two probe misses at 0.2 s: the waiting requests moved on in about a second, not
+        # after the 30 s request timeout.
+        assert took < 2.0
+        assert frozen.pod not in [e.pod for e in fleet.gateway.router.discovery.endpoints()]
+        # It comes back when it answers again.
+        frozen.behaviour, frozen.ready_hang = "ok", False
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            if len(fleet.gateway.router.discovery.endpoints()) == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert len(fleet.gateway.router.discovery.endpoints()) == 2
+
+
+async def test_draining_pod_is_dropped_without_cancelling_its_requests(make_fleet) -> None:
+    fleet = await make_fleet(["ok", "ok"], probe_s=0.1)
+    fleet.upstreams[0].ready_status = 503
+    await asyncio.sleep(0.4)
+    assert [e.pod for e in fleet.gateway.router.discovery.endpoints()] == [fleet.upstreams[1].pod]
+    assert fleet.gateway.metrics.unhealthy.labels(pod=fleet.upstreams[0].pod)._value.get() == 0
+
+
+# -- limits -------------------------------------------------------------------------------
+
+
+async def test_body_over_the_cap_is_a_413_in_openai_shape(make_fleet) -> None:
+    fleet = await make_fleet(["ok"], max_body_bytes=4096)
+    big = json.dumps({"prompt": "a" * 5000}).encode()
+
+    async def chunked():  # no Content-Length: the cap must hold while reading too
+        for i in range(0, len(big), 1000):
+            yield big[i : i + 1000]
+
+    async with aiohttp.ClientSession() as s:
+        for data in (big, chunked()):
+            async with s.post(fleet.url + "/v1/completions", data=data) as r:
+                assert r.status == 413
+                body = await r.json()
+                assert _is_openai_error(body) and body["error"]["code"] == "request_too_large"
+    assert fleet.upstreams[0].hits == 0
+
+
+async def test_concurrency_limit_answers_429_with_retry_after(make_fleet) -> None:
+    fleet = await make_fleet(["stall"], max_concurrency=2, inter_chunk_timeout_s=5)
+    async with aiohttp.ClientSession() as s:
+        held = [
+            await s.post(fleet.url + "/v1/completions", json={"prompt": "hi", "stream": True})
+            for _ in range(2)
+        ]
+        async with s.post(fleet.url + "/v1/completions", json={"prompt": "hi"}) as r:
+            assert r.status == 429 and r.headers["Retry-After"] == "1"
+            assert (await r.json())["error"]["code"] == "gateway_busy"
+        async with s.get(fleet.url + "/health") as r:
+            assert r.status == 200
+        for h in held:
+            h.close()
+
+
+async def test_unknown_route_and_bad_json_are_openai_shaped(make_fleet) -> None:
+    fleet = await make_fleet(["ok"])
+    async with aiohttp.ClientSession() as s:
+        for method, path, data in (
+            ("GET", "/nope", None),
+            ("GET", "/v1/completions", None),
+            ("POST", "/v1/completions", b"{not json"),
+        ):
+            async with s.request(method, fleet.url + path, data=data) as r:
+                assert 400 <= r.status < 500
+                assert _is_openai_error(await r.json())
+        async with s.get(fleet.url + "/openapi.json") as r:
+            doc = await r.json()
+            assert "/v1/completions" in doc["paths"]
+
+
+# -- API keys -----------------------------------------------------------------------------
+
+
+async def test_api_keys(make_fleet) -> None:
+    creds = Credentials.from_keys(["k1", "k2"])
+    fleet = await make_fleet(["ok"], credentials=creds)
+    url = fleet.url + "/v1/completions"
+    async with aiohttp.ClientSession() as s:
+        for auth in (None, "Bearer nope", "Basic k1", "Bearer "):
+            headers = {"Authorization": auth} if auth else {}
+            async with s.post(url, json={"prompt": "hi"}, headers=headers) as r:
+                assert r.status == 401
+                body = await r.json()
+                assert _is_openai_error(body) and body["error"]["code"] == "invalid_api_key"
+        async with s.post(url, json={"prompt": "hi"}, headers={"Authorization": "Bearer k2"}) as r:
+            assert r.status == 200
+        for path in ("/health", "/ready", "/metrics"):
+            async with s.get(fleet.url + path) as r:
+                assert r.status == 200
+    # The client's key is the gateway's business, never forwarded to a daemon.
+    assert "Authorization" not in fleet.upstreams[0].headers[0]
+    client = openai.AsyncOpenAI(base_url=fleet.url + "/v1", api_key="k1", max_retries=0)
+    out = await client.completions.create(model="tiny", prompt="hi")
+    assert out.choices[0].text == "ok"
+    client.api_key = "wrong"
+    with pytest.raises(openai.AuthenticationError):
+        await client.completions.create(model="tiny", prompt="hi")
+    await client.close()
+
+
+def test_credentials_from_env_files_and_hashing(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("# clients\nalpha\n\n beta \n")
+    admin = tmp_path / "admin"
+    admin.write_text("root-token\n")
+    creds = Credentials.from_env(
+        {
+            "PAGEFLEET_API_KEYS": "gamma, ",
+            "PAGEFLEET_API_KEYS_FILE": str(keys),
+            "PAGEFLEET_ADMIN_TOKEN_FILE": str(admin),
+        }
+    )
+    assert all(creds.is_client(k) for k in ("alpha", "beta", "gamma"))
+    assert not creds.is_client("root-token") and creds.is_admin("root-token")
+    assert not creds.is_client("alph") and not creds.is_client("")
+    # Only digests are kept: no key appears in the object's state.
+    assert b"alpha" not in repr(creds).encode() and all(len(d) == 32 for d in creds.client)
+    with pytest.raises(ValueError, match="cannot read"):
+        Credentials.from_env({"PAGEFLEET_API_KEYS_FILE": str(tmp_path / "missing")})
+    assert not Credentials.from_env({}).enabled
+
+
+# -- routing on untrusted index values ------------------------------------------------------
+
+
+def test_forged_heartbeats_are_dropped_or_clamped() -> None:
+    assert sane_load(PodLoad(running=-1_000_000)) is None
+    assert sane_load(PodLoad(kv_usage=float("nan"))) is None
+    assert sane_load(PodLoad(running="0")) is None  # type: ignore[arg-type]
+    assert sane_load(PodLoad(ts=time.time() + 3600)) is None
+    ok = sane_load(PodLoad(running=10**9, waiting=3, kv_usage=7.0))
+    assert ok is not None and ok.running == 1_000_000 and ok.kv_usage == 1.0
+
+
+async def test_pods_without_heartbeat_rank_after_live_ones_and_lookups_are_clamped() -> None:
+    index = MemoryKVIndex("ns")
+    router = Router(
+        discovery=StaticDiscovery(["http://127.0.0.1:1", "http://127.0.0.1:2"]),
+        policy=make_policy("least_load"),
+        index=index,
+        seed=0,
+    )
+    await index.heartbeat("127.0.0.1:2", PodLoad(running=5, waiting=5), ttl_s=60)
+    await router.refresh_loads()
+    for _ in range(10):
+        # Pod 1 has no heartbeat (frozen or gone): it must not look idle.
+        decision = await router.route([1, 2, 3])
+        assert [s.endpoint.pod for s in decision.ranked] == ["127.0.0.1:2", "127.0.0.1:1"]
+
+    class Forged(MemoryKVIndex):
+        async def lookup(self, block_hashes: list[int]) -> dict[str, int]:
+            return {"127.0.0.1:1": 10**9, "127.0.0.1:2": -5}
+
+    router.index = Forged("ns")
+    matched, ok = await router.lookup([1, 2, 3])
+    assert ok and matched == {"127.0.0.1:1": 3}
+    # And a forged full hit cannot pin traffic on a swamped pod: the imbalance guard spills.
+    policy = make_policy("cache_aware")
+    eps = router.discovery.endpoints()
+    ranked = policy.rank(
+        [
+            Candidate(eps[0], matched_blocks=3, inflight=20),
+            Candidate(eps[1], matched_blocks=0, inflight=0),
+        ],
+        RouteRequest(prompt_tokens=48, block_size=16),
+        __import__("random").Random(0),
+    )
+    assert ranked[0].endpoint == eps[1]
+
+
+# -- the event loop stays free while a maximal request is handled --------------------------
+
+
+def _spawn_gateway(port: int, upstream: str, workers: int, log: Path) -> subprocess.Popen:
+    from pagefleet.gateway.cli import resolve_model_dir
+
+    argv = [
+        sys.executable, "-m", "pagefleet.cli", "gateway", "--host", "127.0.0.1",
+        "--port", str(port), "--endpoints", upstream, "--policy", "least_load",
+        "--model", str(resolve_model_dir("tiny")), "--intake-workers", str(workers),
+        "--probe-interval", "0",
+    ]  # fmt: skip
+    return subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=os.environ)
+
+
+async def _probe_health(
+    s: aiohttp.ClientSession, url: str, until: Callable[[], bool]
+) -> list[float]:
+    lat: list[float] = []
+    while not until():
+        t = time.perf_counter()
+        async with s.get(url + "/health") as r:
+            assert r.status == 200
+        lat.append(time.perf_counter() - t)
+        await asyncio.sleep(0.01)
+    return lat
+
+
+async def _during_big_request(url: str, body: bytes) -> tuple[list[float], list[float]]:
+    """/health latencies while ``body`` is handled, and while idle for as long."""
+    async with aiohttp.ClientSession() as s:
+        t0 = time.monotonic()
+        big = asyncio.create_task(
+            s.post(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        )
+        busy = await _probe_health(s, url, big.done)
+        took = time.monotonic() - t0
+        resp = await big
+        assert resp.status == 400 and _is_openai_error(await resp.json())
+        resp.close()
+        t1 = time.monotonic()
+        idle = await _probe_health(s, url, lambda: time.monotonic() - t1 > min(took, 3.0))
+    return busy, idle
+
+
+async def _warm(url: str) -> None:
+    """Wait until the intake workers are up (a body large enough to go to one each)."""
+    medium = json.dumps({"prompt": [7] * 20_000}).encode()
+    async with aiohttp.ClientSession() as s:
+        for r in await asyncio.gather(
+            *(s.post(url + "/v1/completions", data=medium) for _ in range(2))
+        ):
+            assert r.status == 400
+            r.close()
+
+
+async def _wait_ready(url: str, log: Path) -> None:
+    deadline = time.monotonic() + 90
+    async with aiohttp.ClientSession() as s:
+        while True:
+            try:
+                async with s.get(url + "/ready") as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()
+            await asyncio.sleep(0.1)
+
+
+async def test_health_answers_within_50ms_while_a_maximal_request_is_handled(tmp_path) -> None:
+    up = await _upstream("ok")
+    # The worst body within the 4 MiB cap for the parser: ~2M token ids (refused as too long
+    # for the context once parsed).
+    n = ((4 << 20) - 64) // 2
+    body = b'{"model":"tiny","prompt":[' + b",".join([b"7"] * n) + b"]}"
+    assert len(body) <= 4 << 20
+    results: dict[int, tuple[list[float], list[float]]] = {}
+    try:
+        for workers in (2, 0):  # 0: the old inline intake, the control
+            port = _free_port()
+            log = tmp_path / f"gw{workers}.log"
+            proc = _spawn_gateway(port, up.url, workers, log)
+            url = f"http://127.0.0.1:{port}"
+            try:
+                await _wait_ready(url, log)
+                await _warm(url)
+                results[workers] = await _during_big_request(url, body)
+            finally:
+                proc.terminate()
+                proc.wait(10)
+    finally:
+        assert up.runner is not None
+        await up.runner.cleanup()
+    busy, idle = results[2]
+    p95 = statistics.quantiles(busy, n=20)[-1]
+    # The machine is shared by other jobs: the bound on the worst probe is 50 ms on top of
+    # the worst probe of the idle gateway over as long a time.
+    assert len(busy) >= 10 and p95 < 0.050, (p95, max(busy))
+    assert max(busy) < 0.050 + max(idle), (max(busy), max(idle))
+    # The control shows the test can fail: parsing on the event loop stalls it far longer.
+    assert max(results[0][0]) > 0.2 and max(results[0][0]) > max(busy) + 0.1
+    assert up.hits == 0
