@@ -102,7 +102,8 @@ class ProxySettings:
     max_concurrency: int = 1024
     # Context length the gateway checks prompts against (None: leave it to the daemons).
     max_model_len: int | None = None
-    intake_workers: int = 2
+    # Worker processes for large bodies (``pagefleet gateway`` starts 2); 0: all inline.
+    intake_workers: int = 0
 
 
 class _Attempt:

@@ -164,7 +164,7 @@ async def make_fleet() -> AsyncIterator[Callable]:
             router=router,
             tokenizer=None,
             served_model_name="tiny",
-            proxy=ProxySettings(**{"intake_workers": 0, **proxy_kw}),
+            proxy=ProxySettings(**proxy_kw),
             credentials=credentials or Credentials(),
         )
         runner, port = await _serve(gw.make_app())
@@ -446,12 +446,10 @@ async def test_pods_without_heartbeat_rank_after_live_ones_and_lookups_are_clamp
 
 
 def _spawn_gateway(port: int, upstream: str, workers: int, log: Path) -> subprocess.Popen:
-    from pagefleet.gateway.cli import resolve_model_dir
-
     argv = [
         sys.executable, "-m", "pagefleet.cli", "gateway", "--host", "127.0.0.1",
         "--port", str(port), "--endpoints", upstream, "--policy", "least_load",
-        "--model", str(resolve_model_dir("tiny")), "--intake-workers", str(workers),
+        "--model", "tiny", "--max-model-len", "4096", "--intake-workers", str(workers),
         "--probe-interval", "0",
     ]  # fmt: skip
     return subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=os.environ)
