@@ -172,10 +172,11 @@ class AutoscalingSpec(_Model):
     """How often the autoscaler decides for this role (never more often than the
     operator's --autoscale-seconds timer)."""
     scale_up_window_seconds: float = Field(default=30.0, ge=0)
-    """After any scaling of the role, wait this long before scaling it up again."""
+    """After any scaling of the role, leave it alone this long (new replicas need time to
+    show their effect in the metrics)."""
     scale_down_window_seconds: float = Field(default=300.0, ge=0)
-    """After any scaling, wait this long before scaling down; a scale-down goes no lower
-    than the highest recommendation of this window (no flapping on a steady load)."""
+    """A scale-down goes no lower than the highest recommendation of this window, so a
+    dip shorter than it removes nothing (no flapping on a steady, noisy load)."""
     max_scale_up_step: int = Field(default=2, ge=1)
     """Most replicas added by one decision."""
     max_scale_down_step: int = Field(default=1, ge=1)

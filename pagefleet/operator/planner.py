@@ -15,9 +15,10 @@ How it thinks (capacity per replica at the SLO, not CPU utilisation):
   throughput scaled by target/observed. A hint from the spec seeds it.
 - Desired replicas = the most any dimension needs at the target utilisation. A missed target
   asks for at least one more replica even when the capacity model disagrees.
-- Up fast, down slowly: scale-up is limited by a step and a short window, and waits while
-  earlier new replicas are not Ready yet; scale-down goes to the highest recommendation of
-  a longer window, one step at a time, and never while any pod's data is unknown.
+- Up fast, down slowly: after any change nothing moves for a short window; scale-up is
+  limited by a step and waits while earlier new replicas are not Ready yet; scale-down goes
+  to the highest recommendation of a longer window (so a dip shorter than it moves
+  nothing), a step at a time, and never while any pod's data is unknown.
 - Unknown data never scales: no observation, no SLO, or no pod answering leaves the count.
 """
 
@@ -34,6 +35,11 @@ _MIN_SAMPLE_RATE = 1e-6
 _BUSY_LATENCY_FRACTION = 0.5
 # Most a single missed interval may cut the learned capacity (noise guard).
 _MAX_CUT = 0.5
+# Probe the capacity up by this factor per interval that ran at least _AT_PLAN of the
+# planned utilisation with every latency under _COMFORTABLE of its target.
+_PROBE = 0.03
+_AT_PLAN = 0.9
+_COMFORTABLE = 0.6
 
 
 class Reason(StrEnum):
@@ -66,8 +72,8 @@ class PlannerConfig:
     target_utilization: float = 0.8  # share of the capacity at the SLO to plan for
     kv_target: float = 0.8  # KV usage per replica to plan for
     tolerance: float = 0.1  # scale down only when the load fits with this much to spare
-    scale_up_window_s: float = 30.0  # after any change, wait this long before scaling up
-    scale_down_window_s: float = 300.0  # ... before scaling down; recommendations max'ed
+    scale_up_window_s: float = 30.0  # after any change, no other change for this long
+    scale_down_window_s: float = 300.0  # scale down to the highest recommendation of this
     max_step_up: int = 2
     max_step_down: int = 1
     backlog_drain_s: float = 10.0  # queued prompt work should be gone this soon
@@ -144,52 +150,92 @@ class Decision:
 _CHANGES = frozenset({Reason.SCALED_UP, Reason.SCALED_DOWN, Reason.BELOW_MIN, Reason.ABOVE_MAX})
 
 
-def _learn(
-    capacity: float | None, per_replica: float, observed: float | None, target: float, busy: bool
-) -> float | None:
-    """One capacity update from one interval (see module docstring)."""
-    if observed is None or per_replica <= _MIN_SAMPLE_RATE:
-        return capacity
-    if observed > target:
-        bound = per_replica * max(_MAX_CUT, target / observed)
-        return bound if capacity is None else min(capacity, bound)
-    if busy and (capacity is None or per_replica > capacity):
-        # Proven: the replica did this much within the SLO. Move half way: one noisy
-        # interval should not double the estimate.
-        return per_replica if capacity is None else capacity + 0.5 * (per_replica - capacity)
-    return capacity
+def _learn_scale(
+    utilization: float,
+    missed_ratio: float | None,
+    queueing: bool,
+    busy: bool,
+    comfortable: bool,
+    target_utilization: float,
+) -> float:
+    """The factor to multiply a role's capacity estimates by after one interval.
+
+    ``utilization``: this interval's load per replica in units of the current estimates
+    (1.0 = exactly the estimated capacity). A miss while requests queue: the replicas ran
+    flat out, so the estimate shrinks to what they did. A miss without a queue: each
+    request was slow, so also scale by target/observed (at most halving). A pass while busy
+    (a queue, or latency past half the target) proves at least the load seen (move half way
+    there). A pass with every latency far below its target while the replicas run at the
+    planned utilisation says the estimate is conservative: probe a few percent up (a later
+    miss cuts it back)."""
+    if missed_ratio is not None:
+        cut = utilization if queueing else utilization * max(_MAX_CUT, missed_ratio)
+        return min(1.0, cut)
+    if busy and utilization > 1.0:
+        return 1.0 + 0.5 * (utilization - 1.0)
+    if comfortable and utilization >= _AT_PLAN * target_utilization:
+        return 1.0 + _PROBE
+    return 1.0
 
 
 def learn(cfg: PlannerConfig, obs: RoleObservation, state: PlannerState) -> PlannerState:
-    """The state after this interval's capacity samples (used from the next decision on)."""
+    """The state after this interval's capacity samples (used from the next decision on).
+
+    A unified replica spends its time on prefill and decode alike, so its two estimates
+    move together, by the factor its combined load and latencies call for."""
     if obs.known_pods <= 0 or obs.unknown_pods > 0:
         return state
-    prefill, decode, mean_prompt = state.prefill_capacity, state.decode_capacity, None
-    queueing = obs.waiting > 0
+    k = obs.known_pods
+    # (per-replica load, capacity estimate, observed latency, target) per dimension used.
+    dims: dict[str, tuple[float, float | None, float | None, float]] = {}
     if cfg.uses_prefill and cfg.ttft_s is not None:
-        busy = queueing or (obs.ttft_s or 0.0) >= _BUSY_LATENCY_FRACTION * cfg.ttft_s
-        prefill = _learn(
-            prefill or cfg.prefill_capacity_hint,
-            obs.prompt_tokens_per_s / obs.known_pods,
-            obs.ttft_s,
-            cfg.ttft_s,
-            busy,
-        )
+        cap = state.prefill_capacity or cfg.prefill_capacity_hint
+        dims["prefill"] = (obs.prompt_tokens_per_s / k, cap, obs.ttft_s, cfg.ttft_s)
     if cfg.uses_decode and cfg.tpot_s is not None:
-        busy = queueing or (obs.tpot_s or 0.0) >= _BUSY_LATENCY_FRACTION * cfg.tpot_s
-        decode = _learn(
-            decode or cfg.decode_capacity_hint,
-            obs.generation_tokens_per_s / obs.known_pods,
-            obs.tpot_s,
-            cfg.tpot_s,
-            busy,
+        cap = state.decode_capacity or cfg.decode_capacity_hint
+        dims["decode"] = (obs.generation_tokens_per_s / k, cap, obs.tpot_s, cfg.tpot_s)
+    caps = {name: d[1] for name, d in dims.items()}
+    active = {n: d for n, d in dims.items() if d[0] > _MIN_SAMPLE_RATE}
+    observed = [d for d in dims.values() if d[2] is not None]
+    if active and observed:
+        ratios = [t / o for _, _, o, t in observed if o is not None and o > t]
+        missed = min(ratios) if ratios else None
+        if missed is not None and obs.ready < obs.current:
+            # New replicas are still starting: the fleet is known to be short; a miss now
+            # says nothing about what one replica can do.
+            return replace(
+                state,
+                prefill_capacity=caps.get("prefill", state.prefill_capacity),
+                decode_capacity=caps.get("decode", state.decode_capacity),
+            )
+        queueing = obs.waiting > 0
+        busy = queueing or any(
+            o is not None and o >= _BUSY_LATENCY_FRACTION * t for _, _, o, t in observed
         )
+        unknown = [n for n, d in active.items() if d[1] is None]
+        if unknown:
+            if missed is not None:
+                # First evidence: the unknown dimensions take an equal share of the load
+                # this interval carried, scaled by the miss as a known one would be.
+                factor = 1.0 if queueing else max(_MAX_CUT, missed)
+                for n in unknown:
+                    caps[n] = active[n][0] * len(active) * factor
+        else:
+            util = sum(d[0] / d[1] for d in active.values() if d[1])
+            comfortable = all(
+                o is not None and o <= _COMFORTABLE * t for _, _, o, t in dims.values()
+            )
+            scale = _learn_scale(util, missed, queueing, busy, comfortable, cfg.target_utilization)
+            caps = {n: (c * scale if c is not None else None) for n, c in caps.items()}
     mean_prompt = state.mean_prompt_tokens
     if obs.requests_per_s > 0 and obs.prompt_tokens_per_s > 0:
         sample = obs.prompt_tokens_per_s / obs.requests_per_s
         mean_prompt = sample if mean_prompt is None else 0.7 * mean_prompt + 0.3 * sample
     return replace(
-        state, prefill_capacity=prefill, decode_capacity=decode, mean_prompt_tokens=mean_prompt
+        state,
+        prefill_capacity=caps.get("prefill", state.prefill_capacity),
+        decode_capacity=caps.get("decode", state.decode_capacity),
+        mean_prompt_tokens=mean_prompt,
     )
 
 
@@ -198,27 +244,31 @@ def replicas_needed(
 ) -> tuple[float, bool]:
     """(replicas the measured load needs at the target utilisation, exact).
 
-    Not exact when a dimension carrying load has no capacity estimate yet: the figure is
-    then only a lower bound (good for scaling up, never for scaling down). Non-decreasing
-    in every load figure of ``obs`` for a fixed state."""
+    Prefill and decode work add up (a unified replica does both in the same steps); the
+    concurrency and KV dimensions are limits of their own. Not exact when a dimension
+    carrying load has no capacity estimate yet: the figure is then only a lower bound (good
+    for scaling up, never for scaling down). Non-decreasing in every load figure of ``obs``
+    for a fixed state."""
     needs = [(obs.running + obs.waiting) / (cfg.max_num_seqs * cfg.target_utilization)]
     if cfg.uses_decode:
         needs.append(obs.kv_usage * obs.known_pods / cfg.kv_target)
     exact = True
+    work = 0.0  # replicas' worth of compute at the estimated capacities
     if cfg.uses_prefill:
         cap = state.prefill_capacity or cfg.prefill_capacity_hint
         backlog = obs.waiting * (state.mean_prompt_tokens or 0.0) / cfg.backlog_drain_s
-        work = obs.prompt_tokens_per_s + backlog
+        prompt = obs.prompt_tokens_per_s + backlog
         if cap:
-            needs.append(work / (cap * cfg.target_utilization))
-        elif work > 0:
+            work += prompt / cap
+        elif prompt > 0:
             exact = False
     if cfg.uses_decode:
         cap = state.decode_capacity or cfg.decode_capacity_hint
         if cap:
-            needs.append(obs.generation_tokens_per_s / (cap * cfg.target_utilization))
+            work += obs.generation_tokens_per_s / cap
         elif obs.generation_tokens_per_s > 0:
             exact = False
+    needs.append(work / cfg.target_utilization)
     return max(needs), exact
 
 
@@ -329,7 +379,7 @@ def decide(
                 new_state,
                 rec,
             )
-        if since < cfg.scale_down_window_s:
+        if since < cfg.scale_up_window_s:
             return Decision(
                 current,
                 Reason.DOWN_WINDOW,
@@ -337,6 +387,7 @@ def decide(
                 new_state,
                 rec,
             )
+        # The window's highest recommendation: a dip shorter than the window moves nothing.
         target = max(r for _, r in history)
         desired = max(target, current - cfg.max_step_down)
         if desired >= current:

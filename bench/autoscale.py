@@ -1,0 +1,659 @@
+"""Autoscaling policies on one simulated fleet whose replicas run at this engine's speed.
+
+1. Measure the engine (the bench model of bench_models.py, CPU): prefill tokens/s on one
+   long prompt, and the decode step time at a few batch sizes (fit: a + b * batch).
+2. Simulate one role's fleet, event by event in small time slices: each replica runs
+   continuous batching with that cost model (step = a + b * running + prefill chunk / P,
+   one token budget per step, at most max_num_seqs seated), a least-loaded router sends each
+   arrival to a Ready replica, a new replica is Ready only after a start-up delay, and a
+   removed one drains (finishes what it holds) before it stops costing.
+3. The trace: a daily curve (night trough, midday peak) compressed to the run length, plus
+   bursts, Poisson arrivals, mixed prompt/output lengths; the same trace for every policy.
+4. Policies: static at peak (fewest replicas that hold the SLO all day, found by search),
+   static at mean, an HPA-like policy (utilisation = seated+queued / max_num_seqs, target
+   70%, the HPA's ratio rule with its 10% tolerance and a scale-down stabilization window),
+   and the planner: pagefleet.operator.planner.decide, the function the operator runs,
+   fed the same inputs the operator scrapes (rates and latency percentiles over a window,
+   running, waiting, KV usage).
+
+SLO attainment = share of requests whose TTFT and TPOT both met the targets (a request
+still unserved when the run ends counts as a miss). Replica-hours include starting and
+draining replicas.
+
+    python bench/autoscale.py --quick     # < 60 s
+    python bench/autoscale.py             # a longer day
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pagefleet.operator.planner import (
+    PlannerConfig,
+    PlannerState,
+    RoleObservation,
+    decide,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------------ measurement
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCost:
+    prefill_tok_s: float  # P
+    step_base_s: float  # a
+    step_per_seq_s: float  # b
+
+    def step(self, batch: int, prefill_tokens: float = 0.0) -> float:
+        return self.step_base_s + self.step_per_seq_s * batch + prefill_tokens / self.prefill_tok_s
+
+
+def measure_engine(quick: bool) -> tuple[EngineCost, dict[str, Any]]:
+    """Prefill tokens/s and decode step time vs batch on the bench model (a few seconds)."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_models import ensure_bench_model
+
+    from pagefleet.engine.config import EngineConfig
+    from pagefleet.engine.engine import LLMEngine
+    from pagefleet.engine.sampling_params import SamplingParams
+
+    torch.manual_seed(0)
+    # One thread: a replica's speed, not the shared machine's thread contention.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model = ensure_bench_model()
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(model),
+            num_gpu_blocks=4096 // 16 * 8,
+            block_size=16,
+            max_num_seqs=64,
+            max_num_batched_tokens=1024,
+            enable_prefix_caching=False,
+        )
+    )
+    vocab = 1000
+    rng = random.Random(0)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(16, vocab) for _ in range(n)]
+
+    engine.generate([prompt(32)], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    prefill_len = 256
+    rates = []
+    for i in range(2 if quick else 3):
+        engine.add_request(
+            f"p{i}",
+            prompt(prefill_len),
+            SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+        )
+        t0 = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        rates.append(prefill_len / (time.perf_counter() - t0))
+    prefill = statistics.median(rates)
+
+    batches = (1, 16) if quick else (1, 4, 16, 32)
+    points: list[tuple[int, float]] = []
+    for b in batches:
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        for i in range(b):
+            engine.add_request(f"d{b}-{i}", prompt(16), params)
+        times = []
+        while engine.has_unfinished():
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+        decode = times[-4:]  # the batch's pure decode steps
+        points.append((b, statistics.median(decode)))
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
+        (x - mx) ** 2 for x in xs
+    )
+    slope = max(slope, 1e-6)
+    base = max(my - slope * mx, 1e-4)
+    cost = EngineCost(prefill, base, slope)
+    torch.set_num_threads(threads)
+    info = {
+        "prefill_tok_s": round(prefill, 1),
+        "decode_step_ms": {str(b): round(1000 * t, 2) for b, t in points},
+        "fit_step_ms": f"{1000 * base:.2f} + {1000 * slope:.3f} * batch",
+    }
+    return cost, info
+
+
+# ------------------------------------------------------------------------------ trace
+
+
+@dataclass(slots=True)
+class Request:
+    arrival: float
+    prompt: int
+    output: int
+    first_token: float | None = None
+    finish: float | None = None
+
+
+def make_trace(duration: float, peak_rate: float, seed: int) -> tuple[list[Request], Callable]:
+    """Arrivals of a compressed day (trough 15% of peak at the ends, peak at midday) plus
+    bursts (x2 for 30-60 s), as a thinned Poisson process; returns (requests, rate(t))."""
+    rng = random.Random(seed)
+    trough = 0.15
+    bursts = []
+    for _ in range(max(2, int(duration // 400))):
+        start = rng.uniform(0.1 * duration, 0.9 * duration)
+        bursts.append((start, start + rng.uniform(30, 60)))
+
+    def rate(t: float) -> float:
+        day = trough + (1 - trough) * 0.5 * (1 - math.cos(2 * math.pi * t / duration))
+        burst = 2.0 if any(a <= t < b for a, b in bursts) else 1.0
+        return peak_rate * min(1.0, day * burst) if burst > 1 else peak_rate * day
+
+    out: list[Request] = []
+    t = 0.0
+    while True:
+        t += rng.expovariate(peak_rate)
+        if t >= duration:
+            break
+        if rng.random() < rate(t) / peak_rate:
+            prompt = int(min(1536, max(32, rng.lognormvariate(math.log(320), 0.6))))
+            output = rng.randint(16, 96)
+            out.append(Request(t, prompt, output))
+    return out, rate
+
+
+# ------------------------------------------------------------------------------ fleet
+
+
+@dataclass(slots=True)
+class Replica:
+    ready_at: float
+    draining: bool = False
+    waiting: deque[Request] = field(default_factory=deque)
+    prefill: deque[list[Any]] = field(default_factory=deque)  # [request, remaining tokens]
+    prefill_tokens: float = 0.0
+    running: list[tuple[float, int, Request]] = field(default_factory=list)  # heap by finish
+    steps: float = 0.0
+    seq: int = 0
+    active_prompt: int = 0  # prompt tokens of seated requests (KV usage estimate)
+
+    def load(self) -> int:
+        return len(self.waiting) + len(self.prefill) + len(self.running)
+
+    def empty(self) -> bool:
+        return self.load() == 0
+
+
+@dataclass(slots=True)
+class Window:
+    """Per-slice fleet totals, for the policies' rates (like counters scraped)."""
+
+    t: float
+    prompt_tokens: float
+    gen_tokens: float
+    first_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    ttft_s: float
+    tpot_s: float
+    max_num_seqs: int = 32
+    max_batched_tokens: int = 1024
+    kv_tokens: int = 32 * 1024
+    startup_s: float = 30.0
+    dt: float = 0.2
+    interval_s: float = 10.0
+    rate_window_s: float = 30.0
+    down_window_s: float = 120.0
+    percentile: float = 95.0
+
+
+class Fleet:
+    """The simulated role: replicas, the router, and the counters the policies read."""
+
+    def __init__(self, cost: EngineCost, cfg: SimConfig, initial: int) -> None:
+        self.cost, self.cfg = cost, cfg
+        self.replicas: list[Replica] = [Replica(ready_at=0.0) for _ in range(initial)]
+        self.replica_seconds = 0.0
+        self.windows: deque[Window] = deque()
+        self.ttfts: deque[tuple[float, float]] = deque()  # (time, ttft)
+        self.tpots: deque[tuple[float, float]] = deque()
+
+    # -- policy actions ------------------------------------------------------------------
+
+    def serving(self, now: float) -> list[Replica]:
+        return [r for r in self.replicas if not r.draining and r.ready_at <= now]
+
+    def target(self) -> int:
+        return sum(1 for r in self.replicas if not r.draining)
+
+    def scale_to(self, n: int, now: float) -> None:
+        live = [r for r in self.replicas if not r.draining]
+        for _ in range(n - len(live)):
+            self.replicas.append(Replica(ready_at=now + self.cfg.startup_s))
+        if n < len(live):
+            # The cheapest to lose first: not Ready, then least work held.
+            ranked = sorted(live, key=lambda r: (r.ready_at <= now, r.load()))
+            for r in ranked[: len(live) - n]:
+                r.draining = True
+
+    # -- simulation ------------------------------------------------------------------------
+
+    def route(self, req: Request, now: float) -> None:
+        ready = self.serving(now) or [r for r in self.replicas if not r.draining]
+        min(ready, key=lambda r: r.load()).waiting.append(req)
+
+    def advance(self, now: float) -> None:
+        dt, cfg, cost = self.cfg.dt, self.cfg, self.cost
+        self.replica_seconds += dt * len(self.replicas)
+        tot_prompt = tot_gen = 0.0
+        firsts = 0
+        for r in self.replicas:
+            if r.ready_at > now:
+                continue
+            while r.waiting and len(r.prefill) + len(r.running) < cfg.max_num_seqs:
+                req = r.waiting.popleft()
+                r.prefill.append([req, float(req.prompt)])
+                r.prefill_tokens += req.prompt
+                r.active_prompt += req.prompt
+            batch = len(r.running)
+            if batch == 0 and not r.prefill:
+                continue
+            chunk = max(0.0, min(cfg.max_batched_tokens - batch, r.prefill_tokens))
+            step = cost.step(batch, chunk)
+            n = dt / step
+            done = min(r.prefill_tokens, n * chunk)
+            if chunk > 0 and done < n * chunk:  # the queue empties inside the slice
+                rest = dt - done / cost.prefill_tok_s
+                n = done / chunk + max(0.0, rest) / cost.step(batch) if batch else done / chunk
+            s0 = r.steps
+            firsts_before = firsts
+            # Prefill completions, FIFO, at their share of the slice.
+            budget, used = done, 0.0
+            while r.prefill and r.prefill[0][1] <= budget - used + 1e-9:
+                req, left = r.prefill.popleft()
+                used += left
+                frac = used / done if done else 1.0
+                req.first_token = now + dt * frac
+                self.ttfts.append((req.first_token, req.first_token - req.arrival))
+                firsts += 1
+                r.seq += 1
+                join = s0 + n * frac
+                heapq.heappush(r.running, (join + req.output - 1, r.seq, req))
+            if r.prefill and budget - used > 0:
+                r.prefill[0][1] -= budget - used
+            r.prefill_tokens = max(0.0, r.prefill_tokens - done)
+            r.steps = s0 + n
+            tot_prompt += done
+            tot_gen += n * batch + (firsts - firsts_before)
+            while r.running and r.running[0][0] <= r.steps:
+                fin, _, req = heapq.heappop(r.running)
+                req.finish = now + dt * (fin - s0) / n if n else now + dt
+                assert req.first_token is not None
+                if req.output > 1:
+                    tpot = (req.finish - req.first_token) / (req.output - 1)
+                    self.tpots.append((req.finish, tpot))
+                r.active_prompt -= req.prompt
+        self.replicas = [r for r in self.replicas if not (r.draining and r.empty())]
+        self.windows.append(Window(now + dt, tot_prompt, tot_gen, firsts))
+        horizon = now - self.cfg.rate_window_s
+        while self.windows and self.windows[0].t < horizon:
+            self.windows.popleft()
+        for q in (self.ttfts, self.tpots):
+            while q and q[0][0] < horizon:
+                q.popleft()
+
+    # -- the operator's inputs ---------------------------------------------------------------
+
+    def observe(self, now: float) -> RoleObservation:
+        ready = self.serving(now)
+        span = min(self.cfg.rate_window_s, now) or 1.0
+        q = self.cfg.percentile / 100
+
+        def pct(vals: list[float]) -> float | None:
+            if not vals:
+                return None
+            vals.sort()
+            return vals[min(len(vals) - 1, int(q * len(vals)))]
+
+        kv = [min(1.0, r.active_prompt / self.cfg.kv_tokens) for r in ready]
+        return RoleObservation(
+            current=self.target(),
+            ready=len(ready),
+            known_pods=len(ready),
+            prompt_tokens_per_s=sum(w.prompt_tokens for w in self.windows) / span,
+            generation_tokens_per_s=sum(w.gen_tokens for w in self.windows) / span,
+            requests_per_s=sum(w.first_tokens for w in self.windows) / span,
+            running=sum(len(r.running) for r in ready),
+            waiting=sum(len(r.waiting) + len(r.prefill) for r in ready),
+            kv_usage=statistics.fmean(kv) if kv else 0.0,
+            ttft_s=pct([v for _, v in self.ttfts]),
+            tpot_s=pct([v for _, v in self.tpots]),
+        )
+
+
+# ---------------------------------------------------------------------------- policies
+
+
+Policy = Callable[[Fleet, float], None]
+
+
+def static_policy(_: Fleet, __: float) -> None:
+    return None
+
+
+def planner_policy(cfg: PlannerConfig) -> Policy:
+    state = PlannerState()
+
+    def step(fleet: Fleet, now: float) -> None:
+        nonlocal state
+        d = decide(cfg, fleet.observe(now), state, now)
+        state = d.state
+        if d.desired != fleet.target():
+            fleet.scale_to(d.desired, now)
+
+    return step
+
+
+def hpa_policy(
+    lo: int, hi: int, max_seqs: int, down_window_s: float, target: float = 0.7
+) -> Policy:
+    """Kubernetes HPA's rule on a utilisation metric: desired = ceil(ready * util / target),
+    no change within 10% of the target, scale-up at most max(2x, +4) per period, scale-down
+    to the highest recommendation of the stabilization window."""
+    recs: deque[tuple[float, int]] = deque()
+
+    def step(fleet: Fleet, now: float) -> None:
+        ready = fleet.serving(now)
+        current = fleet.target()
+        if not ready:
+            return
+        util = statistics.fmean(r.load() / max_seqs for r in ready)
+        ratio = util / target
+        desired = current if abs(ratio - 1) <= 0.1 else math.ceil(len(ready) * ratio)
+        desired = min(hi, max(lo, desired))
+        recs.append((now, desired))
+        while recs and recs[0][0] < now - down_window_s:
+            recs.popleft()
+        if desired > current:
+            desired = min(desired, max(2 * current, current + 4))
+        elif desired < current:
+            desired = max(r for _, r in recs)
+        if desired != current:
+            fleet.scale_to(desired, now)
+
+    return step
+
+
+@dataclass(slots=True)
+class Result:
+    attainment: float
+    replica_hours: float
+    timeline: list[tuple[float, int, float]]  # (t, replicas, arrival rate)
+    ttft_p95: float
+    tpot_p95: float
+
+
+def simulate(
+    trace: list[Request],
+    rate: Callable[[float], float],
+    duration: float,
+    cost: EngineCost,
+    cfg: SimConfig,
+    initial: int,
+    policy: Policy,
+) -> Result:
+    reqs = [Request(r.arrival, r.prompt, r.output) for r in trace]
+    fleet = Fleet(cost, cfg, initial)
+    i, now, next_decision = 0, 0.0, cfg.interval_s
+    timeline: list[tuple[float, int, float]] = []
+    # Run until the last request can have finished (a request cut off counts as a miss).
+    end = duration + max(120.0, 3 * (cfg.ttft_s + 100 * cfg.tpot_s))
+    while now < end:
+        while i < len(reqs) and reqs[i].arrival < now + cfg.dt:
+            fleet.route(reqs[i], now)
+            i += 1
+        fleet.advance(now)
+        now += cfg.dt
+        if now >= next_decision:
+            policy(fleet, now)
+            next_decision += cfg.interval_s
+            timeline.append((now, len(fleet.replicas), rate(now) if now < duration else 0.0))
+    ok = sum(
+        1
+        for r in reqs
+        if r.first_token is not None
+        and r.finish is not None
+        and r.first_token - r.arrival <= cfg.ttft_s
+        and (r.output <= 1 or (r.finish - r.first_token) / (r.output - 1) <= cfg.tpot_s)
+    )
+    ttft = sorted(r.first_token - r.arrival for r in reqs if r.first_token is not None)
+    tpot = sorted(
+        (r.finish - r.first_token) / (r.output - 1)
+        for r in reqs
+        if r.finish is not None and r.first_token is not None and r.output > 1
+    )
+
+    def p95(v: list[float]) -> float:
+        return v[int(0.95 * (len(v) - 1))] if v else math.inf
+
+    return Result(ok / len(reqs), fleet.replica_seconds / 3600, timeline, p95(ttft), p95(tpot))
+
+
+# -------------------------------------------------------------------------------- main
+
+
+def per_replica_rate(cost: EngineCost, trace: list[Request], batch: int) -> float:
+    """Requests/s one replica serves at `batch` running (a sizing estimate for the trace)."""
+    prompt = statistics.fmean(r.prompt for r in trace)
+    output = statistics.fmean(r.output for r in trace)
+    busy = prompt / cost.prefill_tok_s + output * cost.step(batch) / batch
+    return 1.0 / busy
+
+
+def plot(results: dict[str, Result], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    load = results["planner"].timeline
+    ax2 = ax.twinx()
+    ax2.fill_between([t for t, _, _ in load], [x for _, _, x in load], color="0.9", step="post")
+    ax2.set_ylabel("arrivals / s (shaded)")
+    for name, res in results.items():
+        label = f"{name} ({res.attainment:.0%} SLO, {res.replica_hours:.2f} replica-h)"
+        times, counts = [t for t, _, _ in res.timeline], [n for _, n, _ in res.timeline]
+        ax.step(times, counts, where="post", label=label)
+    ax.set_zorder(ax2.get_zorder() + 1)
+    ax.patch.set_visible(False)
+    ax.set_xlabel("simulated seconds (one compressed day)")
+    ax.set_ylabel("replicas")
+    ax.set_title(title)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="shorter day, < 60 s")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--target-utilization", type=float, default=0.8, help="the planner's (spec) setting"
+    )
+    ap.add_argument("--peak-replicas", type=float, default=8.0, help="peak load in replicas")
+    ap.add_argument("--plot", type=Path, default=ROOT / "docs" / "autoscale.png")
+    ap.add_argument(
+        "--engine-cost",
+        default=None,
+        help="replay a measurement instead of measuring: 'prefill_tok_s,step_base_ms,"
+        "step_per_seq_ms' (as printed by a previous run)",
+    )
+    args = ap.parse_args()
+    t_start = time.perf_counter()
+
+    if args.engine_cost:
+        p_tok, base_ms, per_ms = (float(x) for x in args.engine_cost.split(","))
+        cost = EngineCost(p_tok, base_ms / 1000, per_ms / 1000)
+        measured: dict[str, Any] = {"replayed": args.engine_cost}
+    else:
+        cost, measured = measure_engine(args.quick)
+    t_measure = time.perf_counter() - t_start
+    duration = 1800.0 if args.quick else 5400.0
+    sizing_batch = 16
+    # SLO: TPOT of a replica running `sizing_batch` plus a prefill chunk's share; TTFT a
+    # few mean prompts' prefill time (both from the measurement, so the machine cancels).
+    probe, _ = make_trace(600.0, 1.0, args.seed)
+    tpot_s = 1.6 * cost.step(sizing_batch, 128)
+    long_prompt = sorted(r.prompt for r in probe)[int(0.95 * (len(probe) - 1))]
+    ttft_s = 2.5 * (long_prompt / cost.prefill_tok_s + cost.step(sizing_batch))
+    peak_rate = args.peak_replicas * per_replica_rate(cost, probe, sizing_batch)
+    trace, rate = make_trace(duration, peak_rate, args.seed)
+    # Slices short against a step, decisions every 10 s, 30 s start-up (all simulated time).
+    dt = min(0.5, max(0.05, cost.step(sizing_batch) / 2))
+    cfg = SimConfig(ttft_s=ttft_s, tpot_s=tpot_s, dt=dt)
+    hi = 4 * math.ceil(args.peak_replicas)
+
+    def run(policy: Policy, initial: int) -> Result:
+        return simulate(trace, rate, duration, cost, cfg, initial, policy)
+
+    # Static at peak: the fewest fixed replicas that hold the SLO for >= 99% of requests
+    # (binary search; attainment grows with replicas).
+    static: dict[int, Result] = {}
+
+    def static_run(k: int) -> Result:
+        if k not in static:
+            static[k] = run(static_policy, k)
+        return static[k]
+
+    lo_n, hi_n = 1, hi
+    while lo_n < hi_n:
+        mid = (lo_n + hi_n) // 2
+        if static_run(mid).attainment >= 0.99:
+            hi_n = mid
+        else:
+            lo_n = mid + 1
+    n = lo_n
+    static_run(n)
+    peak_n = n
+    mean_rate = statistics.fmean(rate(t) for t in range(int(duration)))
+    mean_n = max(1, round(peak_n * mean_rate / peak_rate))
+    static_mean = static_run(mean_n)
+
+    # Decode capacity at the SLO: the largest batch whose step (with a prefill chunk's share)
+    # stays within the TPOT target, at most max_num_seqs.
+    decode_batch = max(
+        1,
+        min(
+            cfg.max_num_seqs,
+            int((tpot_s / 1.25 - cost.step(0, 128)) / cost.step_per_seq_s),
+        ),
+    )
+    planner_cfg = PlannerConfig(
+        role="unified",
+        min_replicas=1,
+        max_replicas=hi,
+        ttft_s=ttft_s,
+        tpot_s=tpot_s,
+        max_num_seqs=cfg.max_num_seqs,
+        target_utilization=args.target_utilization,
+        scale_up_window_s=0.0,
+        scale_down_window_s=cfg.down_window_s,
+        max_step_up=4,
+        max_step_down=1,
+        # What a user sets from a measurement like this one (spec autoscaling
+        # prefillTokensPerSecond / decodeTokensPerSecond); the planner corrects it.
+        prefill_capacity_hint=cost.prefill_tok_s,
+        decode_capacity_hint=decode_batch / cost.step(decode_batch),
+    )
+    results = {
+        f"static-peak ({peak_n})": static[peak_n],
+        f"static-mean ({mean_n})": static_mean,
+        "hpa": run(hpa_policy(1, hi, cfg.max_num_seqs, cfg.down_window_s), mean_n),
+        "planner": run(planner_policy(planner_cfg), mean_n),
+    }
+    unhinted = run(
+        planner_policy(
+            PlannerConfig(
+                **{
+                    **{f: getattr(planner_cfg, f) for f in planner_cfg.__slots__},
+                    "prefill_capacity_hint": None,
+                    "decode_capacity_hint": None,
+                }
+            )
+        ),
+        mean_n,
+    )
+    peak_h = static[peak_n].replica_hours
+    planner, hpa = results["planner"], results["hpa"]
+    load = os.getloadavg()[0]
+    plot(
+        results,
+        args.plot,
+        f"bench/autoscale.py{' --quick' if args.quick else ''}: bench model on this CPU "
+        f"(load avg {load:.1f})",
+    )
+    print(f"engine: {measured} (measured in {t_measure:.1f}s)")
+    print(
+        f"SLO: TTFT {ttft_s * 1000:.0f} ms, TPOT {tpot_s * 1000:.1f} ms (p95 per request); "
+        f"trace: {len(trace)} requests over {duration:.0f}s, peak {peak_rate:.2f} req/s"
+    )
+    print(f"{'policy':<18} {'SLO attain':>10} {'replica-h':>10} {'frac of peak':>12} "
+          f"{'TTFT p95':>9} {'TPOT p95':>9}")  # fmt: skip
+    for name, res in [*results.items(), ("planner (no hint)", unhinted)]:
+        print(
+            f"{name:<18} {res.attainment:>10.3f} {res.replica_hours:>10.3f} "
+            f"{res.replica_hours / peak_h:>12.2f} {res.ttft_p95 * 1000:>8.0f}ms "
+            f"{res.tpot_p95 * 1000:>8.1f}ms"
+        )
+    print(f"plot: {args.plot}")
+    out = {
+        "planner_slo_attainment": round(planner.attainment, 4),
+        "planner_replica_hours_frac_of_peak": round(planner.replica_hours / peak_h, 4),
+        "hpa_slo_attainment": round(hpa.attainment, 4),
+        "hpa_replica_hours_frac_of_peak": round(hpa.replica_hours / peak_h, 4),
+        "static_mean_slo_attainment": round(static_mean.attainment, 4),
+        "static_peak_slo_attainment": round(static[peak_n].attainment, 4),
+        "static_peak_replicas": peak_n,
+        "static_mean_replicas": mean_n,
+        "planner_unhinted_slo_attainment": round(unhinted.attainment, 4),
+        "planner_unhinted_replica_hours_frac_of_peak": round(unhinted.replica_hours / peak_h, 4),
+        "ratio_planner_vs_static_peak_replica_hours": round(planner.replica_hours / peak_h, 4),
+        "engine": measured,
+        "ttft_slo_ms": round(ttft_s * 1000, 1),
+        "tpot_slo_ms": round(tpot_s * 1000, 2),
+        "requests": len(trace),
+        "load_avg_1m": round(load, 2),
+        "wall_s": round(time.perf_counter() - t_start, 1),
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
