@@ -47,3 +47,49 @@ def ensure_bench_model(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def bench_model(spec: str | None) -> Path:
+    """The benchmarks' ``--model``: None or ``bench`` is the seeded 4x512 Llama above; any
+    other value goes through the engine's resolver (a preset such as ``smollm2-135m``, a
+    checkpoint directory, or a .gguf file)."""
+    if spec is None or spec == "bench":
+        return ensure_bench_model()
+    from pagefleet.engine.loader import resolve_model
+
+    return resolve_model(spec)
+
+
+def model_shape(path: Path) -> dict[str, Any]:
+    """The config.json-shaped dict of a checkpoint directory or GGUF file (hidden size,
+    layers, heads: what the FLOP estimates need)."""
+    import json
+
+    from pagefleet.gguf_tokenizer import find_gguf_file
+
+    gguf_file = find_gguf_file(path)
+    if gguf_file is None:
+        return json.loads((path / "config.json").read_text())
+    from pagefleet.engine.gguf_loader import config_dict, open_gguf
+    from pagefleet.gguf_tokenizer import read_fields
+
+    reader = open_gguf(gguf_file)
+    return config_dict(read_fields(reader), {t.name for t in reader.tensors})
+
+
+def hf_causal_lm(path: Path) -> Any:
+    """transformers' model of the same checkpoint in fp32 (for a GGUF file, transformers'
+    own GGUF reader dequantizes it), in eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pagefleet.gguf_tokenizer import find_gguf_file
+
+    gguf_file = find_gguf_file(path)
+    if gguf_file is None:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32
+        )
+    return model.eval()

@@ -13,6 +13,7 @@ off) and ``prefill_tokens_saved_frac`` (prompt tokens not computed / all prompt 
 
     python bench/prefix_cache.py            # 8 tenants x 24 turns + 4 chats x 8 turns
     python bench/prefix_cache.py --quick    # 8 tenants x 12 turns + 2 chats x 6 turns
+    python bench/prefix_cache.py --model smollm2-135m --quick   # the real model (minutes)
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from bench_models import ensure_bench_model
+from bench_models import bench_model
 
 BLOCK_SIZE = 16
 
@@ -66,6 +67,7 @@ def run(
     single: list[Turn],
     chat_msgs: list[list[list[int]]],
     concurrency: int,
+    num_blocks: int,
 ) -> dict[str, float]:
     from pagefleet.engine.config import EngineConfig
     from pagefleet.engine.engine import LLMEngine
@@ -75,7 +77,7 @@ def run(
         EngineConfig(
             model=model,
             block_size=BLOCK_SIZE,
-            num_gpu_blocks=4096,
+            num_gpu_blocks=num_blocks,
             max_num_seqs=32,
             max_num_batched_tokens=2048,
             enable_prefix_caching=caching,
@@ -160,11 +162,24 @@ def main() -> None:
     ap.add_argument("--system-len", type=int, default=768)
     ap.add_argument("--user-len", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--model",
+        default="bench",
+        help="bench (seeded 4x512 Llama), a preset such as smollm2-135m, a directory or .gguf",
+    )
+    ap.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="KV blocks per engine (default 4096 for bench; 1024 otherwise: a 30-layer model's "
+        "KV is 7x larger per token)",
+    )
     args = ap.parse_args()
+    num_blocks = args.num_blocks or (4096 if args.model == "bench" else 1024)
 
     from pagefleet.tokenizer import Tokenizer
 
-    model = ensure_bench_model()
+    model = bench_model(args.model)
     vocab = Tokenizer.from_dir(model).vocab_size
     turns, chats, chat_turns = (12, 2, 6) if args.quick else (24, 4, 8)
     single, chat_msgs = build_trace(
@@ -173,14 +188,14 @@ def main() -> None:
     print(
         f"trace: 8 tenants x {turns} turns (system {args.system_len} + user "
         f"{args.user_len} tokens) + {chats} chats x {chat_turns} turns; "
-        f"concurrency {args.concurrency}; block size {BLOCK_SIZE}"
+        f"concurrency {args.concurrency}; block size {BLOCK_SIZE}; model {args.model}"
     )
-    off = run(str(model), False, single, chat_msgs, args.concurrency)
+    off = run(str(model), False, single, chat_msgs, args.concurrency, num_blocks)
     print(
         f"caching off: {off['requests']} requests, mean TTFT {off['ttft_mean_s'] * 1e3:.1f} ms"
         f", {off['tok_s']:.0f} tok/s, {off['elapsed_s']:.1f} s"
     )
-    on = run(str(model), True, single, chat_msgs, args.concurrency)
+    on = run(str(model), True, single, chat_msgs, args.concurrency, num_blocks)
     print(
         f"caching on:  {on['requests']} requests, mean TTFT {on['ttft_mean_s'] * 1e3:.1f} ms"
         f", {on['tok_s']:.0f} tok/s, {on['elapsed_s']:.1f} s"
@@ -196,6 +211,7 @@ def main() -> None:
                 "throughput_ratio_on_off": round(on["tok_s"] / off["tok_s"], 2),
                 "prefill_tokens_saved_frac": round(saved, 4),
                 "requests": on["requests"],
+                "model": args.model,
             }
         )
     )

@@ -337,7 +337,8 @@ def main() -> None:
         "--model",
         default="bench",
         help="'bench' = the 4x512 Llama of bench/throughput.py, where prefill dominates a "
-        "request's fixed overhead; or a tiny preset or checkpoint dir",
+        "request's fixed overhead; or a preset (smollm2-135m: the real model, tiny*), a "
+        "checkpoint dir or a .gguf file",
     )
     args = ap.parse_args()
     args.doors = [d for d in args.doors.split(",") if d]

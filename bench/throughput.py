@@ -1,8 +1,9 @@
 """Offline throughput: our engine vs `transformers` generate() with static batching.
 
-One model big enough that compute matters (Llama layout, 4 layers, hidden 512) and the same
-64 requests of mixed prompt/output lengths (greedy, ``ignore_eos``, so every system makes
-exactly the same tokens). Both get the same KV memory: the engine a pool of
+One model big enough that compute matters (Llama layout, 4 layers, hidden 512; or the real
+SmolLM2-135M with ``--model smollm2-135m``, which transformers reads from the same GGUF
+file) and the same 64 requests of mixed prompt/output lengths (greedy, ``ignore_eos``, so
+every system makes exactly the same tokens). Both get the same KV memory: the engine a pool of
 ``--kv-tokens`` slots in blocks; static batching reserves, per batch, every row's padded
 prompt plus the batch's longest output, so only batch sizes whose worst case fits that
 memory are tried, and the baseline is the best of them (on CPU a larger static batch is not
@@ -15,6 +16,7 @@ A cProfile of a few engine steps says where the rest of the time goes.
 
     python bench/throughput.py            # full: batch sizes 1..16
     python bench/throughput.py --quick    # fewer baseline batch sizes, < 60 s
+    python bench/throughput.py --model smollm2-135m --quick   # the real model (minutes)
 """
 
 from __future__ import annotations
@@ -31,8 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_models import LLAMA_4x512 as MODEL_SHAPE
-from bench_models import ensure_bench_model
+from bench_models import bench_model, hf_causal_lm, model_shape
 
 BLOCK_SIZE = 16
 
@@ -99,9 +100,7 @@ def run_engine(model: Path, reqs: list[tuple[list[int], int]], kv_tokens: int) -
 def run_hf_static(
     model: Path, reqs: list[tuple[list[int], int]], batch: int, pad_id: int
 ) -> dict[str, Any]:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+    hf = hf_causal_lm(model)
     useful = 0
     t0 = time.perf_counter()
     outs: list[list[int]] = []
@@ -171,20 +170,26 @@ def main() -> None:
     ap.add_argument("--kv-tokens", type=int, default=16 * 640, help="KV slots for both systems")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     ap.add_argument("--profile", action="store_true", help="print the engine step profile")
+    ap.add_argument(
+        "--model",
+        default="bench",
+        help="bench (seeded 4x512 Llama), a preset such as smollm2-135m, a directory or .gguf",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
     from pagefleet.tokenizer import Tokenizer
 
-    model = ensure_bench_model()
+    model = bench_model(args.model)
+    shape = model_shape(model)
     tok = Tokenizer.from_dir(model)
     reqs = make_workload(args.requests, tok.vocab_size, seed=0)
     max_total = max(len(p) for p, _ in reqs) + max(o for _, o in reqs)
     fits = [b for b in (1, 2, 4, 8, 16, 32, 64) if b * max_total <= args.kv_tokens]
     batches = fits[-2:] if args.quick else fits
     print(
-        f"model: {MODEL_SHAPE['num_hidden_layers']} layers, hidden {MODEL_SHAPE['hidden_size']}"
+        f"model {args.model}: {shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}"
         f", vocab {tok.vocab_size}; {len(reqs)} requests, "
         f"{sum(len(p) for p, _ in reqs)} prompt / {sum(o for _, o in reqs)} output tokens; "
         f"KV memory {args.kv_tokens} token slots; static batch sizes that fit: {fits}"
@@ -205,8 +210,8 @@ def main() -> None:
     same = sum(a == b for a, b in zip(eng["tokens"], best["tokens"], strict=True))
 
     mean_ctx = statistics.mean(len(p) + o / 2 for p, o in reqs)
-    fpt = flops_per_token(MODEL_SHAPE, tok.vocab_size, mean_ctx)
-    peak = matmul_flops_per_s(MODEL_SHAPE, rows=64)
+    fpt = flops_per_token(shape, tok.vocab_size, mean_ctx)
+    peak = matmul_flops_per_s(shape, rows=64)
     mfu = fpt * eng["tok_s"] / peak
     print(
         f"model FLOPs/token {fpt / 1e6:.1f} M; fp32 matmul at model shapes "
@@ -228,6 +233,7 @@ def main() -> None:
                 "matmul_gflops": round(peak / 1e9, 1),
                 "outputs_identical": same,
                 "requests": len(reqs),
+                "model": args.model,
             }
         )
     )
