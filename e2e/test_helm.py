@@ -174,7 +174,8 @@ def test_install_serve_upgrade_uninstall(
     with urllib.request.urlopen(f"http://{op_ip}:9090/metrics", timeout=10) as r:
         assert b"pagefleet_operator_reconciles_total" in r.read()
 
-    # 2. Upgrade: router replicas 1 -> 2 and an operator setting, under traffic. Clients go
+    # 2. Upgrade: router replicas 1 -> 2 and an operator setting, under traffic (the first
+    # gateway pod keeps serving: a scale change does not roll it). Clients go
     # through the gateway Service; there is no kube-proxy, so each request picks a ready
     # endpoint of its EndpointSlices, as kube-proxy would.
     results: list[str] = []
@@ -227,6 +228,7 @@ def test_install_serve_upgrade_uninstall(
     assert new_op["metadata"]["uid"] != op_pod["metadata"]["uid"]
     failed = [r for r in results if r != "ok"]
     assert results and not failed, f"{len(failed)}/{len(results)} failed: {failed[:3]}"
+    assert gw_pod["metadata"]["uid"] in {p["metadata"]["uid"] for p in gateways}
     for p in gateways:  # both replicas serve
         assert _complete(p["status"]["podIP"], "after the upgrade").usage.completion_tokens > 0
 

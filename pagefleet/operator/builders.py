@@ -167,9 +167,9 @@ def _resources(res: ResourceRequirements) -> dict[str, Any]:
 def _config_data(spec: InferenceServiceSpec, names: Names) -> dict[str, str]:
     engine = spec.engine.model_dump(by_alias=True, mode="json")
     engine["model"] = spec.model.model_dump(by_alias=True, mode="json", exclude_none=True)
-    router = spec.router.model_dump(
-        by_alias=True, mode="json", include={"policy", "weights", "replicas"}
-    )
+    # Not `replicas`: that is the Deployment's, and in the hashed config it would roll every
+    # gateway pod on a pure scale change.
+    router = spec.router.model_dump(by_alias=True, mode="json", include={"policy", "weights"})
     router["services"] = {role: names.role(role) for role, _ in spec.roles.items()}
     return {
         "engine.json": json.dumps(engine, indent=2, sort_keys=True) + "\n",

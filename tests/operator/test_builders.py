@@ -338,3 +338,14 @@ def test_daemon_and_gateway_clis_accept_the_operators_command_lines(pd_spec):
             gw["spec"]["template"]["spec"]["containers"][0]["command"], "gateway"
         )
         assert gateway_cli.make_context("gateway", args).params["policy"] == policy
+
+
+def test_scaling_the_gateway_does_not_roll_its_pods(unified_spec):
+    before = children(unified_spec)
+    unified_spec["router"] = {"replicas": 3}
+    after = children(unified_spec)
+    assert after[("Deployment", "llama-gateway")]["spec"]["replicas"] == 3
+    assert (
+        before[("Deployment", "llama-gateway")]["spec"]["template"]
+        == after[("Deployment", "llama-gateway")]["spec"]["template"]
+    )
