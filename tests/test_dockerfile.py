@@ -44,3 +44,23 @@ def test_dockerfile_variants_and_user() -> None:
     assert "download.pytorch.org/whl/${TORCH_VARIANT}" in text
     assert "USER 65532" in text  # the chart's runAsUser
     assert 'ENTRYPOINT ["pagefleet"]' in text
+
+
+def test_chart_and_examples_run_the_dockerfiles_image() -> None:
+    import yaml
+
+    from pagefleet.api.inferenceservice import DEFAULT_IMAGE
+
+    repo, tag = DEFAULT_IMAGE.rsplit(":", 1)
+    values = yaml.safe_load((ROOT / "helm" / "pagefleet" / "values.yaml").read_text())
+    chart = yaml.safe_load((ROOT / "helm" / "pagefleet" / "Chart.yaml").read_text())
+    assert values["operator"]["image"]["repository"] == repo
+    assert chart["appVersion"] == tag  # the operator's default tag
+    images = [
+        doc["spec"]["image"]
+        for path in sorted((ROOT / "examples").glob("*.yaml"))
+        for doc in yaml.safe_load_all(path.read_text())
+        if doc and "image" in doc.get("spec", {})
+    ]
+    assert images and set(images) <= {DEFAULT_IMAGE, f"{DEFAULT_IMAGE}-cuda"}
+    assert "-cuda" in (ROOT / "examples" / "llama-disaggregated.yaml").read_text()
