@@ -276,3 +276,18 @@ def test_helm_template_security_options_and_bundled_redis_auth():
     cmd = op["spec"]["template"]["spec"]["containers"][0]["command"]
     assert "--no-network-policies" in cmd and "--allow-host-path" in cmd
     assert not any(a.startswith("--metrics-peer") for a in cmd)
+
+
+def test_operator_cli_accepts_the_charts_command_line():
+    from pagefleet.operator.cli import command
+
+    docs = _template("--set", "redis.enabled=true", "--set", "operator.allowedImagePrefixes={a/}")
+    op = next(d for d in docs if d["kind"] == "Deployment" and "operator" in d["metadata"]["name"])
+    cmd = op["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert cmd[:2] == ["pagefleet", "operator"]
+    params = command.make_context("operator", cmd[2:]).params
+    assert params["allowed_image_prefixes"] == ("a/",)
+    assert params["allow_host_path"] is False and params["network_policies"] is True
+    assert [json.loads(p)["podSelector"] for p in params["metrics_peers"]][1] == {
+        "matchLabels": {"app.kubernetes.io/name": "prometheus"}
+    }
