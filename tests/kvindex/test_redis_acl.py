@@ -18,6 +18,8 @@ from pagefleet.kvindex.events import BlockStored, KVEventBatch
 from pagefleet.kvindex.hashing import block_hashes
 from pagefleet.kvindex.index import PodLoad
 from pagefleet.kvindex.redis_auth import (
+    DAEMON_ACL_RULES,
+    GATEWAY_ACL_RULES,
     RedisCredentials,
     credentials_from_env,
     redact,
@@ -27,14 +29,10 @@ from pagefleet.kvindex.redis_index import RedisKVIndex
 
 DAEMON_PW = "daemon-secret-7f3a"
 GATEWAY_PW = "gateway-secret-91c2"
-# As in docs/operator.md: keys under pf:* only; no dangerous commands (FLUSHALL, CONFIG,
-# KEYS, DEBUG...); the gateway only reads and runs (read-only) scripts.
 ACL = [
     "user default off",
-    f"user pf-daemon on >{DAEMON_PW} ~pf:* resetchannels -@all +@read +@write +@connection"
-    " +evalsha +eval +script|load +time -@dangerous",
-    f"user pf-gateway on >{GATEWAY_PW} ~pf:* resetchannels -@all +@read +@connection"
-    " +evalsha +script|load +time -@dangerous",
+    f"user pf-daemon on >{DAEMON_PW} {DAEMON_ACL_RULES}",
+    f"user pf-gateway on >{GATEWAY_PW} {GATEWAY_ACL_RULES}",
 ]
 
 
