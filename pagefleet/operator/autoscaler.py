@@ -37,6 +37,7 @@ from pagefleet.operator.kube import DEPLOYMENT, INFERENCE_SERVICE, POD, KubeAPI,
 from pagefleet.operator.metrics import OperatorMetrics
 from pagefleet.operator.naming import DAEMON_PORT, LABEL_ROLE, LABEL_SERVICE, Names
 from pagefleet.operator.planner import Decision, PlannerConfig, PlannerState, Reason, decide
+from pagefleet.operator.promql import role_inputs
 from pagefleet.operator.signals import (
     PodReport,
     PodSnapshot,
@@ -69,6 +70,8 @@ class AutoscalerSettings:
     # Rates and percentiles span this much history (like PromQL's rate[window]): a tick
     # shorter than a request would otherwise read a busy pod as idle between finishes.
     rate_window_s: float = 30.0
+    # Query this Prometheus for the inputs instead of scraping every pod (promql.py).
+    prometheus_url: str | None = None
     metrics_port: int = DAEMON_PORT
     redis_password_note: str = (
         "the operator cannot read Redis passwords from Secrets; heartbeats are unknown"
@@ -199,22 +202,40 @@ class Autoscaler:
             role = (pod["metadata"].get("labels") or {}).get(LABEL_ROLE, "")
             pods_by_role.setdefault(role, []).append(pod)
 
+        prom = self.settings.prometheus_url
         targets = [
             PodTarget(p["metadata"]["name"], f"http://{ip}:{self.settings.metrics_port}/metrics")
             for r, _ in due
             for p in pods_by_role.get(r, [])
-            if _pod_ready(p) and (ip := (p.get("status") or {}).get("podIP"))
+            if not prom and _pod_ready(p) and (ip := (p.get("status") or {}).get("podIP"))
         ]
         scrapes, loads, redis_err = asyncio.run(
             gather_inputs(targets, redis_url, names.kv_namespace, self.settings.scrape_timeout_s)
         )
         redis_err = redis_note or redis_err
+        from_prometheus: dict[str, RoleInputs] = {}
+        if prom:
+            # Heartbeats only rank pods for scale-down here; the load comes from Prometheus.
+            cached = {p: load.num_cached_blocks for p, load in (loads or {}).items()}
+            redis_err = None
+            from_prometheus = self._query_prometheus(
+                prom, namespace, names, spec, due, deploys, pods_by_role, cached
+            )
 
         outcomes: list[RoleOutcome] = []
         for role, role_spec in due:
             deploy = deploys.get(names.role(role))
             if deploy is None:
                 continue  # the reconciler creates it; decide once it exists
+            if role in from_prometheus:
+                outcome = self._decide(
+                    namespace, name, role, spec, has_slo, from_prometheus[role], now
+                )
+                self._act(
+                    namespace, name, names, deploy, pods_by_role.get(role, []), outcome, record
+                )
+                outcomes.append(outcome)
+                continue
             outcome = self._decide_role(
                 namespace,
                 name,
@@ -290,11 +311,57 @@ class Autoscaler:
         current = int((deploy.get("spec") or {}).get("replicas", 1))
         ready = sum(1 for p in pods if _pod_ready(p))
         inputs = observe_role(current, ready, reports, spec.slo.percentile)
+        return self._decide(namespace, name, role, spec, has_slo, inputs, now)
+
+    def _decide(
+        self,
+        namespace: str,
+        name: str,
+        role: str,
+        spec: InferenceServiceSpec,
+        has_slo: bool,
+        inputs: RoleInputs,
+        now: float,
+    ) -> RoleOutcome:
+        mem = self.memory.setdefault((namespace, name, role), RoleMemory())
         cfg = planner_config(role, spec, has_slo)
         decision = decide(cfg, inputs.observation, mem.state, now)
         mem.state = decision.state
         mem.last_decision = now
         return RoleOutcome(role, decision, inputs)
+
+    def _query_prometheus(
+        self,
+        url: str,
+        namespace: str,
+        names: Names,
+        spec: InferenceServiceSpec,
+        due: list[tuple[str, RoleSpec]],
+        deploys: dict[str, Manifest],
+        pods_by_role: dict[str, list[Manifest]],
+        cached: dict[str, int],
+    ) -> dict[str, RoleInputs]:
+        roles = [r for r, _ in due if names.role(r) in deploys]
+
+        async def all_roles() -> list[RoleInputs]:
+            return await asyncio.gather(
+                *(
+                    role_inputs(
+                        url,
+                        namespace,
+                        r,
+                        int((deploys[names.role(r)].get("spec") or {}).get("replicas", 1)),
+                        [p["metadata"]["name"] for p in pods_by_role.get(r, []) if _pod_ready(p)],
+                        self.settings.rate_window_s,
+                        spec.slo.percentile,
+                        self.settings.scrape_timeout_s,
+                        cached,
+                    )
+                    for r in roles
+                )
+            )
+
+        return dict(zip(roles, asyncio.run(all_roles()), strict=True))
 
     def _act(
         self,

@@ -110,6 +110,13 @@ from pagefleet.operator.builders import BuildSettings
     help="History the autoscaler's rates and latency percentiles span (PromQL rate[window]).",
 )
 @click.option(
+    "--prometheus-url",
+    envvar="PAGEFLEET_PROMETHEUS_URL",
+    default=None,
+    help="Read the autoscaler's inputs from this Prometheus (one PromQL query per input; "
+    "it must scrape the daemons with a namespace label) instead of scraping every pod.",
+)
+@click.option(
     "--metrics-port",
     type=click.IntRange(min=0, max=65535),
     default=0,
@@ -139,6 +146,7 @@ def command(
     autoscale_seconds: float,
     scrape_timeout_seconds: float,
     rate_window_seconds: float,
+    prometheus_url: str | None,
     metrics_port: int,
     metrics_host: str,
     verbose: bool,
@@ -178,7 +186,9 @@ def command(
         kube,
         settings,
         AutoscalerSettings(
-            scrape_timeout_s=scrape_timeout_seconds, rate_window_s=rate_window_seconds
+            scrape_timeout_s=scrape_timeout_seconds,
+            rate_window_s=rate_window_seconds,
+            prometheus_url=prometheus_url,
         ),
         metrics,
     )

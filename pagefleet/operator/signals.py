@@ -134,10 +134,11 @@ class PodReport:
     load: PodLoad | None = None  # its Redis heartbeat
     delta: PodDelta | None = None  # its /metrics since the previous scrape
     error: str | None = None  # why it is unknown, for the status message
+    rates_known: bool = False  # rates came from elsewhere (Prometheus), not from `delta`
 
     @property
     def known(self) -> bool:
-        return self.load is not None and self.delta is not None
+        return self.load is not None and (self.delta is not None or self.rates_known)
 
 
 @dataclass(slots=True)

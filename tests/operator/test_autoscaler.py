@@ -385,3 +385,68 @@ def test_missing_slo_is_a_condition_not_a_crash(redis: str, servers: MetricsServ
     cond = scaling_active(kube)
     assert cond["status"] == "False" and cond["reason"] == "SLOMissing"
     assert "spec.slo" in cond["message"]
+
+
+# ------------------------------------------------------------------- Prometheus as input
+
+
+@pytest.mark.slow
+def test_prometheus_inputs_from_a_real_prometheus(redis: str, servers: MetricsServers) -> None:
+    """The same loop with `--prometheus-url`: a real Prometheus scrapes the daemons' metrics
+    (with the namespace label a PodMonitor adds); one PromQL query per input."""
+    import time
+
+    from pagefleet.dev.prometheus import LocalPrometheus, ScrapeTarget
+    from pagefleet.operator.autoscaler import AutoscalerSettings
+    from pagefleet.operator.promql import queries
+
+    kube, clock, events = FakeKube(), Clock(), []
+    world(kube, redis, 2, [("chat-a", "127.0.0.2"), ("chat-b", "127.0.0.3")])
+    a = servers.add("chat-a", "127.0.0.2")
+    servers.add("chat-b", "127.0.0.3")  # served, but this Prometheus does not scrape it
+    heartbeat(redis, "chat-a", running=3, num_cached_blocks=9)
+    targets = [ScrapeTarget(f"127.0.0.2:{PORT}", {"namespace": NS})]
+    with LocalPrometheus(targets, interval_s=1.0) as prom:
+        scaler = Autoscaler(
+            kube,
+            BuildSettings(),
+            AutoscalerSettings(
+                scrape_timeout_s=5.0, metrics_port=PORT, rate_window_s=10, prometheus_url=prom.url
+            ),
+            OperatorMetrics(),
+            clock=clock,
+        )
+        # Load on chat-a (slow first tokens: the 500 ms SLO is missed) until Prometheus
+        # holds 3 scrapes of it in the window (its first scrapes lag on a busy machine).
+        deadline = time.monotonic() + 60
+        while True:
+            a.serve_requests(n=20, prompt=200, cached=50, out=8, ttft=1.2)
+            time.sleep(1.0)
+            got = prom.api.query("count_over_time(vllm:generation_tokens_total[10s])")
+            if got and float(got[0]["value"][1]) >= 3:
+                break
+            assert time.monotonic() < deadline, f"Prometheus scraped too little: {got}"
+        (out,) = tick(scaler, kube, events)
+    obs = out.inputs.observation
+    errs = [(p.name, p.error) for p in out.inputs.pods]
+    assert obs.known_pods == 1 and obs.unknown_pods == 1, errs  # chat-b: no series, unknown
+    assert obs.prompt_tokens_per_s > 100 and obs.requests_per_s > 0.5
+    assert obs.ttft_s is not None and 1.0 < obs.ttft_s <= 1.5
+    chat_b = next(p for p in out.inputs.pods if p.name == "chat-b")
+    assert chat_b.error and "no Prometheus series" in chat_b.error
+    # Partial inputs may still scale up on the known pod's load and missed SLO.
+    assert out.decision.reason.value == "ScaledUp", out.decision.message
+    assert replicas(kube) > 2
+    q = queries(NS, "unified", ["chat-a", "chat-b"], 10, 95)
+    assert 'pod=~"chat-a|chat-b"' in q["prompt"] and "[10s]" in q["ttft"]
+
+    # Prometheus gone: every pod unknown, nothing moves, a condition says why.
+    clock.t += 5
+    before = replicas(kube)
+    scaler.settings = AutoscalerSettings(
+        scrape_timeout_s=1.0, metrics_port=PORT, prometheus_url="http://127.0.0.1:1"
+    )
+    (out,) = tick(scaler, kube, events)
+    assert replicas(kube) == before and out.decision.reason.value == "InputsUnknown"
+    cond = scaling_active(kube)
+    assert cond["status"] == "False" and "Prometheus http://127.0.0.1:1" in cond["message"]
