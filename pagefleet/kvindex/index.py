@@ -9,11 +9,16 @@ count.
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol, runtime_checkable
 
 from pagefleet.kvindex.events import KVEventBatch
+
+ROLES = frozenset({"unified", "prefill", "decode"})
+# Larger than any real queue or KV cache in blocks, small enough for any arithmetic.
+MAX_COUNT = 1 << 40
 
 
 @dataclass(slots=True)
@@ -40,13 +45,39 @@ class PodLoad:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PodLoad:
+        """A load as read from the index, range-checked: whoever can write a heartbeat
+        must not be able to make a pod look more idle than an idle pod (negative queues,
+        negative KV usage) or break the reader (strings, NaN, huge numbers). Counts are
+        clamped into [0, MAX_COUNT], kv_usage into [0, 1]; a value of the wrong type or not
+        finite raises ValueError (callers drop that pod)."""
         # Unknown keys are dropped so an older reader accepts a newer writer's heartbeat.
         known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
+        raw = {k: v for k, v in d.items() if k in known}
+        out: dict[str, Any] = {}
+        for name, value in raw.items():
+            if name == "role":
+                if value not in ROLES:
+                    raise ValueError(f"heartbeat role {value!r} is not one of {sorted(ROLES)}")
+                out[name] = value
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"heartbeat field {name}={value!r} is not a number")
+            if not math.isfinite(value):
+                raise ValueError(f"heartbeat field {name}={value!r} is not finite")
+            if name == "kv_usage":
+                out[name] = min(1.0, max(0.0, float(value)))
+            elif name == "ts":
+                out[name] = float(value)
+            else:
+                out[name] = int(min(MAX_COUNT, max(0, value)))
+        return cls(**out)
 
     @classmethod
     def from_json(cls, s: str | bytes) -> PodLoad:
-        return cls.from_dict(json.loads(s))
+        d = json.loads(s)
+        if not isinstance(d, dict):
+            raise ValueError(f"heartbeat is not a JSON object: {str(d)[:80]!r}")
+        return cls.from_dict(d)
 
 
 @runtime_checkable

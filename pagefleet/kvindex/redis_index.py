@@ -135,6 +135,7 @@ class RedisKVIndex:
         self._pods = _Script("pods", redis_lua.PODS)
         self._gc = _Script("gc", redis_lua.GC)
         self._auto_gc_interval_s = auto_gc_interval_s
+        self._next_bad_heartbeat_warning = 0.0
         self._auto_gc_grace_s = auto_gc_grace_s
         self._next_auto_gc = (
             time.monotonic() + auto_gc_interval_s if auto_gc_interval_s is not None else math.inf
@@ -215,7 +216,10 @@ class RedisKVIndex:
             )
             carry = flat[0]
             for k in range(1, len(flat), 2):
-                matched[flat[k].decode()] = int(flat[k + 1])
+                # Never more than the prompt's blocks, whatever the index holds.
+                n = min(int(flat[k + 1]), len(block_hashes))
+                if n > 0:
+                    matched[flat[k].decode(errors="replace")] = n
             if not carry:
                 break
         return matched
@@ -223,9 +227,23 @@ class RedisKVIndex:
     async def pods(self) -> dict[str, PodLoad]:
         flat = await self._pods(self.client, self.prefix)
         await self._maybe_auto_gc()
-        return {flat[k].decode(): PodLoad.from_json(flat[k + 1]) for k in range(0, len(flat), 2)}
+        out: dict[str, PodLoad] = {}
+        for k in range(0, len(flat), 2):
+            name = flat[k].decode(errors="replace")
+            try:
+                out[name] = PodLoad.from_json(flat[k + 1])
+            except ValueError as exc:
+                # A malformed (forged or corrupt) heartbeat: that pod is not routed to.
+                self._warn_bad_heartbeat(name, exc)
+        return out
 
     # -- internals ----------------------------------------------------------------------
+
+    def _warn_bad_heartbeat(self, pod: str, exc: ValueError) -> None:
+        now = time.monotonic()
+        if now >= self._next_bad_heartbeat_warning:  # at most one line a minute
+            self._next_bad_heartbeat_warning = now + 60.0
+            logger.warning("index %s: ignoring pod %r, bad heartbeat: %s", self.prefix, pod, exc)
 
     async def _run_events(self, pod: str, args: list[bytes]) -> int:
         """Run the apply script over ``args`` in CHUNK-sized calls, all in one round trip.

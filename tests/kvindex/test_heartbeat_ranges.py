@@ -1,0 +1,79 @@
+"""One forged index entry must not route all traffic to a pod (issue 14): heartbeat loads
+read back from a real Redis are range-checked, malformed ones drop that pod, and a lookup
+never reports more matched blocks than the prompt has."""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+
+from pagefleet.dev.redis_server import LocalRedis
+from pagefleet.kvindex.index import MAX_COUNT, PodLoad
+from pagefleet.kvindex.redis_index import RedisKVIndex, key_prefix
+
+
+@pytest.fixture
+async def index(redis_server: LocalRedis) -> AsyncIterator[RedisKVIndex]:
+    namespace = f"ranges-{uuid.uuid4().hex[:8]}"
+    idx = RedisKVIndex.from_url(redis_server.url, namespace=namespace, auto_gc_interval_s=None)
+    try:
+        yield idx
+    finally:
+        await idx.close()
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ({"running": -1000, "waiting": -5, "kv_usage": -3.0}, PodLoad(0, 0, 0.0)),
+        ({"running": 10**30, "kv_usage": 7.5}, PodLoad(MAX_COUNT, 0, 1.0)),
+        ({"running": 2.9, "num_blocks": 100}, PodLoad(2, 0, 0.0, 100)),
+    ],
+)
+def test_out_of_range_loads_are_clamped(raw, expected):
+    load = PodLoad.from_dict({**raw, "ts": 1.0})
+    assert (load.running, load.waiting, load.kv_usage, load.num_blocks) == (
+        expected.running,
+        expected.waiting,
+        expected.kv_usage,
+        expected.num_blocks,
+    )
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        {"running": "0"},
+        {"running": True},
+        {"kv_usage": math.nan},
+        {"waiting": None},
+        {"role": "admin"},
+        {"ts": math.inf},
+    ],
+)
+def test_malformed_loads_are_refused(raw):
+    with pytest.raises(ValueError, match="heartbeat"):
+        PodLoad.from_dict(raw)
+
+
+async def test_forged_heartbeats_in_redis_cannot_outbid_an_idle_pod(index: RedisKVIndex) -> None:
+    await index.heartbeat("honest", PodLoad(running=0, waiting=0, kv_usage=0.0), 30.0)
+    await index.heartbeat(
+        "forged", PodLoad(running=-(10**9), waiting=-(10**9), kv_usage=-100.0), 30.0
+    )
+    await index.heartbeat("garbage", PodLoad(), 30.0)
+    # Overwrite one heartbeat value in place with something no daemon writes.
+    prefix = key_prefix(index.namespace)
+    pod_id = await index.client.hget(f"{prefix}pod", "garbage")
+    key = f"{prefix}hb:{pod_id.decode()}"
+    ttl = await index.client.pttl(key)
+    await index.client.set(key, json.dumps({"running": "lots", "role": "unified"}), px=ttl)
+    pods = await index.pods()
+    assert set(pods) == {"honest", "forged"}  # the malformed one is not routed to
+    forged, honest = pods["forged"], pods["honest"]
+    assert (forged.running, forged.waiting, forged.kv_usage) == (0, 0, 0.0)
+    assert (honest.running, honest.waiting, honest.kv_usage) == (0, 0, 0.0)
