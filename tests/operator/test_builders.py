@@ -349,3 +349,17 @@ def test_scaling_the_gateway_does_not_roll_its_pods(unified_spec):
         before[("Deployment", "llama-gateway")]["spec"]["template"]
         == after[("Deployment", "llama-gateway")]["spec"]["template"]
     )
+
+
+def test_gguf_preset_source_reaches_daemon_and_gateway(unified_spec):
+    """model.source.path may name the real-model preset: both commands carry it, and the
+    gateway's torch-free tokenizer registry knows it (the daemon's loader resolves it)."""
+    from pagefleet.presets import TOKENIZER_PRESETS
+
+    unified_spec["model"]["source"] = {"path": "smollm2-135m"}
+    objs = children(unified_spec)
+    daemon = objs[("Deployment", "llama-unified")]["spec"]["template"]["spec"]["containers"][0]
+    gateway = objs[("Deployment", "llama-gateway")]["spec"]["template"]["spec"]["containers"][0]
+    assert flag(daemon["command"], "--model") == "smollm2-135m"
+    assert flag(gateway["command"], "--model") == "smollm2-135m"
+    assert "smollm2-135m" in TOKENIZER_PRESETS
