@@ -7,6 +7,8 @@ Configuration (environment only, so no secret ever appears on a command line):
   with one key per line (blank lines and ``#`` comments ignored). Both may be set.
 - ``PAGEFLEET_ADMIN_TOKEN`` or ``PAGEFLEET_ADMIN_TOKEN_FILE``: the admin token, for the
   state-changing and introspection endpoints (``/reset_prefix_cache``, ``/get_server_info``).
+- ``PAGEFLEET_UPSTREAM_API_KEY`` or ``PAGEFLEET_UPSTREAM_API_KEY_FILE`` (gateway only): the
+  key the gateway presents to daemons that require one (clients' keys are never forwarded).
 
 Invariants:
 - keys live in memory only as SHA-256 digests; a presented key is hashed once and compared
@@ -37,9 +39,21 @@ ENV_KEYS = "PAGEFLEET_API_KEYS"
 ENV_KEYS_FILE = "PAGEFLEET_API_KEYS_FILE"
 ENV_ADMIN = "PAGEFLEET_ADMIN_TOKEN"
 ENV_ADMIN_FILE = "PAGEFLEET_ADMIN_TOKEN_FILE"
+ENV_UPSTREAM = "PAGEFLEET_UPSTREAM_API_KEY"
+ENV_UPSTREAM_FILE = "PAGEFLEET_UPSTREAM_API_KEY_FILE"
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json"})
 ADMIN_PATHS = frozenset({"/reset_prefix_cache", "/get_server_info", "/server_info"})
+
+
+def upstream_key_from_env(env: Mapping[str, str] | None = None) -> str | None:
+    """The key the gateway sends to daemons, or None (daemons without keys)."""
+    env = os.environ if env is None else env
+    key = env.get(ENV_UPSTREAM, "").strip()
+    if not key and env.get(ENV_UPSTREAM_FILE):
+        lines = _read_lines(env[ENV_UPSTREAM_FILE])
+        key = lines[0] if lines else ""
+    return key or None
 
 
 def _digest(key: str) -> bytes:

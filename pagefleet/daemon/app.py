@@ -25,6 +25,7 @@ from aiohttp import web
 
 import pagefleet
 from pagefleet.api.openai import RequestValidationError
+from pagefleet.api.openapi import daemon_openapi
 from pagefleet.daemon import quiet_preface
 from pagefleet.daemon.admission import Admission
 from pagefleet.daemon.config import DaemonConfig
@@ -33,7 +34,8 @@ from pagefleet.daemon.engine_protocol import EngineLike
 from pagefleet.daemon.errors import APIError, http_error
 from pagefleet.daemon.metrics import DaemonMetrics
 from pagefleet.daemon.publisher import KVEventPublisher
-from pagefleet.daemon.serving import OpenAIServing
+from pagefleet.daemon.serving import CLIENT_GONE, OpenAIServing
+from pagefleet.httpauth import AuthPolicy, Credentials
 from pagefleet.kvindex.events import KVEventBatch
 from pagefleet.kvindex.index import KVIndex, PodLoad
 
@@ -58,7 +60,9 @@ class Daemon:
         config: DaemonConfig,
         engine_factory: EngineFactory = default_engine_factory,
         index: KVIndex | None = None,
+        credentials: Credentials | None = None,
     ) -> None:
+        """``credentials``: API keys and admin token (default: from the PAGEFLEET_* env)."""
         if config.role != "unified":
             raise ValueError(
                 f"--role {config.role} is not available yet: prefill/decode disaggregation "
@@ -74,6 +78,9 @@ class Daemon:
         self.serving = OpenAIServing(
             config, self.metrics, self.admission, self.live_loop, started_at=time.time()
         )
+        self.auth = AuthPolicy(
+            Credentials.from_env() if credentials is None else credentials, component="daemon"
+        )
         self.app = self._build_app()
 
     @property
@@ -88,6 +95,7 @@ class Daemon:
 
     async def start(self) -> None:
         """Load the engine (on its thread) and start publishing; ready afterwards."""
+        self.auth.warn_if_open()
         loop = asyncio.get_running_loop()
         index = self._index
         if index is None and self.config.redis_url:
@@ -174,7 +182,8 @@ class Daemon:
     def _build_app(self) -> web.Application:
         quiet_preface.install()
         app = web.Application(
-            middlewares=[self._errors_middleware], client_max_size=self.config.max_body_bytes
+            middlewares=[self._errors_middleware, self.auth.middleware],
+            client_max_size=self.config.max_body_bytes,
         )
         r = app.router
         self.serving.add_routes(r)
@@ -182,6 +191,7 @@ class Daemon:
         r.add_get("/ready", self.readiness)
         r.add_get("/metrics", self.metrics_handler)
         r.add_get("/version", self.version)
+        r.add_get("/openapi.json", self.openapi)
         # What sglang-router / vllm-router probe when a worker registers.
         r.add_get("/model_info", self.model_info)
         r.add_get("/get_model_info", self.model_info)
@@ -207,8 +217,13 @@ class Daemon:
             if exc.status < 400:
                 raise
             return http_error(request, exc).response()
-        except (asyncio.CancelledError, ConnectionResetError):
+        except asyncio.CancelledError:
             raise
+        except CLIENT_GONE as exc:
+            # The client closed its connection while we wrote: a disconnect, logged quietly
+            # (aiohttp would log an escaping error with its stack trace at ERROR).
+            logger.debug("client went away during %s %s: %s", request.method, request.path, exc)
+            return web.Response(status=499)
         except Exception:
             logger.exception("unhandled error serving %s %s", request.method, request.path)
             return APIError(
@@ -234,6 +249,9 @@ class Daemon:
             body=self.metrics.render(),
             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
         )
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(daemon_openapi())
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": pagefleet.__version__})

@@ -23,7 +23,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from aiohttp import web
+from aiohttp import ClientConnectionResetError, web
 from pydantic import BaseModel
 
 from pagefleet.api.openai import (
@@ -236,26 +236,35 @@ class OpenAIServing:
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
-        async with self._admitted(job):
-            await resp.prepare(request)
-            try:
-                for chunk in shape.opening_chunks(job, created, model):
-                    await _send(resp, chunk, include_usage)
-                while job.live:
-                    for item in await _next_outputs(job):
-                        for ch, delta in job.absorb(item, self.metrics):
-                            if delta.new_text or delta.finish_reason is not None or delta.logprobs:
-                                chunk = shape.chunk(job, created, model, ch, delta)
-                                await _send(resp, chunk, include_usage)
-                if include_usage:
-                    final = shape.usage_chunk(job, created, model)
-                    await resp.write(f"data: {final.model_dump_json()}\n\n".encode())
-            except APIError as exc:
-                # Headers are gone already: report in-band, as OpenAI-style servers do.
-                body = ErrorResponse(error=exc.detail).model_dump_json()
-                await resp.write(f"data: {body}\n\n".encode())
-            await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+        try:
+            async with self._admitted(job):
+                await resp.prepare(request)
+                try:
+                    for chunk in shape.opening_chunks(job, created, model):
+                        await _send(resp, chunk, include_usage)
+                    while job.live:
+                        for item in await _next_outputs(job):
+                            for ch, delta in job.absorb(item, self.metrics):
+                                if (
+                                    delta.new_text
+                                    or delta.finish_reason is not None
+                                    or (delta.logprobs)
+                                ):
+                                    chunk = shape.chunk(job, created, model, ch, delta)
+                                    await _send(resp, chunk, include_usage)
+                    if include_usage:
+                        final = shape.usage_chunk(job, created, model)
+                        await resp.write(f"data: {final.model_dump_json()}\n\n".encode())
+                except APIError as exc:
+                    # Headers are gone already: report in-band, as OpenAI-style servers do.
+                    body = ErrorResponse(error=exc.detail).model_dump_json()
+                    await resp.write(f"data: {body}\n\n".encode())
+                await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except CLIENT_GONE as exc:
+            # The client hung up between two writes: a disconnect, not a server error.
+            # Leaving _admitted above aborted the request and freed its blocks.
+            logger.debug("client of %s went away mid-stream: %s", job.base_id, exc)
         return resp
 
     @contextlib.asynccontextmanager
@@ -388,6 +397,10 @@ async def _offload(fn: Callable[[], Any], size: int) -> Any:
     if size <= _INLINE_TOKENIZE_CHARS:
         return fn()
     return await asyncio.get_running_loop().run_in_executor(None, fn)
+
+
+# Raised by a write to a connection the client already closed.
+CLIENT_GONE = (ConnectionError, ClientConnectionResetError)
 
 
 async def _send(resp: web.StreamResponse, chunk: BaseModel, include_usage: bool) -> None:

@@ -3,6 +3,10 @@
 Invariant: every process this module starts is stopped by ``LocalFleet.stop()`` (gateway
 first, then daemons, then Redis), also on Ctrl-C and on a failed start; children run in
 their own sessions so a terminal's Ctrl-C reaches only us and we stop them in order.
+
+A child that exits on its own (a daemon crash) is restarted at the same address after a
+backoff (1 s, doubling to 30 s, reset once it stayed up a minute) while the others keep
+serving; the gateway's probes drop it meanwhile and re-admit it once ready.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -110,6 +115,37 @@ class Child:
     def log_tail(self, n: int = 20) -> str:
         return process.tail(self.log_path, n)
 
+    @property
+    def crashed(self) -> bool:
+        """It was started, not stopped by us, and has exited."""
+        return self.proc is not None and self.proc.poll() is not None
+
+
+@dataclass(slots=True)
+class Backoff:
+    """When to restart one crashed child: ``base_s`` doubling to ``max_s``; a child that
+    stayed up ``stable_s`` starts over at ``base_s``."""
+
+    base_s: float = 1.0
+    max_s: float = 30.0
+    stable_s: float = 60.0
+    restarts: int = 0
+    started_at: float = 0.0
+    due_at: float | None = None
+
+    def crashed(self, now: float) -> float:
+        """Schedule the restart of a child seen dead at ``now``; returns the delay."""
+        if now - self.started_at >= self.stable_s:
+            self.restarts = 0
+        delay = min(self.max_s, self.base_s * (2**self.restarts))
+        self.due_at = now + delay
+        return delay
+
+    def restarted(self, now: float) -> None:
+        self.restarts += 1
+        self.started_at = now
+        self.due_at = None
+
 
 @dataclass(slots=True)
 class FleetSpec:
@@ -145,6 +181,10 @@ class LocalFleet:
         self.redis_url: str | None = spec.redis_url
         self._redis = None  # a LocalRedis we own
         self.model_dir: str = spec.model
+        self.backoff: dict[str, Backoff] = {}
+        self.restart_log: list[tuple[float, str]] = []  # (monotonic time, child name)
+        self._supervisor: threading.Thread | None = None
+        self._stop_supervising = threading.Event()
 
     # -- urls -----------------------------------------------------------------------------
 
@@ -288,7 +328,55 @@ class LocalFleet:
             if pending:
                 time.sleep(0.1)
 
+    # -- supervision ----------------------------------------------------------------------
+
+    def supervise(self, now: float | None = None) -> list[str]:
+        """Restart crashed children whose backoff is over; returns the names restarted."""
+        now = time.monotonic() if now is None else now
+        done: list[str] = []
+        for child in [*self.daemons, *([self.gateway] if self.gateway else [])]:
+            b = self.backoff.setdefault(child.name, Backoff(started_at=now))
+            if not child.crashed:
+                continue
+            if b.due_at is None:
+                assert child.proc is not None
+                delay = b.crashed(now)
+                logger.warning(
+                    "%s exited with status %s; restarting it in %.0fs (log %s):\n%s",
+                    child.name,
+                    child.proc.returncode,
+                    delay,
+                    child.log_path,
+                    child.log_tail(5),
+                )
+            elif now >= b.due_at:
+                child.start()
+                b.restarted(now)
+                self.restart_log.append((now, child.name))
+                done.append(child.name)
+        return done
+
+    def supervise_in_background(self, interval_s: float = 0.5) -> None:
+        """Run ``supervise`` every ``interval_s`` on a thread until ``stop()``."""
+        if self._supervisor is not None:
+            return
+        self._stop_supervising.clear()
+
+        def loop() -> None:
+            while not self._stop_supervising.wait(interval_s):
+                try:
+                    self.supervise()
+                except Exception:  # keep supervising the others
+                    logger.exception("supervising the local fleet failed")
+
+        self._supervisor = threading.Thread(target=loop, name="fleet-supervisor", daemon=True)
+        self._supervisor.start()
+
     def stop(self) -> None:
+        self._stop_supervising.set()
+        if self._supervisor is not None:
+            self._supervisor.join(5)
+            self._supervisor = None
         if self.gateway is not None:
             self.gateway.stop()
         # Daemons drain in parallel: SIGTERM to all first, then wait for each.
@@ -440,14 +528,12 @@ def command(
             click.echo(f"\nQ: {QUESTION}\nA: {ask(fleet.gateway_url, fleet.served_model_name)}")
             return
         click.echo("Ctrl-C to stop", err=True)
+        # A crashed daemon is restarted with backoff; the others keep serving meanwhile.
         with contextlib.suppress(KeyboardInterrupt):
-            while all(d.alive for d in fleet.daemons) and fleet.gateway and fleet.gateway.alive:
+            while True:
+                for name in fleet.supervise():
+                    click.echo(f"restarted {name} (logs: {fleet.log_dir})", err=True)
                 time.sleep(0.5)
-        dead = [c.name for c in [*fleet.daemons, fleet.gateway] if c and not c.alive]
-        if dead:
-            click.echo(
-                f"{', '.join(dead)} exited; stopping the fleet (logs: {fleet.log_dir})", err=True
-            )
     finally:
         fleet.stop()
         click.echo("fleet stopped", err=True)

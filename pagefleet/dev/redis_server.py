@@ -79,15 +79,18 @@ class LocalRedis:
         maxmemory: str | None = None,
         startup_timeout_s: float = 10.0,
         acl: list[str] | None = None,
+        port: int | None = None,
     ) -> None:
         """``acl``: ACL file lines (``user NAME on >password ~pattern +@category``); when
-        given, they replace the open default user, so ``url`` then needs credentials."""
+        given, they replace the open default user, so ``url`` then needs credentials.
+        ``port``: listen there (e.g. a restart at the same address) instead of a free one."""
         self.executable = executable or find_redis_server()
         self.acl = acl
         self.tuning = INDEX_TUNING if tuning is None else tuning
         self.maxmemory = maxmemory
         self.startup_timeout_s = startup_timeout_s
         self.port = 0
+        self._fixed_port = port
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: Path | None = None
 
@@ -109,7 +112,7 @@ class LocalRedis:
         last_err = ""
         # A free port can be taken between probing and binding: retry with another.
         for _attempt in range(5):
-            self.port = _free_port()
+            self.port = self._fixed_port or _free_port()
             log_path = self._dir / "redis.log"
             log_path.unlink(missing_ok=True)
             # Own session: Ctrl-C reaches us, and we stop Redis in order.

@@ -120,7 +120,7 @@ def build_gateway(config: GatewayConfig):  # -> Gateway (imports kept local for 
     from pagefleet.gateway.prompts import PromptTokenizer
     from pagefleet.gateway.router import Router
     from pagefleet.gateway.server import Gateway, ProxySettings
-    from pagefleet.httpauth import Credentials
+    from pagefleet.httpauth import Credentials, upstream_key_from_env
     from pagefleet.kvindex.memory import MemoryKVIndex
 
     if config.discovery == "static":
@@ -157,6 +157,7 @@ def build_gateway(config: GatewayConfig):  # -> Gateway (imports kept local for 
     )
     try:
         credentials = Credentials.from_env()
+        upstream_key = upstream_key_from_env()
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
     router = Router(
@@ -183,6 +184,7 @@ def build_gateway(config: GatewayConfig):  # -> Gateway (imports kept local for 
             intake_workers=config.intake_workers,
         ),
         credentials=credentials,
+        upstream_key=upstream_key,
     )
 
 

@@ -136,6 +136,7 @@ class Gateway:
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     proxy: ProxySettings = field(default_factory=ProxySettings)
     credentials: Credentials = field(default_factory=Credentials)
+    upstream_key: str | None = None  # presented to daemons that require an API key
     intake: IntakePool | None = None
     _session: aiohttp.ClientSession | None = None
     _started: float = field(default_factory=time.time)
@@ -344,8 +345,9 @@ class Gateway:
             k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST_HEADERS
         }
         # The gateway's key is not the daemon's: never forward the client's credentials.
-        headers.pop("Authorization", None)
-        headers.pop("authorization", None)
+        headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
+        if self.upstream_key:
+            headers["Authorization"] = f"Bearer {self.upstream_key}"
         attempts = decision.ranked[: max(1, self.proxy.max_attempts)]
         last_error = "no attempt made"
         hung = False
