@@ -338,6 +338,16 @@ class RouterSpec(_Model):
     api_keys_secret: APIKeysSecretRef | None = None
     """Secret with the client API keys: the gateway then answers 401 to requests without
     `Authorization: Bearer <key>` (/health, /ready, /metrics stay open). Unset: no keys."""
+    first_byte_timeout_seconds: float = Field(default=60.0, gt=0, le=3600)
+    """Streams: seconds from forwarding a request to its first byte; past it the daemon
+    counts as hung, is skipped for a while, and the request moves to another daemon."""
+    inter_chunk_timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
+    """Streams: the longest silence between two chunks; past it the daemon counts as hung and
+    the client gets an error event (never a stream that merely stops)."""
+    request_timeout_seconds: float = Field(default=600.0, gt=0, le=86400)
+    """Non-streamed requests: seconds for the whole answer."""
+    max_concurrency: int = Field(default=1024, ge=1)
+    """Requests each gateway pod serves at once; past it, 429 with Retry-After."""
 
 
 # ---------------------------------------------------------------------------------- index

@@ -102,6 +102,15 @@ def gateway_command(
         "--block-size",
         str(spec.engine.block_size),
     ]
+    r = spec.router
+    cmd += [
+        "--first-byte-timeout", f"{r.first_byte_timeout_seconds:g}",
+        "--inter-chunk-timeout", f"{r.inter_chunk_timeout_seconds:g}",
+        "--request-timeout", f"{r.request_timeout_seconds:g}",
+        "--max-concurrency", str(r.max_concurrency),
+    ]  # fmt: skip
+    if spec.model.max_model_len is not None:
+        cmd += ["--max-model-len", str(spec.model.max_model_len)]
     if spec.router.weights:
         weights = ",".join(f"{k}={v:g}" for k, v in sorted(spec.router.weights.items()))
         cmd += ["--weights", weights]

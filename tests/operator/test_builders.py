@@ -169,6 +169,30 @@ def test_gateway_command_and_service(unified_spec):
     ]
 
 
+def test_gateway_hang_detection_and_limits_reach_its_flags(unified_spec):
+    unified_spec["router"] = {
+        "firstByteTimeoutSeconds": 5,
+        "interChunkTimeoutSeconds": 2.5,
+        "maxConcurrency": 64,
+    }
+    cmd = children(unified_spec)[("Deployment", "llama-gateway")]["spec"]["template"]["spec"][
+        "containers"
+    ][0]["command"]
+    assert flag(cmd, "--first-byte-timeout") == "5"
+    assert flag(cmd, "--inter-chunk-timeout") == "2.5"
+    assert flag(cmd, "--request-timeout") == "600"
+    assert flag(cmd, "--max-concurrency") == "64"
+    # The flags exist on the gateway (a typo here would crash-loop every gateway pod).
+    from click.testing import CliRunner
+
+    from pagefleet.gateway.cli import command
+
+    help_text = CliRunner().invoke(command, ["--help"]).output
+    for name in ("--first-byte-timeout", "--inter-chunk-timeout", "--request-timeout",
+                 "--max-concurrency", "--max-model-len"):  # fmt: skip
+        assert name in help_text
+
+
 def test_command_override_is_the_entrypoint(unified_spec):
     unified_spec["command"] = ["/venv/bin/pagefleet"]
     objs = children(unified_spec)
