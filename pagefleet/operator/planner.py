@@ -9,12 +9,15 @@ How it thinks (capacity per replica at the SLO, not CPU utilisation):
 - Load is measured in the units the SLOs depend on: uncached prompt tokens per second
   (prefill work, drives TTFT), generated tokens per second (decode work, drives TPOT/ITL),
   concurrent sequences against the engine's batch limit, and KV-cache usage.
-- Each replica's capacity at the SLO is learned from what the pods report: a busy interval
-  whose observed latency percentile held the target proves the replica can do at least the
-  throughput it did; an interval that missed the target says it can do at most that
-  throughput scaled by target/observed. A hint from the spec seeds it.
-- Desired replicas = the most any dimension needs at the target utilisation. A missed target
-  asks for at least one more replica even when the capacity model disagrees.
+- Each replica's capacity at the SLO (prefill and decode tokens/s) starts from the spec's
+  hint and is learned from what the pods report: a miss while requests queue bounds it by
+  what the replicas did flat out; a miss without a queue scales it by target/observed; a
+  busy pass above the estimate raises it; a comfortable pass at the planned utilisation
+  probes it up a little (see _learn_scale).
+- Desired replicas = the most any dimension needs at the target utilisation, where prefill
+  and decode work add up (a unified replica does both in the same steps), and concurrency
+  and KV usage are limits of their own. A missed target asks for at least one more replica
+  even when the capacity model disagrees.
 - Up fast, down slowly: after any change nothing moves for a short window; scale-up is
   limited by a step and waits while earlier new replicas are not Ready yet; scale-down goes
   to the highest recommendation of a longer window (so a dip shorter than it moves
