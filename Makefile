@@ -23,10 +23,11 @@ run: setup
 	$(PAGEFLEET) up --bench
 
 ## Everything CI checks: lint, the unit/component suite, and the e2e suite on a real control plane.
+## Tests run in a network namespace made for the run (scripts/in-netns.sh), never the host's.
 test: setup control-plane
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/pytest
+	bash scripts/in-netns.sh $(VENV)/bin/pytest
 
 ## Without the control plane (no Go build): the e2e directory is left out.
 test-fast: setup
@@ -36,7 +37,7 @@ control-plane:
 	bash scripts/control-plane.sh build
 
 e2e: setup control-plane
-	$(VENV)/bin/pytest e2e
+	bash scripts/in-netns.sh $(VENV)/bin/pytest e2e
 
 lint: setup
 	$(VENV)/bin/ruff check .

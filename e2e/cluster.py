@@ -572,7 +572,8 @@ def eventually(
 def main(argv: list[str] | None = None) -> int:
     """`python -m e2e.cluster`: run the control plane + node agent until Ctrl-C.
 
-    Prints the admin kubeconfig path, so `kubectl --kubeconfig ...` works from another shell.
+    Prints the admin kubeconfig path, so `kubectl --kubeconfig ...` works from another shell
+    (entered into the run's network namespace with the printed `nsenter` command).
     `--once` stops right after everything is ready (a start-up timing check).
     """
     import argparse
@@ -591,6 +592,9 @@ def main(argv: list[str] | None = None) -> int:
         t_all = time.monotonic() - t0
         print(f"control plane ready in {t_cp:.1f}s, with node agent in {t_all:.1f}s", flush=True)
         print(f"export KUBECONFIG={cp.kubeconfig_path}", flush=True)
+        if os.environ.get("PAGEFLEET_NETNS") == "1":
+            # Its 127.0.0.1 is the run's own network namespace: enter it to reach the API.
+            print(f"# from another shell: nsenter --net=/proc/{os.getpid()}/ns/net", flush=True)
         if not args.once:
             stop = threading.Event()
             # Both set explicitly: a shell starts background jobs with SIGINT ignored, and

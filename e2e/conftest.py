@@ -6,6 +6,11 @@ Fixtures (documented in e2e/README.md):
 - `node_agent` (session): that `e2e.node_agent.NodeAgentProcess` (pod log paths).
 - `kube` (session): an admin `e2e.kube_client.KubeClient`.
 - `namespace` (function): a fresh namespace, deleted after the test.
+
+The suite runs inside a network namespace made for the run (scripts/in-netns.sh: `lo` up,
+the pod range 198.18.0.0/15 local), never in the host's. Started outside one (a plain
+`pytest e2e/...`), pytest re-executes itself through scripts/in-netns.sh with the same
+arguments before collecting anything.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -22,9 +28,21 @@ import pytest
 
 from e2e.cluster import BinariesMissingError, ControlPlane, tail
 from e2e.kube_client import KubeAPIError, KubeClient
-from e2e.node_agent import NodeAgentProcess
+from e2e.node_agent import NodeAgentProcess, PodNetworkError, check_pod_network
 
 LOG_RETENTION_S = 24 * 3600
+IN_NETNS = Path(__file__).resolve().parents[1] / "scripts" / "in-netns.sh"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Outside the run's own network namespace, start over inside one (same arguments)."""
+    if os.environ.get("PAGEFLEET_NETNS") == "1":
+        return
+    args = [str(a) for a in config.invocation_params.args]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.chdir(config.invocation_params.dir)
+    os.execv("/bin/bash", ["bash", str(IN_NETNS), sys.executable, "-m", "pytest", *args])
 
 
 def e2e_log_dir() -> Path:
@@ -47,6 +65,10 @@ def e2e_log_dir() -> Path:
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[ControlPlane]:
     # Logs outlive the control plane's own work directory so failures can be inspected.
+    try:
+        check_pod_network()
+    except PodNetworkError as exc:
+        pytest.fail(str(exc), pytrace=False)
     logs = e2e_log_dir()
     cp = ControlPlane(logs_in=logs / "control-plane")
     missing = None

@@ -20,10 +20,12 @@ pods with `spec.nodeName=<node>`, and for each pod:
 
 Pod IPs. Pods need distinct addresses the host can reach, and EndpointSlices may not carry
 loopback (127/8) or link-local addresses (the apiserver rejects them). The agent therefore
-uses the benchmarking range 198.18.0.0/15 (RFC 2544, never routed on the Internet), made
-local with one "AnyIP" route, `ip route add local 198.18.0.0/15 dev lo`: every address in it
-then binds and answers on this host like 127.0.0.1 does. Each agent takes a random /24 from it
-(so concurrent runs do not collide); pods get .2, .3, ... and the node itself .1.
+uses the benchmarking range 198.18.0.0/15 (RFC 2544, never routed on the Internet), which
+must be local (an "AnyIP" route, `ip route add local 198.18.0.0/15 dev lo`: every address in
+it then binds and answers like 127.0.0.1 does). The agent never adds that route itself: the
+e2e run creates a network namespace of its own where it holds (scripts/in-netns.sh), so the
+host's network is never touched. Each agent takes a random /24 from the range (so
+concurrent runs do not collide); pods get .2, .3, ... and the node itself .1.
 
 Pod logs (stdout+stderr of every container, appended across restarts) go to
 `<log-dir>/pods/<namespace>_<pod>/<container>.log`.
@@ -84,26 +86,21 @@ def now_rfc3339() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def ensure_pod_network(network: ipaddress.IPv4Network = POD_NETWORK) -> None:
-    """Make every address of `network` bindable on this host (idempotent).
+def check_pod_network(network: ipaddress.IPv4Network = POD_NETWORK) -> None:
+    """Raise PodNetworkError unless every address of `network` binds here.
 
-    Tries a bind first, so a host where the route already exists needs no privileges.
+    Only checks: the route belongs to the run's own network namespace (scripts/in-netns.sh),
+    never to the host's, so the agent does not add it.
     """
-    probe = str(network.network_address + 1)
-    if _can_bind(probe):
+    probes = (network.network_address + 1, network.broadcast_address - 1)
+    if all(_can_bind(str(ip)) for ip in probes):
         return
-    res = subprocess.run(
-        ["ip", "route", "replace", "local", str(network), "dev", "lo"],
-        capture_output=True,
-        text=True,
-        check=False,
+    raise PodNetworkError(
+        f"pod addresses in {network} do not bind here: the e2e suite must run inside a network "
+        f"namespace made for the run, where they are local. Run it through "
+        f"`scripts/in-netns.sh`, e.g. `flock /tmp/pf-e2e.lock scripts/in-netns.sh "
+        f".venv/bin/pytest e2e` or `make e2e` (e2e/README.md)"
     )
-    if res.returncode != 0 or not _can_bind(probe):
-        raise PodNetworkError(
-            f"cannot bind pod addresses in {network}: the e2e node agent needs them local. "
-            f"Run once as root: `ip route add local {network} dev lo` "
-            f"(ip said: {res.stderr.strip() or 'nothing'})"
-        )
 
 
 def _can_bind(ip: str) -> bool:
@@ -273,7 +270,7 @@ class NodeAgent:
 
     def run(self) -> None:
         """Register the node, then reconcile until stop(); always kills every pod on exit."""
-        ensure_pod_network()
+        check_pod_network()
         self._register_node()
         watcher = threading.Thread(target=self._watch_pods, name="pod-watch", daemon=True)
         watcher.start()
@@ -943,7 +940,7 @@ class NodeAgentProcess:
 
     def start(self, timeout_s: float = 30.0) -> NodeAgentProcess:
         """Start the agent and return once its Node is registered and Ready."""
-        ensure_pod_network()
+        check_pod_network()
         self.proc = process.spawn(
             [
                 sys.executable,
@@ -1032,7 +1029,7 @@ __all__ = [
     "NodeAgent",
     "NodeAgentProcess",
     "PodNetworkError",
-    "ensure_pod_network",
+    "check_pod_network",
     "expand_vars",
     "random_pod_subnet",
 ]

@@ -152,7 +152,8 @@ case "${1:-build}" in
   up)
     cmd_build
     shift
-    cd "${ROOT}" && exec "${PYTHON:-${ROOT}/.venv/bin/python}" -m e2e.cluster "$@"
+    # In a network namespace of its own, like the e2e suite (the pod range is local there only).
+    cd "${ROOT}" && exec bash scripts/in-netns.sh "${PYTHON:-${ROOT}/.venv/bin/python}" -m e2e.cluster "$@"
     ;;
   *) echo "usage: $0 {build|check|dir|gen|up [--once] [--no-node]}" >&2; exit 2 ;;
 esac
