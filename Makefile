@@ -27,6 +27,7 @@ run: setup
 test: setup control-plane
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/lint-imports
 	bash scripts/in-netns.sh $(VENV)/bin/pytest
 
 ## Without the control plane (no Go build): the e2e directory is left out.
@@ -39,9 +40,11 @@ control-plane:
 e2e: setup control-plane
 	bash scripts/in-netns.sh $(VENV)/bin/pytest e2e
 
+## ruff, plus the layering contracts of pyproject.toml [tool.importlinter] (import-linter).
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/lint-imports
 
 format: setup
 	$(VENV)/bin/ruff check --fix .
