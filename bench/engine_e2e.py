@@ -74,14 +74,14 @@ def build_engine(
     from pagefleet.engine.parts import EngineParts
     from pagefleet.engine.sampler import Sampler
     from pagefleet.kernels import get_backend
-    from pagefleet.presets.tiny_tokenizer import EOS_TOKEN, write_tokenizer_files
+    from pagefleet.presets.tiny_tokenizer import write_tokenizer_files
     from pagefleet.tokenizer import Tokenizer
 
     cfg = dict(SHAPES[shape])
     tok_dir = Path(tempfile.mkdtemp(prefix="pagefleet-bench-tok-"))
     ids = write_tokenizer_files(tok_dir)
     tokenizer = Tokenizer.from_dir(tok_dir)
-    cfg["eos_token_id"] = ids[EOS_TOKEN]
+    cfg["eos_token_id"] = ids["eos"]
     mc = ModelConfig.from_dict(cfg)
     mc.dtype = parse_dtype(dtype)
     target = torch.device(device)
