@@ -79,7 +79,7 @@ def states(draw: st.DrawFn, now: float) -> PlannerState:
 NOW = 10_000.0
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(cfg=configs(), obs=observations(), state=states(NOW))
 def test_min_max_never_violated(
     cfg: PlannerConfig, obs: RoleObservation, state: PlannerState
@@ -88,7 +88,7 @@ def test_min_max_never_violated(
     assert cfg.min_replicas <= d.desired <= cfg.max_replicas
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(cfg=configs(), obs=observations(), state=states(NOW), age=st.floats(0, 1))
 def test_no_change_inside_the_stabilization_window(
     cfg: PlannerConfig, obs: RoleObservation, state: PlannerState, age: float
@@ -106,7 +106,7 @@ def test_no_change_inside_the_stabilization_window(
 LOAD_FIELDS = ("prompt_tokens_per_s", "generation_tokens_per_s", "running", "waiting", "kv_usage")
 
 
-@settings(max_examples=600, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(
     cfg=configs(),
     obs=observations(),
