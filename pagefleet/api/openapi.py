@@ -63,7 +63,8 @@ def _get(summary: str, content_type: str = "application/json") -> dict[str, Any]
 def _post(summary: str, body: str | None, streams: bool = False) -> dict[str, Any]:
     ok: dict[str, Any] = {"application/json": {"schema": {}}}
     if streams:
-        ok["text/event-stream"] = {"schema": {"type": "string"}}
+        # Each event's data is a chunk object, an in-band error, or the [DONE] marker.
+        ok["text/event-stream"] = {"schema": {}}
     op: dict[str, Any] = {
         "summary": summary,
         "responses": {"200": {"description": "OK", "content": ok}, **_ERRORS},

@@ -395,6 +395,17 @@ class LocalFleet:
         self._redis.stop()
         self._redis = None
 
+    def restart_redis(self) -> None:
+        """Start the fleet's Redis again at its old address, empty (after ``stop_redis``)."""
+        if self.redis_url is None or self._redis is not None:
+            raise RuntimeError("restart_redis() follows stop_redis() on a fleet owning Redis")
+        from urllib.parse import urlsplit
+
+        from pagefleet.dev.redis_server import LocalRedis
+
+        self._redis = LocalRedis(port=urlsplit(self.redis_url).port)
+        self._redis.start()
+
     def __enter__(self) -> LocalFleet:
         return self.start()
 
