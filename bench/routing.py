@@ -26,7 +26,9 @@ daemons' own /metrics, the same way for every door. `ideal_hit_rate` is one unbo
 replaying the trace in order. A last run sends one identical prompt many times through the
 cache_aware gateway (`max_pod_share_single_prompt`). `gateway_overhead_ms_*` is the
 gateway's own time per request (parse, tokenize, index lookup, rank, and relaying the first
-chunk), from its `pagefleet_gateway_overhead_seconds` histogram. Last line: one JSON object.
+chunk), from its `pagefleet_gateway_overhead_seconds` histogram, with the trace's prompts
+sent one at a time after the runs (`_under_load`: during the 8-conversation run, where it
+includes waiting for the CPU and the event loop). Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ from pagefleet.gateway.prompts import PromptTokenizer
 from pagefleet.kvindex.hashing import block_hashes
 
 OURS = ("cache_aware", "round_robin", "least_load")
+# Two cache_aware gateway replicas, conversations alternating between them: what a replica
+# loses by remembering only its own recent placements (docs/gateway.md).
+REPLICATED = "cache_aware_x2"
 DOORS = ("cache_aware", "sglang", "vllm_router", "round_robin", "least_load")
 BLOCK = 16
 
@@ -108,9 +113,8 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
-def histogram_quantiles(url: str, name: str, qs: tuple[float, ...]) -> dict[float, float | None]:
-    """Quantiles (linear inside a bucket, as Prometheus' histogram_quantile) of one
-    histogram summed over its label sets, read from ``url``/metrics."""
+def histogram_buckets(url: str, name: str) -> Counter[float]:
+    """Cumulative bucket counts (le -> count) of one histogram summed over its label sets."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         text = r.read().decode()
     buckets: Counter[float] = Counter()
@@ -120,6 +124,12 @@ def histogram_quantiles(url: str, name: str, qs: tuple[float, ...]) -> dict[floa
         for s in fam.samples:
             if s.name == name + "_bucket":
                 buckets[float(s.labels["le"])] += s.value
+    return buckets
+
+
+def quantiles(buckets: Counter[float], qs: tuple[float, ...]) -> dict[float, float | None]:
+    """Quantiles of cumulative buckets, linear inside a bucket (Prometheus'
+    histogram_quantile)."""
     bounds = sorted(buckets)
     total = buckets[bounds[-1]] if bounds else 0.0
     out: dict[float, float | None] = {}
@@ -139,6 +149,20 @@ def histogram_quantiles(url: str, name: str, qs: tuple[float, ...]) -> dict[floa
                 break
             prev_b, prev_c = b, c
     return out
+
+
+OVERHEAD = "pagefleet_gateway_overhead_seconds"
+
+
+def overhead_probe(
+    gateway_url: str, model: str, convs: list[Conversation]
+) -> dict[float, float | None]:
+    """The gateway's own time per request with nothing else in flight through it: the
+    trace's prompts one at a time, quantiles of the histogram's delta."""
+    before = histogram_buckets(gateway_url, OVERHEAD)
+    asyncio.run(run_workload(gateway_url, model, convs, 1, progress=False))
+    after = histogram_buckets(gateway_url, OVERHEAD)
+    return quantiles(Counter({b: after[b] - before.get(b, 0.0) for b in after}), (0.5, 0.99))
 
 
 def miss_breakdown(
@@ -189,21 +213,30 @@ class Bench:
     def __init__(self, fleet: LocalFleet, args: argparse.Namespace) -> None:
         self.fleet = fleet
         self.args = args
-        self.doors: dict[str, Child] = {}
+        self.children: list[Child] = []
 
-    def spawn_doors(self, shape: str) -> dict[str, Child]:
+    def spawn_doors(self, shape: str) -> dict[str, list[Child]]:
         """Fresh processes for every door of one shape (no router remembers another run)."""
-        doors: dict[str, Child] = {}
-        for name in self.args.doors:
+        doors: dict[str, list[Child]] = {}
+        ours: list[Child] = []
+        for name in self.args.doors if shape == "chat" else self.args.agentic_doors:
             if name in OURS:
-                doors[name] = self.fleet.spawn_gateway(name, name=f"gateway-{name}-{shape}")
+                doors[name] = [self.fleet.spawn_gateway(name, name=f"gateway-{name}-{shape}")]
+                ours += doors[name]
+            elif name == REPLICATED:
+                doors[name] = [
+                    self.fleet.spawn_gateway("cache_aware", name=f"gateway-replica{i}-{shape}")
+                    for i in range(2)
+                ]
+                ours += doors[name]
             elif peer_version(name) is not None:
-                doors[name] = spawn_peer(name, self.fleet.daemon_urls, self.fleet.log_dir)
-        self.fleet.wait_ready([c for n, c in doors.items() if n in OURS])
-        for n, c in doors.items():
-            if n not in OURS:
-                wait_peer_ready(c, self.fleet.served_model_name)
-        self.doors.update({f"{n}/{shape}": c for n, c in doors.items()})
+                doors[name] = [spawn_peer(name, self.fleet.daemon_urls, self.fleet.log_dir)]
+        self.children += [c for cs in doors.values() for c in cs]
+        self.fleet.wait_ready(ours)
+        for cs in doors.values():
+            for c in cs:
+                if c not in ours:
+                    wait_peer_ready(c, self.fleet.served_model_name)
         return doors
 
     def reset_caches(self) -> None:
@@ -212,7 +245,7 @@ class Bench:
 
     def run(
         self,
-        door: Child,
+        door: list[Child],
         convs: list[Conversation],
         think_s: float = 0.0,
         ids: dict[tuple[int, int], list[int]] | None = None,
@@ -220,17 +253,27 @@ class Bench:
         self.reset_caches()
         time.sleep(0.3)  # the daemons' next stats snapshot, so the "before" scrape is fresh
         before = [scrape(u) for u in self.fleet.daemon_urls]
-        results, wall = asyncio.run(
-            run_workload(
-                door.url,
-                self.fleet.served_model_name,
-                convs,
-                self.args.concurrency,
-                progress=False,
-                seed=self.args.seed,
-                think_s=think_s,
+        n = len(door)
+
+        async def drive() -> tuple[list[RequestResult], float]:
+            # Replicas: conversation i through replica i % n, the concurrency split evenly.
+            parts = await asyncio.gather(
+                *(
+                    run_workload(
+                        d.url,
+                        self.fleet.served_model_name,
+                        convs[i::n],
+                        max(1, self.args.concurrency // n),
+                        progress=False,
+                        seed=self.args.seed,
+                        think_s=think_s,
+                    )
+                    for i, d in enumerate(door)
+                )
             )
-        )
+            return [r for res, _ in parts for r in res], max(w for _, w in parts)
+
+        results, wall = asyncio.run(drive())
         time.sleep(0.6)  # let every daemon's counters catch up with its last request
         after = [scrape(u) for u in self.fleet.daemon_urls]
         report = summarize(results, wall)
@@ -288,6 +331,8 @@ def shape_keys(reports: dict[str, dict[str, Any]], ideal: float, suffix: str) ->
         "lost_frac_inflight": {d: r.get("lost_frac_inflight") for d, r in reports.items()},
         "lost_frac_done": {d: r.get("lost_frac_done") for d, r in reports.items()},
         "blind_requests_cache_aware": get("cache_aware", "blind_requests"),
+        "cache_aware_x2_hit_rate": get(REPLICATED, "prefix_hit_rate"),
+        "ttft_p50_ms_cache_aware_x2": get(REPLICATED, "ttft_ms_p50"),
         "failed": sum(r["failed"] for r in reports.values()),
     }
     return {k + suffix: v for k, v in out.items()}
@@ -302,13 +347,28 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument(
         "--doors",
-        default=",".join(DOORS),
-        help="front doors to compare: " + ", ".join(DOORS),
+        default=None,
+        help="front doors on the chat shape: "
+        + ", ".join((*DOORS, REPLICATED))
+        + " (default: all but the last; with "
+        "--quick, all but least_load)",
+    )
+    ap.add_argument(
+        "--agentic-doors",
+        default=None,
+        help="front doors on the agentic shape (default: all; with --quick, cache_aware and "
+        "the peers)",
     )
     ap.add_argument(
         "--shapes", default="chat,agentic", help="workload shapes: chat, agentic (or one)"
     )
     ap.add_argument("--think-ms", type=float, default=5.0, help="agentic: pause between turns")
+    ap.add_argument(
+        "--overhead-requests",
+        type=int,
+        default=24,
+        help="requests sent one at a time to measure the gateway's own time",
+    )
     ap.add_argument(
         "--kv-blocks-per-daemon",
         type=int,
@@ -341,7 +401,12 @@ def main() -> None:
         "checkpoint dir or a .gguf file",
     )
     args = ap.parse_args()
-    args.doors = [d for d in args.doors.split(",") if d]
+    quick_chat = "cache_aware,sglang,vllm_router,round_robin"
+    chat_doors = args.doors or (quick_chat if args.quick else ",".join(DOORS))
+    args.doors = [d for d in chat_doors.split(",") if d]
+    quick_agentic = "cache_aware,sglang,vllm_router"
+    agentic_doors = args.agentic_doors or (quick_agentic if args.quick else ",".join(DOORS))
+    args.agentic_doors = [d for d in agentic_doors.split(",") if d]
     shapes = [s for s in args.shapes.split(",") if s]
     if args.model == "bench":
         from bench_models import ensure_bench_model
@@ -353,8 +418,8 @@ def main() -> None:
         args.model = str(resolve_checkpoint_dir(args.model))
 
     t_start = time.perf_counter()
-    n_req = args.requests or (56 if args.quick else 240)
-    n_agent = args.agentic_requests or (56 if args.quick else 200)
+    n_req = args.requests or (48 if args.quick else 240)
+    n_agent = args.agentic_requests or (48 if args.quick else 200)
     if args.tenants is None:
         args.tenants = 16 if args.quick else 32
     spec = WorkloadSpec(
@@ -411,6 +476,7 @@ def main() -> None:
     bench = Bench(fleet, args)
     reports: dict[str, dict[str, dict[str, Any]]] = {}
     overhead: dict[str, dict[float, float | None]] = {}
+    loaded: dict[str, dict[float, float | None]] = {}
     single_report: dict[str, Any] = {}
     try:
         fleet.start()
@@ -452,10 +518,13 @@ def main() -> None:
                     f"{r['blind_requests']}"
                 )
             if "cache_aware" in doors:
-                overhead[shape] = histogram_quantiles(
-                    doors["cache_aware"].url, "pagefleet_gateway_overhead_seconds", (0.5, 0.99)
+                url = doors["cache_aware"][0].url
+                loaded[shape] = quantiles(histogram_buckets(url, OVERHEAD), (0.5, 0.99))
+                overhead[shape] = overhead_probe(
+                    url, fleet.served_model_name, trim(traces[shape], args.overhead_requests)
                 )
-        single = single_prompt_trace(48 if args.quick else 160, words=140, salt="single ")
+                print(f"{shape:8s} gateway overhead, one request at a time: {overhead[shape]}")
+        single = single_prompt_trace(40 if args.quick else 160, words=140, salt="single ")
         bench.reset_caches()
         results, wall = asyncio.run(
             run_workload(
@@ -469,17 +538,20 @@ def main() -> None:
         )
         t_runs = time.perf_counter() - t_start - t_ready
     finally:
-        for c in bench.doors.values():
+        for c in bench.children:
             c.terminate()
         fleet.stop()
-        for c in bench.doors.values():
+        for c in bench.children:
             c.stop()
 
     out: dict[str, Any] = {}
     for shape in shapes:
         suffix = "" if shape == "chat" else f"_{shape}"
         out.update(shape_keys(reports[shape], ideal[shape], suffix))
-        ms = {q: (None if v is None else round(v * 1000, 3)) for q, v in overhead[shape].items()}
+        ms = {
+            q: (None if v is None else round(v * 1000, 3))
+            for q, v in overhead.get(shape, {}).items()
+        }
         out[f"gateway_overhead_ms_p50{suffix}"] = ms.get(0.5)
         out[f"gateway_overhead_ms_p99{suffix}"] = ms.get(0.99)
     out.update(

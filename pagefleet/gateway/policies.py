@@ -10,23 +10,29 @@ index's exact answer, or this gateway's recent placements it has not seen yet):
 
     uncached_frac = (L - m_p * B) / L                   # prefill work still to do, 0..1
     queue         = inflight_p + max(0, running_p + waiting_p - inflight_p(at heartbeat))
-    excess        = max(0, queue - min over pods of queue - slack)
+    ahead         = prefilling_p + max(0, waiting_p - inflight_p(at heartbeat))
+    excess        = max(0, ahead - min over pods of ahead - slack)
     fit           = min(2, (footprint_p + N - m_p) / capacity_p)
-    cost          = w_prefill * uncached_frac + w_queue * excess + w_kv * kv_usage_p
+    full          = 1 if (N - m_p) > capacity_p * (1 - kv_usage_p) else 0
+    cost          = w_prefill * uncached_frac + w_queue * excess + w_kv * full
                     + w_fit * fit
 
 ``queue`` is this gateway's own in-flight count now (exact, instant) plus whatever the
 pod's last heartbeat saw beyond our own requests at the moment it was taken (other gateway
 replicas' traffic).
 
-The load rule: a pod's queue costs nothing while it is within ``slack`` requests of the
-least-loaded pod. Continuous batching admits a request into the next step whatever the
-batch, so a request or two more than elsewhere does not delay this one by a prefill; and
-when every pod is nearly idle, there is nothing to balance. Beyond that slack each extra
-request costs ``w_queue`` of a full prefill (default 0.5: two requests queued ahead beyond
-the slack delay this one about as much as prefilling it elsewhere). The imbalance guard
-falls back to pure load when the pods holding the longest prefix are all busier than the
-least-loaded pod by more than ``imbalance_abs`` requests.
+The load rule: load costs only when it would raise this request's TTFT. What delays a
+prefill is the requests ahead of it that are themselves still queued or prefilling
+(``ahead``: ours without their first byte yet, plus the pod's waiting queue beyond ours);
+requests already decoding do not, continuous batching runs a new prefill beside them. And
+``ahead`` costs nothing while it is within ``slack`` (default 1) of the least-loaded pod's:
+when every pod is nearly idle there is nothing to balance. Beyond that, each request ahead
+costs ``w_queue`` of a full prefill (default 0.5: two prefills ahead beyond the slack delay
+this one about as much as prefilling it elsewhere). ``queue`` (all in flight) drives the
+imbalance guard and least_load. KV in use counts the same way: only when this request's
+new blocks do not fit beside the live requests' (``full``) would it wait for blocks.
+The imbalance guard falls back to pure load when the pods holding the longest prefix are
+all busier than the least-loaded pod by more than ``imbalance_abs`` requests.
 
 Hot prefixes: when the requests in flight that share this prompt's matched prefix are more
 than one pod's fair share of all in-flight requests plus the slack (``shared > total / pods
@@ -70,7 +76,9 @@ class RoutingWeights(BaseModel):
     slack: float = Field(
         1.0, ge=0, description="requests more than the least-loaded pod that cost nothing"
     )
-    kv: float = Field(0.5, ge=0, description="cost of a pod whose KV cache is fully in use")
+    kv: float = Field(
+        0.5, ge=0, description="cost of a pod whose free KV cannot hold this request's new blocks"
+    )
     fit: float = Field(
         0.25,
         ge=0,
@@ -111,6 +119,7 @@ class Candidate:
     inflight: int = 0
     own_at_heartbeat: int = 0  # this gateway's in-flight count when the heartbeat was taken
     has_heartbeat: bool = False
+    prefilling: int = 0  # of ``inflight``, those without their first byte yet
     footprint_blocks: int = 0  # distinct blocks this gateway recently sent the pod
     capacity_blocks: int = 0  # the pod's KV pool in blocks (0: unknown)
 
@@ -119,6 +128,14 @@ class Candidate:
         """Requests ahead of this one: ours now, plus what the heartbeat saw beyond ours."""
         others = max(0, self.running + self.waiting - self.own_at_heartbeat)
         return self.inflight + others
+
+    @property
+    def ahead(self) -> int:
+        """Requests that would delay this one's prefill: ours not yet past their first
+        byte, plus the pod's own waiting queue beyond ours (other replicas'). Requests
+        already decoding do not: continuous batching runs a new prefill beside them."""
+        others = max(0, self.waiting - self.own_at_heartbeat)
+        return self.prefilling + others
 
 
 @dataclass(slots=True, frozen=True)
@@ -193,19 +210,22 @@ class CacheAwarePolicy:
         w = self.weights
         uncached = req.prompt_tokens - _matched_tokens(c, req)
         frac = uncached / req.prompt_tokens if req.prompt_tokens > 0 else 1.0
-        excess = max(0.0, c.queue - min_queue - w.slack)
-        fit = 0.0
+        excess = max(0.0, c.ahead - min_queue - w.slack)
+        fit = full = 0.0
         if c.capacity_blocks > 0:
             new = max(0, req.num_blocks - c.matched_blocks)
             fit = min(2.0, (c.footprint_blocks + new) / c.capacity_blocks)
-        return w.prefill * frac + w.queue * excess + w.kv * c.kv_usage + w.fit * fit
+            # Live requests hold kv_usage of the pool; the rest is free or evictable. Only
+            # when this request's new blocks do not fit there must it wait for others.
+            full = 1.0 if new > c.capacity_blocks * (1.0 - c.kv_usage) else 0.0
+        return w.prefill * frac + w.queue * excess + w.kv * full + w.fit * fit
 
     def rank(
         self, candidates: list[Candidate], req: RouteRequest, rng: random.Random
     ) -> list[Scored]:
         if not candidates:
             return []
-        min_queue = min(c.queue for c in candidates)
+        min_queue = min(c.ahead for c in candidates)
         if req.hot:
             # Replicate a hot prefix: least load first, the cache only breaks ties (a
             # holder wins at equal load; one more request than elsewhere moves it on).

@@ -100,6 +100,14 @@ class RoutingDecision:
 
 
 @dataclass(slots=True)
+class Ticket:
+    """One attempt in flight; ``prefilling`` until its first byte came back."""
+
+    pod: str
+    prefilling: bool = True
+
+
+@dataclass(slots=True)
 class _Breaker:
     """Skips the index for ``cooldown_s`` after a failure; one probe then decides."""
 
@@ -138,6 +146,8 @@ class Router:
     # 0 turns the placement memory off.
     placement_ttl_s: float = 2.0
     inflight: dict[str, int] = field(default_factory=dict)
+    # Of those, the ones still waiting for their first byte (queued or prefilling).
+    prefilling: dict[str, int] = field(default_factory=dict)
     placements: PlacementMemory = field(default_factory=PlacementMemory)
     _ejected: dict[str, float] = field(default_factory=dict)
     _history: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)
@@ -205,17 +215,36 @@ class Router:
 
     # -- in-flight accounting -------------------------------------------------------------
 
-    def acquire(self, ep: Endpoint, keys: Sequence[int] = ()) -> None:
+    def acquire(self, ep: Endpoint, keys: Sequence[int] = ()) -> Ticket:
         """A request (with block ``keys``) is being sent to ``ep``."""
         self._set_inflight(ep.pod, self.inflight.get(ep.pod, 0) + 1)
+        self.prefilling[ep.pod] = self.prefilling.get(ep.pod, 0) + 1
         if keys and self.placement_ttl_s > 0:
             self.placements.begin(keys, ep.pod)
+        return Ticket(ep.pod)
 
-    def release(self, ep: Endpoint, keys: Sequence[int] = ()) -> None:
+    def first_token(self, ticket: Ticket) -> None:
+        """The attempt's first byte arrived: it no longer delays a new prefill there."""
+        if ticket.prefilling:
+            ticket.prefilling = False
+            self._dec_prefilling(ticket.pod)
+
+    def release(self, ep: Endpoint, keys: Sequence[int] = (), ticket: Ticket | None = None) -> None:
         """The request :meth:`acquire` announced finished (or failed)."""
         self._set_inflight(ep.pod, max(0, self.inflight.get(ep.pod, 0) - 1))
+        if ticket is None or ticket.prefilling:
+            self._dec_prefilling(ep.pod)
+            if ticket is not None:
+                ticket.prefilling = False
         if keys and self.placement_ttl_s > 0:
             self.placements.end(keys, ep.pod)
+
+    def _dec_prefilling(self, pod: str) -> None:
+        n = self.prefilling.get(pod, 0) - 1
+        if n > 0:
+            self.prefilling[pod] = n
+        else:
+            self.prefilling.pop(pod, None)
 
     def _set_inflight(self, pod: str, n: int) -> None:
         if n > 0:
@@ -365,6 +394,7 @@ class Router:
                     waiting=load.waiting if load else 0,
                     kv_usage=load.kv_usage if load else 0.0,
                     inflight=self.inflight.get(ep.pod, 0),
+                    prefilling=self.prefilling.get(ep.pod, 0),
                     own_at_heartbeat=self.inflight_at(ep.pod, load.ts) if load else 0,
                     has_heartbeat=load is not None,
                     footprint_blocks=self.placements.footprint(ep.pod) if keys else 0,

@@ -37,7 +37,7 @@ from pagefleet.gateway.discovery import Endpoint
 from pagefleet.gateway.intake import Intake, IntakePool
 from pagefleet.gateway.metrics import GatewayMetrics
 from pagefleet.gateway.prompts import PromptTokenizer
-from pagefleet.gateway.router import Router, RoutingDecision
+from pagefleet.gateway.router import Router, RoutingDecision, Ticket
 from pagefleet.httpauth import AuthPolicy, Credentials
 
 logger = logging.getLogger(__name__)
@@ -354,7 +354,7 @@ class Gateway:
         for i, scored in enumerate(attempts):
             ep = scored.endpoint
             more_left = i + 1 < len(attempts)
-            self.router.acquire(ep, decision.keys)
+            ticket = self.router.acquire(ep, decision.keys)
             self.metrics.inflight.labels(pod=ep.pod).inc()
             attempt = _Attempt(asyncio.get_running_loop())
             unwatch = self.router.watch(ep.pod, attempt.pod_down)
@@ -363,12 +363,13 @@ class Gateway:
                     request, ep, path, body, headers, stream, decision,
                     scored.matched_tokens, more_left, attempt,
                     time.perf_counter() - t_arrival,
+                    ticket,
                 )  # fmt: skip
             except _Failed as exc:
                 result = str(exc)
             finally:
                 unwatch()
-                self.router.release(ep, decision.keys)
+                self.router.release(ep, decision.keys, ticket)
                 self.metrics.inflight.labels(pod=ep.pod).dec()
             if isinstance(result, web.StreamResponse):
                 return result
@@ -433,6 +434,7 @@ class Gateway:
         more_left: bool,
         attempt: _Attempt,
         pre_s: float,
+        ticket: Ticket,
     ) -> web.StreamResponse | str:
         """Serve the request from ``ep``; a string says why to move on to the next pod.
 
@@ -462,6 +464,7 @@ class Gateway:
                     self.router.mark_failed(ep)
                     return f"{type(exc).__name__} while reading the body: {exc}"
                 self.router.mark_ok(ep)
+                self.router.first_token(ticket)
                 self._count(ep, decision, predicted_hit, upstream.status)
                 self.metrics.upstream_latency_seconds.labels(pod=ep.pod).observe(
                     time.perf_counter() - t0
@@ -482,6 +485,7 @@ class Gateway:
                 return "stream closed before the first byte"
             self.router.mark_ok(ep)
             t_first = time.perf_counter()
+            self.router.first_token(ticket)
             self.metrics.upstream_ttft_seconds.labels(pod=ep.pod).observe(t_first - t0)
             self._count(ep, decision, predicted_hit, upstream.status)
             resp = web.StreamResponse(status=upstream.status, headers=out_headers)

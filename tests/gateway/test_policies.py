@@ -263,13 +263,16 @@ def test_cache_aware_cost_trades_hits_against_queue() -> None:
     ep = [Endpoint(p, u) for p, u in zip(PODS, URLS, strict=True)]
     req = RouteRequest(prompt_tokens=10 * BS, block_size=BS, num_blocks=10)
     # Full hit with 2 queued (cost 0.5 * (2 - 1)) beats a cold idle pod (cost 1.0) ...
-    ranked = policy.rank([Candidate(ep[0], 10, running=2), Candidate(ep[1])], req, random.Random(0))
+    ranked = policy.rank([Candidate(ep[0], 10, waiting=2), Candidate(ep[1])], req, random.Random(0))
     assert ranked[0].endpoint == ep[0]
     # ... but not with 4 queued (cost 1.5).
-    ranked = policy.rank([Candidate(ep[0], 10, running=4), Candidate(ep[1])], req, random.Random(0))
+    ranked = policy.rank([Candidate(ep[0], 10, waiting=4), Candidate(ep[1])], req, random.Random(0))
     assert ranked[0].endpoint == ep[1]
+    # Requests already decoding do not delay a prefill: a busy decoder keeps its hits.
+    decoding = [Candidate(ep[0], 10, running=4), Candidate(ep[1])]
+    assert policy.rank(decoding, req, random.Random(0))[0].endpoint == ep[0]
     # Load is counted from the least-loaded pod: all busy alike, the hit wins however busy.
-    busy = [Candidate(ep[0], 10, running=9), Candidate(ep[1], running=8)]
+    busy = [Candidate(ep[0], 10, waiting=9), Candidate(ep[1], waiting=8)]
     assert policy.rank(busy, req, random.Random(0))[0].endpoint == ep[0]
 
 
@@ -278,7 +281,7 @@ def test_slack_makes_a_request_or_two_more_free() -> None:
     with slack 0 the same one-request difference moves it."""
     ep = [Endpoint(p, u) for p, u in zip(PODS, URLS, strict=True)]
     req = RouteRequest(prompt_tokens=10 * BS, block_size=BS, num_blocks=10)
-    cands = [Candidate(ep[0], 6, running=1), Candidate(ep[1])]
+    cands = [Candidate(ep[0], 6, waiting=1), Candidate(ep[1])]
     slack = CacheAwarePolicy(RoutingWeights(queue=0.5, slack=1, kv=0.0, fit=0.0))
     assert slack.rank(cands, req, random.Random(0))[0].endpoint == ep[0]
     strict = CacheAwarePolicy(RoutingWeights(queue=1.0, slack=0, kv=0.0, fit=0.0))
