@@ -64,3 +64,18 @@ def test_bad_values_fail_with_the_value_named(args: list[str], message: str) -> 
 def test_default_values_pass_the_schema() -> None:
     require_helm()
     assert helm_template(monitoring=True).returncode == 0
+
+
+def test_autoscaler_prometheus_url_reaches_the_operator() -> None:
+    from pagefleet.testing.helm import render
+
+    url = "http://prometheus-operated.monitoring.svc:9090"
+    docs = render("--set", f"operator.prometheusURL={url}")
+    op = next(d for d in docs if d["kind"] == "Deployment")
+    env = op["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "PAGEFLEET_PROMETHEUS_URL", "value": url} in env
+    default = next(d for d in render() if d["kind"] == "Deployment")
+    names = [e["name"] for e in default["spec"]["template"]["spec"]["containers"][0]["env"]]
+    assert "PAGEFLEET_PROMETHEUS_URL" not in names
+    bad = helm_template("--set", "operator.prometheusURL=prometheus:9090", check=False)
+    assert "operator.prometheusURL: Does not match pattern" in bad.stderr, bad.stderr
