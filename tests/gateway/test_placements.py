@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import random
+import uuid
 from collections import Counter
+from collections.abc import AsyncIterator, Iterator
 
+import pytest
+import pytest_asyncio
+
+from pagefleet.dev.redis_server import LocalRedis
 from pagefleet.gateway.discovery import Endpoint, StaticDiscovery
 from pagefleet.gateway.placements import PlacementMemory
 from pagefleet.gateway.policies import make_policy
@@ -91,6 +97,27 @@ def test_footprint_counts_distinct_recent_blocks_per_pod() -> None:
     assert mem.footprint("c") == 0
 
 
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    with LocalRedis() as server:
+        yield server.url
+
+
+@pytest_asyncio.fixture(params=["memory", "redis"])
+async def any_index(request: pytest.FixtureRequest) -> AsyncIterator[MemoryKVIndex]:
+    """The in-memory index, and the real Redis one the gateway runs with."""
+    if request.param == "memory":
+        yield MemoryKVIndex(NS)
+        return
+    from pagefleet.kvindex.redis_index import RedisKVIndex
+
+    url = request.getfixturevalue("redis_url")
+    # A fresh key namespace per test (block keys still hash under NS, as the router's).
+    index = RedisKVIndex.from_url(url, namespace=NS + uuid.uuid4().hex[:8])
+    yield index  # type: ignore[misc]
+    await index.close()
+
+
 async def _router(index: MemoryKVIndex, seed: int = 0, **kw) -> Router:
     r = Router(
         discovery=StaticDiscovery(URLS),
@@ -117,10 +144,10 @@ async def _store(index: MemoryKVIndex, pod: str, tokens: list[int], seq: int) ->
     )
 
 
-async def test_a_new_prefix_burst_lands_on_one_pod_before_the_index_knows() -> None:
+async def test_a_new_prefix_burst_lands_on_one_pod_before_the_index_knows(any_index) -> None:
     """Three requests of one new system prompt arrive together: the index knows nothing
     yet; without the memory they would spread by load over three pods."""
-    index = MemoryKVIndex(NS)
+    index = any_index
     await _beat(index)
     system = _prompt(1, 40 * BS)
     for seed in range(10):
@@ -132,6 +159,7 @@ async def test_a_new_prefix_burst_lands_on_one_pod_before_the_index_knows() -> N
                 router.acquire(d.ranked[0].endpoint, d.keys)
                 pods.append(d.ranked[0].endpoint.pod)
             assert len(set(pods)) == 1, pods
+            assert d.index_ok  # the index answered (nothing yet), it did not fail
             assert d.predicted_hit_tokens == 40 * BS  # the in-flight twin, not the index
         finally:
             await router.close()
@@ -147,9 +175,9 @@ async def test_a_new_prefix_burst_lands_on_one_pod_before_the_index_knows() -> N
             await off.close()
 
 
-async def test_the_index_overrules_the_memory_once_the_record_lapses() -> None:
+async def test_the_index_overrules_the_memory_once_the_record_lapses(any_index) -> None:
     clock = FakeClock()
-    index = MemoryKVIndex(NS)
+    index = any_index
     await _beat(index)
     prompt = _prompt(2, 30 * BS)
     router = await _router(index, placement_ttl_s=2.0)
