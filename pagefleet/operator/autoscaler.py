@@ -194,9 +194,16 @@ class Autoscaler:
         if spec.index.password_secret_ref is not None:
             redis_url, redis_note = None, self.settings.redis_password_note
 
-        deploys = {d["metadata"]["name"]: d for d in self._list(DEPLOYMENT, namespace, name)}
+        try:
+            deploy_list = self._list(DEPLOYMENT, namespace, name)
+            pod_list = self._list(POD, namespace, name)
+        except KubeError as exc:
+            # Transient (API busy, namespace going away): decide at the next tick.
+            log.warning("%s/%s: autoscaler cannot list its workloads: %s", namespace, name, exc)
+            return []
+        deploys = {d["metadata"]["name"]: d for d in deploy_list}
         pods_by_role: dict[str, list[Manifest]] = {}
-        for pod in self._list(POD, namespace, name):
+        for pod in pod_list:
             if pod["metadata"].get("deletionTimestamp"):
                 continue  # already leaving: neither capacity nor a candidate
             role = (pod["metadata"].get("labels") or {}).get(LABEL_ROLE, "")

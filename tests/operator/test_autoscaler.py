@@ -450,3 +450,18 @@ def test_prometheus_inputs_from_a_real_prometheus(redis: str, servers: MetricsSe
     assert replicas(kube) == before and out.decision.reason.value == "InputsUnknown"
     cond = scaling_active(kube)
     assert cond["status"] == "False" and "Prometheus http://127.0.0.1:1" in cond["message"]
+
+
+def test_an_api_error_while_listing_holds_quietly(redis: str) -> None:
+    from pagefleet.operator.kube import KubeError
+
+    kube, clock, events = FakeKube(), Clock(), []
+    world(kube, redis, 2, [])
+    scaler = make(kube, clock)
+
+    def refuse(*_: Any) -> Any:
+        raise KubeError(429, "storage is (re)initializing")
+
+    kube.list = refuse  # type: ignore[method-assign]
+    assert tick(scaler, kube, events) == []
+    assert replicas(kube) == 2 and events == []
