@@ -113,6 +113,68 @@ class _Lenient(BaseModel):
         return sorted((self.model_extra or {}).keys())
 
 
+# Fields a server accepts and ignores: they change nothing in the output. Clients send the
+# OpenAI bookkeeping ones; routers in front of a worker add their own (sglang-router: rid,
+# bootstrap_*; vllm-router: request_id; both: priority-style hints).
+IGNORED_FIELDS = frozenset(
+    {
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "parallel_tool_calls",  # only means something with tools
+        "no_stop_trim",
+        "rid",
+        "sglang_rid",
+        "request_id",
+        "priority",
+        "bootstrap_host",
+        "bootstrap_port",
+        "bootstrap_room",
+        "return_text_in_logprobs",
+        "stream_reasoning",
+    }
+)
+
+# Fields a server does not implement but accepts at the value that asks for nothing
+# (vLLM's defaults): any other value is refused rather than silently ignored.
+ACCEPTED_DEFAULTS: dict[str, object] = {
+    "spaces_between_special_tokens": True,
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "early_stopping": False,
+    "prompt_logprobs": None,
+    "truncate_prompt_tokens": None,
+    "return_tokens_as_token_ids": False,
+    "continue_final_message": False,
+    "echo": False,
+    "add_special_tokens": True,
+    "response_format": None,
+    "tools": None,
+    "tool_choice": None,
+    "functions": None,
+    "function_call": None,
+    "modalities": ["text"],
+    "best_of": None,
+    "documents": None,
+    "chat_template": None,
+}
+
+
+def unsupported_fields(req: BaseModel) -> list[str]:
+    """The undeclared fields of ``req`` that would change the output: neither ignorable
+    (``IGNORED_FIELDS``) nor at a default that asks for nothing (``ACCEPTED_DEFAULTS``)."""
+    extra = req.model_extra or {}
+    out = []
+    for name, value in extra.items():
+        if name in IGNORED_FIELDS:
+            continue
+        if name in ACCEPTED_DEFAULTS and value == ACCEPTED_DEFAULTS[name]:
+            continue
+        out.append(name)
+    return sorted(out)
+
+
 class StreamOptions(_Lenient):
     include_usage: bool = False
     continuous_usage_stats: bool = False
@@ -136,6 +198,12 @@ class _SamplingFields(_Lenient):
     stop_token_ids: list[NonNegInt] | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    # JSON object keys are strings: token id (as a string) -> bias in [-100, 100].
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    bad_words: list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
@@ -151,6 +219,17 @@ class _SamplingFields(_Lenient):
         if any(s == "" for s in stops):
             raise ValueError("stop strings must be non-empty")
         return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        bad = next((k for k in (v or {}) if not k.isdigit()), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias keys must be token ids, got {bad!r}")
+        return v
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        return {int(k): v for k, v in (self.logit_bias or {}).items()}
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

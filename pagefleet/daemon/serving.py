@@ -37,6 +37,7 @@ from pagefleet.api.openai import (
     TokenizeRequest,
     TokenizeResponse,
     parse_body,
+    unsupported_fields,
 )
 from pagefleet.daemon.admission import Admission
 from pagefleet.daemon.config import DaemonConfig
@@ -78,7 +79,6 @@ class OpenAIServing:
         self.admission = admission
         self._live_loop = live_loop
         self._started_at = started_at
-        self._logged_unknown: set[str] = set()
 
     def add_routes(self, router: web.UrlDispatcher) -> None:
         router.add_post("/v1/completions", self.completions)
@@ -164,7 +164,7 @@ class OpenAIServing:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = parse_body(CompletionRequest, await request.read())
-        self._log_unknown(req.unknown_fields())
+        self._reject_unsupported(req)
         self._check_model(req.model)
         if req.suffix:
             raise APIError(400, "suffix is not supported by this model", param="suffix")
@@ -180,7 +180,7 @@ class OpenAIServing:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = parse_body(ChatCompletionRequest, await request.read())
-        self._log_unknown(req.unknown_fields())
+        self._reject_unsupported(req)
         self._check_model(req.model)
         for i, m in enumerate(req.messages):
             if isinstance(m.content, list) and any(p.type != "text" for p in m.content):
@@ -302,11 +302,18 @@ class OpenAIServing:
                 code="model_not_found",
             )
 
-    def _log_unknown(self, fields: list[str]) -> None:
-        for name in fields:
-            if name not in self._logged_unknown:
-                self._logged_unknown.add(name)
-                logger.info("ignoring unknown request field %r (logged once)", name)
+    def _reject_unsupported(self, req: BaseModel) -> None:
+        """A field this server would otherwise ignore while it changes the answer is a 400
+        naming it: a client asking for JSON must not silently get free text."""
+        fields = unsupported_fields(req)
+        if fields:
+            name = fields[0]
+            raise APIError(
+                400,
+                f"'{name}' is not supported by this server (value "
+                f"{json.dumps((req.model_extra or {})[name])[:80]}); remove it from the request",
+                param=name,
+            )
 
     def _chat_prompt_ids(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool, kwargs: dict | None
@@ -342,6 +349,11 @@ class OpenAIServing:
                 logprobs=logprobs,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=req.repetition_penalty or 1.0,
+                logit_bias=req.logit_bias_ids(),
+                bad_words=list(req.bad_words or []),
             )
         except ValueError as exc:
             param = str(exc).split(" ", 1)[0]

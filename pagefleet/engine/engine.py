@@ -161,6 +161,7 @@ class LLMEngine:
             raise ValueError(
                 f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})"
             )
+        self._check_token_controls(params)
         metrics = RequestMetrics(
             arrival_time=time.monotonic() if arrival_time is None else arrival_time
         )
@@ -176,6 +177,36 @@ class LLMEngine:
         self._requests[request_id] = req
         self.scheduler.add(req.seqs[0])
         self._arrivals += 1
+
+    def _check_token_controls(self, params: SamplingParams) -> None:
+        """Refuse token ids outside the vocabulary; tokenize ``bad_words`` (as vLLM: each
+        word alone and after a space, since BPE spells the two differently)."""
+        for name, ids in (
+            ("logit_bias", list(params.logit_bias)),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise InvalidRequestError(
+                    f"{name} has token id {bad}, outside the vocabulary [0, {self.vocab_size})",
+                    param=name,
+                )
+        if params.bad_words and not params.bad_words_token_ids:
+            encode = getattr(self.tokenizer, "encode", None)
+            if encode is None:
+                raise InvalidRequestError(
+                    "bad_words needs a tokenizer; this engine has none", param="bad_words"
+                )
+            words: list[list[int]] = []
+            for word in params.bad_words:
+                for text in (word, " " + word.lstrip()):
+                    try:
+                        ids = list(encode(text, add_special_tokens=False))
+                    except TypeError:  # a tokenizer without the keyword adds nothing
+                        ids = list(encode(text))
+                    if ids and ids not in words:
+                        words.append(ids)
+            params.bad_words_token_ids = words
 
     def _new_seq(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
         p = req.params

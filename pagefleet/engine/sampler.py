@@ -5,10 +5,17 @@ its sequence's own ``torch.Generator``; never on the other rows in the batch. So
 request samples the same tokens whatever it is batched with, and a preempted sequence
 resumes its random stream exactly where it stopped.
 
-Greedy is ``argmax`` (ties to the lowest id, as in ``transformers``). Random sampling
-applies temperature, then top-k, top-p and min-p, then draws from the renormalised
-distribution with ``torch.multinomial``. Logprobs are those of the model's distribution
-(raw logits, before temperature or truncation), as OpenAI reports them.
+Every control is a batched tensor operation over ``[N, vocab]`` (Python only walks each
+sequence's own short lists: its bias entries, its bad words, its tokens), in vLLM's order:
+
+1. bad words, ``logit_bias``, and the ``min_tokens`` ban of EOS / stop token ids;
+2. penalties: repetition (prompt and output tokens), then frequency and presence (output);
+3. greedy rows take ``argmax`` (ties to the lowest id, as in ``transformers``); the others
+   divide by temperature, keep top-k, the top-p nucleus and the min-p floor, and draw from
+   the renormalised distribution with ``torch.multinomial`` and their own generator.
+
+Logprobs are those of the model's distribution (raw logits, before any of the above), as
+OpenAI and vLLM report them.
 """
 
 from __future__ import annotations
@@ -28,28 +35,89 @@ class SampleResult:
     top: list[tuple[int, float]] = field(default_factory=list)
 
 
-def apply_top_k_top_p_min_p(
-    logits: torch.Tensor, top_k: int, top_p: float, min_p: float
+def apply_truncation(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
 ) -> torch.Tensor:
-    """Mask (to -inf) the tokens outside top-k, the top-p nucleus and the min-p floor of
-    one row. The most likely token always survives."""
+    """Mask (to -inf) the tokens of each row outside its top-k (``top_k[i] >= vocab``
+    disables), its top-p nucleus and its min-p floor. The most likely token survives."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
     vocab = logits.shape[-1]
-    if 0 < top_k < vocab:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
+    k = top_k.clamp(1, vocab).to(torch.int64)
+    kth = sorted_logits.gather(-1, (k - 1).unsqueeze(-1))
+    # Ties with the k-th value survive, as transformers' TopKLogitsWarper keeps them.
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if bool((top_p < 1.0).any()):
         probs = torch.softmax(sorted_logits, dim=-1)
         # Drop a token when the tokens strictly more likely already reach top_p.
         before = torch.cumsum(probs, dim=-1) - probs
-        drop_sorted = before >= top_p
-        drop_sorted[0] = False
-        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    if min_p > 0.0:
-        probs = torch.softmax(logits, dim=-1)
-        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
-    return logits
+        drop = before >= top_p.unsqueeze(-1)
+        drop[..., 0] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    out = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    if bool((min_p > 0.0).any()):
+        probs = torch.softmax(out, dim=-1)
+        floor = min_p.unsqueeze(-1) * probs.max(dim=-1, keepdim=True).values
+        out = out.masked_fill(probs < floor, float("-inf"))
+    return out
+
+
+def apply_top_k_top_p_min_p(
+    logits: torch.Tensor, top_k: int, top_p: float, min_p: float
+) -> torch.Tensor:
+    """``apply_truncation`` for one row with scalar parameters."""
+    vocab = logits.shape[-1]
+    k = top_k if 0 < top_k < vocab else vocab
+    out = apply_truncation(
+        logits.unsqueeze(0),
+        torch.tensor([k]),
+        torch.tensor([top_p], dtype=logits.dtype),
+        torch.tensor([min_p], dtype=logits.dtype),
+    )
+    return out[0]
+
+
+def _padded(rows: list[list[int]], pad: int) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0) or 1
+    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.int64)
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_ids: list[list[int]],
+    output_ids: list[list[int]],
+    repetition: torch.Tensor,
+    frequency: torch.Tensor,
+    presence: torch.Tensor,
+) -> torch.Tensor:
+    """vLLM's penalties on every row: repetition over tokens seen in the prompt or the
+    output (positive logits divided, negative multiplied), then ``frequency * count`` and
+    ``presence * (count > 0)`` over output tokens subtracted."""
+    n, vocab = logits.shape
+    # An extra column takes the padding, so ragged lists scatter in one call.
+    out_t = _padded(output_ids, vocab)
+    counts = torch.zeros(n, vocab + 1).scatter_add_(1, out_t, torch.ones(out_t.shape))
+    counts = counts[:, :vocab]
+    in_prompt = torch.zeros(n, vocab + 1, dtype=torch.bool)
+    in_prompt.scatter_(1, _padded(prompt_ids, vocab), True)
+    seen = in_prompt[:, :vocab] | (counts > 0)
+    r = repetition.unsqueeze(-1)
+    penalised = torch.where(logits > 0, logits / r, logits * r)
+    logits = torch.where(seen, penalised, logits)
+    logits = logits - frequency.unsqueeze(-1) * counts
+    return logits - presence.unsqueeze(-1) * (counts > 0).to(logits.dtype)
+
+
+def banned_by_bad_words(output_ids: list[int], bad_words: list[list[int]]) -> list[int]:
+    """Last tokens of the bad words whose other tokens end the output (vLLM: a word of
+    one token is always banned; the prompt does not count)."""
+    banned: list[int] = []
+    for word in bad_words:
+        prefix = len(word) - 1
+        if prefix > len(output_ids):
+            continue
+        if prefix == 0 or output_ids[-prefix:] == word[:-1]:
+            banned.append(word[-1])
+    return banned
 
 
 class Sampler:
@@ -58,46 +126,89 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> list[SampleResult]:
         """``logits[i]`` (``[N, vocab]``) belongs to ``seqs[i]``; one result per row."""
-        logits = logits.float()
-        raw_logprobs: torch.Tensor | None = None
-        if any(s.request.params.logprobs is not None for s in seqs):
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
-        results: list[SampleResult] = []
-        greedy_rows = [i for i, s in enumerate(seqs) if s.request.params.greedy]
-        greedy_ids: dict[int, int] = {}
-        if greedy_rows:
-            masked = logits[greedy_rows]
-            for j, i in enumerate(greedy_rows):
-                banned = self._banned(seqs[i])
-                if banned:
-                    masked[j, banned] = float("-inf")
-            greedy_ids = dict(zip(greedy_rows, masked.argmax(dim=-1).tolist(), strict=True))
-        for i, seq in enumerate(seqs):
-            p = seq.request.params
-            if i in greedy_ids:
-                token = greedy_ids[i]
-            else:
-                row = logits[i] / p.temperature
-                banned = self._banned(seq)
-                if banned:
-                    row = row.clone()
-                    row[banned] = float("-inf")
-                row = apply_top_k_top_p_min_p(row, p.top_k, p.top_p, p.min_p)
-                probs = torch.softmax(row, dim=-1)
-                token = int(torch.multinomial(probs, 1, generator=seq.generator).item())
-            res = SampleResult(token_id=token)
-            if raw_logprobs is not None and p.logprobs is not None:
-                lp = raw_logprobs[i]
-                res.logprob = float(lp[token])
+        raw = logits.float()
+        return self.sample(self.process(raw, seqs), seqs, raw)
+
+    def process(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
+        """Steps 1 and 2 of the module docstring: the logits greedy decoding maximises."""
+        params = [s.request.params for s in seqs]
+        logits = self._bias_and_bans(logits, seqs)
+        pen_rows = [i for i, p in enumerate(params) if p.has_penalties]
+        if pen_rows:
+            sub = apply_penalties(
+                logits[pen_rows],
+                [seqs[i].token_ids[: seqs[i].num_prompt_tokens] for i in pen_rows],
+                [seqs[i].output_token_ids for i in pen_rows],
+                torch.tensor([params[i].repetition_penalty for i in pen_rows]),
+                torch.tensor([params[i].frequency_penalty for i in pen_rows]),
+                torch.tensor([params[i].presence_penalty for i in pen_rows]),
+            )
+            logits = logits.index_copy(0, torch.tensor(pen_rows), sub)
+        return logits
+
+    def sample(
+        self, logits: torch.Tensor, seqs: Seq[Sequence], raw: torch.Tensor | None = None
+    ) -> list[SampleResult]:
+        """Step 3: one token per row of processed ``logits``; logprobs from ``raw``."""
+        params = [s.request.params for s in seqs]
+        vocab = logits.shape[-1]
+        tokens = logits.argmax(dim=-1)
+        rand_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if rand_rows:
+            rp = [params[i] for i in rand_rows]
+            row = logits[rand_rows] / torch.tensor([p.temperature for p in rp]).unsqueeze(-1)
+            row = apply_truncation(
+                row,
+                torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in rp]),
+                torch.tensor([p.top_p for p in rp]),
+                torch.tensor([p.min_p for p in rp]),
+            )
+            probs = torch.softmax(row, dim=-1)
+            for j, i in enumerate(rand_rows):
+                drawn = torch.multinomial(probs[j], 1, generator=seqs[i].generator)
+                tokens[i] = drawn[0]
+        token_ids = tokens.tolist()
+        results = [SampleResult(token_id=t) for t in token_ids]
+        if any(p.logprobs is not None for p in params):
+            lp_all = torch.log_softmax(raw if raw is not None else logits, dim=-1)
+            for i, p in enumerate(params):
+                if p.logprobs is None:
+                    continue
+                lp = lp_all[i]
+                results[i].logprob = float(lp[token_ids[i]])
                 if p.logprobs > 0:
                     top = torch.topk(lp, p.logprobs)
-                    res.top = list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
-            results.append(res)
+                    results[i].top = list(
+                        zip(top.indices.tolist(), top.values.tolist(), strict=True)
+                    )
         return results
 
-    def _banned(self, seq: Sequence) -> list[int]:
-        """Tokens that would end the sequence before ``min_tokens`` is reached."""
-        p = seq.request.params
-        if seq.num_output_tokens >= p.min_tokens:
-            return []
-        return [*self.eos_token_ids, *p.stop_token_ids]
+    def _bias_and_bans(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
+        bias_rows: list[int] = []
+        bias_cols: list[int] = []
+        bias_vals: list[float] = []
+        ban_rows: list[int] = []
+        ban_cols: list[int] = []
+        vocab = logits.shape[-1]
+        for i, seq in enumerate(seqs):
+            p = seq.request.params
+            for tok, val in p.logit_bias.items():
+                if 0 <= tok < vocab:
+                    bias_rows.append(i)
+                    bias_cols.append(tok)
+                    bias_vals.append(val)
+            banned = banned_by_bad_words(seq.output_token_ids, p.bad_words_token_ids)
+            if seq.num_output_tokens < p.min_tokens:
+                banned += [*self.eos_token_ids, *p.stop_token_ids]
+            banned = [t for t in banned if 0 <= t < vocab]
+            ban_rows += [i] * len(banned)
+            ban_cols += banned
+        if not bias_rows and not ban_rows:
+            return logits
+        logits = logits.clone()
+        if bias_rows:
+            idx = (torch.tensor(bias_rows), torch.tensor(bias_cols))
+            logits.index_put_(idx, torch.tensor(bias_vals, dtype=logits.dtype), accumulate=True)
+        if ban_rows:
+            logits[torch.tensor(ban_rows), torch.tensor(ban_cols)] = float("-inf")
+        return logits

@@ -25,6 +25,16 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per generated token
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Penalties with vLLM's meaning: presence/frequency count output tokens only and are
+    # subtracted; repetition divides positive (multiplies negative) logits of every token
+    # seen in the prompt or the output.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    # Token sequences that must not be generated (the engine tokenizes ``bad_words``).
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -43,8 +53,27 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        bad_bias = next((v for v in self.logit_bias.values() if not -100 <= v <= 100), None)
+        if bad_bias is not None:
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {bad_bias}")
+        if any(not w for w in self.bad_words_token_ids):
+            raise ValueError("bad_words must not contain an empty word")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
     @property
     def greedy(self) -> bool:

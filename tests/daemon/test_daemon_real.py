@@ -306,3 +306,32 @@ async def test_what_the_peer_routers_ask_of_a_worker(live, caplog):
     assert re.match(rb"HTTP/1\.[01] 400 ", head), head
     await asyncio.sleep(0.05)
     assert not [r for r in caplog.records if r.levelno >= 40], caplog.text
+
+
+async def test_sampling_controls_reach_the_engine(client):
+    """logit_bias, penalties and bad_words through the official client change the answer."""
+    base = dict(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
+                extra_body={"ignore_eos": True})  # fmt: skip
+    plain = await client.completions.create(**base)
+    biased = await client.completions.create(**base, logit_bias={"77": 100})
+    assert biased.choices[0].text != plain.choices[0].text
+    repeated = await client.completions.create(**base, logit_bias={"77": 100}, logprobs=0)
+    toks = repeated.choices[0].logprobs.tokens
+    assert len(toks) == 6 and len(set(toks)) == 1
+    penal = await client.completions.create(
+        **{**base, "extra_body": {"ignore_eos": True, "repetition_penalty": 1.8}},
+        presence_penalty=1.5, frequency_penalty=1.0, logit_bias={"77": 4},
+    )  # fmt: skip
+    assert penal.choices[0].text != biased.choices[0].text
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.completions.create(**base, logit_bias={"999999": 1})
+    assert e.value.body["param"] == "logit_bias"
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.completions.create(**base, presence_penalty=2.5)
+    assert e.value.body["param"] == "presence_penalty"
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+            response_format={"type": "json_object"}, extra_body={"prompt_logprobs": 1},
+        )  # fmt: skip
+    assert e.value.body["param"] in {"response_format", "prompt_logprobs"}

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 
 import aiohttp
 import pytest
@@ -44,7 +43,7 @@ async def test_completion_n_and_usage(tiny_tokenizer):
         aiohttp.ClientSession() as s,
     ):
         body = {"model": "fake", "prompt": [[1, 2, 3], [4, 5]], "n": 2, "max_tokens": 3,
-                "logprobs": 1, "router_field": "x"}  # fmt: skip
+                "logprobs": 1, "rid": "x"}  # fmt: skip
         async with s.post(f"{d.base_url}/completions", json=body) as r:
             assert r.status == 200, await r.text()
             out = await r.json()
@@ -243,19 +242,38 @@ async def test_publisher_resyncs_after_outage(tiny_tokenizer):
         assert len(index.block_set("pod-a")) == 5
 
 
-async def test_unknown_fields_logged_once_and_long_prompt(tiny_tokenizer, caplog):
-    caplog.set_level(logging.INFO, logger="pagefleet.daemon.serving")
+async def test_unsupported_fields_are_refused_ignorable_ones_pass_and_long_prompt(
+    tiny_tokenizer,
+):
     async with live_daemon(_cfg(), _factory(tiny_tokenizer, [])) as d, aiohttp.ClientSession() as s:
-        for _ in range(3):
-            body = {"prompt": [1, 2], "max_tokens": 1, "sglang_rid": "abc"}
+        # Router-added and bookkeeping fields change nothing: accepted.
+        for extra in (
+            {"sglang_rid": "abc"},
+            {"no_stop_trim": True, "user": "u"},
+            {"metadata": {"k": "v"}, "request_id": "x"},
+            {"use_beam_search": False},
+        ):
+            body = {"prompt": [1, 2], "max_tokens": 1, **extra}
             async with s.post(f"{d.base_url}/completions", json=body) as r:
-                assert r.status == 200
+                assert r.status == 200, (extra, await r.text())
+        # A field that would change the answer and is not implemented: a 400 naming it.
+        for extra in ({"prompt_logprobs": 2}, {"frobnicate": 1}, {"truncate_prompt_tokens": 3}):
+            body = {"prompt": [1, 2], "max_tokens": 1, **extra}
+            async with s.post(f"{d.base_url}/completions", json=body) as r:
+                assert r.status == 400, extra
+                err = (await r.json())["error"]
+                assert err["param"] == next(iter(extra)) and next(iter(extra)) in err["message"]
+        body = {
+            "messages": [{"role": "user", "content": "hi"}],
+            "spaces_between_special_tokens": False,
+        }
+        async with s.post(f"{d.base_url}/chat/completions", json=body) as r:
+            assert r.status == 400
+            assert (await r.json())["error"]["param"] == "spaces_between_special_tokens"
         # Large enough to be tokenized off the event loop; still refused by length.
         async with s.post(f"{d.base_url}/completions", json={"prompt": "hello " * 4000}) as r:
             assert r.status == 400
             assert (await r.json())["error"]["param"] == "prompt"
-    logged = [m for m in caplog.messages if "sglang_rid" in m]
-    assert len(logged) == 1
 
 
 async def test_nonstream_disconnect_aborts(tiny_tokenizer):
