@@ -133,11 +133,25 @@ class ModelSpec(_Model):
 # --------------------------------------------------------------------------------- engine
 
 
+class EngineDevice(StrEnum):
+    AUTO = "auto"
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
 class EngineSpec(_Model):
+    device: EngineDevice = EngineDevice.AUTO
+    """Where the daemons run the model: `cuda` (bfloat16 by default, Triton attention, KV
+    pool sized by gpuMemoryUtilization), `cpu`, or `auto`: cuda for a role whose resources
+    name `nvidia.com/gpu`, cpu otherwise."""
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    """On cuda: share of the GPU's total memory this daemon may fill (weights, activations
+    and the KV pool, which gets what is left of it after loading); numGPUBlocks overrides."""
     block_size: int = Field(default=16, ge=1, le=1024)
     """Tokens per KV block (also the granularity of prefix matching in the index)."""
     kv_cache_memory_mb: int = Field(default=256, ge=1, alias="kvCacheMemoryMB")
-    """Memory for the paged KV cache per daemon, in MiB."""
+    """Memory for the paged KV cache per daemon, in MiB (on cpu; on cuda the pool is sized by
+    gpuMemoryUtilization)."""
     num_gpu_blocks: int | None = Field(default=None, ge=1, alias="numGPUBlocks")
     """KV cache size in blocks per daemon; overrides kvCacheMemoryMB when set."""
     max_num_seqs: int = Field(default=64, ge=1)

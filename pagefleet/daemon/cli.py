@@ -103,6 +103,13 @@ async def serve(config: DaemonConfig) -> None:
     type=int,
     help="KV pool size in blocks; overrides --kv-cache-memory-mb (as vLLM's flag).",
 )
+@click.option(
+    "--gpu-memory-utilization",
+    default=None,
+    type=click.FloatRange(0, 1, min_open=True),
+    help="On --device cuda: size the KV pool so the daemon fills at most this share of the "
+    "GPU's memory (replaces --kv-cache-memory-mb; --num-gpu-blocks still wins).",
+)
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True)
 @click.option(
     "--dtype",

@@ -36,6 +36,7 @@ class DaemonConfig(BaseModel):
     max_model_len: int | None = Field(default=None, ge=2)
     kv_cache_memory_mb: int = Field(default=256, ge=1)
     num_gpu_blocks: int | None = Field(default=None, ge=1)
+    gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
     enable_prefix_caching: bool = True
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "cpu"
@@ -74,6 +75,7 @@ class DaemonConfig(BaseModel):
             block_size=self.block_size,
             num_gpu_blocks=self.num_gpu_blocks,
             kv_cache_memory_bytes=self.kv_cache_memory_mb << 20,
+            gpu_memory_utilization=self.gpu_memory_utilization,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             long_prefill_token_threshold=self.long_prefill_token_threshold,

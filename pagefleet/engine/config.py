@@ -20,6 +20,9 @@ class EngineConfig:
     block_size: int = 16
     num_gpu_blocks: int | None = None  # explicit KV pool size in blocks, else from memory
     kv_cache_memory_bytes: int = 256 << 20
+    # On CUDA: size the KV pool from free device memory so the daemon fills at most this
+    # share of the GPU (replaces kv_cache_memory_bytes; num_gpu_blocks still wins).
+    gpu_memory_utilization: float | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: the model's max_position_embeddings
@@ -49,6 +52,10 @@ class EngineConfig:
         if self.kv_cache_memory_bytes < 1:
             raise ValueError(
                 f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}"
+            )
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")

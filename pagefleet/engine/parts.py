@@ -32,6 +32,29 @@ class EngineParts:
     model_config: ModelConfig | None = None
 
 
+def _kv_pool_bytes(config: EngineConfig, device: Any, vocab_size: int) -> int:
+    """The KV budget: ``kv_cache_memory_bytes``, or on CUDA with ``gpu_memory_utilization``
+    what that share of the GPU leaves after the (already loaded) weights."""
+    if config.gpu_memory_utilization is None or config.num_gpu_blocks is not None:
+        return config.kv_cache_memory_bytes
+    if device.type != "cuda":
+        raise ValueError(
+            f"gpu_memory_utilization sizes the KV pool on CUDA only, but the device is "
+            f"{device.type!r}; size it with kv_cache_memory_bytes (--kv-cache-memory-mb)"
+        )
+    import torch
+
+    from pagefleet.engine.kv_sizing import activation_reserve_bytes, gpu_kv_pool_bytes
+
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    reserve = activation_reserve_bytes(
+        config.max_num_batched_tokens, config.max_num_seqs, vocab_size
+    )
+    return gpu_kv_pool_bytes(free, total, config.gpu_memory_utilization, reserve)
+
+
 def load_parts(config: EngineConfig, loaded: tuple[Any, Any, Any] | None = None) -> EngineParts:
     """Load ``config.model`` (or reuse ``loaded`` = ``load_model``'s result, so several
     engines can share one set of weights), size the KV pool, build the model runner.
@@ -60,10 +83,11 @@ def load_parts(config: EngineConfig, loaded: tuple[Any, Any, Any] | None = None)
     per_block = kv_cache_bytes_per_block(
         mc.num_hidden_layers, config.block_size, mc.num_key_value_heads, mc.head_dim, mc.dtype
     )
-    num_blocks = config.num_gpu_blocks or config.kv_cache_memory_bytes // per_block
+    kv_bytes = _kv_pool_bytes(config, device, mc.vocab_size)
+    num_blocks = config.num_gpu_blocks or kv_bytes // per_block
     if num_blocks < 1:
         raise ValueError(
-            f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds no KV block "
+            f"a KV budget of {kv_bytes} bytes holds no KV block "
             f"({per_block} bytes each); raise it or set num_gpu_blocks"
         )
     runner = ModelRunner(

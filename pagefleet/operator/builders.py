@@ -24,7 +24,13 @@ from pagefleet.api.inferenceservice import (
     SecretKeyRef,
 )
 from pagefleet.kvindex.redis_auth import PASSWORD_ENV, USERNAME_ENV
-from pagefleet.operator.commands import daemon_command, gateway_command
+from pagefleet.operator.commands import (
+    GPU_RESOURCE,
+    daemon_command,
+    gateway_command,
+    requests_gpu,
+    role_device,
+)
 from pagefleet.operator.hardening import (
     DAEMON_RESOURCES,
     GATEWAY_RESOURCES,
@@ -393,7 +399,7 @@ def build_role(
         "name": "daemon",
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy.value,
-        "command": daemon_command(spec, names, role, redis_url),
+        "command": daemon_command(spec, names, role, redis_url, role_spec),
         "env": env,
         "securityContext": container_security_context(),
         # The daemon writes its fatal start-up error to /dev/termination-log; anything that
@@ -407,7 +413,12 @@ def build_role(
         "startupProbe": _http_probe("/health", period=5, failures=120),
         "volumeMounts": mounts,
     }
-    container["resources"] = default_resources(_resources(role_spec.resources), DAEMON_RESOURCES)
+    resources = default_resources(_resources(role_spec.resources), DAEMON_RESOURCES)
+    if role_device(spec, role_spec) == "cuda" and not requests_gpu(role_spec):
+        # engine.device: cuda on a role that names no GPU: without the resource the
+        # scheduler places the pod anywhere and the device plugin exposes no GPU to it.
+        resources = {**resources, "limits": {**resources.get("limits", {}), GPU_RESOURCE: "1"}}
+    container["resources"] = resources
     deploy = _deployment(
         owner,
         names.role(role),

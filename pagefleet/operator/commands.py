@@ -7,7 +7,7 @@ by the kubelet (and by the e2e node agent) from the container's env.
 
 from __future__ import annotations
 
-from pagefleet.api.inferenceservice import InferenceServiceSpec
+from pagefleet.api.inferenceservice import EngineDevice, InferenceServiceSpec, RoleSpec
 from pagefleet.operator.naming import DAEMON_PORT, GATEWAY_PORT, Names
 
 POD_IP = "$(POD_IP)"
@@ -18,12 +18,62 @@ def served_model_name(spec: InferenceServiceSpec, names: Names) -> str:
     return spec.model.served_model_name or names.service
 
 
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
+def requests_gpu(role_spec: RoleSpec) -> bool:
+    """Whether the role's pods ask the scheduler for an NVIDIA GPU (request or limit > 0)."""
+    res = role_spec.resources
+    for side in (res.requests, res.limits):
+        value = side.get(GPU_RESOURCE)
+        if value is not None and str(value).strip() not in ("0", ""):
+            return True
+    return False
+
+
+def role_device(spec: InferenceServiceSpec, role_spec: RoleSpec) -> str:
+    """The daemon's --device for a role: the spec's choice, or with `auto` cuda exactly when
+    the role requests a GPU (a CPU-only role must never be told cuda: it would not start)."""
+    device = spec.engine.device
+    if device is EngineDevice.AUTO:
+        return "cuda" if requests_gpu(role_spec) else "cpu"
+    return device.value
+
+
+def _device_flags(spec: InferenceServiceSpec, device: str) -> list[str]:
+    eng = spec.engine
+    dtype = spec.model.dtype.value
+    if device != "cuda":
+        return [
+            "--device",
+            device,
+            "--dtype",
+            dtype,
+            "--kv-cache-memory-mb",
+            str(eng.kv_cache_memory_mb),
+        ]
+    # On a GPU, `auto` means bfloat16 (checkpoints are often stored in float32, which halves
+    # throughput and KV capacity there); an explicit dtype is kept.
+    return [
+        "--device", "cuda",
+        "--dtype", "bfloat16" if dtype == "auto" else dtype,
+        "--attention-backend", "triton",
+        "--gpu-memory-utilization", f"{eng.gpu_memory_utilization:g}",
+    ]  # fmt: skip
+
+
 def daemon_command(
-    spec: InferenceServiceSpec, names: Names, role: str, redis_url: str
+    spec: InferenceServiceSpec,
+    names: Names,
+    role: str,
+    redis_url: str,
+    role_spec: RoleSpec | None = None,
 ) -> list[str]:
     """`pagefleet daemon ...` for one role; every engine knob of the spec becomes a flag so a
-    knob change changes the pod template and rolls the role out."""
+    knob change changes the pod template and rolls the role out. The device (and with it
+    dtype, attention backend and KV sizing) follows `role_device`."""
     eng = spec.engine
+    device = role_device(spec, role_spec or RoleSpec())
     cmd = [
         *spec.command,
         "daemon",
@@ -43,16 +93,13 @@ def daemon_command(
         names.kv_namespace,
         "--pod-name",
         POD_NAME,
-        "--dtype",
-        spec.model.dtype.value,
+        *_device_flags(spec, device),
         "--block-size",
         str(eng.block_size),
         "--max-num-seqs",
         str(eng.max_num_seqs),
         "--max-num-batched-tokens",
         str(eng.max_num_batched_tokens),
-        "--kv-cache-memory-mb",
-        str(eng.kv_cache_memory_mb),
         "--long-prefill-token-threshold",
         str(eng.long_prefill_token_threshold),
         "--enable-prefix-caching" if eng.enable_prefix_caching else "--no-enable-prefix-caching",

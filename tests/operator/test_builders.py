@@ -387,3 +387,64 @@ def test_gguf_preset_source_reaches_daemon_and_gateway(unified_spec):
     assert flag(daemon["command"], "--model") == "smollm2-135m"
     assert flag(gateway["command"], "--model") == "smollm2-135m"
     assert "smollm2-135m" in TOKENIZER_PRESETS
+
+
+def _daemon(objs: dict[tuple[str, str], dict[str, Any]], role: str) -> dict[str, Any]:
+    return objs[("Deployment", f"llama-{role}")]["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_a_role_requesting_a_gpu_runs_cuda_bf16_triton_sized_by_utilization(pd_spec):
+    """engine.device auto: the GPU role gets the CUDA flags, the CPU-only role keeps CPU."""
+    from pagefleet.daemon.cli import command as daemon_cli
+
+    pd_spec["roles"]["decode"]["resources"] = {"requests": {"nvidia.com/gpu": "1"}}
+    pd_spec["engine"] = {"gpuMemoryUtilization": 0.85, "kvCacheMemoryMB": 512}
+    objs = children(pd_spec)
+    gpu = _daemon(objs, "decode")["command"]
+    assert flag(gpu, "--device") == "cuda"
+    assert flag(gpu, "--dtype") == "bfloat16"
+    assert flag(gpu, "--attention-backend") == "triton"
+    assert flag(gpu, "--gpu-memory-utilization") == "0.85"
+    assert "--kv-cache-memory-mb" not in gpu
+    params = daemon_cli.make_context("daemon", _subcommand_args(gpu, "daemon")).params
+    assert params["device"] == "cuda" and params["gpu_memory_utilization"] == 0.85
+    cpu = _daemon(objs, "prefill")["command"]
+    assert flag(cpu, "--device") == "cpu" and flag(cpu, "--dtype") == "auto"
+    assert flag(cpu, "--kv-cache-memory-mb") == "512"
+    assert "--attention-backend" not in cpu and "--gpu-memory-utilization" not in cpu
+    # The user's resources are left exactly as written.
+    assert _daemon(objs, "decode")["resources"] == {"requests": {"nvidia.com/gpu": "1"}}
+
+
+def test_gpu_limit_of_zero_is_not_a_gpu_and_explicit_dtype_wins(unified_spec):
+    unified_spec["roles"]["unified"]["resources"] = {"limits": {"nvidia.com/gpu": 0}}
+    assert flag(_daemon(children(unified_spec), "unified")["command"], "--device") == "cpu"
+    unified_spec["roles"]["unified"]["resources"] = {"limits": {"nvidia.com/gpu": 2}}
+    unified_spec["model"]["dtype"] = "float16"
+    cmd = _daemon(children(unified_spec), "unified")["command"]
+    assert flag(cmd, "--device") == "cuda" and flag(cmd, "--dtype") == "float16"
+
+
+def test_engine_device_overrides_the_resources(unified_spec):
+    # cuda on a role naming no GPU: the pod must ask for one, or it gets none.
+    unified_spec["engine"] = {"device": "cuda"}
+    daemon = _daemon(children(unified_spec), "unified")
+    assert flag(daemon["command"], "--device") == "cuda"
+    assert daemon["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    # cpu on a GPU role: the user's choice stands, nothing is added.
+    unified_spec["engine"] = {"device": "cpu"}
+    unified_spec["roles"]["unified"]["resources"] = {"limits": {"nvidia.com/gpu": 1}}
+    daemon = _daemon(children(unified_spec), "unified")
+    assert flag(daemon["command"], "--device") == "cpu"
+    assert daemon["resources"] == {"limits": {"nvidia.com/gpu": "1"}}
+
+
+def test_engine_device_rejects_unknown_values(unified_spec):
+    from pydantic import ValidationError
+
+    unified_spec["engine"] = {"device": "tpu"}
+    with pytest.raises(ValidationError, match="device"):
+        parse_spec(unified_spec)
+    unified_spec["engine"] = {"gpuMemoryUtilization": 1.5}
+    with pytest.raises(ValidationError, match="gpuMemoryUtilization"):
+        parse_spec(unified_spec)
