@@ -13,6 +13,7 @@ integer is accepted where a float is expected, as JSON has one number type.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal, TypeVar
@@ -149,7 +150,6 @@ ACCEPTED_DEFAULTS: dict[str, object] = {
     "continue_final_message": False,
     "echo": False,
     "add_special_tokens": True,
-    "response_format": None,
     "tools": None,
     "tool_choice": None,
     "functions": None,
@@ -184,6 +184,24 @@ Stop = str | list[str] | None
 NonNegInt = Annotated[int, Field(ge=0)]
 
 
+class JSONSchemaFormat(_Lenient):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a 'json_schema' object with a 'schema'")
+        return self
+
+
 class _SamplingFields(_Lenient):
     """Fields common to completions and chat; ranges match SamplingParams' own checks."""
 
@@ -204,6 +222,12 @@ class _SamplingFields(_Lenient):
     # JSON object keys are strings: token id (as a string) -> bias in [-100, 100].
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     bad_words: list[str] | None = None
+    # Structured output: OpenAI's response_format, or one of vLLM's guided_* fields.
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(default=None, min_length=1)
+    guided_grammar: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
@@ -227,6 +251,30 @@ class _SamplingFields(_Lenient):
         if bad is not None:
             raise ValueError(f"logit_bias keys must be token ids, got {bad!r}")
         return v
+
+    def guided(self) -> tuple[str, str, str] | None:
+        """``(kind, spec, field)`` of the output constraint asked for, if any: kind is
+        json / json_object / regex / choice / grammar, spec its text (a JSON list for
+        choice). Raises ValueError when more than one constraint is given."""
+        found: list[tuple[str, str, str]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("json_object", "", "response_format"))
+        elif rf is not None and rf.json_schema is not None and rf.type == "json_schema":
+            found.append(("json", json.dumps(rf.json_schema.schema_), "response_format"))
+        if self.guided_json is not None:
+            g = self.guided_json
+            found.append(("json", g if isinstance(g, str) else json.dumps(g), "guided_json"))
+        if self.guided_regex is not None:
+            found.append(("regex", self.guided_regex, "guided_regex"))
+        if self.guided_choice is not None:
+            found.append(("choice", json.dumps(self.guided_choice), "guided_choice"))
+        if self.guided_grammar is not None:
+            found.append(("grammar", self.guided_grammar, "guided_grammar"))
+        if len(found) > 1:
+            names = ", ".join(f[2] for f in found)
+            raise ValueError(f"give at most one output constraint; got {names}")
+        return found[0] if found else None
 
     def logit_bias_ids(self) -> dict[int, float]:
         return {int(k): v for k, v in (self.logit_bias or {}).items()}

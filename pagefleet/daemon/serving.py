@@ -47,6 +47,7 @@ from pagefleet.daemon.errors import APIError, json_model
 from pagefleet.daemon.job import Job
 from pagefleet.daemon.metrics import DaemonMetrics
 from pagefleet.daemon.responses import ChatShape, CompletionShape, ResponseShape
+from pagefleet.engine.guided import GuidedSpec
 from pagefleet.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -334,7 +335,13 @@ class OpenAIServing:
         logprobs: int | None,
     ) -> SamplingParams:
         try:
+            guided = req.guided()
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="response_format") from None
+        spec = None if guided is None else GuidedSpec(guided[0], guided[1])  # type: ignore[arg-type]
+        try:
             return SamplingParams(
+                guided=spec,
                 n=req.n,
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,

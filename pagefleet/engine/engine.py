@@ -26,6 +26,7 @@ import torch
 from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.detokenizer import Decoder, IncrementalDetokenizer
 from pagefleet.engine.errors import InvalidRequestError
+from pagefleet.engine.guided import GrammarBackend, GrammarError
 from pagefleet.engine.kv_cache_manager import KVCacheManager
 from pagefleet.engine.outputs import (
     CompletionDelta,
@@ -120,6 +121,7 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.steps_total = 0
+        self._grammars: GrammarBackend | None = None  # built on the first guided request
 
     # --- requests ------------------------------------------------------------------------
 
@@ -162,6 +164,11 @@ class LLMEngine:
                 f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})"
             )
         self._check_token_controls(params)
+        if params.guided is not None:
+            try:
+                self.grammars().compiled(params.guided)  # a bad spec fails here, not mid-step
+            except GrammarError as exc:
+                raise InvalidRequestError(str(exc), param="response_format") from None
         metrics = RequestMetrics(
             arrival_time=time.monotonic() if arrival_time is None else arrival_time
         )
@@ -208,6 +215,14 @@ class LLMEngine:
                         words.append(ids)
             params.bad_words_token_ids = words
 
+    def grammars(self) -> GrammarBackend:
+        """The engine's grammar compiler (and cache), built on first use."""
+        if self._grammars is None:
+            self._grammars = GrammarBackend(
+                self.tokenizer, self.vocab_size, sorted(self.eos_token_ids)
+            )
+        return self._grammars
+
     def _new_seq(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
         p = req.params
         gen: torch.Generator | None = None
@@ -219,7 +234,9 @@ class LLMEngine:
             else:
                 seed = int(torch.randint(0, 1 << 62, (1,), generator=self._seed_rng).item())
             gen = torch.Generator().manual_seed(seed)
+        grammar = None if p.guided is None else self.grammars().matcher(p.guided)
         return Sequence(
+            grammar=grammar,
             seq_id=self._seq_ids(),
             request=req,
             index=index,
@@ -320,6 +337,12 @@ class LLMEngine:
             )
             seq.logprobs.append(lp)
             seq.pending_logprobs.append(lp)
+        if seq.grammar is not None:
+            # The bitmask allowed only acceptable tokens, so this cannot fail.
+            seq.grammar.accept_token(tok)
+            if seq.grammar.is_terminated():  # it ends only on accepting an EOS token
+                self._finish(seq, "stop", None)
+                return
         n_out = seq.num_output_tokens
         can_stop = n_out >= p.min_tokens
         assert seq.detokenizer is not None

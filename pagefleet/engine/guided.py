@@ -84,9 +84,11 @@ class GrammarBackend:
         c = self._compiler
         try:
             if spec.kind == "json":
-                grammar = c.compile_json_schema(spec.spec)
+                # Compact JSON: a random-weight model would otherwise pad with whitespace.
+                grammar = c.compile_json_schema(spec.spec, any_whitespace=False)
             elif spec.kind == "json_object":
-                grammar = c.compile_builtin_json_grammar()
+                # OpenAI's json_object is an object, not any JSON value.
+                grammar = c.compile_json_schema('{"type": "object"}', any_whitespace=False)
             elif spec.kind == "regex":
                 grammar = c.compile_regex(spec.spec)
             elif spec.kind == "choice":

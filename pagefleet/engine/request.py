@@ -19,7 +19,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -60,6 +60,8 @@ class Sequence:
     pending_token_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     reported_finish: bool = False
+    # xgrammar GrammarMatcher of a structured-output request (guided.py); None otherwise
+    grammar: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -8,6 +8,7 @@ resumes its random stream exactly where it stopped.
 Every control is a batched tensor operation over ``[N, vocab]`` (Python only walks each
 sequence's own short lists: its bias entries, its bad words, its tokens), in vLLM's order:
 
+0. the grammar's token bitmask of a structured-output sequence (guided.py);
 1. bad words, ``logit_bias``, and the ``min_tokens`` ban of EOS / stop token ids;
 2. penalties: repetition (prompt and output tokens), then frequency and presence (output);
 3. greedy rows take ``argmax`` (ties to the lowest id, as in ``transformers``); the others
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagefleet.engine.guided import apply_grammar_bitmask
 from pagefleet.engine.request import Sequence
 
 
@@ -132,6 +134,10 @@ class Sampler:
     def process(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
         """Steps 1 and 2 of the module docstring: the logits greedy decoding maximises."""
         params = [s.request.params for s in seqs]
+        guided = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        if guided:
+            logits = logits.clone()
+            apply_grammar_bitmask(logits, guided, [seqs[i].grammar for i in guided])
         logits = self._bias_and_bans(logits, seqs)
         pen_rows = [i for i, p in enumerate(params) if p.has_penalties]
         if pen_rows:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagefleet.engine.guided import GuidedSpec
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -35,6 +37,8 @@ class SamplingParams:
     # Token sequences that must not be generated (the engine tokenizes ``bad_words``).
     bad_words: list[str] = field(default_factory=list)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # Structured output: the generated text must match this (guided.py).
+    guided: GuidedSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

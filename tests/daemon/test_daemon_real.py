@@ -6,6 +6,7 @@ One daemon serves the whole module (loading the model once keeps the file fast).
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 
 import aiohttp
@@ -335,3 +336,50 @@ async def test_sampling_controls_reach_the_engine(client):
             response_format={"type": "json_object"}, extra_body={"prompt_logprobs": 1},
         )  # fmt: skip
     assert e.value.body["param"] in {"response_format", "prompt_logprobs"}
+
+
+async def test_structured_output_through_the_openai_client(client):
+    """response_format json_schema (whole and streamed), guided_choice and guided_regex on
+    the random-weight model: only the constraint makes the output valid."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["n", "ok"],
+              "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                             "ok": {"type": "boolean"}}}  # fmt: skip
+    fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
+    msgs = [{"role": "user", "content": "Give me JSON"}]
+    whole = await client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=40, temperature=1.0, seed=5, n=2,
+        response_format=fmt,
+    )  # fmt: skip
+    streamed = await client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=40, temperature=1.0, seed=5, n=2,
+        response_format=fmt, stream=True,
+    )  # fmt: skip
+    texts = ["", ""]
+    async for chunk in streamed:
+        for ch in chunk.choices:
+            texts[ch.index] += ch.delta.content or ""
+    assert texts == [c.message.content for c in whole.choices]
+    for text in texts:
+        obj = json.loads(text)
+        assert set(obj) == {"n", "ok"} and type(obj["n"]) is int and 0 <= obj["n"] <= 99
+        assert isinstance(obj["ok"], bool)
+    obj_fmt = await client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=40, temperature=0,
+        response_format={"type": "json_object"}, logit_bias={},
+        extra_body={"guided_json": None},
+    )  # fmt: skip
+    assert obj_fmt.choices[0].message.content.startswith("{")
+    choice = await client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
+        extra_body={"guided_choice": ["alpha", "beta"]},
+    )  # fmt: skip
+    assert choice.choices[0].text in ("alpha", "beta")
+    regex = await client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0.7, seed=1,
+        extra_body={"guided_regex": r"\d{3}-[a-c]{2}"},
+    )  # fmt: skip
+    assert re.fullmatch(r"\d{3}-[a-c]{2}", regex.choices[0].text)
+    for extra in ({"guided_regex": "(", "guided_choice": ["a"]}, {"guided_json": "{bad"}):
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.completions.create(model=MODEL, prompt=PROMPT, extra_body=extra)
+        assert e.value.body["param"] == "response_format"
