@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from pagefleet.gateway.discovery import Discovery, Endpoint
 from pagefleet.gateway.placements import PlacementMemory
 from pagefleet.gateway.policies import Candidate, Policy, RouteRequest, Scored
-from pagefleet.kvindex.hashing import block_hashes
+from pagefleet.kvindex.hashing import chain_hash, root_hash
 from pagefleet.kvindex.index import KVIndex, PodLoad
 
 if TYPE_CHECKING:
@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# Block keys remembered by (parent, tokens): about 30 MB at this bound.
+_KEY_CACHE_MAX = 131_072
 # In-flight changes remembered per pod, to line heartbeats up with our own traffic.
 _HISTORY_LEN = 512
 # Largest believable queue in a heartbeat; beyond it the entry is forged or corrupt.
@@ -155,6 +157,7 @@ class Router:
     _rng: random.Random = field(default_factory=random.Random)
     _breaker: _Breaker = field(default_factory=lambda: _Breaker(1.0))
     _load_task: asyncio.Task[None] | None = None
+    _key_cache: dict[tuple[int, tuple[int, ...], str | None], int] = field(default_factory=dict)
     _loads_ok: bool = False  # the last heartbeat read succeeded
     _watchers: dict[str, set[Callable[[], None]]] = field(default_factory=dict)
 
@@ -317,7 +320,25 @@ class Router:
     # -- routing --------------------------------------------------------------------------
 
     def block_keys(self, token_ids: Sequence[int], extra: str | None = None) -> list[int]:
-        return block_hashes(token_ids, self.block_size, self.kv_namespace, extra)
+        """``block_hashes(...)``, with each (parent key, block tokens) remembered: chat turns
+        repeat their system prompt and history, whose keys then cost a dict lookup each
+        instead of a hash."""
+        bs = self.block_size
+        prev = root_hash(self.kv_namespace)
+        cache = self._key_cache
+        out: list[int] = []
+        for i in range(len(token_ids) // bs):
+            block = tuple(token_ids[i * bs : (i + 1) * bs])
+            k = (prev, block, extra)
+            h = cache.get(k)
+            if h is None:
+                h = chain_hash(prev, block, extra)
+                if len(cache) >= _KEY_CACHE_MAX:
+                    cache.clear()  # rare and cheap to refill; no LRU bookkeeping per hit
+                cache[k] = h
+            out.append(h)
+            prev = h
+        return out
 
     async def lookup(self, keys: list[int]) -> tuple[dict[str, int], bool]:
         """Each live pod's matched leading blocks; ``({}, False)`` when the index failed."""

@@ -250,3 +250,29 @@ async def test_tenants_spread_by_footprint_not_request_count() -> None:
         assert sorted(Counter(where.values()).values()) == [2, 2, 2, 2], where
     finally:
         await router.close()
+
+
+def test_cached_block_keys_equal_the_hash_function() -> None:
+    """The router remembers keys by (parent, block): same keys as block_hashes, with and
+    without a LoRA extra, across the cache's reset."""
+    from pagefleet.gateway import router as router_mod
+
+    r = Router(
+        discovery=StaticDiscovery(URLS), policy=make_policy("cache_aware"), block_size=BS,
+        kv_namespace=NS,
+    )  # fmt: skip
+    rng = random.Random(0)
+    system = [rng.randrange(5, 50_000) for _ in range(40 * BS)]
+    for n in (0, 5, BS, BS + 1, 300):
+        tokens = system + [rng.randrange(5, 50_000) for _ in range(n)]
+        for extra in (None, "lora-a"):
+            want = block_hashes(tokens, BS, NS, extra)
+            assert r.block_keys(tokens, extra) == want == r.block_keys(tokens, extra)
+    old = router_mod._KEY_CACHE_MAX
+    router_mod._KEY_CACHE_MAX = 8
+    try:
+        fresh = [rng.randrange(5, 50_000) for _ in range(40 * BS)]
+        assert r.block_keys(fresh) == block_hashes(fresh, BS, NS)
+        assert len(r._key_cache) <= 8
+    finally:
+        router_mod._KEY_CACHE_MAX = old
