@@ -150,8 +150,6 @@ ACCEPTED_DEFAULTS: dict[str, object] = {
     "continue_final_message": False,
     "echo": False,
     "add_special_tokens": True,
-    "tools": None,
-    "tool_choice": None,
     "functions": None,
     "function_call": None,
     "modalities": ["text"],
@@ -396,6 +394,30 @@ class ChatMessage(_Lenient):
         return "".join(p.text or "" for p in self.content if p.type == "text")
 
 
+class ToolFunction(_Lenient):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Lenient):
+    type: Literal["function"] = "function"
+    function: ToolFunction
+
+
+class NamedFunction(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
@@ -404,6 +426,35 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+
+    def forced_tool_schema(self) -> dict[str, Any] | None:
+        """The JSON schema the output must match when ``tool_choice`` forces a call:
+        ``{"name": ..., "arguments": {...}}`` of one of the tools (``required``) or of the
+        named one. None when the model may answer in text. ValueError for a name that is
+        not among ``tools``."""
+        choice = self.tool_choice
+        if not self.tools or choice is None or choice in ("none", "auto"):
+            return None
+        tools = self.tools
+        if isinstance(choice, NamedToolChoice):
+            tools = [t for t in self.tools if t.function.name == choice.function.name]
+            if not tools:
+                raise ValueError(f"tool_choice names {choice.function.name!r}, not in tools")
+        options = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": t.function.name},
+                    "arguments": t.function.parameters or {"type": "object"},
+                },
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for t in tools
+        ]
+        return options[0] if len(options) == 1 else {"anyOf": options}
 
     @field_validator("top_logprobs")
     @classmethod
@@ -431,9 +482,25 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str = Field(default_factory=lambda: _new_id("call"))
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ToolCallDelta(ToolCall):
+    index: int = 0
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -458,6 +525,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -43,6 +43,7 @@ class Job:
     choices: dict[int, Choice] = field(default_factory=dict)
     cached_tokens: dict[str, int] = field(default_factory=dict)
     echo: list[str] | None = None  # prompt texts returned before the output (completions)
+    forced_tool_call: bool = False  # chat: the output is a constrained {"name", "arguments"}
 
     def rid(self, i: int) -> str:
         return f"{self.base_id}-{i}"

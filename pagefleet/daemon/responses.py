@@ -6,6 +6,7 @@ shape never touches the engine or the queue: it reads the job's choices and one 
 
 from __future__ import annotations
 
+import json
 from typing import Protocol
 
 from pydantic import BaseModel
@@ -23,6 +24,9 @@ from pagefleet.api.openai import (
     CompletionResponse,
     CompletionStreamResponse,
     DeltaMessage,
+    FunctionCall,
+    ToolCall,
+    ToolCallDelta,
     TopLogprob,
 )
 from pagefleet.daemon.job import Choice, Job
@@ -123,9 +127,9 @@ class ChatShape:
             choices=[
                 ChatChoice(
                     index=c.index,
-                    message=ChatResponseMessage(content=c.text),
+                    message=_message(job, c),
                     logprobs=chat_logprobs(c.logprobs) if want_lp else None,
-                    finish_reason=c.finish_reason,
+                    finish_reason=_finish_reason(job, c.finish_reason),
                     stop_reason=c.stop_reason,
                 )
                 for c in job.sorted_choices()
@@ -140,6 +144,15 @@ class ChatShape:
         self, job: Job, created: int, model: str, ch: Choice, delta: CompletionDelta
     ) -> ChatCompletionChunk:
         msg = DeltaMessage(content=delta.new_text)
+        if job.forced_tool_call:
+            # The call goes out whole with the last chunk: its arguments must parse first.
+            msg.content = None
+            if delta.finish_reason is not None:
+                call = _tool_call(ch.text)
+                if call is not None:
+                    msg.tool_calls = [ToolCallDelta(index=0, **call.model_dump())]
+                else:
+                    msg.content = ch.text
         if not ch.sent_role:
             msg.role = "assistant"
             ch.sent_role = True
@@ -150,7 +163,8 @@ class ChatShape:
             id=job.base_id, created=created, model=model,
             choices=[ChatChunkChoice(
                 index=ch.index, delta=msg, logprobs=lp,
-                finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
+                finish_reason=_finish_reason(job, delta.finish_reason),
+                stop_reason=delta.stop_reason,
             )],
         )  # fmt: skip
 
@@ -187,3 +201,25 @@ def chat_logprobs(lps: list[TokenLogprob]) -> ChatLogprobs:
             for lp in lps
         ]
     )
+
+
+def _tool_call(text: str) -> ToolCall | None:
+    """The call in a constrained output; None if it was cut short (max_tokens)."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    return ToolCall(function=FunctionCall(name=obj["name"], arguments=json.dumps(obj["arguments"])))
+
+
+def _message(job: Job, c: Choice) -> ChatResponseMessage:
+    if job.forced_tool_call:
+        call = _tool_call(c.text)
+        if call is not None:
+            return ChatResponseMessage(content=None, tool_calls=[call])
+    return ChatResponseMessage(content=c.text)
+
+
+def _finish_reason(job: Job, reason: str | None) -> str | None:
+    # OpenAI says "tool_calls" when the model stopped after calling a tool.
+    return "tool_calls" if job.forced_tool_call and reason == "stop" else reason

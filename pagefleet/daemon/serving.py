@@ -189,16 +189,52 @@ class OpenAIServing:
                     400, "only text content parts are supported", param=f"messages.{i}.content"
                 )
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        template_kwargs = dict(req.chat_template_kwargs or {})
+        tool_schema = self._tools(req, template_kwargs)
         prompt = await _offload(
-            lambda: self._chat_prompt_ids(
-                messages, req.add_generation_prompt, req.chat_template_kwargs
-            ),
+            lambda: self._chat_prompt_ids(messages, req.add_generation_prompt, template_kwargs),
             sum(len(m["content"]) for m in messages),
         )
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         return await self._generate(
-            request, req, [prompt], req.effective_max_tokens(), logprobs, _CHAT, echo=False
+            request,
+            req,
+            [prompt],
+            req.effective_max_tokens(),
+            logprobs,
+            _CHAT,
+            echo=False,
+            tool_schema=tool_schema,
         )
+
+    def _tools(self, req: ChatCompletionRequest, template_kwargs: dict[str, Any]) -> str | None:
+        """Put ``tools`` in the template's variables; return the JSON schema the output is
+        held to when ``tool_choice`` forces a call. 400 when the template cannot show the
+        model its tools (it would be asked to call functions it never saw)."""
+        if not req.tools:
+            if req.tool_choice not in (None, "none", "auto"):
+                raise APIError(400, "tool_choice needs tools", param="tool_choice")
+            return None
+        template = getattr(self._tokenizer(), "chat_template", None) or ""
+        if "tools" not in template:
+            raise APIError(
+                400,
+                "this model's chat template does not support tools; send the request "
+                "without 'tools' or serve a model whose template renders them",
+                param="tools",
+            )
+        template_kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
+        try:
+            schema = req.forced_tool_schema()
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="tool_choice") from None
+        if schema is not None and req.guided() is not None:
+            raise APIError(
+                400,
+                "a forced tool call cannot be combined with response_format",
+                param="tool_choice",
+            )
+        return None if schema is None else json.dumps(schema)
 
     async def _generate(
         self,
@@ -210,16 +246,25 @@ class OpenAIServing:
         shape: ResponseShape,
         *,
         echo: bool,
+        tool_schema: str | None = None,
     ) -> web.StreamResponse:
         """Validate, admit, run on the engine and answer (whole or streamed) in ``shape``."""
         self._check_lengths(prompts, max_tokens)
         params = self._sampling_params(req, max_tokens, logprobs)
+        if tool_schema is not None:
+            params.guided = GuidedSpec("json", tool_schema)
         self.admission.check(len(prompts))
         texts = None
         if echo:
             tok = self._tokenizer()
             texts = [tok.decode(p) for p in prompts]
-        job = Job(f"{shape.id_prefix}-{uuid.uuid4().hex}", prompts, params, echo=texts)
+        job = Job(
+            f"{shape.id_prefix}-{uuid.uuid4().hex}",
+            prompts,
+            params,
+            echo=texts,
+            forced_tool_call=tool_schema is not None,
+        )
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return await self._stream(request, job, shape, include_usage)

@@ -383,3 +383,76 @@ async def test_structured_output_through_the_openai_client(client):
         with pytest.raises(openai.BadRequestError) as e:
             await client.completions.create(model=MODEL, prompt=PROMPT, extra_body=extra)
         assert e.value.body["param"] == "response_format"
+
+
+async def test_tools_need_a_template_that_shows_them(client):
+    msgs = [{"role": "user", "content": "weather?"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(
+            model=MODEL, messages=msgs, tools=tools, tool_choice="required", max_tokens=4
+        )
+    assert e.value.body["param"] == "tools" and "template" in e.value.body["message"]
+
+
+async def test_forced_tool_calls_are_openai_shaped(tmp_path):
+    """A copy of the tiny checkpoint whose template renders tools: tool_choice "required"
+    and a named function yield tool_calls whose arguments match the function's schema."""
+    import shutil
+
+    from pagefleet.engine.loader import resolve_model
+
+    ckpt = tmp_path / "tiny-tools"
+    shutil.copytree(resolve_model("tiny"), ckpt)
+    cfg_path = ckpt / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = (
+        "{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
+        + cfg["chat_template"]
+    )
+    cfg_path.write_text(json.dumps(cfg))
+    weather = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+               "properties": {"city": {"enum": ["Paris", "Oslo"]},
+                              "days": {"type": "integer", "minimum": 1, "maximum": 7}}}  # fmt: skip
+    tools = [
+        {"type": "function", "function": {"name": "get_weather", "parameters": weather}},
+        {"type": "function", "function": {"name": "get_time",
+                                          "parameters": {"type": "object", "properties": {},
+                                                         "additionalProperties": False}}},
+    ]  # fmt: skip
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    async with live_daemon(config(model=str(ckpt), max_model_len=1024, num_gpu_blocks=512)) as d:
+        c = openai.AsyncOpenAI(base_url=d.base_url, api_key="none", max_retries=0)
+        named = await c.chat.completions.create(
+            model=MODEL, messages=msgs, tools=tools, max_tokens=120, temperature=0,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        )  # fmt: skip
+        ch = named.choices[0]
+        assert ch.finish_reason == "tool_calls" and ch.message.content is None
+        (call,) = ch.message.tool_calls
+        assert call.type == "function" and call.function.name == "get_weather"
+        args = json.loads(call.function.arguments)
+        assert args["city"] in ("Paris", "Oslo") and 1 <= args["days"] <= 7
+        required = await c.chat.completions.create(
+            model=MODEL, messages=msgs, tools=tools, max_tokens=120, temperature=1.0, seed=3,
+            n=3, tool_choice="required",
+        )  # fmt: skip
+        for ch in required.choices:
+            assert ch.message.tool_calls[0].function.name in ("get_weather", "get_time")
+        stream = await c.chat.completions.create(
+            model=MODEL, messages=msgs, tools=tools, max_tokens=120, temperature=0,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True,
+        )  # fmt: skip
+        calls = [tc async for chunk in stream for tc in (chunk.choices[0].delta.tool_calls or [])]
+        assert [json.loads(tc.function.arguments) for tc in calls] == [args]
+        auto = await c.chat.completions.create(
+            model=MODEL, messages=msgs, tools=tools, max_tokens=5, temperature=0
+        )
+        assert auto.choices[0].message.content is not None  # "auto" may answer in text
+        with pytest.raises(openai.BadRequestError) as e:
+            await c.chat.completions.create(
+                model=MODEL, messages=msgs, tools=tools, max_tokens=5,
+                tool_choice={"type": "function", "function": {"name": "nope"}},
+            )  # fmt: skip
+        assert e.value.body["param"] == "tool_choice"
+        await c.close()
