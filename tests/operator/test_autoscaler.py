@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import socket
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -34,7 +35,24 @@ from pagefleet.operator.signals import (
 )
 
 NS, NAME = "ml", "chat"
-PORT = 18931
+
+
+def _free_port() -> int:
+    """One port free on the loopback addresses the fake pods bind (127.0.0.2-3): every
+    pod serves /metrics on the same port, as in a cluster; a fixed number collided with
+    another run of this module on the same machine."""
+    while True:
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.2", 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.3", port))
+            except OSError:
+                continue
+            return port
+
+
+PORT = _free_port()
 
 
 # ------------------------------------------------------------------------------ signals
