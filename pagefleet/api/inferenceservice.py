@@ -259,6 +259,9 @@ class RoleSpec(_Model):
     """Taints the role's pods tolerate (e.g. dedicated GPU nodes)."""
     env: list[EnvVar] = Field(default_factory=list)
     """Extra environment variables for the daemon container."""
+    cost_per_hour: float | None = Field(default=None, ge=0)
+    """Dollars per hour one of this role's pods costs; its daemons then report cost per 1M
+    input and output tokens on /metrics (pagefleet:cost_per_million_*_tokens_dollars)."""
 
     @model_validator(mode="after")
     def _replicas_xor_autoscaling(self) -> RoleSpec:

@@ -71,7 +71,13 @@ class Daemon:
         self.config = config
         self._engine_factory = engine_factory
         self._index = index
-        self.metrics = DaemonMetrics(config.model_name, config.role, config.pod, config.block_size)
+        self.metrics = DaemonMetrics(
+            config.model_name,
+            config.role,
+            config.pod,
+            config.block_size,
+            cost_per_hour=config.cost_per_hour,
+        )
         self.admission = Admission(config.max_inflight, self.metrics)
         self.engine_loop: EngineLoop | None = None
         self.publisher: KVEventPublisher | None = None

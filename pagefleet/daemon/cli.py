@@ -135,6 +135,13 @@ async def serve(config: DaemonConfig) -> None:
     help="Seconds to finish in-flight requests on SIGTERM.",
 )
 @click.option(
+    "--cost-per-hour",
+    default=0.0,
+    show_default=True,
+    type=float,
+    help="Dollars per hour this replica costs; /metrics then reports cost per 1M tokens.",
+)
+@click.option(
     "--log-level",
     default="warning",
     show_default=True,

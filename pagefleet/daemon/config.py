@@ -48,6 +48,8 @@ class DaemonConfig(BaseModel):
     heartbeat_s: float = Field(default=1.0, gt=0)
     heartbeat_ttl_s: float = Field(default=5.0, gt=0)
     log_level: str = "warning"
+    # What this replica costs per hour, in dollars: /metrics then reports cost per token.
+    cost_per_hour: float = Field(default=0.0, ge=0)
 
     @property
     def model_name(self) -> str:

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pagefleet.api.cost import cost_per_million_tokens
 from pagefleet.engine.outputs import RequestMetrics
 
 LABELS = ("model_name", "role", "pod")
@@ -96,6 +97,7 @@ class _EngineStatsCollector(Collector):
             "pagefleet:kv_cache_evictions", "Cached blocks evicted (LRU).", stats.evictions_total
         )
         yield counter("pagefleet:engine_steps", "Engine steps run.", stats.steps_total)
+        yield from self._cost(gauge, counter, stats)
         # Info series the GIE endpoint picker reads: block size (prefix-cache scorer) and the
         # LoRA adapters (none yet; the value is a timestamp, as vLLM's is).
         info = GaugeMetricFamily(
@@ -113,12 +115,42 @@ class _EngineStatsCollector(Collector):
         lora.add_metric([*values, "0", "", ""], time.time())
         yield lora
 
+    def _cost(self, gauge: Any, counter: Any, stats: Any) -> Iterator[Metric]:
+        """Cost per 1M tokens since start (api/cost.py), and the dollars spent as a
+        counter, so PromQL can price any window: rate(cost) / rate(tokens) * 1e6."""
+        per_hour = self._owner.cost_per_hour
+        if per_hour <= 0:
+            return
+        up = time.monotonic() - self._owner.started
+        yield gauge("pagefleet:cost_per_hour_dollars", "Configured replica price.", per_hour)
+        yield counter("pagefleet:cost_dollars", "Replica cost since start.", per_hour * up / 3600)
+        for kind, tokens in (
+            ("input", stats.prompt_tokens_total),
+            ("output", stats.generation_tokens_total),
+        ):
+            price = cost_per_million_tokens(per_hour, up, tokens)
+            if price is not None:
+                yield gauge(
+                    f"pagefleet:cost_per_million_{kind}_tokens_dollars",
+                    f"Replica cost since start per 1M {kind} tokens it served.",
+                    price,
+                )
+
 
 class DaemonMetrics:
     """Every metric of one daemon, bound to its labels, in ``self.registry``."""
 
-    def __init__(self, model_name: str, role: str, pod: str, block_size: int = 16) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        role: str,
+        pod: str,
+        block_size: int = 16,
+        cost_per_hour: float = 0.0,
+    ) -> None:
         self.registry = CollectorRegistry()
+        self.cost_per_hour = cost_per_hour
+        self.started = time.monotonic()
         self.block_size = block_size
         self.label_values = [model_name, role, pod]
         self.latest_stats: Any = None

@@ -30,6 +30,7 @@ from typing import Any
 import click
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagefleet.api.cost import cost_per_million_tokens
 from pagefleet.dev.workload import Conversation, WorkloadSpec, build_conversations
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,8 @@ class BenchOptions(BaseModel):
     tokenizer_dir: str | None = None
     progress: bool = True
     timeout_s: float = 120.0
+    cost_per_hour: float = Field(0.0, ge=0, description="dollars per hour per replica")
+    replicas: int = Field(1, ge=1, description="replicas behind --url (for the cost)")
 
     def workload(self) -> WorkloadSpec:
         return WorkloadSpec(
@@ -278,6 +281,7 @@ def summarize(
         "prefix_hit_rate": round(cached / prompt, 4) if prompt else 0.0,
         "prompt_tokens": prompt,
         "cached_tokens": cached,
+        "completion_tokens": out_tokens,
         "pod_share": {p: round(n / len(ok), 4) for p, n in sorted(pods.items())} if ok else {},
         "max_pod_share": round(max(pods.values()) / len(ok), 4) if ok else 0.0,
         "errors": sorted({r.error for r in results if r.error})[:5],
@@ -313,6 +317,11 @@ def print_report(report: dict[str, Any], title: str = "pagefleet bench") -> None
         f"({report['cached_tokens']}/{report['prompt_tokens']} prompt tokens) | per-pod share "
         + ", ".join(f"{p or '?'} {s:.0%}" for p, s in report["pod_share"].items())
     )
+    if "cost_per_1m_output_tokens" in report:
+        console.print(
+            f"cost per 1M tokens: input ${report['cost_per_1m_input_tokens']}, "
+            f"output ${report['cost_per_1m_output_tokens']}"
+        )
     if report["errors"]:
         console.print(f"[red]errors: {report['errors']}[/red]")
 
@@ -372,7 +381,18 @@ async def run_bench(opts: BenchOptions) -> tuple[dict[str, Any], list[RequestRes
         seed=opts.seed,
     )
     report = summarize(results, wall, opts.slo_ttft_ms, opts.slo_tpot_ms)
+    add_cost(report, opts.cost_per_hour * opts.replicas)
     return report, results
+
+
+def add_cost(report: dict[str, Any], dollars_per_hour: float) -> None:
+    """Cost per 1M input and output tokens of the run (api/cost.py), when priced."""
+    if dollars_per_hour <= 0:
+        return
+    tokens_by_kind = (("input", report["prompt_tokens"]), ("output", report["completion_tokens"]))
+    for kind, tokens in tokens_by_kind:
+        price = cost_per_million_tokens(dollars_per_hour, report["wall_s"], tokens)
+        report[f"cost_per_1m_{kind}_tokens"] = None if price is None else round(price, 4)
 
 
 def run_bench_sync(opts: BenchOptions) -> dict[str, Any]:
@@ -433,6 +453,16 @@ def run_bench_sync(opts: BenchOptions) -> dict[str, Any]:
 @click.option("--max-tokens", default=16, show_default=True, type=int)
 @click.option(
     "--zipf-s", default=1.1, show_default=True, type=float, help="Tenant popularity skew."
+)
+@click.option(
+    "--cost-per-hour",
+    default=0.0,
+    show_default=True,
+    type=float,
+    help="Dollars per hour per replica: the report adds cost per 1M input and output tokens.",
+)
+@click.option(
+    "--replicas", default=1, show_default=True, type=int, help="Replicas behind --url (cost)."
 )
 @click.option("--slo-ttft-ms", default=500.0, show_default=True, type=float)
 @click.option("--slo-tpot-ms", default=100.0, show_default=True, type=float)

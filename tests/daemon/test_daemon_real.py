@@ -27,7 +27,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog and then"
 def config(**kw) -> DaemonConfig:
     base = dict(model="tiny", served_model_name=MODEL, port=free_port(), pod_name="pod-r",
                 block_size=8, num_gpu_blocks=96, max_model_len=256, max_num_seqs=8,
-                max_queue=8)  # fmt: skip
+                max_queue=8, cost_per_hour=2.5)  # fmt: skip
     base.update(kw)
     return DaemonConfig(**base)
 
@@ -456,3 +456,16 @@ async def test_forced_tool_calls_are_openai_shaped(tmp_path):
             )  # fmt: skip
         assert e.value.body["param"] == "tool_choice"
         await c.close()
+
+
+async def test_cost_per_token_on_metrics(client, live):
+    await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
+    text = await metrics_text(live)
+    assert sample(text, "pagefleet:cost_per_hour_dollars") == 2.5
+    spent = sample(text, "pagefleet:cost_dollars_total")
+    assert spent > 0
+    for kind, tokens in (("input", "vllm:prompt_tokens_total"),
+                         ("output", "vllm:generation_tokens_total")):  # fmt: skip
+        price = sample(text, f"pagefleet:cost_per_million_{kind}_tokens_dollars")
+        # Both read in one scrape: the same uptime, so the same ratio up to clock ticks.
+        assert price == pytest.approx(spent / sample(text, tokens) * 1e6, rel=1e-3)

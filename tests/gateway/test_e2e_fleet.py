@@ -169,9 +169,17 @@ async def test_bench_report_from_a_real_run(fleet: LocalFleet, tmp_path) -> None
         num_tenants=3,
         system_prompt_words=60,
         progress=False,
+        cost_per_hour=3.6,
+        replicas=len(fleet.daemon_urls),
     )
     report, results = await run_bench(opts)
     assert report["requests"] == 12 and report["failed"] == 0, report["errors"]
+    # Replica-dollars over the run per 1M tokens of each kind.
+    spent = 3.6 * len(fleet.daemon_urls) * report["wall_s"] / 3600
+    assert report["completion_tokens"] == 12 * 4
+    assert report["cost_per_1m_output_tokens"] == round(spent / 48 * 1e6, 4)
+    want_in = spent / report["prompt_tokens"] * 1e6
+    assert report["cost_per_1m_input_tokens"] == round(want_in, 4)
     # 3 tenants over 12 turns: later turns reuse earlier prefixes on the same pod.
     assert 0.2 < report["prefix_hit_rate"] < 1.0
     assert set(report["pod_share"]) <= {u.removeprefix("http://") for u in fleet.daemon_urls}

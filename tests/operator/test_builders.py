@@ -343,6 +343,7 @@ def test_daemon_and_gateway_clis_accept_the_operators_command_lines(pd_spec):
 
     pd_spec["router"] = {"weights": {"prefill": 1.0, "queue": 0.25}}
     pd_spec["model"]["maxModelLen"] = 256
+    pd_spec["roles"]["decode"]["costPerHour"] = 2.75  # per role: prefill sets none
     objs = children(pd_spec)
     for role in ("prefill", "decode"):
         cmd = objs[("Deployment", f"llama-{role}")]["spec"]["template"]["spec"]["containers"][0][
@@ -350,6 +351,7 @@ def test_daemon_and_gateway_clis_accept_the_operators_command_lines(pd_spec):
         ]
         ctx = daemon_cli.make_context("daemon", _subcommand_args(cmd, "daemon"))
         assert ctx.params["role"] == role and ctx.params["max_model_len"] == 256
+        assert ctx.params["cost_per_hour"] == (2.75 if role == "decode" else 0.0)
         assert ctx.params["kv_namespace"] == "ml/llama"
     gw = objs[("Deployment", "llama-gateway")]["spec"]["template"]["spec"]["containers"][0]
     ctx = gateway_cli.make_context("gateway", _subcommand_args(gw["command"], "gateway"))
