@@ -175,7 +175,8 @@ def _schemathesis(url: str, tmp: Path, examples: int) -> subprocess.CompletedPro
         "--report-dir", str(tmp),
     ]  # fmt: skip
     env = dict(os.environ, NO_COLOR="1")
-    return subprocess.run(argv, capture_output=True, text=True, timeout=400, env=env)
+    # cwd: schemathesis keeps a cache directory where it runs; not in the repository.
+    return subprocess.run(argv, capture_output=True, text=True, timeout=400, env=env, cwd=tmp)
 
 
 @pytest.mark.parametrize("target", ["daemon", "gateway"])
