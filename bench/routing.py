@@ -298,7 +298,8 @@ def shape_keys(reports: dict[str, dict[str, Any]], ideal: float, suffix: str) ->
         return reports[door][key] if door in reports else None
 
     ca_hit, ca_p50 = get("cache_aware", "prefix_hit_rate"), get("cache_aware", "ttft_ms_p50")
-    peers = [p for p in PEERS if p in reports]
+    # A peer whose every request failed (ttft None) has no figures to compare.
+    peers = [p for p in PEERS if p in reports and reports[p]["ttft_ms_p50"] is not None]
     best_hit = max((reports[p]["prefix_hit_rate"] for p in peers), default=None)
     best_p50 = min((reports[p]["ttft_ms_p50"] for p in peers), default=None)
     best_p99 = min((reports[p]["ttft_ms_p99"] for p in peers), default=None)
