@@ -156,6 +156,11 @@ ACCEPTED_DEFAULTS: dict[str, object] = {
     "best_of": None,
     "documents": None,
     "chat_template": None,
+    # Added by the peer routers to every request they forward, at these values:
+    # sglang-router 0.3.2 and vllm-router 0.1.17 (bench/routing.py).
+    "return_hidden_states": False,
+    "include_reasoning": True,
+    "separate_reasoning": True,
 }
 
 

@@ -31,3 +31,15 @@ def test_late_tenants_appear_mid_run_with_a_burst() -> None:
         assert tenants[i : i + 2] == [t, t]  # a new tenant's agents start back to back
     with pytest.raises(ValueError, match="initial_tenants"):
         build_agentic(AgenticSpec(num_tenants=2, initial_tenants=3))
+
+
+def test_fields_the_peer_routers_add_are_accepted_at_their_values() -> None:
+    """sglang-router 0.3.2 and vllm-router 0.1.17 add these to every request they forward;
+    a daemon refusing them fails every request of the bench's peer doors."""
+    from pagefleet.api.openai import ChatCompletionRequest, unsupported_fields
+
+    msgs = [{"role": "user", "content": "hi"}]
+    added = {"return_hidden_states": False, "include_reasoning": True, "separate_reasoning": True}
+    assert unsupported_fields(ChatCompletionRequest(model="m", messages=msgs, **added)) == []
+    other = ChatCompletionRequest(model="m", messages=msgs, return_hidden_states=True)
+    assert unsupported_fields(other) == ["return_hidden_states"]
