@@ -37,6 +37,9 @@ class EngineConfig:
     max_wait_steps: int = 64  # bounded unfairness of cache-aware ordering
     kv_namespace: str = ""  # block-key namespace (the InferenceService's model key)
     seed: int = 0
+    # P/D: how long a finished prefill's KV stays pinned for a decode pod to pull it, and
+    # how long a decode engine keeps blocks reserved for a pull in flight.
+    kv_transfer_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -74,5 +77,7 @@ class EngineConfig:
             raise ValueError(
                 "long_prefill_token_threshold needs chunked prefill: enable it or set 0"
             )
+        if self.kv_transfer_timeout_s <= 0:
+            raise ValueError(f"kv_transfer_timeout_s must be > 0, got {self.kv_transfer_timeout_s}")
         if self.max_wait_steps < 0:
             raise ValueError(f"max_wait_steps must be >= 0, got {self.max_wait_steps}")

@@ -27,7 +27,8 @@ from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.detokenizer import Decoder, IncrementalDetokenizer
 from pagefleet.engine.errors import InvalidRequestError
 from pagefleet.engine.guided import GrammarBackend, GrammarError
-from pagefleet.engine.kv_cache_manager import KVCacheManager
+from pagefleet.engine.kv_cache_manager import KVCacheManager, cdiv
+from pagefleet.engine.kv_export import ExportedKV, ExportRegistry, ImportPlan
 from pagefleet.engine.outputs import (
     CompletionDelta,
     CompletionOutput,
@@ -42,6 +43,7 @@ from pagefleet.engine.sampler import SampleResult
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.scheduler import Scheduler
 from pagefleet.kvindex.events import KVEventBatch
+from pagefleet.kvindex.hashing import block_hashes
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +65,9 @@ class EngineStats:
     evictions_total: int
     steps_total: int
     num_cached_blocks: int = 0  # blocks holding a prefix-cache key (what the index shows)
+    kv_exports_live: int = 0  # P/D: prefill handles waiting to be pulled
+    kv_exports_expired_total: int = 0  # P/D: handles freed by their deadline, never pulled
+    kv_imports_live: int = 0  # P/D: block reservations for pulls in flight
 
 
 class LLMEngine:
@@ -122,6 +127,10 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self.steps_total = 0
         self._grammars: GrammarBackend | None = None  # built on the first guided request
+        # P/D: handles of finished prefills (read by the transfer server's thread) and block
+        # reservations of pulls in flight (engine thread only).
+        self.exports = ExportRegistry()
+        self._imports: dict[str, ImportPlan] = {}
 
     # --- requests ------------------------------------------------------------------------
 
@@ -132,9 +141,35 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         lora_id: str | None = None,
+        kv_export: bool = False,
     ) -> None:
         """Queue a request. Raises ValueError (naming the problem) for a duplicate id, an
-        empty or too long prompt, or token ids outside the vocabulary; never half-admits."""
+        empty or too long prompt, or token ids outside the vocabulary; never half-admits.
+
+        ``kv_export`` (prefill role): when the request finishes, its prompt's KV stays
+        pinned under the request id as a transfer handle (``exports``) until a decode pod
+        pulls it or ``kv_transfer_timeout_s`` passes."""
+        req = self._new_request(request_id, prompt, params, arrival_time, lora_id)
+        if kv_export:
+            if params.n != 1:
+                raise ValueError("a request whose KV is exported must have n=1")
+            if request_id in self.exports.handles():
+                raise ValueError(f"transfer handle {request_id!r} is still live")
+            req.kv_export = True
+        req.seqs.append(self._new_seq(req, 0, list(req.prompt_token_ids)))
+        self._requests[request_id] = req
+        self.scheduler.add(req.seqs[0])
+        self._arrivals += 1
+
+    def _new_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None,
+        lora_id: str | None,
+    ) -> Request:
+        """A validated request without sequences (raises ValueError, changing nothing)."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.n > self.config.max_num_seqs:
@@ -172,7 +207,7 @@ class LLMEngine:
         metrics = RequestMetrics(
             arrival_time=time.monotonic() if arrival_time is None else arrival_time
         )
-        req = Request(
+        return Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
             params=params,
@@ -180,10 +215,6 @@ class LLMEngine:
             lora_id=lora_id,
             forked=params.n == 1,
         )
-        req.seqs.append(self._new_seq(req, 0, list(token_ids)))
-        self._requests[request_id] = req
-        self.scheduler.add(req.seqs[0])
-        self._arrivals += 1
 
     def _check_token_controls(self, params: SamplingParams) -> None:
         """Refuse token ids outside the vocabulary; tokenize ``bad_words`` (as vLLM: each
@@ -286,6 +317,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return the deltas of every request that produced any."""
         outputs, self._aborted = self._aborted, []
+        self.collect_transfers()
         sched = self.scheduler.schedule()
         if not sched.is_empty or sched.copies:
             self.steps_total += 1
@@ -363,7 +395,160 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None) -> None:
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
+        if seq.request.kv_export and seq.index == 0:
+            self._export(seq)
         self.scheduler.finish(seq)
+
+    # --- P/D: export (prefill role) ------------------------------------------------------
+
+    def _export(self, seq: Sequence) -> None:
+        """Pin the finished prompt's blocks under the request id before they are freed."""
+        req = seq.request
+        bs = self.config.block_size
+        blocks = self.kv.table(seq)[: cdiv(len(req.prompt_token_ids), bs)]
+        handle = req.request_id
+        self.kv.pin("x:" + handle, blocks)
+        hashes = block_hashes(
+            req.prompt_token_ids, bs, namespace=self.config.kv_namespace, extra=req.lora_id
+        )
+        self.exports.add(
+            ExportedKV(
+                handle=handle,
+                block_ids=[b.block_id for b in blocks],
+                token_ids=list(req.prompt_token_ids),
+                block_hashes=hashes,
+                lora_id=req.lora_id,
+                deadline=time.monotonic() + self.config.kv_transfer_timeout_s,
+            )
+        )
+
+    def collect_transfers(self, now: float | None = None) -> int:
+        """Unpin pulled and expired handles and drop expired import reservations (engine
+        thread; ``step()`` calls it, an idle daemon on a timer). Returns how many handles
+        expired unpulled."""
+        now = time.monotonic() if now is None else now
+        expired = 0
+        for e in self.exports.collect(now):
+            self.kv.unpin("x:" + e.handle)
+            expired += not e.consumed
+        for plan in list(self._imports.values()):
+            if now >= plan.deadline:
+                self.cancel_import(plan)
+        return expired
+
+    def release_export(self, handle: str) -> bool:
+        """Give up a handle now (nobody will pull it): freed at once unless being read,
+        then when the read ends. False if unknown or already gone."""
+        entry = self.exports.acquire(handle, float("-inf"))
+        if entry is None:
+            return False
+        self.exports.release(handle, consumed=True)
+        self.collect_transfers()
+        return True
+
+    # --- P/D: import (decode role) -------------------------------------------------------
+
+    def reserve_import(
+        self, request_id: str, prompt: list[int], lora_id: str | None = None
+    ) -> ImportPlan | None:
+        """Reserve blocks for pulling ``prompt``'s KV: this engine's own cached prefix is
+        pinned and fresh blocks are taken for the rest of positions ``0 .. len - 2``.
+
+        Returns None when there is nothing to import (a one-token prompt), the id is in
+        use, or the pool cannot supply the blocks now (the caller then prefills locally).
+        The reservation must end in ``commit_import`` or ``cancel_import``; otherwise it
+        expires after ``kv_transfer_timeout_s``.
+        """
+        bs = self.config.block_size
+        num_blocks = cdiv(len(prompt) - 1, bs)
+        key = "i:" + request_id
+        if num_blocks <= 0 or key in self._imports or request_id in self._requests:
+            return None
+        hashes = block_hashes(prompt, bs, namespace=self.config.kv_namespace, extra=lora_id)
+        hits = []
+        if self.config.enable_prefix_caching:
+            for h in hashes[:num_blocks]:
+                block = self.kv.pool.get_cached_block(h)
+                if block is None:
+                    break
+                hits.append(block)
+        fresh = self.kv.pin_new_blocks(key, num_blocks - len(hits), hits)
+        if fresh is None:
+            return None
+        plan = ImportPlan(
+            key=key,
+            request_id=request_id,
+            token_ids=list(prompt),
+            block_hashes=hashes,
+            first_block=len(hits),
+            num_blocks=num_blocks,
+            block_ids=[b.block_id for b in fresh],
+            lora_id=lora_id,
+            deadline=time.monotonic() + self.config.kv_transfer_timeout_s,
+        )
+        self._imports[key] = plan
+        return plan
+
+    def cancel_import(self, plan: ImportPlan) -> None:
+        """Give the reservation's blocks back (a failed pull); idempotent."""
+        if self._imports.pop(plan.key, None) is not None:
+            self.kv.unpin(plan.key)
+
+    def commit_import(
+        self,
+        plan: ImportPlan,
+        kv: list[tuple[torch.Tensor, torch.Tensor]] | None,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Write the pulled KV (per layer, ``[plan.num_pull_blocks, block_size, heads,
+        head_dim]``) into the reserved blocks, give the full ones their keys (so the prefix
+        cache and the index see them), and queue the request with every prompt token but
+        the last already computed: this engine computes the last one and samples, exactly
+        as a unified engine would (greedy, seeded, n > 1 alike).
+
+        Raises ValueError, the reservation released, when it expired or the request is
+        invalid; the caller then prefills locally.
+        """
+        if self._imports.get(plan.key) is not plan:
+            raise ValueError(
+                f"the KV reservation for {plan.request_id!r} expired before the pull ended"
+            )
+        try:
+            req = self._new_request(
+                plan.request_id, plan.token_ids, params, arrival_time, plan.lora_id
+            )
+        except ValueError:
+            self.cancel_import(plan)
+            raise
+        if plan.num_pull_blocks:
+            if kv is None:
+                self.cancel_import(plan)
+                raise ValueError("the pulled KV is missing")
+            self.runner.write_kv_blocks(plan.block_ids, kv)  # type: ignore[attr-defined]
+        del self._imports[plan.key]
+        bs = self.config.block_size
+        # Full blocks whose every position now has KV; the block holding the last prompt
+        # token gets its key once this engine has written that token.
+        num_full = (len(plan.token_ids) - 1) // bs
+        num_hashed = self.kv.register_imported(
+            plan.key,
+            plan.first_block,
+            max(0, num_full - plan.first_block),
+            plan.block_hashes,
+            plan.token_ids,
+            plan.lora_id,
+        )
+        req.kv_imported = True
+        req.metrics.num_cached_tokens = plan.first_block * bs
+        seq = self._new_seq(req, 0, list(plan.token_ids))
+        seq.block_hashes = list(plan.block_hashes)
+        seq.num_computed_tokens = len(plan.token_ids) - 1
+        req.seqs.append(seq)
+        self.kv.adopt_pin(plan.key, seq, num_hashed)
+        self._requests[req.request_id] = req
+        self.scheduler.add(seq)
+        self._arrivals += 1
 
     def _token_text(self, tok: int) -> str:
         return self.tokenizer.decode([tok], False)
@@ -422,6 +607,9 @@ class LLMEngine:
             evictions_total=pool.num_evictions,
             steps_total=self.steps_total,
             num_cached_blocks=len(pool.cached),
+            kv_exports_live=len(self.exports),
+            kv_exports_expired_total=self.exports.expired_total,
+            kv_imports_live=len(self._imports),
         )
 
     def cached_block_hashes(self) -> set[int]:
@@ -441,6 +629,8 @@ class LLMEngine:
         queued = set(map(id, self.scheduler.waiting)) | set(map(id, self.scheduler.running))
         assert queued == set(map(id, live)), "a live sequence is in neither queue (or both)"
         assert len(self.scheduler.running) <= self.config.max_num_seqs
+        pins = {"x:" + h for h in self.exports.handles()} | set(self._imports)
+        assert set(self.kv.pin_keys()) == pins, "a KV pin outlived its handle or reservation"
 
     # --- offline convenience -------------------------------------------------------------
 

@@ -55,6 +55,9 @@ class KVCacheManager:
         # (index, block, hash, sequence): full blocks whose hash another block already held
         # when they filled; end_step() folds them into that block.
         self._dups: list[tuple[int, KVBlock, int, Sequence]] = []
+        # Blocks held by no sequence but kept alive under a key: a finished prefill's KV
+        # waiting for a decode pod to pull it, or blocks reserved for an incoming pull.
+        self._pins: dict[str, list[KVBlock]] = {}
 
     def begin_step(self) -> None:
         self._inflight.clear()
@@ -100,6 +103,12 @@ class KVCacheManager:
 
     def block_ids(self, seq: Sequence) -> list[int]:
         return [b.block_id for b in self._tables.get(seq.seq_id, ())]
+
+    def table(self, seq: Sequence) -> list[KVBlock]:
+        return self._tables[seq.seq_id]
+
+    def pin_keys(self) -> list[str]:
+        return list(self._pins)
 
     def has_table(self, seq: Sequence) -> bool:
         return seq.seq_id in self._tables
@@ -239,6 +248,83 @@ class KVCacheManager:
         if table:
             self.pool.free_blocks(reversed(table))
 
+    # --- pins (P/D transfer) -------------------------------------------------------------
+
+    def pin(self, key: str, blocks: Seq[KVBlock]) -> None:
+        """Keep ``blocks`` referenced under ``key`` (one reference each) until ``unpin``."""
+        if key in self._pins:
+            raise ValueError(f"KV pin {key!r} already exists")
+        self.pool.touch(blocks)
+        self._pins[key] = list(blocks)
+
+    def pinned(self, key: str) -> list[KVBlock] | None:
+        return self._pins.get(key)
+
+    def unpin(self, key: str) -> bool:
+        """Drop the pin's references (tail first); False if there was no such pin."""
+        blocks = self._pins.pop(key, None)
+        if blocks is None:
+            return False
+        self.pool.free_blocks(reversed(blocks))
+        return True
+
+    def pin_new_blocks(self, key: str, num: int, hits: Seq[KVBlock]) -> list[KVBlock] | None:
+        """Pin cache hits ``hits`` plus ``num`` fresh blocks under ``key``; all or nothing.
+
+        Returns the fresh blocks, or None (changing nothing) when the pool cannot supply
+        them.
+        """
+        unavailable = sum(1 for b in hits if b.ref_cnt == 0)
+        if num > self.pool.num_free_blocks - unavailable:
+            return None
+        self.pin(key, hits)
+        fresh = self.pool.get_new_blocks(num)  # already referenced once: owned by the pin
+        self._pins[key].extend(fresh)
+        return fresh
+
+    def adopt_pin(self, key: str, seq: Sequence, num_hashed: int) -> None:
+        """Turn pin ``key`` into ``seq``'s block table (references move, none change).
+
+        ``num_hashed`` leading blocks already carry their keys (cache hits or imported
+        blocks registered by ``register_imported``)."""
+        blocks = self._pins.pop(key)
+        assert seq.seq_id not in self._tables, "the sequence already has a block table"
+        self._tables[seq.seq_id] = blocks
+        self._num_hashed[seq.seq_id] = num_hashed
+
+    def register_imported(
+        self, key: str, first: int, count: int, hashes: Seq[int], token_ids: Seq[int],
+        lora_id: str | None,
+    ) -> int:  # fmt: skip
+        """Give pinned blocks ``first .. first+count-1`` of pin ``key`` their block keys, as
+        if this engine had computed them, and emit ``BlockStored`` for them.
+
+        Keeps the prefix closure: stops at the first block whose parent is not cached. A
+        block whose key another block already holds (computed here meanwhile) is swapped
+        for that block. Returns how many leading blocks of the pin now carry their key.
+        """
+        blocks = self._pins[key]
+        done = first
+        if not self.enable_caching:
+            return done
+        bs = self.block_size
+        for i in range(first, first + count):
+            h = hashes[i]
+            parent = hashes[i - 1] if i > 0 else None
+            if parent is not None and self.pool.get_cached_block(parent) is None:
+                break  # prefix closure (kvindex/events.py)
+            orig = self.pool.get_cached_block(h)
+            if orig is not None and orig is not blocks[i]:
+                self.pool.touch([orig])
+                self.pool.free_blocks([blocks[i]])
+                blocks[i] = orig
+            elif orig is None:
+                self.pool.cache_block(
+                    blocks[i], h, parent, list(token_ids[i * bs : (i + 1) * bs]), lora_id
+                )
+            done = i + 1
+        return done
+
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
         return copies
@@ -265,10 +351,15 @@ class KVCacheManager:
             assert len(set(ids)) == len(ids), f"sequence {seq_id} holds a block twice"
             for b in table:
                 counts[b.block_id] += 1
+        for key, pinned in self._pins.items():
+            ids = [b.block_id for b in pinned]
+            assert len(set(ids)) == len(ids), f"pin {key!r} holds a block twice"
+            for b in pinned:
+                counts[b.block_id] += 1
         for block in self.pool.blocks:
             assert block.ref_cnt == counts[block.block_id], (
                 f"block {block.block_id}: ref_cnt {block.ref_cnt} but held by "
-                f"{counts[block.block_id]} tables"
+                f"{counts[block.block_id]} tables and pins"
             )
         if live is not None:
             live_ids = set()

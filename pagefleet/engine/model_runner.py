@@ -14,6 +14,7 @@ sampled token; a prefill chunk short of the prompt's end samples nothing.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -31,6 +32,37 @@ class Runner(Protocol):
     """What the engine needs from a runner (tests substitute a model-free one)."""
 
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> StepResult: ...
+
+
+@dataclass(slots=True, frozen=True)
+class KVLayout:
+    """Shape of one engine's KV pool: what a transfer peer must match block for block."""
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # torch dtype name without the "torch." prefix
+
+    @property
+    def block_bytes_per_layer(self) -> int:
+        """Bytes of K (or of V) of one block in one layer."""
+        elem = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return self.block_size * self.num_kv_heads * self.head_dim * elem
+
+
+class KVPort(Protocol):
+    """Block-granular access to a runner's KV pool (P/D transfer)."""
+
+    def kv_layout(self) -> KVLayout: ...
+
+    def read_kv_blocks(
+        self, block_ids: list[int], layers: range
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
+
+    def write_kv_blocks(
+        self, block_ids: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None: ...
 
 
 def kv_cache_bytes_per_block(
@@ -71,6 +103,52 @@ class ModelRunner:
         ]
         # Tests hook in here to compare logits with a reference model.
         self.logits_hook: Callable[[list[Sequence], torch.Tensor], None] | None = None
+
+    def kv_layout(self) -> KVLayout:
+        k = self.kv_caches[0][0]
+        return KVLayout(
+            num_layers=len(self.kv_caches),
+            block_size=self.block_size,
+            num_kv_heads=k.shape[2],
+            head_dim=k.shape[3],
+            dtype=str(k.dtype).removeprefix("torch."),
+        )
+
+    def read_kv_blocks(
+        self, block_ids: list[int], layers: range
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of K and V of ``block_ids`` for each layer in ``layers``, on the host,
+        each ``[len(block_ids), block_size, num_kv_heads, head_dim]``, contiguous.
+
+        Safe from another thread while the engine steps as long as the blocks are pinned:
+        nothing writes into a referenced block that no sequence holds.
+        """
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        out = []
+        for layer in layers:
+            k, v = self.kv_caches[layer]
+            kk, vv = k.index_select(0, idx), v.index_select(0, idx)
+            if kk.device.type != "cpu":
+                # Staged through pinned host memory so the copy runs at full bus speed.
+                hk = torch.empty(kk.shape, dtype=kk.dtype, pin_memory=True)
+                hv = torch.empty(vv.shape, dtype=vv.dtype, pin_memory=True)
+                hk.copy_(kk)
+                hv.copy_(vv)
+                kk, vv = hk, hv
+            out.append((kk, vv))
+        return out
+
+    def write_kv_blocks(
+        self, block_ids: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        """Write K and V of every layer into ``block_ids`` (engine thread, between steps)."""
+        if not block_ids:
+            return
+        assert len(kv) == len(self.kv_caches), "one (K, V) pair per layer"
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        for (k, v), (kk, vv) in zip(self.kv_caches, kv, strict=True):
+            k.index_copy_(0, idx, kk.to(device=k.device, dtype=k.dtype))
+            v.index_copy_(0, idx, vv.to(device=v.device, dtype=v.dtype))
 
     def build_batch(
         self, items: list[ScheduledSeq], kv: KVCacheManager

@@ -106,6 +106,10 @@ class Request:
     lora_id: str | None = None
     seqs: list[Sequence] = field(default_factory=list)
     forked: bool = False  # the n - 1 siblings of sequence 0 exist
+    # P/D: keep the prompt's KV pinned under the request id when it finishes (prefill role)
+    kv_export: bool = False
+    # P/D: admitted with its prompt's KV already in place (imported from a prefill pod)
+    kv_imported: bool = False
 
     @property
     def is_finished(self) -> bool:

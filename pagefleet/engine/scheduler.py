@@ -148,20 +148,29 @@ class Scheduler:
                 seq = self.waiting[0]
                 if seats + seq.request.fanout > cfg.max_num_seqs:
                     break
-                hits, num_cached = self.kv.get_computed_blocks(seq)
+                imported = self.kv.has_table(seq)  # KV pulled from a prefill pod
+                if imported:
+                    hits, num_cached = [], seq.num_computed_tokens
+                    num_held = len(self.kv.block_ids(seq))
+                else:
+                    hits, num_cached = self.kv.get_computed_blocks(seq)
+                    num_held = len(hits)
                 num_new = self._cap_prefill(seq.num_tokens - num_cached)
                 if num_new > budget:
                     if not cfg.enable_chunked_prefill:
                         break
                     num_new = budget
-                if self.running and not self._leaves_headroom(num_cached + num_new, hits):
+                if self.running and not self._leaves_headroom(num_cached + num_new, num_held):
                     break
                 if not self.kv.allocate_slots(seq, num_new, hits, num_cached):
                     break
                 self.waiting.popleft()
                 self.prefix_queries_tokens += seq.num_tokens
-                self.prefix_hits_tokens += num_cached
-                if seq.num_preemptions == 0 and seq.index == 0:
+                if imported:  # only the local cache hits count as hits
+                    self.prefix_hits_tokens += seq.request.metrics.num_cached_tokens
+                else:
+                    self.prefix_hits_tokens += num_cached
+                if seq.num_preemptions == 0 and seq.index == 0 and not imported:
                     seq.request.metrics.num_cached_tokens = num_cached
                 seq.num_computed_tokens = num_cached
                 seq.status = SequenceStatus.RUNNING
@@ -185,10 +194,11 @@ class Scheduler:
         cap = self.config.long_prefill_token_threshold
         return min(num_new, cap) if cap else num_new
 
-    def _leaves_headroom(self, num_tokens: int, hits: list) -> bool:
+    def _leaves_headroom(self, num_tokens: int, num_held: int) -> bool:
         """Admit only if the blocks left afterwards stay above the watermark, so running
-        sequences can keep growing for a while without being preempted by a newcomer."""
-        need = -(-num_tokens // self.kv.block_size) - len(hits)
+        sequences can keep growing for a while without being preempted by a newcomer.
+        ``num_held``: blocks the sequence already has (cache hits or imported KV)."""
+        need = -(-num_tokens // self.kv.block_size) - num_held
         return self.kv.pool.num_free_blocks - need >= self.watermark_blocks
 
     def _schedule_one(self, seq: Sequence, num_new: int, forked: list[Sequence]) -> ScheduledSeq:

@@ -84,6 +84,24 @@ class FakeKVRunner:
         self.eos_boost = 0.0  # > 0 makes EOS likely (finish schedules)
         self.logits_hook = None
 
+    # P/D transfer: the fake KV of a block as an int64 tensor [block_size, 1, 2] of
+    # (position, token), -1 for an empty slot; one layer.
+    def kv_layout(self):
+        from pagefleet.engine.model_runner import KVLayout
+
+        return KVLayout(1, self.bs, 1, 2, "int64")
+
+    def read_kv_blocks(self, block_ids, layers):
+        torch = self.torch
+        rows = [[s if s is not None else (-1, -1) for s in self.cache[b]] for b in block_ids]
+        k = torch.tensor(rows, dtype=torch.int64).reshape(len(block_ids), self.bs, 1, 2)
+        return [(k, k.clone()) for _ in layers]
+
+    def write_kv_blocks(self, block_ids, kv):
+        ((k, _v),) = kv
+        for b, rows in zip(block_ids, k.reshape(len(block_ids), self.bs, 2).tolist(), strict=True):
+            self.cache[b] = [None if p < 0 else (p, t) for p, t in rows]
+
     def execute(self, sched, kv):
         torch = self.torch
         for src, dst in sched.copies:

@@ -1,0 +1,418 @@
+"""Prefill -> decode KV transfer: the ``KVTransfer`` interface and its TCP implementation.
+
+The decode pod *pulls*: it asks the prefill pod that holds a transfer handle for a range of
+the prompt's blocks and receives them in one binary response on the daemon's own HTTP port
+(``POST /v1/kv/pull``):
+
+    4 bytes   big-endian length of the header
+    header    JSON: layout (layers, block_size, num_kv_heads, head_dim, dtype), the block
+              range, each block's key (null for the prompt's partial last block) and the
+              token ids of the range
+    payload   for each layer in the header's layer range: K then V of the blocks, as
+              ``[num_blocks, block_size, num_kv_heads, head_dim]`` in C order
+
+The bytes come straight out of the KV tensors (one gather per layer, no per-element Python);
+on CUDA the gather is staged through pinned host memory (``ModelRunner.read_kv_blocks``).
+
+Integrity: the decode side only uses a pull whose header matches its own view of the prompt
+-- every block key equals the key its own chain gives (same namespace, same tokens: a handle
+of another model or another prompt fails) and the token ids equal its prompt's -- and whose
+layout equals its own. Any failure is a ``KVPullError`` with a reason; the caller falls back
+to prefilling locally.
+
+Room for RDMA/NIXL: another ``KVTransfer`` implementation can move the same blocks by
+registered memory instead of a byte stream; the export/import bookkeeping in the engine
+(pagefleet/engine/kv_export.py) and the verification below do not change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import struct
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from aiohttp import ClientError, ClientSession, ClientTimeout, web
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+logger = logging.getLogger(__name__)
+
+PULL_PATH = "/v1/kv/pull"
+_HEADER_LEN = struct.Struct(">I")
+_MAX_HEADER = 64 << 20
+
+
+class KVTransferParams(BaseModel):
+    """Request/response field ``kv_transfer_params``, named as vLLM's P/D connectors name it.
+
+    To a prefill pod: ``do_remote_decode=true`` (keep the KV for a decode pod). From it, on
+    the response: ``do_remote_prefill=true`` plus where and what to pull. To a decode pod:
+    that object as received.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: str | None = None
+    remote_block_ids: list[int] | None = None
+    remote_host: str | None = None
+    remote_port: int | None = Field(default=None, ge=1, le=65535)
+    remote_request_id: str | None = None  # the transfer handle
+    remote_num_tokens: int | None = Field(default=None, ge=0)  # the prompt the handle holds
+
+
+class KVPullError(Exception):
+    """A pull that cannot be used; ``reason`` is a short label for metrics and logs."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class KVTransferMetrics:
+    """Transfer series of one daemon (docs/metrics.md), in the daemon's registry."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        labels: tuple[str, ...],
+        values: list[str],
+        expired_total: Callable[[], float],
+    ) -> None:
+        self._values = values
+        self.bytes = Counter(
+            "pagefleet:kv_transfer_bytes",
+            "KV bytes moved between prefill and decode pods, by direction (sent, received).",
+            [*labels, "direction"],
+            registry=registry,
+        )
+        self.blocks = Counter(
+            "pagefleet:kv_transfer_blocks",
+            "KV blocks moved between prefill and decode pods, by direction.",
+            [*labels, "direction"],
+            registry=registry,
+        )
+        self.seconds = Histogram(
+            "pagefleet:kv_transfer_seconds",
+            "Wall time of one KV pull, request to last byte verified (decode side).",
+            labels,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+            registry=registry,
+        ).labels(*values)
+        self._failed = Counter(
+            "pagefleet:kv_transfer_pulls_failed",
+            "KV pulls that failed and fell back to local prefill, by reason.",
+            [*labels, "reason"],
+            registry=registry,
+        )
+        self._remote_prefill = Counter(
+            "pagefleet:kv_transfer_requests",
+            "Requests that carried kv_transfer_params, by outcome (pulled, local_hit, "
+            "fallback, exported).",
+            [*labels, "outcome"],
+            registry=registry,
+        )
+        registry.register(_ExpiredCollector(labels, values, expired_total))
+
+    def moved(self, direction: str, nbytes: int, nblocks: int) -> None:
+        self.bytes.labels(*self._values, direction).inc(nbytes)
+        self.blocks.labels(*self._values, direction).inc(nblocks)
+
+    def failed(self, reason: str) -> None:
+        self._failed.labels(*self._values, reason).inc()
+
+    def outcome(self, outcome: str) -> None:
+        self._remote_prefill.labels(*self._values, outcome).inc()
+
+
+class _ExpiredCollector(Collector):
+    """Handles expired, read from the engine's own count at scrape time (never drifts)."""
+
+    def __init__(
+        self, labels: tuple[str, ...], values: list[str], total: Callable[[], float]
+    ) -> None:
+        self._labels, self._values, self._total = labels, values, total
+
+    def collect(self) -> Iterator[Metric]:
+        c = CounterMetricFamily(
+            "pagefleet:kv_transfer_handles_expired",
+            "Transfer handles freed at their deadline without being pulled.",
+            labels=list(self._labels),
+        )
+        c.add_metric(self._values, float(self._total()))
+        yield c
+
+
+class PullRequest(BaseModel):
+    """Body of ``POST /v1/kv/pull``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    handle: str = Field(min_length=1, max_length=256)
+    first_block: int = Field(ge=0)
+    num_blocks: int = Field(ge=1)
+    # The keys the puller expects for the full blocks of the range: a mismatch is refused
+    # before any byte moves (another model, another prompt, a forged handle).
+    block_hashes: list[int | None]
+    layout: dict[str, Any]
+
+
+def layout_dict(layout: Any) -> dict[str, Any]:
+    return {
+        "num_layers": layout.num_layers,
+        "block_size": layout.block_size,
+        "num_kv_heads": layout.num_kv_heads,
+        "head_dim": layout.head_dim,
+        "dtype": layout.dtype,
+    }
+
+
+def expected_hashes(plan: Any) -> list[int | None]:
+    """The key of each block a plan pulls (None where the prompt's block is partial)."""
+    n_full = len(plan.block_hashes)
+    return [
+        plan.block_hashes[i] if i < n_full else None
+        for i in range(plan.first_block, plan.num_blocks)
+    ]
+
+
+def check_header(header: dict[str, Any], plan: Any, layout: Any) -> None:
+    """Raise KVPullError unless ``header`` describes exactly the blocks ``plan`` expects:
+    same layout, same range, every key equal to this pod's chain, token ids equal to the
+    prompt's (so the KV was computed from these tokens under this model's namespace)."""
+    if header.get("layout") != layout_dict(layout):
+        raise KVPullError(
+            "layout_mismatch",
+            f"the prefill pod's KV layout {header.get('layout')} differs from this pod's "
+            f"{layout_dict(layout)}: different model or dtype",
+        )
+    if (header.get("first_block"), header.get("num_blocks")) != (
+        plan.first_block,
+        plan.num_pull_blocks,
+    ):
+        raise KVPullError("protocol", "the prefill pod sent another block range than asked")
+    if header.get("block_hashes") != expected_hashes(plan):
+        raise KVPullError(
+            "hash_mismatch",
+            "the pulled blocks' keys do not match this prompt's hash chain (another model, "
+            "another prompt, or a forged handle)",
+        )
+    bs = layout.block_size
+    lo = plan.first_block * bs
+    hi = min(plan.num_blocks * bs, len(plan.token_ids))
+    if header.get("token_ids") != plan.token_ids[lo:hi]:
+        raise KVPullError("hash_mismatch", "the pulled blocks were computed from other token ids")
+
+
+class KVTransfer(ABC):
+    """Moves a prompt's KV blocks from a prefill pod into a decode pod's reservation."""
+
+    name: str
+
+    @abstractmethod
+    async def pull(self, params: KVTransferParams, plan: Any, layout: Any) -> list[tuple[Any, Any]]:
+        """Fetch blocks ``plan.first_block .. plan.num_blocks - 1`` of the handle in
+        ``params``: per layer (K, V) tensors of ``[plan.num_pull_blocks, block_size,
+        num_kv_heads, head_dim]``, verified against ``plan``. Raises KVPullError."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Release connections."""
+
+
+class TcpKVTransfer(KVTransfer):
+    """Pull over HTTP/TCP from the prefill daemon's ``/v1/kv/pull`` (runs everywhere)."""
+
+    name = "tcp"
+
+    def __init__(self, timeout_s: float = 10.0, metrics: KVTransferMetrics | None = None):
+        self.timeout_s = timeout_s
+        self.metrics = metrics
+        self._session: ClientSession | None = None
+
+    def _client(self) -> ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = ClientSession(
+                timeout=ClientTimeout(total=self.timeout_s, sock_connect=min(self.timeout_s, 3))
+            )
+        return self._session
+
+    async def pull(self, params: KVTransferParams, plan: Any, layout: Any) -> list[tuple[Any, Any]]:
+        import torch
+
+        if not params.remote_host or not params.remote_port or not params.remote_request_id:
+            raise KVPullError(
+                "bad_params",
+                "kv_transfer_params needs remote_host, remote_port and remote_request_id",
+            )
+        host = params.remote_host
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"  # IPv6 literal
+        url = f"http://{host}:{params.remote_port}{PULL_PATH}"
+        body = PullRequest(
+            handle=params.remote_request_id,
+            first_block=plan.first_block,
+            num_blocks=plan.num_pull_blocks,
+            block_hashes=expected_hashes(plan),
+            layout=layout_dict(layout),
+        ).model_dump()
+        t0 = time.monotonic()
+        try:
+            async with self._client().post(url, json=body) as resp:
+                if resp.status != 200:
+                    text = (await resp.text())[:300]
+                    reason = {404: "not_found", 409: "hash_mismatch", 400: "bad_params"}.get(
+                        resp.status, f"http_{resp.status}"
+                    )
+                    raise KVPullError(reason, f"the prefill pod answered {resp.status}: {text}")
+                (hlen,) = _HEADER_LEN.unpack(await resp.content.readexactly(4))
+                if hlen > _MAX_HEADER:
+                    raise KVPullError("protocol", f"KV pull header of {hlen} bytes is too big")
+                header = json.loads(await resp.content.readexactly(hlen))
+                check_header(header, plan, layout)
+                lo, hi = header["layers"]
+                if (lo, hi) != (0, layout.num_layers):
+                    raise KVPullError("protocol", "partial layer ranges are not supported")
+                dtype = getattr(torch, layout.dtype)
+                shape = (plan.num_pull_blocks, layout.block_size, layout.num_kv_heads,
+                         layout.head_dim)  # fmt: skip
+                nbytes = plan.num_pull_blocks * layout.block_bytes_per_layer
+                out: list[tuple[Any, Any]] = []
+                for _ in range(lo, hi):
+                    kv = []
+                    for _kv in range(2):
+                        buf = bytearray(await resp.content.readexactly(nbytes))
+                        kv.append(torch.frombuffer(buf, dtype=dtype).view(shape))
+                    out.append((kv[0], kv[1]))
+        except KVPullError:
+            raise
+        except asyncio.IncompleteReadError as exc:
+            raise KVPullError("protocol", f"the KV stream ended early: {exc}") from None
+        except TimeoutError:
+            raise KVPullError(
+                "timeout", f"the KV pull from {url} took over {self.timeout_s}s"
+            ) from None
+        except (ClientError, OSError) as exc:
+            raise KVPullError("unreachable", f"cannot pull KV from {url}: {exc}") from None
+        except (ValueError, KeyError, TypeError) as exc:
+            raise KVPullError("protocol", f"malformed KV pull response: {exc}") from None
+        if self.metrics is not None:
+            self.metrics.seconds.observe(time.monotonic() - t0)
+            self.metrics.moved("received", 2 * nbytes * (hi - lo), plan.num_pull_blocks)
+        return out
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+class KVExportServer:
+    """Serves ``POST /v1/kv/pull`` from a prefill engine's transfer handles.
+
+    ``engine()`` returns the loaded engine (its ``exports`` registry is thread-safe and its
+    runner's ``read_kv_blocks`` reads pinned blocks from a worker thread, so a pull never
+    waits for an engine step). ``release(handle)`` asks the engine thread to free a handle
+    once its bytes are out.
+    """
+
+    def __init__(
+        self,
+        engine: Callable[[], Any],
+        release: Callable[[], None],
+        metrics: KVTransferMetrics | None = None,
+    ) -> None:
+        self._engine = engine
+        self._release = release
+        self.metrics = metrics
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_post(PULL_PATH, self.pull)
+
+    async def pull(self, request: web.Request) -> web.StreamResponse:
+        try:
+            req = PullRequest.model_validate_json(await request.read())
+        except ValidationError as exc:
+            return _error(400, f"bad KV pull request: {exc.errors()[:3]}")
+        engine = self._engine()
+        if engine is None:
+            return _error(503, "the model is still loading")
+        runner = engine.runner
+        layout = runner.kv_layout()
+        if req.layout != layout_dict(layout):
+            return _error(
+                409, f"KV layout mismatch: this pod has {layout_dict(layout)}, asked for "
+                f"{req.layout}"
+            )  # fmt: skip
+        entry = engine.exports.acquire(req.handle, time.monotonic())
+        if entry is None:
+            return _error(
+                404, f"no live transfer handle {req.handle!r}: already pulled, expired, or "
+                "never created here; prefill locally"
+            )  # fmt: skip
+        consumed = False
+        try:
+            end = req.first_block + req.num_blocks
+            if end > len(entry.block_ids):
+                return _error(
+                    400, f"blocks {req.first_block}..{end - 1} asked, the handle has "
+                    f"{len(entry.block_ids)}"
+                )  # fmt: skip
+            n_full = len(entry.block_hashes)
+            have = [entry.block_hashes[i] if i < n_full else None
+                    for i in range(req.first_block, end)]  # fmt: skip
+            if have != req.block_hashes:
+                return _error(409, "the handle's block keys differ from the ones expected")
+            bs = layout.block_size
+            header = {
+                "layout": layout_dict(layout),
+                "layers": [0, layout.num_layers],
+                "first_block": req.first_block,
+                "num_blocks": req.num_blocks,
+                "block_hashes": have,
+                "token_ids": entry.token_ids[req.first_block * bs : end * bs],
+            }
+            ids = entry.block_ids[req.first_block : end]
+            data = json.dumps(header, separators=(",", ":")).encode()
+            resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+            await resp.prepare(request)
+            await resp.write(_HEADER_LEN.pack(len(data)) + data)
+            loop = asyncio.get_running_loop()
+            sent = 0
+            for layer in range(layout.num_layers):
+                ((k, v),) = await loop.run_in_executor(
+                    None, runner.read_kv_blocks, ids, range(layer, layer + 1)
+                )
+                for t in (k, v):
+                    buf = t.contiguous().view(-1).view(_uint8()).numpy()
+                    await resp.write(memoryview(buf))
+                    sent += buf.nbytes
+            await resp.write_eof()
+            consumed = True
+            if self.metrics is not None:
+                self.metrics.moved("sent", sent, len(ids))
+            return resp
+        finally:
+            engine.exports.release(req.handle, consumed=consumed)
+            if consumed:
+                self._release()
+
+
+def _uint8() -> Any:
+    import torch
+
+    return torch.uint8
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response(
+        {"error": {"message": message, "type": "invalid_request_error", "code": status}},
+        status=status,
+    )
