@@ -1,0 +1,145 @@
+"""The TCP KV pull between two real engines over a real aiohttp server on loopback.
+
+A pulled prompt decodes to the unified engine's tokens; the bytes and blocks are counted on
+both sides; a stale handle, a forged one, another model's layout and a dead host each fail
+with their reason, quickly, and leave no block behind on either side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+
+from pagefleet.daemon.kv_transfer import (
+    KVExportServer,
+    KVPullError,
+    KVTransferMetrics,
+    KVTransferParams,
+    TcpKVTransfer,
+)
+from pagefleet.engine.config import EngineConfig
+from pagefleet.engine.engine import LLMEngine
+from pagefleet.engine.loader import load_model, resolve_model
+from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.testing.pd import drain, run_prefill
+
+_LOADED: dict[str, tuple] = {}
+
+
+def _engine(preset: str = "tiny", **kw) -> LLMEngine:
+    if preset not in _LOADED:
+        _LOADED[preset] = load_model(resolve_model(preset))
+    return LLMEngine(
+        EngineConfig(model=preset, block_size=8, num_gpu_blocks=128, **kw),
+        loaded=_LOADED[preset],
+    )
+
+
+def _metrics() -> tuple[CollectorRegistry, KVTransferMetrics]:
+    reg = CollectorRegistry()
+    return reg, KVTransferMetrics(reg, ("pod",), ["p"], lambda: 0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _serve(prefill: LLMEngine, metrics: KVTransferMetrics) -> tuple[web.AppRunner, int]:
+    app = web.Application()
+    KVExportServer(lambda: prefill, prefill.collect_transfers, metrics).add_routes(app)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = _free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, port
+
+
+def _params(port: int, handle: str) -> KVTransferParams:
+    return KVTransferParams(
+        do_remote_prefill=True, remote_host="127.0.0.1", remote_port=port,
+        remote_request_id=handle,
+    )  # fmt: skip
+
+
+def test_pull_over_tcp_matches_unified_and_fails_cleanly() -> None:
+    prompt = [(i * 7) % 200 + 5 for i in range(43)]
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    unified = _engine()
+    unified.add_request("u", prompt, params)
+    want = drain(unified)["u"]
+
+    async def main() -> None:
+        prefill, decode = _engine(), _engine()
+        preg, pm = _metrics()
+        dreg, dm = _metrics()
+        server, port = await _serve(prefill, pm)
+        client = TcpKVTransfer(timeout_s=5.0, metrics=dm)
+        try:
+            run_prefill(prefill, "h1", prompt)
+            plan = decode.reserve_import("r1", prompt)
+            assert plan is not None and plan.num_pull_blocks == 6  # positions 0..41
+            kv = await client.pull(_params(port, "h1"), plan, decode.runner.kv_layout())
+            decode.commit_import(plan, kv, params)
+            assert drain(decode)["r1"] == want
+            assert prefill.exports.handles() == [], "a pulled handle must be freed"
+            text = generate_latest(dreg).decode()
+            layout = decode.runner.kv_layout()
+            nbytes = 2 * layout.num_layers * 6 * layout.block_bytes_per_layer
+            assert f'pagefleet:kv_transfer_bytes_total{{direction="received",pod="p"}} {nbytes:.1f}' in text
+            assert "pagefleet:kv_transfer_seconds_count" in text
+            assert f'direction="sent",pod="p"}} {nbytes:.1f}' in generate_latest(preg).decode()
+
+            # Stale: the handle was consumed by the first pull.
+            plan = decode.reserve_import("r2", prompt + [9] * 8)
+            assert plan is not None
+            with pytest.raises(KVPullError) as err:
+                await client.pull(_params(port, "h1"), plan, decode.runner.kv_layout())
+            assert err.value.reason == "not_found"
+            decode.cancel_import(plan)
+
+            # Forged: a live handle, but for another prompt (keys differ): refused.
+            run_prefill(prefill, "h2", prompt)
+            other = [5, 6, *prompt[2:]]
+            plan = decode.reserve_import("r3", other)
+            with pytest.raises(KVPullError) as err:
+                await client.pull(_params(port, "h2"), plan, decode.runner.kv_layout())
+            assert err.value.reason == "hash_mismatch"
+            decode.cancel_import(plan)
+            assert prefill.exports.handles() == ["h2"], "a refused pull leaves the handle"
+
+            # Another model's layout (Qwen preset): refused before any byte moves.
+            qwen = _engine("tiny-qwen2")
+            plan = qwen.reserve_import("r4", prompt)
+            with pytest.raises(KVPullError) as err:
+                await client.pull(_params(port, "h2"), plan, qwen.runner.kv_layout())
+            assert err.value.reason in ("layout_mismatch", "hash_mismatch")
+            qwen.cancel_import(plan)
+
+            # Dead host: fails fast as unreachable.
+            plan = decode.reserve_import("r5", prompt)
+            t0 = asyncio.get_running_loop().time()
+            with pytest.raises(KVPullError) as err:
+                await client.pull(_params(_free_port(), "h2"), plan, decode.runner.kv_layout())
+            assert err.value.reason == "unreachable"
+            assert asyncio.get_running_loop().time() - t0 < 4
+            decode.cancel_import(plan)
+            # Missing coordinates are a clear error, not a crash.
+            with pytest.raises(KVPullError) as err:
+                await client.pull(KVTransferParams(do_remote_prefill=True), plan, layout)
+            assert err.value.reason == "bad_params"
+
+            prefill.collect_transfers(float("inf"))
+            for e in (prefill, decode, qwen):
+                e.check_integrity()
+                assert e.kv.pool.num_referenced_blocks == 0
+        finally:
+            await client.close()
+            await server.cleanup()
+
+    asyncio.run(main())
