@@ -24,6 +24,7 @@ from pagefleet.daemon.kv_transfer import (
 from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.engine import LLMEngine
 from pagefleet.engine.loader import load_model, resolve_model
+from pagefleet.engine.parts import load_parts
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.testing.pd import drain, run_prefill
 
@@ -33,10 +34,8 @@ _LOADED: dict[str, tuple] = {}
 def _engine(preset: str = "tiny", **kw) -> LLMEngine:
     if preset not in _LOADED:
         _LOADED[preset] = load_model(resolve_model(preset))
-    return LLMEngine(
-        EngineConfig(model=preset, block_size=8, num_gpu_blocks=128, **kw),
-        loaded=_LOADED[preset],
-    )
+    config = EngineConfig(model=preset, block_size=8, num_gpu_blocks=128, **kw)
+    return LLMEngine(config, parts=load_parts(config, loaded=_LOADED[preset]))
 
 
 def _metrics() -> tuple[CollectorRegistry, KVTransferMetrics]:
@@ -91,7 +90,10 @@ def test_pull_over_tcp_matches_unified_and_fails_cleanly() -> None:
             text = generate_latest(dreg).decode()
             layout = decode.runner.kv_layout()
             nbytes = 2 * layout.num_layers * 6 * layout.block_bytes_per_layer
-            assert f'pagefleet:kv_transfer_bytes_total{{direction="received",pod="p"}} {nbytes:.1f}' in text
+            assert (
+                f'pagefleet:kv_transfer_bytes_total{{direction="received",pod="p"}} {nbytes:.1f}'
+                in text
+            )
             assert "pagefleet:kv_transfer_seconds_count" in text
             assert f'direction="sent",pod="p"}} {nbytes:.1f}' in generate_latest(preg).decode()
 

@@ -68,7 +68,10 @@ def test_disaggregated_equals_unified(preset: str) -> None:
         want.update(drain(unified))
 
     # Prefill engine: tiny token budget, so long prompts are chunked over several steps.
-    prefill = _engine(preset, max_num_batched_tokens=16, long_prefill_token_threshold=8)
+    prefill = _engine(
+        preset, max_num_batched_tokens=16, long_prefill_token_threshold=8,
+        kv_transfer_timeout_s=3600,
+    )  # fmt: skip
     decode = _engine(preset)
     events: list = []
     decode.event_sink = events.append
