@@ -32,7 +32,8 @@ from pagefleet.daemon.config import DaemonConfig
 from pagefleet.daemon.engine_loop import EngineLoop
 from pagefleet.daemon.engine_protocol import EngineLike
 from pagefleet.daemon.errors import APIError, http_error
-from pagefleet.daemon.metrics import DaemonMetrics
+from pagefleet.daemon.metrics import LABELS, DaemonMetrics
+from pagefleet.daemon.pd import PDSide
 from pagefleet.daemon.publisher import KVEventPublisher
 from pagefleet.daemon.serving import CLIENT_GONE, OpenAIServing
 from pagefleet.httpauth import AuthPolicy, Credentials
@@ -63,11 +64,6 @@ class Daemon:
         credentials: Credentials | None = None,
     ) -> None:
         """``credentials``: API keys and admin token (default: from the PAGEFLEET_* env)."""
-        if config.role != "unified":
-            raise ValueError(
-                f"--role {config.role} is not available yet: prefill/decode disaggregation "
-                "is not implemented in this build; run with --role unified"
-            )
         self.config = config
         self._engine_factory = engine_factory
         self._index = index
@@ -87,6 +83,13 @@ class Daemon:
         self.auth = AuthPolicy(
             Credentials.from_env() if credentials is None else credentials, component="daemon"
         )
+        # Every role honours kv_transfer_params (a unified pod can export or import too);
+        # the role says which side the operator and the gateway use it for.
+        self.pd = PDSide(
+            config, self.metrics.registry, LABELS, self.metrics.label_values,
+            lambda: self.engine_loop,
+        )  # fmt: skip
+        self.serving.pd = self.pd
         self.app = self._build_app()
 
     @property
@@ -128,6 +131,7 @@ class Daemon:
         self.metrics.update_stats(await self.engine_loop.call(lambda eng: eng.stats()))
         if self.publisher is not None:
             await self.publisher.start()
+        await self.pd.start()
         self.admission.ready = True
         logger.info("daemon ready: model %s, pod %s", cfg.model_name, cfg.pod)
 
@@ -151,6 +155,7 @@ class Daemon:
     async def stop(self) -> None:
         """Remove the pod from the index and stop the engine thread."""
         self.admission.ready = False
+        await self.pd.stop()
         if self.publisher is not None:
             await self.publisher.close()
         if self.engine_loop is not None:
@@ -193,6 +198,7 @@ class Daemon:
         )
         r = app.router
         self.serving.add_routes(r)
+        self.pd.add_routes(app)
         r.add_get("/health", self.health)
         r.add_get("/ready", self.readiness)
         r.add_get("/metrics", self.metrics_handler)

@@ -67,6 +67,29 @@ async def serve(config: DaemonConfig) -> None:
     type=click.Choice(["unified", "prefill", "decode"]),
     default="unified",
     show_default=True,
+    help="prefill: runs prompts and keeps their KV for decode pods to pull; decode: pulls "
+    "KV named by kv_transfer_params, else prefills locally; unified: both in one pod.",
+)
+@click.option(
+    "--kv-transfer-timeout",
+    "kv_transfer_timeout_s",
+    default=30.0,
+    show_default=True,
+    type=float,
+    help="Seconds a prefill pod keeps a finished prompt's KV for a decode pod to pull.",
+)
+@click.option(
+    "--kv-pull-timeout",
+    "kv_pull_timeout_s",
+    default=10.0,
+    show_default=True,
+    type=float,
+    help="Seconds a decode pod waits for one KV pull before prefilling locally.",
+)
+@click.option(
+    "--kv-advertise-host",
+    default=None,
+    help="Address decode pods pull this pod's KV from (default: $POD_IP, else --host).",
 )
 @click.option("--served-model-name", default=None, help="Model name in the API (default: --model).")
 @click.option(
@@ -178,9 +201,4 @@ def _run(kwargs: dict[str, object]) -> None:
         config = DaemonConfig(**kwargs)  # type: ignore[arg-type]
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
-    if config.role != "unified":
-        raise click.UsageError(
-            f"--role {config.role} is not available yet: prefill/decode disaggregation is "
-            "not implemented in this build; run with --role unified"
-        )
     asyncio.run(serve(config))

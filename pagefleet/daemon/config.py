@@ -50,6 +50,11 @@ class DaemonConfig(BaseModel):
     log_level: str = "warning"
     # What this replica costs per hour, in dollars: /metrics then reports cost per token.
     cost_per_hour: float = Field(default=0.0, ge=0)
+    # P/D: how long a prefill pod keeps a finished prompt's KV for a decode pod to pull,
+    # how long a decode pod waits for one pull, and the address it is pulled from.
+    kv_transfer_timeout_s: float = Field(default=30.0, gt=0)
+    kv_pull_timeout_s: float = Field(default=10.0, gt=0)
+    kv_advertise_host: str | None = None  # default: $POD_IP, else --host unless a wildcard
 
     @property
     def model_name(self) -> str:
@@ -62,6 +67,15 @@ class DaemonConfig(BaseModel):
     @property
     def pod(self) -> str:
         return self.pod_name or os.environ.get("POD_NAME") or f"{socket.gethostname()}:{self.port}"
+
+    @property
+    def advertise_host(self) -> str:
+        """Where decode pods reach this pod's KV pull endpoint."""
+        if self.kv_advertise_host:
+            return self.kv_advertise_host
+        if os.environ.get("POD_IP"):
+            return os.environ["POD_IP"]
+        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
 
     @property
     def max_inflight(self) -> int:
@@ -84,4 +98,5 @@ class DaemonConfig(BaseModel):
             max_model_len=self.max_model_len,
             enable_prefix_caching=self.enable_prefix_caching,
             kv_namespace=self.namespace,
+            kv_transfer_timeout_s=self.kv_transfer_timeout_s,
         )

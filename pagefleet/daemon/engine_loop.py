@@ -132,26 +132,36 @@ class EngineLoop:
         params: SamplingParams,
         lora_id: str | None = None,
         queue: asyncio.Queue[StreamItem | BaseException] | None = None,
+        admit: Callable[[Any], None] | None = None,
     ) -> RequestStream:
         """Admit a request; its outputs flow into the returned stream.
 
         Several requests may share one ``queue`` (an HTTP request with many prompts reads
         them merged). Raises ValueError (from the engine: prompt too long, empty, duplicate
-        id) without admitting anything.
+        id) without admitting anything. ``admit(engine)``, when given, admits the request
+        instead of ``add_request`` (P/D: an export or a committed import), under the same id.
         """
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
         stream = RequestStream(request_id) if queue is None else RequestStream(request_id, queue)
         # Register before the engine can emit, so no output is ever orphaned.
         self._streams[request_id] = stream
+        if admit is None:
+
+            def admit(eng: Any) -> None:
+                eng.add_request(request_id, prompt, params, lora_id=lora_id)
+
         try:
-            await self.call(
-                lambda eng: eng.add_request(request_id, prompt, params, lora_id=lora_id)
-            )
+            await self.call(admit)
         except BaseException:
             self._streams.pop(request_id, None)
             raise
         return stream
+
+    def post(self, fn: Callable[[Any], Any]) -> None:
+        """Run ``fn(engine)`` on the engine thread, fire and forget (also from cleanup
+        paths that cannot await, e.g. a cancelled handler releasing a KV reservation)."""
+        self._push(_Command(fn, None))
 
     def abort(self, request_id: str) -> None:
         """Abort a request if still live; its blocks return to the pool on the next step."""

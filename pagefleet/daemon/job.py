@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from pagefleet.api.openai import PromptTokensDetails, Usage
 from pagefleet.daemon.engine_loop import StreamItem
+from pagefleet.daemon.kv_transfer import KVTransferParams
 from pagefleet.daemon.metrics import DaemonMetrics
 from pagefleet.engine.outputs import CompletionDelta, RequestOutput, TokenLogprob
 from pagefleet.engine.sampling_params import SamplingParams
@@ -44,6 +45,8 @@ class Job:
     cached_tokens: dict[str, int] = field(default_factory=dict)
     echo: list[str] | None = None  # prompt texts returned before the output (completions)
     forced_tool_call: bool = False  # chat: the output is a constrained {"name", "arguments"}
+    # P/D: the request's kv_transfer_params (pagefleet/daemon/pd.py), None without any
+    transfer: KVTransferParams | None = None
 
     def rid(self, i: int) -> str:
         return f"{self.base_id}-{i}"

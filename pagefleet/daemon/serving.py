@@ -46,6 +46,7 @@ from pagefleet.daemon.engine_protocol import ServingTokenizer
 from pagefleet.daemon.errors import APIError, json_model
 from pagefleet.daemon.job import Job
 from pagefleet.daemon.metrics import DaemonMetrics
+from pagefleet.daemon.pd import PDSide, TransferParamsError
 from pagefleet.daemon.responses import ChatShape, CompletionShape, ResponseShape
 from pagefleet.engine.guided import GuidedSpec
 from pagefleet.engine.sampling_params import SamplingParams
@@ -80,6 +81,8 @@ class OpenAIServing:
         self.admission = admission
         self._live_loop = live_loop
         self._started_at = started_at
+        # P/D (pd.py): honours kv_transfer_params; set by the daemon (app.py)
+        self.pd: PDSide | None = None
 
     def add_routes(self, router: web.UrlDispatcher) -> None:
         router.add_post("/v1/completions", self.completions)
@@ -265,6 +268,11 @@ class OpenAIServing:
             echo=texts,
             forced_tool_call=tool_schema is not None,
         )
+        if self.pd is not None:
+            try:
+                job.transfer = self.pd.parse(req.kv_transfer_params, params.n, len(prompts))
+            except TransferParamsError as exc:
+                raise APIError(400, str(exc), param="kv_transfer_params") from None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return await self._stream(request, job, shape, include_usage)
@@ -272,7 +280,13 @@ class OpenAIServing:
             while job.live:
                 for item in await _next_outputs(job):
                     job.absorb(item, self.metrics)
-        return json_model(shape.response(job, self.config.model_name))
+        resp = shape.response(job, self.config.model_name)
+        if self.pd is not None and job.transfer is not None and job.transfer.do_remote_decode:
+            # The prefill pod's answer says where its KV waits (vLLM's response field).
+            data = resp.model_dump(mode="json")
+            data["kv_transfer_params"] = self.pd.response_params(job.rid(0), len(job.prompts[0]))
+            return web.json_response(data)
+        return json_model(resp)
 
     async def _stream(
         self, request: web.Request, job: Job, shape: ResponseShape, include_usage: bool
@@ -322,7 +336,10 @@ class OpenAIServing:
                 for i, ids in enumerate(job.prompts):
                     rid = job.rid(i)
                     try:
-                        await loop.add_request(rid, ids, job.params, queue=job.queue)
+                        if self.pd is not None and job.transfer is not None:
+                            await self.pd.admit(loop, rid, ids, job.params, job.queue, job.transfer)
+                        else:
+                            await loop.add_request(rid, ids, job.params, queue=job.queue)
                     except ValueError as exc:  # the engine refused it (InvalidRequestError)
                         param = getattr(exc, "param", "prompt")
                         raise APIError(400, str(exc), param=param) from None

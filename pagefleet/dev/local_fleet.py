@@ -167,6 +167,10 @@ class FleetSpec:
     log_dir: Path | None = None
     ready_timeout_s: float = 180.0
     seed: int | None = None
+    # P/D: with num_prefill > 0 the fleet is num_prefill prefill + num_decode decode
+    # daemons (num_daemons is ignored) and the gateway gets both pools.
+    num_prefill: int = 0
+    num_decode: int = 0
 
 
 class LocalFleet:
@@ -197,12 +201,28 @@ class LocalFleet:
     def daemon_urls(self) -> list[str]:
         return [d.url for d in self.daemons]
 
+    @property
+    def disaggregated(self) -> bool:
+        return self.spec.num_prefill > 0
+
+    def role_urls(self, role: str) -> list[str]:
+        """URLs of the daemons of one role (prefill, decode; unified fleets: all)."""
+        return [d.url for d in self.daemons if d.name.startswith(role)] or (
+            self.daemon_urls if role != "prefill" else []
+        )
+
     # -- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> LocalFleet:
         try:
             self._start_redis()
-            self.daemons = [self._daemon(i) for i in range(self.spec.num_daemons)]
+            if self.disaggregated:
+                self.daemons = [
+                    *(self._daemon(i, "prefill") for i in range(self.spec.num_prefill)),
+                    *(self._daemon(i, "decode") for i in range(max(1, self.spec.num_decode))),
+                ]
+            else:
+                self.daemons = [self._daemon(i) for i in range(self.spec.num_daemons)]
             for d in self.daemons:
                 d.start()
             # The gateway needs the checkpoint directory for its tokenizer; resolving a tiny
@@ -227,7 +247,7 @@ class LocalFleet:
         # Concurrent writers of a tiny preset are safe (atomic rename in the writer).
         self.model_dir = str(resolve_checkpoint_dir(self.spec.model))
 
-    def _daemon(self, i: int) -> Child:
+    def _daemon(self, i: int, role: str = "unified") -> Child:
         port = free_port()
         host = self.spec.host
         argv = [
@@ -256,8 +276,12 @@ class LocalFleet:
             argv += ["--kv-cache-memory-mb", str(self.spec.kv_cache_memory_mb)]
         if self.spec.num_gpu_blocks is not None:
             argv += ["--num-gpu-blocks", str(self.spec.num_gpu_blocks)]
+        name = f"daemon-{i}"
+        if role != "unified":
+            argv += ["--role", role]
+            name = f"{role}-{i}"
         argv += self.spec.daemon_args
-        return Child(f"daemon-{i}", argv, f"http://{host}:{port}", self.log_dir / f"daemon-{i}.log")
+        return Child(name, argv, f"http://{host}:{port}", self.log_dir / f"{name}.log")
 
     @property
     def served_model_name(self) -> str:
@@ -294,8 +318,10 @@ class LocalFleet:
             "--served-model-name", self.served_model_name,
             "--kv-namespace", self.namespace,
             "--block-size", str(self.spec.block_size),
-            "--endpoints", ",".join(self.daemon_urls),
+            "--endpoints", ",".join(self.role_urls("decode")),
         ]  # fmt: skip
+        if self.disaggregated:
+            argv += ["--prefill-url", ",".join(self.role_urls("prefill"))]
         if self.redis_url:
             argv += ["--redis-url", self.redis_url]
         if weights or self.spec.weights:
@@ -416,6 +442,22 @@ class LocalFleet:
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-n", "--num-daemons", default=2, show_default=True, type=int)
 @click.option(
+    "--prefill",
+    "num_prefill",
+    default=0,
+    show_default=True,
+    type=int,
+    help="P/D: this many prefill daemons (with --decode; replaces -n).",
+)
+@click.option(
+    "--decode",
+    "num_decode",
+    default=0,
+    show_default=True,
+    type=int,
+    help="P/D: this many decode daemons (with --prefill).",
+)
+@click.option(
     "--model",
     # The real model by default, so the first run shows real answers; tiny for speed.
     default="smollm2-135m",
@@ -463,6 +505,8 @@ class LocalFleet:
 )
 def command(
     num_daemons: int,
+    num_prefill: int,
+    num_decode: int,
     model: str,
     served_model_name: str | None,
     redis_url: str | None,
@@ -489,8 +533,12 @@ def command(
         redis_url, password = split_password(redis_url)
         if password is not None:
             os.environ[PASSWORD_ENV] = password
+    if (num_prefill > 0) != (num_decode > 0):
+        raise click.UsageError("--prefill and --decode go together (e.g. --prefill 1 --decode 1)")
     spec = FleetSpec(
         num_daemons=num_daemons,
+        num_prefill=num_prefill,
+        num_decode=num_decode,
         model=model,
         served_model_name=served_model_name,
         redis_url=redis_url,
@@ -501,9 +549,12 @@ def command(
         log_dir=log_dir,
     )
     fleet = LocalFleet(spec)
-    click.echo(
-        f"starting Redis, {num_daemons} daemon(s) and a gateway (logs: {fleet.log_dir})", err=True
+    what = (
+        f"{num_prefill} prefill + {num_decode} decode daemon(s)"
+        if num_prefill
+        else f"{num_daemons} daemon(s)"
     )
+    click.echo(f"starting Redis, {what} and a gateway (logs: {fleet.log_dir})", err=True)
     t0 = time.monotonic()
     try:
         fleet.start()

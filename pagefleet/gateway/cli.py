@@ -12,7 +12,7 @@ import logging
 import signal
 import sys
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import click
 from aiohttp import web
@@ -42,6 +42,15 @@ class GatewayConfig(BaseModel):
     namespace: str = "default"
     service: str | None = None
     target_port: str | None = None
+    # P/D: the two role pools (static URLs or the role Services' EndpointSlices); with a
+    # prefill pool the main pool (--endpoints/--service or the decode ones) is decode.
+    prefill_endpoints: list[str] = Field(default_factory=list)
+    decode_endpoints: list[str] = Field(default_factory=list)
+    prefill_service: str | None = None
+    decode_service: str | None = None
+    pd_min_uncached_tokens: int = Field(256, ge=0)
+    pd_max_prefill_inflight: int = Field(8, ge=1)
+    pd_prefill_timeout_s: float = Field(30.0, gt=0)
     weights: RoutingWeights = Field(default_factory=RoutingWeights)
     max_attempts: int = Field(3, ge=1)
     index_timeout_ms: float = Field(100.0, gt=0)
@@ -60,11 +69,23 @@ class GatewayConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> GatewayConfig:
+        if self.decode_endpoints and not self.endpoints:
+            self.endpoints = list(self.decode_endpoints)
+        if self.decode_service and not self.service:
+            self.service = self.decode_service
         if self.discovery == "static" and not self.endpoints:
-            raise ValueError("--discovery static needs --endpoints URL,URL,...")
+            raise ValueError("--discovery static needs --endpoints (or --decode-url) URL,...")
         if self.discovery == "k8s" and not self.service:
             raise ValueError("--discovery k8s needs --service (the daemons' Service name)")
+        if self.discovery == "static" and self.prefill_service:
+            raise ValueError("--prefill-service needs --discovery k8s; use --prefill-url")
+        if self.discovery == "k8s" and self.prefill_endpoints:
+            raise ValueError("--prefill-url needs --discovery static; use --prefill-service")
         return self
+
+    @property
+    def disaggregated(self) -> bool:
+        return bool(self.prefill_endpoints or self.prefill_service)
 
     @property
     def model_name(self) -> str:
@@ -169,7 +190,7 @@ def build_gateway(config: GatewayConfig):  # -> Gateway (imports kept local for 
         lookup_timeout_s=config.index_timeout_ms / 1000.0,
         seed=config.seed,
     )
-    return Gateway(
+    gateway = Gateway(
         router=router,
         tokenizer=tokenizer,
         served_model_name=config.model_name,
@@ -186,6 +207,35 @@ def build_gateway(config: GatewayConfig):  # -> Gateway (imports kept local for 
         credentials=credentials,
         upstream_key=upstream_key,
     )
+    if config.disaggregated:
+        from pagefleet.gateway.pd import PDOrchestrator, PDSettings
+
+        if config.discovery == "static":
+            pre_discovery: Any = StaticDiscovery(config.prefill_endpoints)
+        else:
+            assert config.prefill_service is not None
+            pre_discovery = KubernetesDiscovery(
+                config.namespace, config.prefill_service, config.target_port_value
+            )
+        pre_router = Router(
+            discovery=pre_discovery,
+            policy=make_policy(config.policy, config.weights),
+            index=index,
+            block_size=config.block_size,
+            kv_namespace=config.namespace_key,
+            lookup_timeout_s=config.index_timeout_ms / 1000.0,
+            seed=config.seed,
+        )
+        gateway.pd = PDOrchestrator(
+            pre_router,
+            PDSettings(
+                min_uncached_tokens=config.pd_min_uncached_tokens,
+                max_prefill_inflight=config.pd_max_prefill_inflight,
+                prefill_timeout_s=config.pd_prefill_timeout_s,
+            ),
+            registry=gateway.metrics.registry,
+        )
+    return gateway
 
 
 async def serve(config: GatewayConfig) -> None:
@@ -256,6 +306,45 @@ def _split(value: str | None) -> list[str]:
 @click.option("--service", default=None, help="k8s discovery: the daemons' Service.")
 @click.option(
     "--target-port", default=None, help="k8s discovery: EndpointSlice port name or number."
+)
+@click.option(
+    "--prefill-url",
+    "prefill_endpoints",
+    default=None,
+    help="P/D, static discovery: prefill daemon URLs, comma separated (the main pool is "
+    "then the decode pool: --decode-url or --endpoints).",
+)
+@click.option(
+    "--decode-url",
+    "decode_endpoints",
+    default=None,
+    help="P/D, static discovery: decode daemon URLs, comma separated.",
+)
+@click.option("--prefill-service", default=None, help="P/D, k8s discovery: prefill Service.")
+@click.option("--decode-service", default=None, help="P/D, k8s discovery: decode Service.")
+@click.option(
+    "--pd-min-uncached-tokens",
+    default=256,
+    show_default=True,
+    type=int,
+    help="P/D: prefill remotely only when the decode pod would compute at least this many "
+    "prompt tokens (its cached prefix aside); shorter ones prefill on the decode pod.",
+)
+@click.option(
+    "--pd-max-prefill-inflight",
+    default=8,
+    show_default=True,
+    type=int,
+    help="P/D: a prefill pod with this many of our requests counts as saturated; the "
+    "decode pod prefills locally meanwhile.",
+)
+@click.option(
+    "--pd-prefill-timeout",
+    "pd_prefill_timeout_s",
+    default=30.0,
+    show_default=True,
+    type=float,
+    help="P/D: seconds to wait for a remote prefill before the decode pod prefills locally.",
 )
 @click.option(
     "--weights",
@@ -364,9 +453,10 @@ def command(**kw: object) -> None:
     )
     try:
         weights = RoutingWeights.parse(kw.pop("weights"))  # type: ignore[arg-type]
+        lists = ("endpoints", "prefill_endpoints", "decode_endpoints")
         config = GatewayConfig(
-            **{k: v for k, v in kw.items() if k != "endpoints"},  # type: ignore[arg-type]
-            endpoints=_split(kw["endpoints"]),  # type: ignore[arg-type]
+            **{k: v for k, v in kw.items() if k not in lists},  # type: ignore[arg-type]
+            **{k: _split(kw[k]) for k in lists},  # type: ignore[arg-type]
             weights=weights,
         )
     except ValueError as exc:

@@ -36,6 +36,7 @@ from pagefleet.api.openapi import gateway_openapi
 from pagefleet.gateway.discovery import Endpoint
 from pagefleet.gateway.intake import Intake, IntakePool
 from pagefleet.gateway.metrics import GatewayMetrics
+from pagefleet.gateway.pd import PDOrchestrator
 from pagefleet.gateway.prompts import PromptTokenizer
 from pagefleet.gateway.router import Router, RoutingDecision, Ticket
 from pagefleet.httpauth import AuthPolicy, Credentials
@@ -138,6 +139,8 @@ class Gateway:
     credentials: Credentials = field(default_factory=Credentials)
     upstream_key: str | None = None  # presented to daemons that require an API key
     intake: IntakePool | None = None
+    # P/D (gateway/pd.py): remote prefill on the prefill pool; ``router`` is the decode pool
+    pd: PDOrchestrator | None = None
     _session: aiohttp.ClientSession | None = None
     _started: float = field(default_factory=time.time)
     _active: int = 0
@@ -185,6 +188,8 @@ class Gateway:
         self.intake.start()
         self._auth.warn_if_open()
         await self.router.start()
+        if self.pd is not None:
+            await self.pd.start()
 
     async def _on_cleanup(self, app: web.Application) -> None:
         if self._session is not None:
@@ -192,6 +197,8 @@ class Gateway:
         if self.intake is not None:
             self.intake.close()
         await self.router.close()
+        if self.pd is not None:
+            await self.pd.close()
 
     @web.middleware
     async def _errors_middleware(
@@ -329,6 +336,16 @@ class Gateway:
             )
         if decision.prompt_tokens:
             self.metrics.prompt_tokens_total.inc(decision.prompt_tokens)
+        if self.pd is not None:
+            assert self._session is not None, "gateway used before startup"
+            headers = {
+                k: v
+                for k, v in request.headers.items()
+                if k.lower() not in _DROP_REQUEST_HEADERS and k.lower() != "authorization"
+            }
+            body = await self.pd.prepare(
+                self._session, path, body, intake.token_ids, decision, headers
+            )
         return await self._forward(request, body, path, intake.stream, decision, t_arrival)
 
     async def _forward(

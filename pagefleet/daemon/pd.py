@@ -1,0 +1,225 @@
+"""The daemon's side of prefill/decode disaggregation: what ``kv_transfer_params`` does.
+
+- ``do_remote_decode`` (sent to a prefill pod, with ``max_tokens=1``): the prompt runs
+  here; when it finishes its KV stays pinned under the request id and the response carries
+  ``kv_transfer_params`` saying where to pull it (``do_remote_prefill``, ``remote_host``,
+  ``remote_port``, ``remote_request_id``, ``remote_engine_id``, ``remote_block_ids``).
+- ``do_remote_prefill`` (sent to a decode pod, with the original request): reserve blocks,
+  pull only what the local prefix cache lacks, verify, commit, decode. Any failure of the
+  pull (dead host, expired or forged handle, another model) is counted by reason and the
+  request is prefilled here instead: the caller gets its answer either way.
+- No params: the request is served as by a unified pod.
+
+Invariant: a reservation opened for a pull ends in a commit or a cancel on every path
+(failure, client gone, cancellation), and the engine expires any it still finds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from pagefleet.daemon.config import DaemonConfig
+from pagefleet.daemon.engine_loop import EngineLoop, RequestStream, StreamItem
+from pagefleet.daemon.kv_transfer import (
+    KVExportServer,
+    KVPullError,
+    KVTransfer,
+    KVTransferMetrics,
+    KVTransferParams,
+    TcpKVTransfer,
+)
+from pagefleet.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# How often an idle engine frees pulled and expired handles.
+_COLLECT_EVERY_S = 1.0
+
+
+class TransferParamsError(ValueError):
+    """``kv_transfer_params`` the caller sent that this pod cannot honour (a 400)."""
+
+
+class PDSide:
+    """Transfer params in, KV out (prefill) or in (decode), for one daemon."""
+
+    def __init__(
+        self,
+        config: DaemonConfig,
+        registry: Any,
+        labels: tuple[str, ...],
+        label_values: list[str],
+        engine_loop: Callable[[], EngineLoop | None],
+        transfer: KVTransfer | None = None,
+    ) -> None:
+        self.config = config
+        self._engine_loop = engine_loop
+        self.metrics = KVTransferMetrics(registry, labels, label_values, self._expired_total)
+        self.transfer = transfer or TcpKVTransfer(
+            timeout_s=config.kv_pull_timeout_s, metrics=self.metrics
+        )
+        self.export_server = KVExportServer(self._engine, self._collect, self.metrics)
+        self._timer: asyncio.Task[None] | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def add_routes(self, app: web.Application) -> None:
+        self.export_server.add_routes(app)
+
+    async def start(self) -> None:
+        self._timer = asyncio.create_task(self._collect_loop(), name="pd-collect")
+
+    async def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._timer
+        await self.transfer.close()
+
+    def _engine(self) -> Any:
+        loop = self._engine_loop()
+        return None if loop is None or not loop.loaded.is_set() else loop.engine
+
+    def _collect(self) -> None:
+        loop = self._engine_loop()
+        if loop is not None and loop.alive:
+            loop.post(lambda eng: eng.collect_transfers())
+
+    def _expired_total(self) -> float:
+        engine = self._engine()
+        return float(engine.exports.expired_total) if engine is not None else 0.0
+
+    async def _collect_loop(self) -> None:
+        while True:
+            await asyncio.sleep(_COLLECT_EVERY_S)
+            self._collect()
+
+    # -- requests -------------------------------------------------------------------------
+
+    def parse(self, raw: Any, n: int, num_prompts: int) -> KVTransferParams | None:
+        """The request's ``kv_transfer_params`` (None when absent or asking nothing);
+        TransferParamsError for a malformed object or a combination this pod cannot serve."""
+        if raw is None:
+            return None
+        if not isinstance(raw, dict):
+            raise TransferParamsError("kv_transfer_params must be an object")
+        try:
+            tp = KVTransferParams.model_validate(raw)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(x) for x in first["loc"])
+            raise TransferParamsError(f"kv_transfer_params.{where}: {first['msg']}") from None
+        if tp.do_remote_decode and tp.do_remote_prefill:
+            raise TransferParamsError(
+                "kv_transfer_params cannot ask for do_remote_decode and do_remote_prefill at once"
+            )
+        if tp.do_remote_decode:
+            if self.config.role == "decode":
+                raise TransferParamsError(
+                    "this pod has role decode; send do_remote_decode to a prefill pod"
+                )
+            if n != 1 or num_prompts != 1:
+                raise TransferParamsError(
+                    "do_remote_decode needs one prompt and n=1 (the decode pod samples n)"
+                )
+        if not (tp.do_remote_decode or tp.do_remote_prefill):
+            return None
+        return tp
+
+    async def admit(
+        self,
+        loop: EngineLoop,
+        rid: str,
+        ids: list[int],
+        params: SamplingParams,
+        queue: asyncio.Queue[StreamItem | BaseException],
+        tp: KVTransferParams | None,
+        lora_id: str | None = None,
+    ) -> RequestStream:
+        """Admit one engine request as ``tp`` says (export, import, or plain)."""
+        if tp is not None and tp.do_remote_decode:
+            self.metrics.outcome("exported")
+            return await loop.add_request(
+                rid, ids, params, lora_id=lora_id, queue=queue,
+                admit=lambda eng: eng.add_request(
+                    rid, ids, params, lora_id=lora_id, kv_export=True
+                ),
+            )  # fmt: skip
+        if tp is not None and tp.do_remote_prefill:
+            stream = await self._import(loop, rid, ids, params, queue, tp, lora_id)
+            if stream is not None:
+                return stream
+        return await loop.add_request(rid, ids, params, lora_id=lora_id, queue=queue)
+
+    async def _import(
+        self,
+        loop: EngineLoop,
+        rid: str,
+        ids: list[int],
+        params: SamplingParams,
+        queue: asyncio.Queue[StreamItem | BaseException],
+        tp: KVTransferParams,
+        lora_id: str | None,
+    ) -> RequestStream | None:
+        """Pull and commit; None (reservation released, reason counted) to prefill here."""
+        if tp.remote_num_tokens is not None and tp.remote_num_tokens != len(ids):
+            self._fallback(rid, "prompt_mismatch", "the handle holds another prompt")
+            return None
+        plan = await loop.call(lambda eng: eng.reserve_import(rid, ids, lora_id))
+        if plan is None:
+            self._fallback(rid, "no_reservation", "no blocks free for the pull now")
+            return None
+        committed = False
+        try:
+            kv = None
+            if plan.num_pull_blocks:
+                layout = loop.engine.runner.kv_layout()  # type: ignore[union-attr]
+                try:
+                    kv = await self.transfer.pull(tp, plan, layout)
+                except KVPullError as exc:
+                    self._fallback(rid, exc.reason, str(exc))
+                    return None
+            stream = await loop.add_request(
+                rid, ids, params, lora_id=lora_id, queue=queue,
+                admit=lambda eng: eng.commit_import(plan, kv, params),
+            )  # fmt: skip
+            committed = True
+            self.metrics.outcome("pulled" if plan.num_pull_blocks else "local_hit")
+            return stream
+        except ValueError as exc:  # the reservation expired meanwhile
+            self._fallback(rid, "reservation_expired", str(exc))
+            return None
+        finally:
+            if not committed:
+                loop.post(lambda eng: eng.cancel_import(plan))
+
+    def _fallback(self, rid: str, reason: str, message: str) -> None:
+        self.metrics.failed(reason)
+        self.metrics.outcome("fallback")
+        logger.info("request %s: KV pull failed (%s: %s); prefilling locally", rid, reason, message)
+
+    def response_params(self, rid: str, num_tokens: int) -> dict[str, Any]:
+        """What a prefill pod returns so that a decode pod can pull ``rid``'s KV."""
+        engine = self._engine()
+        block_ids: list[int] = []
+        if engine is not None:
+            entry = engine.exports.acquire(rid, float("-inf"))
+            if entry is not None:
+                block_ids = list(entry.block_ids)
+                engine.exports.release(rid, consumed=False)
+        return KVTransferParams(
+            do_remote_prefill=True,
+            remote_engine_id=self.config.pod,
+            remote_block_ids=block_ids,
+            remote_host=self.config.advertise_host,
+            remote_port=self.config.port,
+            remote_request_id=rid,
+            remote_num_tokens=num_tokens,
+        ).model_dump()

@@ -1,0 +1,169 @@
+"""Gateway side of prefill/decode disaggregation: one remote prefill before the decode pod.
+
+For each generation request the gateway has already ranked the decode pool (cache-aware +
+load). Then:
+
+1. Conditional disaggregation: when the best decode pod's cached prefix leaves fewer than
+   ``min_uncached_tokens`` to compute, or the prompt is unknown (no tokenizer), or the
+   prefill pool is saturated (its best pod already has ``max_prefill_inflight`` requests
+   from this gateway) or empty, the decode pod prefills locally: the body goes as is.
+2. Otherwise the prompt goes to the best prefill pod (cache-aware over the prefill pool)
+   with ``max_tokens=1``, ``n=1``, no streaming and ``kv_transfer_params.do_remote_decode``;
+   its answer's ``kv_transfer_params`` (host and port taken from the endpoint the gateway
+   reached) are added to the original body, which the proxy then sends to the decode pods
+   -- on a decode failure before the first byte, the next decode pod gets the same handle.
+3. A prefill pod that fails or times out costs nothing but time: the original body goes to
+   the decode pod, which prefills locally.
+
+The client sees one ordinary OpenAI response from the decode pod (usage included), since
+the decode pod serves the original request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+from prometheus_client import Counter, Histogram
+
+from pagefleet.gateway.router import Router, RoutingDecision
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class PDSettings:
+    # Disaggregate only when the decode pod would compute at least this many prompt tokens.
+    min_uncached_tokens: int = 256
+    # The prefill pool counts as saturated when its best pod has this many of our requests.
+    max_prefill_inflight: int = 8
+    prefill_timeout_s: float = 30.0
+
+
+@dataclass(slots=True)
+class PDOrchestrator:
+    """Runs the remote prefill for the gateway; ``prepare`` returns the decode body."""
+
+    prefill_router: Router
+    settings: PDSettings = field(default_factory=PDSettings)
+    registry: Any = None
+    _decisions: Any = None
+    _prefill_seconds: Any = None
+
+    def __post_init__(self) -> None:
+        kw = {"registry": self.registry} if self.registry is not None else {"registry": None}
+        self._decisions = Counter(
+            "pagefleet_gateway_pd_requests",
+            "Generation requests by P/D path: remote (prefilled on a prefill pod) or local "
+            "(decode pod prefills), with the reason.",
+            ["path", "reason"],
+            **kw,
+        )
+        self._prefill_seconds = Histogram(
+            "pagefleet_gateway_pd_prefill_seconds",
+            "Wall time of the remote prefill request (gateway to prefill pod and back).",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+            **kw,
+        )
+
+    async def start(self) -> None:
+        await self.prefill_router.start()
+
+    async def close(self) -> None:
+        await self.prefill_router.close()
+
+    def _count(self, path: str, reason: str) -> None:
+        self._decisions.labels(path=path, reason=reason).inc()
+
+    async def prepare(
+        self,
+        session: aiohttp.ClientSession,
+        path: str,
+        body: bytes,
+        token_ids: list[int] | None,
+        decision: RoutingDecision,
+        headers: dict[str, str],
+    ) -> bytes:
+        """The body to send to the decode pool: with ``kv_transfer_params`` after a
+        successful remote prefill, else unchanged (local prefill)."""
+        if not token_ids:
+            self._count("local", "prompt_unknown")
+            return body
+        cached = decision.ranked[0].matched_tokens if decision.ranked else 0
+        if len(token_ids) - cached < self.settings.min_uncached_tokens:
+            self._count("local", "short_uncached")
+            return body
+        try:
+            original = json.loads(body)
+        except ValueError:
+            self._count("local", "bad_body")
+            return body
+        if not isinstance(original, dict) or "kv_transfer_params" in original:
+            self._count("local", "caller_params")
+            return body
+        pre = await self.prefill_router.route(token_ids)
+        if not pre.ranked:
+            self._count("local", "no_prefill_pods")
+            return body
+        ep = pre.ranked[0].endpoint
+        if self.prefill_router.inflight.get(ep.pod, 0) >= self.settings.max_prefill_inflight:
+            self._count("local", "prefill_saturated")
+            return body
+        params = await self._prefill(session, ep, path, original, headers)
+        if params is None:
+            self._count("local", "prefill_failed")
+            return body
+        original["kv_transfer_params"] = params
+        self._count("remote", "ok")
+        return json.dumps(original, separators=(",", ":")).encode()
+
+    async def _prefill(
+        self,
+        session: aiohttp.ClientSession,
+        ep: Any,
+        path: str,
+        original: dict[str, Any],
+        headers: dict[str, str],
+    ) -> dict[str, Any] | None:
+        req = dict(original)
+        for k in ("stream", "stream_options", "logprobs", "top_logprobs", "echo",
+                  "max_completion_tokens", "min_tokens", "best_of"):  # fmt: skip
+            req.pop(k, None)
+        req.update(max_tokens=1, n=1, kv_transfer_params={"do_remote_decode": True})
+        self.prefill_router.acquire(ep)
+        t0 = time.perf_counter()
+        try:
+            async with asyncio.timeout(self.settings.prefill_timeout_s):
+                async with session.post(ep.url + path, json=req, headers=headers) as resp:
+                    if resp.status != 200:
+                        logger.info(
+                            "prefill pod %s answered %d; the decode pod prefills locally",
+                            ep.pod, resp.status,
+                        )  # fmt: skip
+                        self.prefill_router.mark_failed(ep)
+                        return None
+                    data = await resp.json()
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
+            logger.info("prefill pod %s failed (%s); the decode pod prefills locally", ep.pod, exc)
+            self.prefill_router.mark_failed(ep)
+            return None
+        finally:
+            self.prefill_router.release(ep)
+        self._prefill_seconds.observe(time.perf_counter() - t0)
+        self.prefill_router.mark_ok(ep)
+        params = data.get("kv_transfer_params") if isinstance(data, dict) else None
+        if not isinstance(params, dict) or not params.get("remote_request_id"):
+            return None
+        # The address the gateway reached is the one that works from the fleet's network.
+        url = urlsplit(ep.url)
+        if url.hostname:
+            params["remote_host"] = url.hostname
+        if url.port:
+            params["remote_port"] = url.port
+        return params

@@ -1,0 +1,177 @@
+"""Prefill/decode disaggregation through real daemons and the real gateway, on loopback.
+
+One prefill daemon, one decode daemon and a gateway given both pools, plus a unified daemon
+as the reference: completions and streaming chat through the gateway with the official
+openai client equal the unified answers (text and usage), and really went through a KV
+pull; a dead prefill pool, forged, stale and dead-host transfer params fall back to local
+prefill with the same answer; malformed params are a clear 400.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import aiohttp
+import openai
+import pytest
+import pytest_asyncio
+from aiohttp import web
+
+from pagefleet.daemon.config import DaemonConfig
+from pagefleet.engine.tiny import ensure_tiny_checkpoint
+from pagefleet.gateway.cli import GatewayConfig, build_gateway
+
+from .conftest import free_port, live_daemon
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+MODEL = "tiny-pd"
+PROMPT = (
+    "In a quiet valley the river bends twice before it meets the sea, and the people "
+    "who live there count the seasons by the colour of the water"
+)
+
+
+def _config(role: str, name: str) -> DaemonConfig:
+    return DaemonConfig(
+        model="tiny", served_model_name=MODEL, port=free_port(), pod_name=name, role=role,
+        block_size=8, num_gpu_blocks=128, max_model_len=256, max_num_seqs=8, max_queue=8,
+    )  # fmt: skip
+
+
+async def _gateway(prefill_urls: list[str], decode_urls: list[str]):
+    cfg = GatewayConfig(
+        model=str(ensure_tiny_checkpoint("tiny")), served_model_name=MODEL, block_size=8,
+        prefill_endpoints=prefill_urls, decode_endpoints=decode_urls,
+        pd_min_uncached_tokens=16, pd_prefill_timeout_s=5.0, port=free_port(),
+    )  # fmt: skip
+    gw = build_gateway(cfg)
+    runner = web.AppRunner(gw.make_app(), handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", cfg.port).start()
+    return gw, runner, f"http://127.0.0.1:{cfg.port}"
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def fleet():
+    async with (
+        live_daemon(_config("prefill", "p0")) as p,
+        live_daemon(_config("decode", "d0")) as d,
+        live_daemon(_config("unified", "u0")) as u,
+    ):
+        gw, runner, url = await _gateway([p.url], [d.url])
+        try:
+            yield {"prefill": p, "decode": d, "unified": u, "gateway": url, "gw": gw}
+        finally:
+            await runner.cleanup()
+
+
+async def _metric(url: str, name: str, **labels: str) -> float:
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+        text = await r.text()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _client(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+
+async def test_completions_and_streaming_chat_equal_unified(fleet) -> None:
+    gw, uni = _client(fleet["gateway"]), _client(fleet["unified"].url)
+    dec = fleet["decode"].url
+    pulled0 = await _metric(dec, "pagefleet:kv_transfer_requests_total", outcome="pulled")
+    for kw in ({"temperature": 0.0}, {"temperature": 0.9, "seed": 3, "n": 2}):
+        a = await gw.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, **kw)
+        b = await uni.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, **kw)
+        assert [c.text for c in a.choices] == [c.text for c in b.choices]
+        assert a.usage.prompt_tokens == b.usage.prompt_tokens
+        assert a.usage.completion_tokens == b.usage.completion_tokens
+    messages = [{"role": "user", "content": PROMPT + " and the fish"}]
+    texts = []
+    for c in (gw, uni):
+        stream = await c.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=10, temperature=0.0, stream=True,
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+        text, usage = "", None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+            if chunk.usage:
+                usage = chunk.usage
+        texts.append((text, usage.prompt_tokens, usage.completion_tokens))
+    assert texts[0] == texts[1]
+    pulled = await _metric(dec, "pagefleet:kv_transfer_requests_total", outcome="pulled")
+    assert pulled - pulled0 >= 2, "the gateway's requests did not go through a KV pull"
+    assert await _metric(fleet["prefill"].url, "pagefleet:kv_transfer_bytes_total") > 0
+    assert await _metric(fleet["gateway"], "pagefleet_gateway_pd_requests_total", path="remote")
+    for c in (gw, uni):
+        await c.close()
+
+
+async def _post(url: str, body: dict) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json=body) as r:
+        return r.status, await r.json()
+
+
+async def test_bad_transfer_params_fall_back_or_400(fleet) -> None:
+    p, d, u = fleet["prefill"], fleet["decode"], fleet["unified"]
+    base = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0.0}
+    _, want = await _post(u.url, base)
+    # A real handle, pulled once; the second pull of it (stale) falls back.
+    export = {"do_remote_decode": True}
+    status, pre = await _post(p.url, {**base, "max_tokens": 1, "kv_transfer_params": export})
+    assert status == 200 and pre["kv_transfer_params"]["do_remote_prefill"] is True
+    tp = pre["kv_transfer_params"]
+    port = int(p.url.rsplit(":", 1)[1])
+    cases = [
+        tp,  # real
+        tp,  # stale: already pulled
+        {**tp, "remote_request_id": uuid.uuid4().hex},  # forged
+        {**tp, "remote_port": free_port()},  # dead host
+        {**tp, "remote_num_tokens": 3},  # for another prompt
+        {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": port},
+    ]
+    failed0 = await _metric(d.url, "pagefleet:kv_transfer_pulls_failed_total")
+    for params in cases:
+        status, got = await _post(d.url, {**base, "kv_transfer_params": params})
+        assert status == 200, got
+        assert got["choices"][0]["text"] == want["choices"][0]["text"]
+    failed = await _metric(d.url, "pagefleet:kv_transfer_pulls_failed_total")
+    assert failed - failed0 == 5
+    for reason in ("not_found", "unreachable", "prompt_mismatch", "bad_params"):
+        assert await _metric(d.url, "pagefleet:kv_transfer_pulls_failed_total", reason=reason)
+    # Malformed or impossible: 400 naming kv_transfer_params.
+    for url, params, extra in [
+        (d.url, {"do_remote_prefill": True, "remote_port": 70000}, {}),
+        (d.url, "yes", {}),
+        (d.url, {"do_remote_decode": True}, {}),  # a decode pod does not export
+        (p.url, {"do_remote_decode": True}, {"n": 2}),  # the decode pod samples n
+    ]:
+        status, err = await _post(url, {**base, **extra, "kv_transfer_params": params})
+        assert status == 400, err
+        assert err["error"]["param"] == "kv_transfer_params"
+    # No block is left referenced once the dust settles (handles expire or were pulled).
+    for daemon in (p, d):
+        loop = daemon.daemon.engine_loop
+        await loop.call(lambda e: e.collect_transfers(float("inf")))
+        assert await loop.call(lambda e: e.kv.pool.num_referenced_blocks) == 0
+        await loop.call(lambda e: e.check_integrity())
+
+
+async def test_dead_prefill_pool_falls_back(fleet) -> None:
+    _, runner, url = await _gateway([f"http://127.0.0.1:{free_port()}"], [fleet["decode"].url])
+    try:
+        c, uni = _client(url), _client(fleet["unified"].url)
+        a = await c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
+        b = await uni.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
+        assert a.choices[0].text == b.choices[0].text
+        assert await _metric(url, "pagefleet_gateway_pd_requests_total", reason="prefill_failed")
+        await c.close()
+        await uni.close()
+    finally:
+        await runner.cleanup()
