@@ -348,6 +348,10 @@ class RouterSpec(_Model):
     (e.g. prefill: 1, queue: 0.25, kv: 0.5, imbalance_abs: 4)."""
     service_type: ServiceType = ServiceType.CLUSTER_IP
     """Type of the gateway Service."""
+    pd_min_uncached_tokens: int = Field(default=256, ge=0)
+    """Prefill/decode roles only: the gateway prefills a request on a prefill pod when the
+    chosen decode pod would otherwise compute at least this many prompt tokens (its cached
+    prefix aside); shorter ones the decode pod prefills itself (--pd-min-uncached-tokens)."""
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
     """CPU and memory requests/limits of each gateway pod."""
     env: list[EnvVar] = Field(default_factory=list)

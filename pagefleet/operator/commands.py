@@ -163,4 +163,12 @@ def gateway_command(
     if spec.router.weights:
         weights = ",".join(f"{k}={v:g}" for k, v in sorted(spec.router.weights.items()))
         cmd += ["--weights", weights]
+    if "prefill" in roles:
+        # P/D: the decode Service is the main pool; the prefill one runs remote prefills.
+        cmd += [
+            "--prefill-service",
+            names.role("prefill"),
+            "--pd-min-uncached-tokens",
+            str(spec.router.pd_min_uncached_tokens),
+        ]
     return cmd

@@ -357,6 +357,13 @@ def test_daemon_and_gateway_clis_accept_the_operators_command_lines(pd_spec):
     ctx = gateway_cli.make_context("gateway", _subcommand_args(gw["command"], "gateway"))
     assert ctx.params["discovery"] == "k8s" and ctx.params["service"] == "llama-decode"
     assert ctx.params["weights"] == "prefill=1,queue=0.25"
+    # P/D: the gateway runs remote prefills on the prefill Service's pods.
+    assert ctx.params["prefill_service"] == "llama-prefill"
+    assert ctx.params["pd_min_uncached_tokens"] == 256
+    pd_spec["router"] = {"pdMinUncachedTokens": 64}
+    gw = children(pd_spec)[("Deployment", "llama-gateway")]["spec"]["template"]["spec"]
+    args = _subcommand_args(gw["containers"][0]["command"], "gateway")
+    assert gateway_cli.make_context("gateway", args).params["pd_min_uncached_tokens"] == 64
     for policy in ("cache_aware", "least_load", "round_robin", "session"):
         pd_spec["router"] = {"policy": policy}
         gw = children(pd_spec)[("Deployment", "llama-gateway")]
