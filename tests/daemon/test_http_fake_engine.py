@@ -294,14 +294,16 @@ async def test_nonstream_disconnect_aborts(tiny_tokenizer):
         assert d.daemon.admission.inflight == 0
 
 
-def test_cli_refuses_pd_roles():
-    from click.testing import CliRunner
-
+def test_cli_accepts_pd_roles():
     from pagefleet.daemon.cli import command
 
-    result = CliRunner().invoke(command, ["--role", "prefill"])
-    assert result.exit_code == 2
-    assert "not available yet" in result.output
+    for role in ("prefill", "decode"):
+        ctx = command.make_context(
+            "daemon", ["--role", role, "--kv-transfer-timeout", "5", "--kv-pull-timeout", "2"]
+        )
+        assert ctx.params["role"] == role
+        assert ctx.params["kv_transfer_timeout_s"] == 5.0
+        assert ctx.params["kv_pull_timeout_s"] == 2.0
 
 
 async def test_drain_past_grace_aborts_and_ends_streams(tiny_tokenizer):

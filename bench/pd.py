@@ -1,0 +1,330 @@
+"""Prefill/decode disaggregation vs unified serving: inter-token latency under long prompts.
+
+Two cores. Three fleets, each two daemons pinned one per core (``taskset``,
+``OMP_NUM_THREADS=1``) behind a real gateway, on the 4x512 bench Llama:
+
+- ``unified``: two unified daemons (no chunking: a long prompt is one step);
+- ``unified_chunked``: the same with ``--long-prefill-token-threshold`` (chunked prefill);
+- ``pd``: one prefill daemon + one decode daemon, the gateway doing remote prefills.
+
+Workload (seeded, the same for each fleet): ``--chats`` chat sessions decoding all the time
+(short prompts, ``--chat-tokens`` output tokens each, back to back), while long prompts
+(1.5k-2k tokens, 4 output tokens) arrive at random (exponential gaps, ``--long-gap-s``
+mean). Figures, from the client's clock on streamed tokens:
+
+- ``itl_p99_ms_*``: p99 gap between consecutive tokens of the chat streams;
+- ``ttft_p50_ms_*``: median time to first token of the long prompts (the price of P/D is
+  here: a remote prefill, a KV pull, then the decode pod's own first step);
+- ``transfer_mb_per_s``, ``transfer_ms_p50``: the decode daemon's KV pulls (its metrics);
+- ``pd_token_exact``: the same seeded, sampled long-prompt requests give identical text
+  through the unified and the P/D fleet.
+
+    python bench/pd.py --quick      # ~10 s per fleet
+    python bench/pd.py              # 40 s per fleet
+
+The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+from bench_models import bench_model
+
+MODEL = "bench-pd"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    name: str
+    url: str
+    popen: subprocess.Popen
+    log: Path
+
+
+def _spawn(name: str, args: list[str], cpu: int | None, logdir: Path) -> Proc:
+    port = _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    argv = [sys.executable, "-m", "pagefleet.cli", *args, "--host", "127.0.0.1",
+            "--port", str(port)]  # fmt: skip
+    if cpu is not None and shutil.which("taskset") and (os.cpu_count() or 1) > cpu:
+        argv = ["taskset", "-c", str(cpu), *argv]
+    log = logdir / f"{name}.log"
+    popen = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
+    return Proc(name, f"http://127.0.0.1:{port}", popen, log)
+
+
+def _daemon(name: str, model: str, cpu: int, role: str, logdir: Path, extra=()) -> Proc:
+    args = ["daemon", "--model", model, "--served-model-name", MODEL, "--role", role,
+            "--pod-name", name, "--block-size", "16", "--max-num-seqs", "16",
+            "--max-model-len", "4096", "--kv-cache-memory-mb", "256", *extra]  # fmt: skip
+    return _spawn(name, args, cpu, logdir)
+
+
+def _gateway(name: str, model: str, decode: list[str], prefill: list[str], logdir: Path) -> Proc:
+    args = ["gateway", "--model", model, "--served-model-name", MODEL, "--block-size", "16",
+            "--policy", "least_load", "--endpoints", ",".join(decode), "--seed", "1"]  # fmt: skip
+    if prefill:
+        args += ["--prefill-url", ",".join(prefill), "--pd-min-uncached-tokens", "256"]
+    return _spawn(name, args, None, logdir)
+
+
+async def _wait_ready(procs: list[Proc], timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as s:
+        for p in procs:
+            while True:
+                if p.popen.poll() is not None:
+                    raise RuntimeError(f"{p.name} exited: {p.log.read_text()[-2000:]}")
+                try:
+                    async with s.get(p.url + "/ready") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{p.name} not ready")
+                await asyncio.sleep(0.2)
+
+
+@dataclass
+class Result:
+    itl: list[float] = field(default_factory=list)
+    long_ttft: list[float] = field(default_factory=list)
+    errors: int = 0
+
+
+async def _stream(s: aiohttp.ClientSession, url: str, body: dict) -> tuple[float, list[float]]:
+    """POST a streaming completion; (ttft, token arrival times)."""
+    t0 = time.perf_counter()
+    times: list[float] = []
+    async with s.post(url + "/v1/completions", json={**body, "stream": True}) as r:
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
+        async for raw in r.content:
+            line = raw.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for ch in chunk.get("choices", []):
+                lp = ch.get("logprobs") or {}
+                k = len(lp.get("tokens") or []) or (1 if ch.get("text") else 0)
+                now = time.perf_counter()
+                times.extend([now] * k)
+    return (times[0] - t0 if times else float("nan")), times
+
+
+async def _run_fleet(url: str, args: argparse.Namespace, vocab: int) -> Result:
+    res = Result()
+    rng = random.Random(args.seed)
+    stop_at = time.perf_counter() + args.duration
+    timeout = aiohttp.ClientTimeout(total=600)
+
+    async def chat(i: int) -> None:
+        crng = random.Random(args.seed * 100 + i)
+        async with aiohttp.ClientSession(timeout=timeout) as s:
+            while time.perf_counter() < stop_at:
+                prompt = [crng.randrange(5, vocab) for _ in range(32)]
+                body = {"model": MODEL, "prompt": prompt, "max_tokens": args.chat_tokens,
+                        "temperature": 0.0, "ignore_eos": True, "logprobs": 0}  # fmt: skip
+                try:
+                    _, times = await _stream(s, url, body)
+                except Exception:
+                    res.errors += 1
+                    continue
+                res.itl.extend(b - a for a, b in itertools.pairwise(times))
+
+    async def long_prompts() -> None:
+        async with aiohttp.ClientSession(timeout=timeout) as s:
+            tasks = []
+            while True:
+                await asyncio.sleep(rng.expovariate(1.0 / args.long_gap_s))
+                if time.perf_counter() >= stop_at - 1.0:
+                    break
+                n = rng.randrange(1536, 2048)
+                prompt = [rng.randrange(5, vocab) for _ in range(n)]
+                body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0.0,
+                        "ignore_eos": True}  # fmt: skip
+
+                async def one(body=body) -> None:
+                    try:
+                        ttft, _ = await _stream(s, url, body)
+                        res.long_ttft.append(ttft)
+                    except Exception:
+                        res.errors += 1
+
+                tasks.append(asyncio.create_task(one()))
+            await asyncio.gather(*tasks)
+
+    await asyncio.gather(*(chat(i) for i in range(args.chats)), long_prompts())
+    return res
+
+
+async def _exact(urls: list[str], vocab: int, n: int) -> bool:
+    """Same seeded sampled long-prompt requests through each fleet: identical text?"""
+    rng = random.Random(99)
+    bodies = [
+        {"model": MODEL,
+         "prompt": [rng.randrange(5, vocab) for _ in range(rng.randrange(600, 900))],
+         "max_tokens": 16, "temperature": 0.8, "seed": 1000 + i, "ignore_eos": True}
+        for i in range(n)
+    ]  # fmt: skip
+    texts: list[list[str]] = []
+    async with aiohttp.ClientSession() as s:
+        for url in urls:
+            got = []
+            for b in bodies:
+                async with s.post(url + "/v1/completions", json=b) as r:
+                    got.append((await r.json())["choices"][0]["text"])
+            texts.append(got)
+    return all(t == texts[0] for t in texts[1:])
+
+
+async def _transfer_stats(decode_url: str) -> tuple[float, float, float]:
+    """(MB/s, p50 ms, pulls) of the decode daemon's KV pulls, from its /metrics."""
+    async with aiohttp.ClientSession() as s, s.get(decode_url + "/metrics") as r:
+        text = await r.text()
+    nbytes = secs = count = 0.0
+    buckets: list[tuple[float, float]] = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        name, value = line.rsplit(" ", 1)
+        if name.startswith("pagefleet:kv_transfer_bytes_total") and "received" in name:
+            nbytes += float(value)
+        elif name.startswith("pagefleet:kv_transfer_seconds_sum"):
+            secs = float(value)
+        elif name.startswith("pagefleet:kv_transfer_seconds_count"):
+            count = float(value)
+        elif name.startswith("pagefleet:kv_transfer_seconds_bucket"):
+            le = name.split('le="', 1)[1].split('"', 1)[0]
+            buckets.append((float("inf") if le == "+Inf" else float(le), float(value)))
+    p50 = float("nan")
+    prev_le, prev_c = 0.0, 0.0
+    for le, c in sorted(buckets):
+        if count and c >= count / 2:
+            frac = (count / 2 - prev_c) / max(c - prev_c, 1e-9)
+            p50 = (prev_le + frac * ((le if le != float("inf") else prev_le) - prev_le)) * 1000
+            break
+        prev_le, prev_c = le, c
+    return (nbytes / secs / 1e6 if secs else 0.0), p50, count
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+async def main(args: argparse.Namespace) -> dict:
+    model = str(bench_model(args.model))
+    vocab = json.loads((Path(model) / "config.json").read_text()).get("vocab_size", 1000)
+    logdir = Path(tempfile.mkdtemp(prefix="pagefleet-bench-pd-"))
+    chunk = ["--long-prefill-token-threshold", str(args.chunk)]
+    daemons = {
+        "unified": [_daemon(f"u{i}", model, i, "unified", logdir) for i in range(2)],
+        "unified_chunked": [
+            _daemon(f"c{i}", model, i, "unified", logdir, chunk) for i in range(2)
+        ],
+        "pd": [_daemon("p0", model, 0, "prefill", logdir), _daemon("d0", model, 1, "decode",
+                                                                    logdir)],
+    }  # fmt: skip
+    procs = [p for ps in daemons.values() for p in ps]
+    try:
+        await _wait_ready(procs)
+        gws = {
+            "unified": _gateway("g-unified", model, [p.url for p in daemons["unified"]], [],
+                                logdir),
+            "unified_chunked": _gateway("g-chunked", model,
+                                        [p.url for p in daemons["unified_chunked"]], [], logdir),
+            "pd": _gateway("g-pd", model, [daemons["pd"][1].url], [daemons["pd"][0].url],
+                           logdir),
+        }  # fmt: skip
+        procs += list(gws.values())
+        await _wait_ready(list(gws.values()))
+        results: dict[str, Result] = {}
+        for name in ("unified", "unified_chunked", "pd"):
+            results[name] = await _run_fleet(gws[name].url, args, vocab)
+            r = results[name]
+            print(
+                f"{name:16s} chat tokens {len(r.itl):5d}  itl p50 {_pct(r.itl, 0.5) * 1e3:7.1f} ms"
+                f"  p99 {_pct(r.itl, 0.99) * 1e3:7.1f} ms   long prompts {len(r.long_ttft):3d}"
+                f"  ttft p50 {_pct(r.long_ttft, 0.5) * 1e3:7.1f} ms  errors {r.errors}",
+                file=sys.stderr,
+            )
+        mbps, p50_ms, pulls = await _transfer_stats(daemons["pd"][1].url)
+        exact = await _exact([gws["unified"].url, gws["pd"].url], vocab, args.exact_requests)
+    finally:
+        for p in procs:
+            p.popen.terminate()
+        for p in procs:
+            try:
+                p.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+    u, c, d = results["unified"], results["unified_chunked"], results["pd"]
+    load = os.getloadavg()[0]
+    return {
+        "bench": "pd",
+        "quick": args.quick,
+        "itl_p99_ms_unified": round(_pct(u.itl, 0.99) * 1e3, 1),
+        "itl_p99_ms_unified_chunked": round(_pct(c.itl, 0.99) * 1e3, 1),
+        "itl_p99_ms_pd": round(_pct(d.itl, 0.99) * 1e3, 1),
+        "itl_p99_ratio_unified_over_pd": round(_pct(u.itl, 0.99) / _pct(d.itl, 0.99), 2),
+        "itl_p99_ratio_chunked_over_pd": round(_pct(c.itl, 0.99) / _pct(d.itl, 0.99), 2),
+        "ttft_p50_ms_unified": round(_pct(u.long_ttft, 0.5) * 1e3, 1),
+        "ttft_p50_ms_unified_chunked": round(_pct(c.long_ttft, 0.5) * 1e3, 1),
+        "ttft_p50_ms_pd": round(_pct(d.long_ttft, 0.5) * 1e3, 1),
+        "transfer_mb_per_s": round(mbps, 1),
+        "transfer_ms_p50": round(p50_ms, 2),
+        "kv_pulls": int(pulls),
+        "long_prompts": [len(u.long_ttft), len(c.long_ttft), len(d.long_ttft)],
+        "errors": u.errors + c.errors + d.errors,
+        "pd_token_exact": exact,
+        "loadavg_1m": round(load, 2),
+    }
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--model", default=None, help="default: the 4x512 bench Llama")
+    ap.add_argument("--duration", type=float, default=None, help="seconds per fleet")
+    ap.add_argument("--chats", type=int, default=3)
+    ap.add_argument("--chat-tokens", type=int, default=128)
+    ap.add_argument("--long-gap-s", type=float, default=2.5)
+    ap.add_argument("--chunk", type=int, default=256, help="long_prefill_token_threshold")
+    ap.add_argument("--exact-requests", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=7)
+    args = ap.parse_args()
+    if args.duration is None:
+        args.duration = 10.0 if args.quick else 40.0
+    if args.exact_requests is None:
+        args.exact_requests = 2 if args.quick else 6
+    return args
+
+
+if __name__ == "__main__":
+    out = asyncio.run(main(parse_args()))
+    print(json.dumps(out))
