@@ -125,6 +125,8 @@ class Scheduler:
                     continue
                 num_new = budget
             while not self.kv.allocate_slots(seq, num_new):
+                if self._release_waiting_imports():
+                    continue  # blocks held by queued imports come back first
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
@@ -160,9 +162,11 @@ class Scheduler:
                     if not cfg.enable_chunked_prefill:
                         break
                     num_new = budget
-                if self.running and not self._leaves_headroom(num_cached + num_new, num_held):
-                    break
-                if not self.kv.allocate_slots(seq, num_new, hits, num_cached):
+                if (
+                    self.running and not self._leaves_headroom(num_cached + num_new, num_held)
+                ) or not self.kv.allocate_slots(seq, num_new, hits, num_cached):
+                    if self._release_waiting_imports():
+                        continue  # retry the head with the imports' blocks back
                     break
                 self.waiting.popleft()
                 self.prefix_queries_tokens += seq.num_tokens
@@ -188,6 +192,21 @@ class Scheduler:
             preempted=preempted,
             num_batched_tokens=cfg.max_num_batched_tokens - budget,
         )
+
+    def _release_waiting_imports(self) -> bool:
+        """Free the blocks of queued sequences that were admitted with imported KV (P/D).
+
+        A waiting sequence holding blocks could otherwise starve the very sequences ahead
+        of it that need them, forever. Released ones recompute like a preempted sequence
+        (their full imported blocks stay in the prefix cache, so mostly as cache hits).
+        Returns whether anything was freed."""
+        freed = False
+        for seq in self.waiting:
+            if self.kv.has_table(seq):
+                self.kv.free(seq)
+                seq.num_computed_tokens = 0
+                freed = True
+        return freed
 
     def _cap_prefill(self, num_new: int) -> int:
         """A long prefill's chunk for this step (decodes, one token, are never capped)."""

@@ -152,7 +152,7 @@ PREFIXES = [list(b"a system prompt shared by many"), list(b"other prefix"), []]
 req_st = st.fixed_dictionaries(
     {
         "prefix": st.integers(0, len(PREFIXES) - 1),
-        "suffix": st.lists(st.integers(1, 255), min_size=0, max_size=20),
+        "suffix": st.lists(st.integers(1, 255), min_size=0, max_size=16),
         "n": st.integers(1, 2),
         "seed": st.one_of(st.none(), st.integers(0, 50)),
         "max_tokens": st.integers(1, 12),
