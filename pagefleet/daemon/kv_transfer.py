@@ -344,6 +344,8 @@ class KVExportServer:
         engine = self._engine()
         if engine is None:
             return _error(503, "the model is still loading")
+        if getattr(engine, "exports", None) is None:
+            return _error(404, "this engine keeps no KV transfer handles")
         runner = engine.runner
         layout = runner.kv_layout()
         if req.layout != layout_dict(layout):

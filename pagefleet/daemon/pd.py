@@ -89,12 +89,12 @@ class PDSide:
 
     def _collect(self) -> None:
         loop = self._engine_loop()
-        if loop is not None and loop.alive:
+        if loop is not None and loop.alive and hasattr(self._engine(), "collect_transfers"):
             loop.post(lambda eng: eng.collect_transfers())
 
     def _expired_total(self) -> float:
-        engine = self._engine()
-        return float(engine.exports.expired_total) if engine is not None else 0.0
+        exports = getattr(self._engine(), "exports", None)  # engines without P/D: none
+        return float(exports.expired_total) if exports is not None else 0.0
 
     async def _collect_loop(self) -> None:
         while True:
