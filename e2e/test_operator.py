@@ -456,7 +456,13 @@ def test_serving_lifecycle(
     daemons = _pods(kube, namespace, "pagefleet.io/service=tiny,pagefleet.io/role=unified")
     assert len(daemons) == 2 and all(_ready(p) for p in daemons)
     ips = sorted(p["status"]["podIP"] for p in daemons)
-    assert _ready_endpoints(kube, namespace, "tiny-unified") == ips
+    # The EndpointSlice controller publishes a pod's readiness asynchronously, after the
+    # pod's own status says Ready: poll until the slice catches up.
+    eventually(
+        lambda: _ready_endpoints(kube, namespace, "tiny-unified") == ips,
+        30,
+        f"EndpointSlices of tiny-unified listing {ips}",
+    )
     (gw_pod,) = _pods(kube, namespace, "pagefleet.io/service=tiny,pagefleet.io/role=gateway")
     gateway_ip = gw_pod["status"]["podIP"]
     first_ready_s = time.monotonic() - t0
