@@ -85,7 +85,7 @@ class KVCacheManager:
             orig = self.pool.get_cached_block(h)
             if orig is None:
                 parent = seq.block_hashes[i - 1] if i > 0 else None
-                if parent is None or self.pool.get_cached_block(parent) is not None:
+                if parent is None or self._holds_cached(table[i - 1], parent):
                     self._cache(seq, dup, i, h, parent)
                 continue
             # Forked siblings may share the duplicate too.
@@ -214,15 +214,26 @@ class KVCacheManager:
         hashes = seq.full_block_hashes(self.block_size, self.namespace)
         for i in range(first, num_full):
             parent = hashes[i - 1] if i > 0 else None
-            if parent is not None and self.pool.get_cached_block(parent) is None:
-                # Only after a reset: its parent was forgotten while this sequence ran.
-                # Caching it would break prefix closure (kvindex/events.py).
+            if parent is not None and not self._holds_cached(table[i - 1], parent):
+                # Only after a reset: this sequence's parent block lost its key while it
+                # ran. Another sequence may have cached the same hash since, but that block
+                # can be evicted while this child lives on: caching it would break prefix
+                # closure (kvindex/events.py).
                 break
             if self._cache(seq, table[i], i, hashes[i], parent):
                 self._inflight.add(table[i].block_id)
             elif table[i].block_hash is None:
                 self._dups.append((i, table[i], hashes[i], seq))
         self._num_hashed[seq.seq_id] = num_full
+
+    def _holds_cached(self, block: KVBlock, parent_hash: int) -> bool:
+        """``block`` is the cached block of ``parent_hash``, or a duplicate of it that
+        ``end_step`` will fold into the cached one: either way the child's table keeps the
+        parent's cached block referenced for as long as the child is."""
+        cached = self.pool.get_cached_block(parent_hash)
+        if cached is None:
+            return False
+        return cached is block or any(d is block and h == parent_hash for _, d, h, _ in self._dups)
 
     def _cache(
         self, seq: Sequence, block: KVBlock, i: int, block_hash: int, parent: int | None
