@@ -49,6 +49,12 @@ _SPLIT_PRE = {
     "qwen2": _QWEN2_PATTERN,
 }
 SUPPORTED_PRE_TOKENIZERS = (*_GPT2_PRE, *_DIGITS_THEN_GPT2_PRE, *_SPLIT_PRE)
+# Llama 3's vocabulary comes from tiktoken, which takes a piece that is itself a token whole
+# before trying merges; its tokenizer.json says so with ``ignore_merges`` (llama.cpp too).
+# Without it a token no merge sequence reaches is spelled in smaller pieces.
+_IGNORE_MERGES_PRE = ("llama3", "llama-v3", "llama-bpe")
+# Qwen2's tokenizer NFC-normalizes text first: "e" + combining acute is the token for "é".
+_NFC_PRE = ("qwen2",)
 SUPPORTED_VOCABULARIES = ("gpt2", "llama")
 
 
@@ -98,10 +104,16 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     )
 
 
-def _gpt2_model(tokens: list[str], merges: list[str]) -> models.BPE:
+def _gpt2_model(tokens: list[str], merges: list[str], ignore_merges: bool) -> models.BPE:
     vocab = {t: i for i, t in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
-    return models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False)
+    return models.BPE(
+        vocab=vocab,
+        merges=pairs,
+        fuse_unk=False,
+        byte_fallback=False,
+        ignore_merges=ignore_merges,
+    )
 
 
 def _spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
@@ -161,8 +173,11 @@ def build_tokenizer(fields: dict[str, Any]) -> Tokenizer:
         merges = list(fields.get("tokenizer.ggml.merges") or [])
         if not merges:
             raise ValueError("GGUF gpt2 vocabulary without tokenizer.ggml.merges: cannot rebuild")
-        tok = _HFTokenizer(_gpt2_model(tokens, merges))
-        tok.pre_tokenizer = _pre_tokenizer(str(fields.get("tokenizer.ggml.pre", "default")))
+        pre = str(fields.get("tokenizer.ggml.pre", "default"))
+        tok = _HFTokenizer(_gpt2_model(tokens, merges, ignore_merges=pre in _IGNORE_MERGES_PRE))
+        tok.pre_tokenizer = _pre_tokenizer(pre)
+        if pre in _NFC_PRE:
+            tok.normalizer = normalizers.NFC()
         tok.decoder = decoders.ByteLevel()
         add_bos_default = False
     elif kind == "llama":

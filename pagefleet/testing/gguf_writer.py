@@ -11,6 +11,8 @@ inside them stay finite; the caller then compares against what was stored, which
 
 from __future__ import annotations
 
+import itertools
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -206,3 +208,77 @@ def write_llama_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return stored
+
+
+def train_byte_bpe(text: str, split_pattern: str, num_merges: int) -> dict[bytes, int]:
+    """tiktoken-style ranks learned from ``text``: the 256 single bytes (ranks 0-255), then
+    the most frequent adjacent pair inside the pieces ``split_pattern`` cuts the text into,
+    ``num_merges`` times (ties broken by the pair's bytes, so the result is deterministic).
+    This is how the vocabularies of Llama 3 and Qwen2 were made, at a toy size."""
+    import regex
+
+    words = Counter(
+        tuple(bytes([b]) for b in piece.encode("utf-8"))
+        for piece in regex.findall(split_pattern, text)
+    )
+    ranks = {bytes([b]): b for b in range(256)}
+    for _ in range(num_merges):
+        pairs: Counter[tuple[bytes, bytes]] = Counter()
+        for word, count in words.items():
+            for pair in itertools.pairwise(word):
+                pairs[pair] += count
+        if not pairs:
+            break
+        (left, right), _ = max(pairs.items(), key=lambda kv: (kv[1], kv[0]))
+        ranks.setdefault(left + right, len(ranks))
+        merged: Counter[tuple[bytes, ...]] = Counter()
+        for word, count in words.items():
+            out: list[bytes] = []
+            i = 0
+            while i < len(word):
+                if i + 1 < len(word) and (word[i], word[i + 1]) == (left, right):
+                    out.append(left + right)
+                    i += 2
+                else:
+                    out.append(word[i])
+                    i += 1
+            merged[tuple(out)] += count
+        words = merged
+    return ranks
+
+
+def write_tokenizer_gguf(
+    path: str | Path,
+    tokens: list[str],
+    token_types: list[int],
+    merges: list[str],
+    *,
+    pre: str,
+    bos: str | None,
+    eos: str,
+    add_bos: bool,
+    architecture: str = "llama",
+    chat_template: str | None = None,
+) -> None:
+    """A GGUF file holding only a byte-level BPE tokenizer (``tokenizer.ggml.model`` gpt2)
+    with pre-tokenizer ``pre``, as llama.cpp's converter writes it for Llama 3 or Qwen2: no
+    tensors, so a tokenizer test needs no model."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_uint32(f"{architecture}.context_length", 4096)
+    writer.add_string("tokenizer.ggml.model", "gpt2")
+    writer.add_string("tokenizer.ggml.pre", pre)
+    writer.add_array("tokenizer.ggml.tokens", tokens)
+    writer.add_array("tokenizer.ggml.token_type", token_types)
+    writer.add_array("tokenizer.ggml.merges", merges)
+    if bos is not None:
+        writer.add_uint32("tokenizer.ggml.bos_token_id", tokens.index(bos))
+    writer.add_uint32("tokenizer.ggml.eos_token_id", tokens.index(eos))
+    writer.add_bool("tokenizer.ggml.add_bos_token", add_bos)
+    if chat_template is not None:
+        writer.add_string("tokenizer.chat_template", chat_template)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
