@@ -23,13 +23,11 @@ import pytest
 
 from e2e.cluster import ControlPlane, eventually, tail
 from e2e.kube_client import KubeClient
+from e2e.kube_helpers import live_pods, pod_ready, tiny_checkpoint
 from e2e.test_operator import (
     CRD,
     PAGEFLEET,
     ROOT,
-    _pods,
-    _ready,
-    _tiny_checkpoint,
     apply,
     condition,
     events_for,
@@ -132,7 +130,7 @@ def test_load_step_scales_out_and_back_removing_the_marked_pod(
 ) -> None:
     proc, log, metrics_port = autoscaling_operator
     t0 = time.monotonic()
-    model = _tiny_checkpoint()
+    model = tiny_checkpoint()
     gw_kubeconfig = cluster.workdir / f"kubeconfig-sa-{namespace}-auto-gateway"
     spec = {
         "model": {"source": {"path": model}, "servedModelName": "tiny"},
@@ -169,8 +167,8 @@ def test_load_step_scales_out_and_back_removing_the_marked_pod(
 
     def one_ready_and_gateway() -> str | bool:
         daemons = watch.poll()
-        gws = _pods(kube, namespace, "pagefleet.io/service=auto,pagefleet.io/role=gateway")
-        ok = len(daemons) == 1 and _ready(daemons[0]) and gws and _ready(gws[0])
+        gws = live_pods(kube, namespace, "pagefleet.io/service=auto,pagefleet.io/role=gateway")
+        ok = len(daemons) == 1 and pod_ready(daemons[0]) and gws and pod_ready(gws[0])
         return gws[0]["status"]["podIP"] if ok else False
 
     gateway_ip = eventually(one_ready_and_gateway, 180, "1 Ready daemon and the gateway")
@@ -213,7 +211,7 @@ def test_load_step_scales_out_and_back_removing_the_marked_pod(
 
         def scaled_out() -> bool:
             assert bench.poll() is None, "the load generator exited:\n" + tail(bench_log, 30)
-            ready = [p for p in watch.poll() if _ready(p)]
+            ready = [p for p in watch.poll() if pod_ready(p)]
             return len(ready) >= 2
 
         eventually(scaled_out, 120, ">= 2 Ready daemons under load")
@@ -267,4 +265,6 @@ def test_load_step_scales_out_and_back_removing_the_marked_pod(
         f"scale-in {scale_in_s:.0f}s, removed {sorted(watch.removed)}"
     )
     cluster.kubectl("delete", "infsvc", "auto", "-n", namespace, "--wait=false")
-    eventually(lambda: _pods(kube, namespace, "pagefleet.io/service=auto") == [], 120, "cleanup")
+    eventually(
+        lambda: live_pods(kube, namespace, "pagefleet.io/service=auto") == [], 120, "cleanup"
+    )

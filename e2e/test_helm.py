@@ -32,6 +32,7 @@ import yaml
 
 from e2e.cluster import ControlPlane, eventually
 from e2e.kube_client import KubeClient
+from e2e.kube_helpers import live_pods, pod_ready, ready_endpoints, tiny_checkpoint
 from pagefleet.testing.helm import CHART, require_helm
 
 pytestmark = pytest.mark.e2e
@@ -41,50 +42,11 @@ API = "/apis/pagefleet.io/v1alpha1"
 RELEASE = "pf"
 
 
-def _tiny_checkpoint() -> str:
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "from pagefleet.engine.tiny import ensure_tiny_checkpoint as e; print(e('tiny'))",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=300,
-    )
-    return out.stdout.strip().splitlines()[-1]
-
-
-def _pods(kube: KubeClient, ns: str, selector: str) -> list[dict[str, Any]]:
-    items = kube.get(f"/api/v1/namespaces/{ns}/pods", {"labelSelector": selector})["items"]
-    return [p for p in items if not p["metadata"].get("deletionTimestamp")]
-
-
-def _ready(pod: dict[str, Any]) -> bool:
-    conds = (pod.get("status") or {}).get("conditions", [])
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
-
-
 def _condition(obj: dict[str, Any], type_: str) -> str:
     for cond in (obj.get("status") or {}).get("conditions", []):
         if cond["type"] == type_:
             return str(cond["status"])
     return ""
-
-
-def _ready_endpoints(kube: KubeClient, ns: str, service: str) -> list[str]:
-    slices = kube.get(
-        f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices",
-        {"labelSelector": f"kubernetes.io/service-name={service}"},
-    )["items"]
-    return sorted(
-        addr
-        for s in slices
-        for ep in s.get("endpoints") or []
-        if (ep.get("conditions") or {}).get("ready")
-        for addr in ep["addresses"]
-    )
 
 
 def _complete(ip: str, prompt: str) -> Any:
@@ -119,7 +81,7 @@ def test_install_serve_upgrade_uninstall(
     t0 = time.monotonic()
     ns = namespace
     helm = Helm(cluster, ns, tmp_path)
-    model = _tiny_checkpoint()
+    model = tiny_checkpoint()
     values: dict[str, Any] = {
         "operator": {
             "command": [PAGEFLEET],
@@ -132,10 +94,10 @@ def test_install_serve_upgrade_uninstall(
     }
     helm("install", RELEASE, str(CHART), "--wait", "--timeout", "3m", values=values)
     install_s = time.monotonic() - t0
-    (op_pod,) = _pods(kube, ns, "app.kubernetes.io/component=operator")
+    (op_pod,) = live_pods(kube, ns, "app.kubernetes.io/component=operator")
     assert "--resync-seconds=5" in op_pod["spec"]["containers"][0]["command"]
-    (redis_pod,) = _pods(kube, ns, "app.kubernetes.io/component=redis")
-    assert _ready(redis_pod)
+    (redis_pod,) = live_pods(kube, ns, "app.kubernetes.io/component=redis")
+    assert pod_ready(redis_pod)
     redis_ip = redis_pod["status"]["podIP"]
 
     # 1. An InferenceService as a chart value, on the bundled Redis.
@@ -163,7 +125,7 @@ def test_install_serve_upgrade_uninstall(
     obj = eventually(lambda: ready(1), 240, "InferenceService tiny Ready")
     assert obj["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
     assert "pagefleet.io/finalizer" in obj["metadata"]["finalizers"]
-    (gw_pod,) = _pods(kube, ns, "pagefleet.io/service=tiny,pagefleet.io/role=gateway")
+    (gw_pod,) = live_pods(kube, ns, "pagefleet.io/service=tiny,pagefleet.io/role=gateway")
     gateway_ip = gw_pod["status"]["podIP"]
     first = eventually(lambda: _complete(gateway_ip, "Helm says hello"), 60, "a completion")
     assert first.model == "tiny" and first.usage.completion_tokens > 0
@@ -186,7 +148,7 @@ def test_install_serve_upgrade_uninstall(
         while not stop.is_set():
             i += 1
             try:
-                ips = _ready_endpoints(kube, ns, "tiny-gateway")
+                ips = ready_endpoints(kube, ns, "tiny-gateway")
                 _complete(ips[i % len(ips)], "during the upgrade")
                 results.append("ok")
             except Exception as exc:  # recorded, asserted below
@@ -202,8 +164,9 @@ def test_install_serve_upgrade_uninstall(
     eventually(lambda: ready(2), 120, "the upgraded InferenceService Ready")
     gateways = eventually(
         lambda: (
-            len(p := _pods(kube, ns, "pagefleet.io/service=tiny,pagefleet.io/role=gateway")) == 2
-            and all(_ready(x) for x in p)
+            len(p := live_pods(kube, ns, "pagefleet.io/service=tiny,pagefleet.io/role=gateway"))
+            == 2
+            and all(pod_ready(x) for x in p)
             and p
         ),
         120,
@@ -217,7 +180,7 @@ def test_install_serve_upgrade_uninstall(
         lambda: (
             [
                 p
-                for p in _pods(kube, ns, "app.kubernetes.io/component=operator")
+                for p in live_pods(kube, ns, "app.kubernetes.io/component=operator")
                 if "--resync-seconds=7" in p["spec"]["containers"][0]["command"]
             ]
             or False

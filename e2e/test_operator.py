@@ -24,6 +24,7 @@ import yaml
 
 from e2e.cluster import ControlPlane, ControlPlaneError, eventually, tail
 from e2e.kube_client import KubeClient
+from e2e.kube_helpers import live_pods, pod_ready, ready_endpoints, tiny_checkpoint
 
 pytestmark = pytest.mark.e2e
 
@@ -360,45 +361,6 @@ def test_children_are_owned_repaired_switched_and_collected(
 # ---------------------------------------------------------------------------------------
 
 
-def _tiny_checkpoint() -> str:
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "from pagefleet.engine.tiny import ensure_tiny_checkpoint as e; print(e('tiny'))",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=300,
-    )
-    return out.stdout.strip().splitlines()[-1]
-
-
-def _pods(kube: KubeClient, ns: str, selector: str) -> list[dict[str, Any]]:
-    items = kube.get(f"/api/v1/namespaces/{ns}/pods", {"labelSelector": selector})["items"]
-    return [p for p in items if not p["metadata"].get("deletionTimestamp")]
-
-
-def _ready(pod: dict[str, Any]) -> bool:
-    conds = (pod.get("status") or {}).get("conditions", [])
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
-
-
-def _ready_endpoints(kube: KubeClient, ns: str, service: str) -> list[str]:
-    slices = kube.get(
-        f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices",
-        {"labelSelector": f"kubernetes.io/service-name={service}"},
-    )["items"]
-    return sorted(
-        addr
-        for s in slices
-        for ep in s.get("endpoints") or []
-        if (ep.get("conditions") or {}).get("ready")
-        for addr in ep["addresses"]
-    )
-
-
 def _wait_ready(kube: KubeClient, ns: str, name: str, timeout_s: float) -> dict[str, Any]:
     def check() -> dict[str, Any] | bool:
         obj = get_is(kube, ns, name)
@@ -429,7 +391,7 @@ def test_serving_lifecycle(
     """apply -> pods Ready + EndpointSlices -> openai completion through the gateway ->
     scale + engine knob rollout -> delete, everything collected."""
     t0 = time.monotonic()
-    model = _tiny_checkpoint()
+    model = tiny_checkpoint()
     # The gateway discovers pods with its own ServiceAccount's token; the file is written
     # once the operator created that ServiceAccount (the gateway retries until then).
     gw_kubeconfig = cluster.workdir / f"kubeconfig-sa-{namespace}-tiny-gateway"
@@ -453,17 +415,17 @@ def test_serving_lifecycle(
     obj = _wait_ready(kube, namespace, "tiny", timeout_s=240)
     assert obj["status"]["replicas"] == "unified:2/2"
     assert obj["status"]["url"] == f"http://tiny-gateway.{namespace}.svc:8080/v1"
-    daemons = _pods(kube, namespace, "pagefleet.io/service=tiny,pagefleet.io/role=unified")
-    assert len(daemons) == 2 and all(_ready(p) for p in daemons)
+    daemons = live_pods(kube, namespace, "pagefleet.io/service=tiny,pagefleet.io/role=unified")
+    assert len(daemons) == 2 and all(pod_ready(p) for p in daemons)
     ips = sorted(p["status"]["podIP"] for p in daemons)
     # The EndpointSlice controller publishes a pod's readiness asynchronously, after the
     # pod's own status says Ready: poll until the slice catches up.
     eventually(
-        lambda: _ready_endpoints(kube, namespace, "tiny-unified") == ips,
+        lambda: ready_endpoints(kube, namespace, "tiny-unified") == ips,
         30,
         f"EndpointSlices of tiny-unified listing {ips}",
     )
-    (gw_pod,) = _pods(kube, namespace, "pagefleet.io/service=tiny,pagefleet.io/role=gateway")
+    (gw_pod,) = live_pods(kube, namespace, "pagefleet.io/service=tiny,pagefleet.io/role=gateway")
     gateway_ip = gw_pod["status"]["podIP"]
     first_ready_s = time.monotonic() - t0
 
@@ -487,14 +449,14 @@ def test_serving_lifecycle(
     cmd = dep["spec"]["template"]["spec"]["containers"][0]["command"]
     assert cmd[cmd.index("--max-num-seqs") + 1] == "4"
     eventually(
-        lambda: len(_ready_endpoints(kube, namespace, "tiny-unified")) == 3, 60, "3 endpoints"
+        lambda: len(ready_endpoints(kube, namespace, "tiny-unified")) == 3, 60, "3 endpoints"
     )
-    for pod in _pods(kube, namespace, "pagefleet.io/service=tiny,pagefleet.io/role=unified"):
+    for pod in live_pods(kube, namespace, "pagefleet.io/service=tiny,pagefleet.io/role=unified"):
         pod_cmd = pod["spec"]["containers"][0]["command"]
         assert pod_cmd[pod_cmd.index("--max-num-seqs") + 1] == "4"
     rollout_s = time.monotonic() - t1
     # A daemon-only knob must not have restarted the gateway.
-    (gw_after,) = _pods(kube, namespace, "pagefleet.io/service=tiny,pagefleet.io/role=gateway")
+    (gw_after,) = live_pods(kube, namespace, "pagefleet.io/service=tiny,pagefleet.io/role=gateway")
     assert gw_after["metadata"]["uid"] == gw_pod["metadata"]["uid"]
     completion = eventually(
         lambda: _complete(gateway_ip, "After the rollout"), 60, "a completion after the rollout"
@@ -503,7 +465,7 @@ def test_serving_lifecycle(
 
     cluster.kubectl("delete", "infsvc", "tiny", "-n", namespace, "--wait=false")
     eventually(
-        lambda: _pods(kube, namespace, "pagefleet.io/service=tiny") == [], 120, "pods removed"
+        lambda: live_pods(kube, namespace, "pagefleet.io/service=tiny") == [], 120, "pods removed"
     )
     assert (
         names(

@@ -27,14 +27,13 @@ import pytest
 
 from e2e.cluster import ControlPlane, eventually
 from e2e.kube_client import KubeClient
+from e2e.kube_helpers import live_pods, tiny_checkpoint
 from e2e.test_operator import (
     API,
     CRD,
     PAGEFLEET,
     ROOT,
     Operator,
-    _pods,
-    _tiny_checkpoint,
     _wait_ready,
     apply,
     condition,
@@ -143,7 +142,7 @@ def test_crash_looping_daemons_degrade_with_their_last_words_then_recover(
     assert "CrashLoopBackOff" in reasons
 
     # What the kubelet (here: the node agent) reported, and what the pod runs with.
-    (pod,) = _pods(kube, namespace, "pagefleet.io/service=broken")
+    (pod,) = live_pods(kube, namespace, "pagefleet.io/service=broken")
     (cs,) = pod["status"]["containerStatuses"]
     assert cs["restartCount"] >= 2
     last = cs["lastState"]["terminated"]
@@ -169,7 +168,7 @@ def test_crash_looping_daemons_degrade_with_their_last_words_then_recover(
     t1 = time.monotonic()
     kube.merge_patch(
         f"{API}/namespaces/{namespace}/inferenceservices/broken",
-        {"spec": {"model": {"source": {"path": _tiny_checkpoint()}}}},
+        {"spec": {"model": {"source": {"path": tiny_checkpoint()}}}},
     )
     obj = _wait_ready(kube, namespace, "broken", timeout_s=240)
     assert condition(obj, "Degraded")["status"] == "False"
@@ -218,7 +217,7 @@ def test_operator_killed_mid_reconcile_converges_without_duplicates(
     then half done), start it again: the service becomes Ready with exactly one of every
     child, one ReplicaSet per Deployment and no extra pods."""
     spec: dict[str, Any] = {
-        "model": {"source": {"path": _tiny_checkpoint()}, "servedModelName": "tiny"},
+        "model": {"source": {"path": tiny_checkpoint()}, "servedModelName": "tiny"},
         "command": [PAGEFLEET],
         "engine": {"kvCacheMemoryMB": 16, "maxNumSeqs": 4},
         "roles": {"unified": {"replicas": 1}},
@@ -261,10 +260,12 @@ def test_operator_killed_mid_reconcile_converges_without_duplicates(
     for component in ("unified", "gateway"):
         rs = _owned(kube, namespace, "/apis/apps/v1", "replicasets", name)
         assert sum(r.startswith(f"{name}-{component}-") for r in rs) == 1, rs
-        pods = _pods(kube, namespace, f"pagefleet.io/service={name},pagefleet.io/role={component}")
+        pods = live_pods(
+            kube, namespace, f"pagefleet.io/service={name},pagefleet.io/role={component}"
+        )
         assert len(pods) == 1, [p["metadata"]["name"] for p in pods]
     # The gateway found the daemon with its projected token (no token is automounted).
-    (gw,) = _pods(kube, namespace, f"pagefleet.io/service={name},pagefleet.io/role=gateway")
+    (gw,) = live_pods(kube, namespace, f"pagefleet.io/service={name},pagefleet.io/role=gateway")
     assert gw["spec"]["automountServiceAccountToken"] is False
     operator.check_alive()
     print(

@@ -15,11 +15,10 @@ import pytest
 
 from e2e.cluster import ControlPlane, eventually
 from e2e.kube_client import KubeClient
+from e2e.kube_helpers import live_pods, tiny_checkpoint
 from e2e.test_operator import (  # noqa: F401  (module fixtures: operator, redis_url)
     PAGEFLEET,
     Operator,
-    _pods,
-    _tiny_checkpoint,
     _wait_ready,
     apply,
     infsvc,
@@ -58,7 +57,7 @@ def test_prefill_decode_serving(
     operator: Operator,  # noqa: F811
     redis_url: str,  # noqa: F811
 ) -> None:
-    model = _tiny_checkpoint()
+    model = tiny_checkpoint()
     gw_kubeconfig = cluster.workdir / f"kubeconfig-sa-{namespace}-pd-gateway"
     spec = {
         "model": {"source": {"path": model}, "servedModelName": "tiny"},
@@ -84,8 +83,8 @@ def test_prefill_decode_serving(
     assert obj["status"]["replicas"] == "prefill:1/1 decode:1/1"
     assert [r["name"] for r in obj["status"]["roles"]] == ["prefill", "decode"]
     sel = "pagefleet.io/service=pd,pagefleet.io/role="
-    (gw_pod,) = _pods(kube, namespace, sel + "gateway")
-    (decode_pod,) = _pods(kube, namespace, sel + "decode")
+    (gw_pod,) = live_pods(kube, namespace, sel + "gateway")
+    (decode_pod,) = live_pods(kube, namespace, sel + "decode")
     gateway_ip, decode_ip = gw_pod["status"]["podIP"], decode_pod["status"]["podIP"]
     client = _client(gateway_ip)
 
@@ -105,7 +104,7 @@ def test_prefill_decode_serving(
     assert _metric(decode_ip, "pagefleet:kv_transfer_requests_total", outcome="pulled") >= 1
 
     # The prefill pod goes away: the decode pod prefills locally; nobody sees an error.
-    (prefill_pod,) = _pods(kube, namespace, sel + "prefill")
+    (prefill_pod,) = live_pods(kube, namespace, sel + "prefill")
     cluster.kubectl("delete", "pod", prefill_pod["metadata"]["name"], "-n", namespace,
                     "--wait=false")  # fmt: skip
     for i in range(3):
@@ -119,5 +118,7 @@ def test_prefill_decode_serving(
     obj = _wait_ready(kube, namespace, "pd", timeout_s=240)
     assert obj["status"]["replicas"] == "prefill:1/1 decode:1/1"
     cluster.kubectl("delete", "infsvc", "pd", "-n", namespace, "--wait=false")
-    eventually(lambda: _pods(kube, namespace, "pagefleet.io/service=pd") == [], 120, "pods gone")
+    eventually(
+        lambda: live_pods(kube, namespace, "pagefleet.io/service=pd") == [], 120, "pods gone"
+    )
     operator.check_alive()
