@@ -29,6 +29,7 @@ from pathlib import Path
 import click
 
 from pagefleet.dev import process
+from pagefleet.dev.process import free_port
 from pagefleet.kvindex.redis_auth import PASSWORD_ENV, split_password
 
 logger = logging.getLogger(__name__)
@@ -61,12 +62,6 @@ def resolve_checkpoint_dir(spec: str) -> Path:
             f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}"
         )
     return Path(proc.stdout.strip().splitlines()[-1])
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def http_ok(url: str, timeout: float = 1.0) -> bool:

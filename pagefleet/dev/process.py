@@ -15,12 +15,22 @@ import contextlib
 import ctypes
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
+
+
+def free_port() -> int:
+    """A loopback TCP port that was free a moment ago, for a child to listen on.
+
+    Another process may take it before the child binds: callers that can, retry."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def die_with_parent() -> None:

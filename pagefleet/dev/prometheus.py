@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import tempfile
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -27,6 +25,9 @@ from types import TracebackType
 from typing import Any
 
 import yaml
+
+from pagefleet.dev import process
+from pagefleet.dev.process import free_port
 
 
 class PrometheusError(RuntimeError):
@@ -53,10 +54,9 @@ def find_prometheus() -> str:
     return found
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _http_ok(url: str) -> bool:
+    with urllib.request.urlopen(url, timeout=1) as r:
+        return bool(r.status == 200)
 
 
 def scrape_config(
@@ -169,46 +169,36 @@ class LocalPrometheus:
         config.write_text(
             yaml.safe_dump(scrape_config(self.targets, self.interval_s, self.rule_files))
         )
-        self.port = _free_port()
-        with open(self.log_path, "wb") as log:
-            self._proc = subprocess.Popen(
-                [
-                    self.executable,
-                    f"--config.file={config}",
-                    f"--storage.tsdb.path={self._dir / 'data'}",
-                    f"--web.listen-address=127.0.0.1:{self.port}",
-                    "--storage.tsdb.retention.time=1d",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
+        self.port = free_port()
+        self._proc = process.spawn(
+            [
+                self.executable,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={self._dir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--storage.tsdb.retention.time=1d",
+            ],
+            self.log_path,
+            die_with_parent=True,
+        )
+        try:
+            process.wait_until(
+                "prometheus",
+                lambda: _http_ok(self.url + "/-/ready"),
+                self.startup_timeout_s,
+                proc=self._proc,
+                context=lambda: process.tail(self.log_path),
             )
-        deadline = time.monotonic() + self.startup_timeout_s
-        while True:
-            if self._proc.poll() is not None:
-                tail = self.log_path.read_text(errors="replace")[-2000:]
-                self.stop()
-                raise RuntimeError(f"prometheus exited at start-up:\n{tail}")
-            try:
-                with urllib.request.urlopen(self.url + "/-/ready", timeout=1) as r:
-                    if r.status == 200:
-                        return self.api
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise TimeoutError(f"prometheus not ready after {self.startup_timeout_s:.0f}s")
-            time.sleep(0.2)
+        except (TimeoutError, ChildProcessError):
+            self.stop()
+            raise
+        return self.api
 
     def stop(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
-        self._proc = None
+        """Terminate the server (SIGTERM, then SIGKILL after 10 s) and remove its files."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            process.stop(proc, grace_s=10.0)
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None

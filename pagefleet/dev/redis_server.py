@@ -53,12 +53,6 @@ def find_redis_server() -> str:
     return exe
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _ping(port: int, timeout: float = 0.2) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
@@ -112,7 +106,7 @@ class LocalRedis:
         last_err = ""
         # A free port can be taken between probing and binding: retry with another.
         for _attempt in range(5):
-            self.port = self._fixed_port or _free_port()
+            self.port = self._fixed_port or process.free_port()
             log_path = self._dir / "redis.log"
             log_path.unlink(missing_ok=True)
             # Own session: Ctrl-C reaches us, and we stop Redis in order.

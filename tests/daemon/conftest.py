@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -15,12 +14,6 @@ from pagefleet.daemon.app import Daemon
 from pagefleet.daemon.config import DaemonConfig
 from pagefleet.engine.tiny import ensure_tiny_checkpoint
 from pagefleet.tokenizer import Tokenizer
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -11,9 +11,10 @@ from aiohttp import web
 
 from pagefleet.daemon.app import Daemon
 from pagefleet.daemon.config import DaemonConfig
+from pagefleet.dev.process import free_port
 from pagefleet.httpauth import Credentials
 
-from .conftest import free_port, live_daemon
+from .conftest import live_daemon
 from .fake_engine import FakeEngine
 
 

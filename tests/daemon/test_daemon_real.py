@@ -15,8 +15,9 @@ import pytest
 import pytest_asyncio
 
 from pagefleet.daemon.config import DaemonConfig
+from pagefleet.dev.process import free_port
 
-from .conftest import LiveDaemon, free_port, live_daemon
+from .conftest import LiveDaemon, live_daemon
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

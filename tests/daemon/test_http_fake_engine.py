@@ -14,9 +14,10 @@ import aiohttp
 import pytest
 
 from pagefleet.daemon.config import DaemonConfig
+from pagefleet.dev.process import free_port
 from pagefleet.kvindex.memory import MemoryKVIndex
 
-from .conftest import free_port, live_daemon
+from .conftest import live_daemon
 from .fake_engine import FakeEngine
 
 

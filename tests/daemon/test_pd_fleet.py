@@ -18,10 +18,11 @@ import pytest_asyncio
 from aiohttp import web
 
 from pagefleet.daemon.config import DaemonConfig
+from pagefleet.dev.process import free_port
 from pagefleet.engine.tiny import ensure_tiny_checkpoint
 from pagefleet.gateway.cli import GatewayConfig, build_gateway
 
-from .conftest import free_port, live_daemon
+from .conftest import live_daemon
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -22,13 +22,14 @@ import pytest_asyncio
 import torch
 
 from pagefleet.daemon.config import DaemonConfig
+from pagefleet.dev.process import free_port
 from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.engine import LLMEngine
 from pagefleet.engine.loader import load_model, resolve_model
 from pagefleet.engine.parts import load_parts
 from pagefleet.engine.sampling_params import SamplingParams
 
-from .conftest import LiveDaemon, free_port, live_daemon
+from .conftest import LiveDaemon, live_daemon
 
 PRESET = "smollm2-135m"
 MAX_TOKENS = 10

@@ -20,10 +20,11 @@ import pytest
 import redis.asyncio as aredis
 
 from pagefleet.daemon.config import DaemonConfig
+from pagefleet.dev.process import free_port
 from pagefleet.dev.redis_server import LocalRedis, find_redis_server
 from pagefleet.kvindex.redis_index import RedisKVIndex, key_prefix
 
-from .conftest import free_port, live_daemon
+from .conftest import live_daemon
 
 NS = "ns-test"
 PROMPTS = [

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import openai
 import pytest
 from aiohttp import web
 
+from pagefleet.dev.process import free_port
 from pagefleet.gateway.discovery import StaticDiscovery
 from pagefleet.gateway.policies import Candidate, RouteRequest, make_policy
 from pagefleet.gateway.router import Router, sane_load
@@ -48,12 +48,6 @@ DONE_BODY = {
     "choices": [{"index": 0, "text": "ok", "finish_reason": "length", "logprobs": None}],
     "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -520,7 +514,7 @@ async def test_health_answers_within_50ms_while_a_maximal_request_is_handled(tmp
     results: dict[int, tuple[list[float], list[float]]] = {}
     try:
         for workers in (2, 0):  # 0: the old inline intake, the control
-            port = _free_port()
+            port = free_port()
             log = tmp_path / f"gw{workers}.log"
             proc = _spawn_gateway(port, up.url, workers, log)
             url = f"http://127.0.0.1:{port}"

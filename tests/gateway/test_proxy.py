@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import openai
 import pytest
 from aiohttp import web
 
+from pagefleet.dev.process import free_port
 from pagefleet.gateway.discovery import StaticDiscovery
 from pagefleet.gateway.policies import make_policy
 from pagefleet.gateway.router import Router
@@ -32,12 +32,6 @@ from pagefleet.kvindex.memory import MemoryKVIndex
 BS = 16
 NS = "proxy-test"
 PROMPT = list(range(10, 10 + 4 * BS))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -195,7 +189,7 @@ async def make_fleet() -> AsyncIterator[Callable]:
 
     async def factory(behaviours: list[str], dead: int = 0, **proxy_kw) -> Fleet:
         ups = [await _upstream(b) for b in behaviours]
-        urls = [u.url for u in ups] + [f"http://127.0.0.1:{_free_port()}" for _ in range(dead)]
+        urls = [u.url for u in ups] + [f"http://127.0.0.1:{free_port()}" for _ in range(dead)]
         index = MemoryKVIndex(NS)
         router = Router(
             discovery=StaticDiscovery(urls),

