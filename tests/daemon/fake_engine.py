@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
+from pagefleet.daemon.config import DaemonConfig
+from pagefleet.dev.process import free_port
 from pagefleet.engine.outputs import CompletionDelta, RequestMetrics, RequestOutput, TokenLogprob
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.kvindex.events import BlockRemoved, BlockStored, KVEventBatch
@@ -163,3 +166,23 @@ class FakeEngine:
 
     def stats(self) -> FakeStats:
         return FakeStats(**{**self.s.__dict__, "num_cached_blocks": len(self._cached)})
+
+
+def fake_config(**overrides: Any) -> DaemonConfig:
+    """A daemon config for the fake engine on a fresh loopback port; ``overrides`` win."""
+    base: dict[str, Any] = dict(model="tiny", served_model_name="fake", port=free_port(),
+                                   pod_name="pod-a", max_num_seqs=4, max_queue=4)  # fmt: skip
+    base.update(overrides)
+    return DaemonConfig(**base)
+
+
+def fake_engine_factory(tok: Tokenizer, holder: list[FakeEngine], **kw: object):
+    """An engine factory for ``live_daemon`` that builds a FakeEngine and appends it to
+    ``holder`` so the test can script and inspect it."""
+
+    def make(cfg: DaemonConfig, sink: Any) -> FakeEngine:
+        eng = FakeEngine(tok, event_sink=sink, **kw)
+        holder.append(eng)
+        return eng
+
+    return make

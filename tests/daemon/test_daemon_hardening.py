@@ -10,28 +10,10 @@ import aiohttp
 from aiohttp import web
 
 from pagefleet.daemon.app import Daemon
-from pagefleet.daemon.config import DaemonConfig
-from pagefleet.dev.process import free_port
 from pagefleet.httpauth import Credentials
 
 from .conftest import live_daemon
-from .fake_engine import FakeEngine
-
-
-def _cfg(**kw) -> DaemonConfig:
-    base = dict(model="tiny", served_model_name="fake", port=free_port(), pod_name="pod-a",
-                max_num_seqs=4, max_queue=4)  # fmt: skip
-    base.update(kw)
-    return DaemonConfig(**base)
-
-
-def _factory(tok, holder: list, **kw):
-    def make(cfg, sink):
-        eng = FakeEngine(tok, event_sink=sink, **kw)
-        holder.append(eng)
-        return eng
-
-    return make
+from .fake_engine import FakeEngine, fake_config, fake_engine_factory
 
 
 async def _status(s: aiohttp.ClientSession, method: str, url: str, token: str | None, **kw) -> int:
@@ -47,7 +29,7 @@ async def test_keys_and_admin_token(tiny_tokenizer, monkeypatch):
     monkeypatch.setenv("PAGEFLEET_API_KEYS", "client-1")
     monkeypatch.setenv("PAGEFLEET_ADMIN_TOKEN", "admin-1")
     engines: list[FakeEngine] = []
-    async with live_daemon(_cfg(), _factory(tiny_tokenizer, engines)) as d:
+    async with live_daemon(fake_config(), fake_engine_factory(tiny_tokenizer, engines)) as d:
         u = d.url
         body = {"prompt": [1, 2, 3], "max_tokens": 2}
         async with aiohttp.ClientSession() as s:
@@ -66,13 +48,15 @@ async def test_keys_and_admin_token(tiny_tokenizer, monkeypatch):
 
 async def test_admin_closed_when_only_client_keys_are_set(tiny_tokenizer):
     creds = Credentials.from_keys(["c"])
-    daemon = Daemon(_cfg(), _factory(tiny_tokenizer, []), credentials=creds)
+    daemon = Daemon(fake_config(), fake_engine_factory(tiny_tokenizer, []), credentials=creds)
     refused = daemon.auth.check("/reset_prefix_cache", "c")
     assert refused is not None and refused.status == 403
     assert daemon.auth.check("/v1/completions", "c") is None
     assert daemon.auth.check("/v1/completions", None) is not None
     # Nothing configured: open as before.
-    open_daemon = Daemon(_cfg(), _factory(tiny_tokenizer, []), credentials=Credentials())
+    open_daemon = Daemon(
+        fake_config(), fake_engine_factory(tiny_tokenizer, []), credentials=Credentials()
+    )
     assert open_daemon.auth.check("/reset_prefix_cache", None) is None
 
 
@@ -81,7 +65,7 @@ async def test_write_to_a_closed_client_is_a_quiet_disconnect(tiny_tokenizer, ca
     still runs), the next write fails: that must abort the request, free its slot, and log
     nothing at ERROR (it used to log a stack trace)."""
     engines: list[FakeEngine] = []
-    daemon = Daemon(_cfg(), _factory(tiny_tokenizer, engines, step_delay_s=0.02))
+    daemon = Daemon(fake_config(), fake_engine_factory(tiny_tokenizer, engines, step_delay_s=0.02))
     runner = web.AppRunner(daemon.app, handler_cancellation=False, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", daemon.config.port)

@@ -13,34 +13,16 @@ import json
 import aiohttp
 import pytest
 
-from pagefleet.daemon.config import DaemonConfig
-from pagefleet.dev.process import free_port
 from pagefleet.kvindex.memory import MemoryKVIndex
 
 from .conftest import live_daemon
-from .fake_engine import FakeEngine
-
-
-def _cfg(**kw) -> DaemonConfig:
-    base = dict(model="tiny", served_model_name="fake", port=free_port(), pod_name="pod-a",
-                max_num_seqs=4, max_queue=4)  # fmt: skip
-    base.update(kw)
-    return DaemonConfig(**base)
-
-
-def _factory(tok, holder: list, **kw):
-    def make(cfg, sink):
-        eng = FakeEngine(tok, event_sink=sink, **kw)
-        holder.append(eng)
-        return eng
-
-    return make
+from .fake_engine import FakeEngine, fake_config, fake_engine_factory
 
 
 async def test_completion_n_and_usage(tiny_tokenizer):
     engines: list[FakeEngine] = []
     async with (
-        live_daemon(_cfg(), _factory(tiny_tokenizer, engines)) as d,
+        live_daemon(fake_config(), fake_engine_factory(tiny_tokenizer, engines)) as d,
         aiohttp.ClientSession() as s,
     ):
         body = {"model": "fake", "prompt": [[1, 2, 3], [4, 5]], "n": 2, "max_tokens": 3,
@@ -61,7 +43,10 @@ async def test_completion_n_and_usage(tiny_tokenizer):
 
 
 async def test_stream_framing_and_usage(tiny_tokenizer):
-    async with live_daemon(_cfg(), _factory(tiny_tokenizer, [])) as d, aiohttp.ClientSession() as s:
+    async with (
+        live_daemon(fake_config(), fake_engine_factory(tiny_tokenizer, [])) as d,
+        aiohttp.ClientSession() as s,
+    ):
         body = {"messages": [{"role": "user", "content": "hi"}], "stream": True,
                 "max_tokens": 4, "stream_options": {"include_usage": True}}  # fmt: skip
         async with s.post(f"{d.base_url}/chat/completions", json=body) as r:
@@ -94,7 +79,10 @@ async def test_stream_framing_and_usage(tiny_tokenizer):
     ],
 )
 async def test_bad_input(tiny_tokenizer, body, status, param):
-    async with live_daemon(_cfg(), _factory(tiny_tokenizer, [])) as d, aiohttp.ClientSession() as s:
+    async with (
+        live_daemon(fake_config(), fake_engine_factory(tiny_tokenizer, [])) as d,
+        aiohttp.ClientSession() as s,
+    ):
         async with s.post(f"{d.base_url}/completions", data=body) as r:
             assert r.status == status
             err = (await r.json())["error"]
@@ -106,7 +94,7 @@ async def test_bad_input(tiny_tokenizer, body, status, param):
 
 async def test_body_too_large_and_unknown_route(tiny_tokenizer):
     async with (
-        live_daemon(_cfg(max_body_bytes=2048), _factory(tiny_tokenizer, [])) as d,
+        live_daemon(fake_config(max_body_bytes=2048), fake_engine_factory(tiny_tokenizer, [])) as d,
         aiohttp.ClientSession() as s,
     ):
         big = json.dumps({"prompt": "x" * 5000})
@@ -120,8 +108,8 @@ async def test_body_too_large_and_unknown_route(tiny_tokenizer):
 
 async def test_disconnect_aborts(tiny_tokenizer):
     engines: list[FakeEngine] = []
-    factory = _factory(tiny_tokenizer, engines, step_delay_s=0.02)
-    async with live_daemon(_cfg(), factory) as d, aiohttp.ClientSession() as s:
+    factory = fake_engine_factory(tiny_tokenizer, engines, step_delay_s=0.02)
+    async with live_daemon(fake_config(), factory) as d, aiohttp.ClientSession() as s:
         body = {"prompt": [1, 2, 3, 4, 5], "max_tokens": 200, "stream": True}
         async with s.post(f"{d.base_url}/completions", json=body) as r:
             await r.content.readline()  # first chunk arrived: the request is running
@@ -135,9 +123,9 @@ async def test_disconnect_aborts(tiny_tokenizer):
 
 
 async def test_flood_gets_429_and_accepted_complete(tiny_tokenizer):
-    factory = _factory(tiny_tokenizer, [], step_delay_s=0.01)
+    factory = fake_engine_factory(tiny_tokenizer, [], step_delay_s=0.01)
     async with (
-        live_daemon(_cfg(max_num_seqs=2, max_queue=3), factory) as d,
+        live_daemon(fake_config(max_num_seqs=2, max_queue=3), factory) as d,
         aiohttp.ClientSession() as s,
     ):
 
@@ -160,7 +148,7 @@ async def test_publisher_mirrors_engine_and_clears(tiny_tokenizer):
     index = MemoryKVIndex()
     await index.apply("pod-a", _stale_batch())  # a previous life's entries
     async with (
-        live_daemon(_cfg(), _factory(tiny_tokenizer, engines), index=index) as d,
+        live_daemon(fake_config(), fake_engine_factory(tiny_tokenizer, engines), index=index) as d,
         aiohttp.ClientSession() as s,
     ):
         for p in ([1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9, 1]):
@@ -218,8 +206,8 @@ class _FlakyIndex(MemoryKVIndex):
 async def test_publisher_resyncs_after_outage(tiny_tokenizer):
     engines: list[FakeEngine] = []
     index = _FlakyIndex()
-    cfg = _cfg(heartbeat_s=0.05)
-    async with live_daemon(cfg, _factory(tiny_tokenizer, engines), index=index) as d:
+    cfg = fake_config(heartbeat_s=0.05)
+    async with live_daemon(cfg, fake_engine_factory(tiny_tokenizer, engines), index=index) as d:
         pub = d.daemon.publisher
         pub._backoff_initial_s = 0.02
         async with aiohttp.ClientSession() as s:
@@ -246,7 +234,10 @@ async def test_publisher_resyncs_after_outage(tiny_tokenizer):
 async def test_unsupported_fields_are_refused_ignorable_ones_pass_and_long_prompt(
     tiny_tokenizer,
 ):
-    async with live_daemon(_cfg(), _factory(tiny_tokenizer, [])) as d, aiohttp.ClientSession() as s:
+    async with (
+        live_daemon(fake_config(), fake_engine_factory(tiny_tokenizer, [])) as d,
+        aiohttp.ClientSession() as s,
+    ):
         # Router-added and bookkeeping fields change nothing: accepted.
         for extra in (
             {"sglang_rid": "abc"},
@@ -279,8 +270,8 @@ async def test_unsupported_fields_are_refused_ignorable_ones_pass_and_long_promp
 
 async def test_nonstream_disconnect_aborts(tiny_tokenizer):
     engines: list[FakeEngine] = []
-    factory = _factory(tiny_tokenizer, engines, step_delay_s=0.02)
-    async with live_daemon(_cfg(), factory) as d:
+    factory = fake_engine_factory(tiny_tokenizer, engines, step_delay_s=0.02)
+    async with live_daemon(fake_config(), factory) as d:
         timeout = aiohttp.ClientTimeout(total=0.3)
         async with aiohttp.ClientSession(timeout=timeout) as s:
             with pytest.raises(TimeoutError):
@@ -309,8 +300,8 @@ def test_cli_accepts_pd_roles():
 
 async def test_drain_past_grace_aborts_and_ends_streams(tiny_tokenizer):
     engines: list[FakeEngine] = []
-    factory = _factory(tiny_tokenizer, engines, step_delay_s=0.02)
-    async with live_daemon(_cfg(), factory) as d, aiohttp.ClientSession() as s:
+    factory = fake_engine_factory(tiny_tokenizer, engines, step_delay_s=0.02)
+    async with live_daemon(fake_config(), factory) as d, aiohttp.ClientSession() as s:
         body = {"prompt": [1, 2, 3], "max_tokens": 200, "stream": True}
         async with s.post(f"{d.base_url}/completions", json=body) as r:
             await r.content.readline()
@@ -325,8 +316,8 @@ async def test_drain_past_grace_aborts_and_ends_streams(tiny_tokenizer):
 
 
 async def test_engine_crash_fails_requests_and_health(tiny_tokenizer):
-    factory = _factory(tiny_tokenizer, [], crash_at_step=2)
-    async with live_daemon(_cfg(), factory) as d, aiohttp.ClientSession() as s:
+    factory = fake_engine_factory(tiny_tokenizer, [], crash_at_step=2)
+    async with live_daemon(fake_config(), factory) as d, aiohttp.ClientSession() as s:
         body = {"prompt": [1, 2, 3], "max_tokens": 50}
         async with s.post(f"{d.base_url}/completions", json=body) as r:
             assert r.status == 503
