@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import random
 import time
 from collections import deque
@@ -43,45 +42,6 @@ logger = logging.getLogger(__name__)
 _KEY_CACHE_MAX = 131_072
 # In-flight changes remembered per pod, to line heartbeats up with our own traffic.
 _HISTORY_LEN = 512
-# Largest believable queue in a heartbeat; beyond it the entry is forged or corrupt.
-_MAX_QUEUE = 1_000_000
-# Heartbeat clock skew tolerated into the future, in seconds.
-_MAX_SKEW_S = 30.0
-
-
-def sane_load(load: object) -> PodLoad | None:
-    """``load`` with its figures clamped to their ranges, or None when it is not usable.
-
-    Counts must be ints in [0, 1e6], ``kv_usage`` a finite number in [0, 1], ``ts`` not in
-    the future beyond a clock skew. A heartbeat claiming negative load (which would rank
-    the pod best forever) is dropped rather than clamped to zero.
-    """
-    if not isinstance(load, PodLoad):
-        return None
-    try:
-        running, waiting = load.running, load.waiting
-        kv, ts = float(load.kv_usage), float(load.ts)
-        if isinstance(running, bool) or isinstance(waiting, bool):
-            return None
-        if not (isinstance(running, int) and isinstance(waiting, int)):
-            return None
-        if running < 0 or waiting < 0 or not math.isfinite(kv) or kv < 0 or not math.isfinite(ts):
-            return None
-        if ts > time.time() + _MAX_SKEW_S:
-            return None
-        return PodLoad(
-            running=min(running, _MAX_QUEUE),
-            waiting=min(waiting, _MAX_QUEUE),
-            kv_usage=min(kv, 1.0),
-            num_blocks=load.num_blocks if isinstance(load.num_blocks, int) else 0,
-            num_cached_blocks=(
-                load.num_cached_blocks if isinstance(load.num_cached_blocks, int) else 0
-            ),
-            role=load.role if isinstance(load.role, str) else "unified",
-            ts=ts,
-        )
-    except (TypeError, ValueError):
-        return None
 
 
 @dataclass(slots=True)
@@ -208,11 +168,10 @@ class Router:
             return
         loads: dict[str, PodLoad] = {}
         for pod, raw in pods.items():
-            load = sane_load(raw)
-            if load is None:
-                logger.debug("ignoring pod %r's heartbeat: values out of range", pod)
-                continue
-            loads[pod] = load
+            try:
+                loads[pod] = raw.checked()
+            except ValueError as exc:
+                logger.debug("ignoring pod %r's heartbeat: %s", pod, exc)
         self._loads = loads
         self._loads_ok = True
 

@@ -19,6 +19,38 @@ from pagefleet.kvindex.events import KVEventBatch
 ROLES = frozenset({"unified", "prefill", "decode"})
 # Larger than any real queue or KV cache in blocks, small enough for any arithmetic.
 MAX_COUNT = 1 << 40
+# How far a heartbeat's timestamp may be ahead of the reader's clock, in seconds.
+MAX_CLOCK_SKEW_S = 30.0
+
+
+def _checked(values: dict[str, Any], now: float | None) -> dict[str, Any]:
+    """``values`` (PodLoad fields) range-checked; see ``PodLoad.checked``."""
+    out: dict[str, Any] = {}
+    for name, value in values.items():
+        if name == "role":
+            if not isinstance(value, str) or value not in ROLES:
+                raise ValueError(f"heartbeat role {value!r} is not one of {sorted(ROLES)}")
+            out[name] = value
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"heartbeat field {name}={value!r} is not a number")
+        if not math.isfinite(value):
+            raise ValueError(f"heartbeat field {name}={value!r} is not finite")
+        if value < 0:
+            raise ValueError(f"heartbeat field {name}={value!r} is negative")
+        if name == "kv_usage":
+            out[name] = min(1.0, float(value))
+        elif name == "ts":
+            ahead = value - (time.time() if now is None else now)
+            if ahead > MAX_CLOCK_SKEW_S:
+                raise ValueError(
+                    f"heartbeat ts is {ahead:.0f} s ahead of this clock "
+                    f"(more than the {MAX_CLOCK_SKEW_S:.0f} s of skew tolerated)"
+                )
+            out[name] = float(value)
+        else:
+            out[name] = int(min(MAX_COUNT, value))
+    return out
 
 
 @dataclass(slots=True)
@@ -43,34 +75,26 @@ class PodLoad:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), separators=(",", ":"))
 
+    def checked(self, now: float | None = None) -> PodLoad:
+        """This load range-checked: the one check every reader of heartbeats applies (the
+        Redis backend when it parses one, the gateway on whatever a backend returns).
+
+        Whoever can write a heartbeat must not be able to make a pod look more idle than an
+        idle pod or break the reader: a field of the wrong type, not finite, negative (a
+        negative queue would rank the pod best forever), a role outside ``ROLES`` or a
+        ``ts`` more than ``MAX_CLOCK_SKEW_S`` ahead of ``now`` (default: the wall clock)
+        raises ValueError, and callers drop that pod. Counts above ``MAX_COUNT`` are
+        clamped to it, ``kv_usage`` above 1 to 1.
+        """
+        return PodLoad(**_checked({f.name: getattr(self, f.name) for f in fields(self)}, now))
+
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> PodLoad:
-        """A load as read from the index, range-checked: whoever can write a heartbeat
-        must not be able to make a pod look more idle than an idle pod (negative queues,
-        negative KV usage) or break the reader (strings, NaN, huge numbers). Counts are
-        clamped into [0, MAX_COUNT], kv_usage into [0, 1]; a value of the wrong type or not
-        finite raises ValueError (callers drop that pod)."""
+    def from_dict(cls, d: dict[str, Any], now: float | None = None) -> PodLoad:
+        """A load as read from the index, range-checked as ``checked`` says (ValueError
+        when it is not usable)."""
         # Unknown keys are dropped so an older reader accepts a newer writer's heartbeat.
         known = {f.name for f in fields(cls)}
-        raw = {k: v for k, v in d.items() if k in known}
-        out: dict[str, Any] = {}
-        for name, value in raw.items():
-            if name == "role":
-                if value not in ROLES:
-                    raise ValueError(f"heartbeat role {value!r} is not one of {sorted(ROLES)}")
-                out[name] = value
-                continue
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ValueError(f"heartbeat field {name}={value!r} is not a number")
-            if not math.isfinite(value):
-                raise ValueError(f"heartbeat field {name}={value!r} is not finite")
-            if name == "kv_usage":
-                out[name] = min(1.0, max(0.0, float(value)))
-            elif name == "ts":
-                out[name] = float(value)
-            else:
-                out[name] = int(min(MAX_COUNT, max(0, value)))
-        return cls(**out)
+        return cls(**_checked({k: v for k, v in d.items() if k in known}, now))
 
     @classmethod
     def from_json(cls, s: str | bytes) -> PodLoad:

@@ -1,11 +1,13 @@
 """One forged index entry must not route all traffic to a pod (issue 14): heartbeat loads
-read back from a real Redis are range-checked, malformed ones drop that pod, and a lookup
-never reports more matched blocks than the prompt has."""
+read back from a real Redis are range-checked (``PodLoad.checked``, the check the gateway
+applies too), malformed or negative ones drop that pod, and a lookup never reports more
+matched blocks than the prompt has."""
 
 from __future__ import annotations
 
 import json
 import math
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -29,7 +31,6 @@ async def index(redis_server: LocalRedis) -> AsyncIterator[RedisKVIndex]:
 @pytest.mark.parametrize(
     ("raw", "expected"),
     [
-        ({"running": -1000, "waiting": -5, "kv_usage": -3.0}, PodLoad(0, 0, 0.0)),
         ({"running": 10**30, "kv_usage": 7.5}, PodLoad(MAX_COUNT, 0, 1.0)),
         ({"running": 2.9, "num_blocks": 100}, PodLoad(2, 0, 0.0, 100)),
     ],
@@ -53,6 +54,11 @@ def test_out_of_range_loads_are_clamped(raw, expected):
         {"waiting": None},
         {"role": "admin"},
         {"ts": math.inf},
+        {"role": ["unified"]},
+        {"running": -1000},
+        {"waiting": -5},
+        {"kv_usage": -3.0},
+        {"ts": time.time() + 3600},
     ],
 )
 def test_malformed_loads_are_refused(raw):
@@ -73,7 +79,6 @@ async def test_forged_heartbeats_in_redis_cannot_outbid_an_idle_pod(index: Redis
     ttl = await index.client.pttl(key)
     await index.client.set(key, json.dumps({"running": "lots", "role": "unified"}), px=ttl)
     pods = await index.pods()
-    assert set(pods) == {"honest", "forged"}  # the malformed one is not routed to
-    forged, honest = pods["forged"], pods["honest"]
-    assert (forged.running, forged.waiting, forged.kv_usage) == (0, 0, 0.0)
+    assert set(pods) == {"honest"}  # negative loads and the malformed one are not routed to
+    honest = pods["honest"]
     assert (honest.running, honest.waiting, honest.kv_usage) == (0, 0, 0.0)
