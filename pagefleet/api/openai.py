@@ -110,9 +110,6 @@ class _Lenient(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    def unknown_fields(self) -> list[str]:
-        return sorted((self.model_extra or {}).keys())
-
 
 # Fields a server accepts and ignores: they change nothing in the output. Clients send the
 # OpenAI bookkeeping ones; routers in front of a worker add their own (sglang-router: rid,
