@@ -193,3 +193,47 @@ def test_fork_shares_blocks_and_copies_partial_block_on_write(make_seq) -> None:
     kv.free(child)
     kv.check_integrity([])
     assert kv.pool.num_free_blocks == 8
+
+
+def test_after_reset_a_child_is_not_cached_under_another_sequences_parent(make_seq) -> None:
+    """Prefix closure across a reset (the property test's saved failure, pinned).
+
+    A's first blocks lose their keys at the reset; B then re-caches the same hashes in
+    blocks of its own. A's next full block must not be cached under B's parent: B's blocks
+    can be evicted while A's child lives on, leaving an orphan the index cannot bisect to.
+    """
+    bs = 4
+    kv = KVCacheManager(num_blocks=7, block_size=bs)
+    prompt = list(range(12))
+    keys = block_hashes(prompt, bs)
+    a = make_seq(prompt)
+    assert kv.allocate_slots(a, 8)  # chunked prefill: blocks 0 and 1 of 3
+    a.num_computed_tokens = 8
+    kv.reset_prefix_cache()
+    b = make_seq([*prompt, 99])
+    assert kv.get_computed_blocks(b)[1] == 0
+    assert kv.allocate_slots(b, 8)  # B caches keys[0], keys[1] in its own blocks
+    b.num_computed_tokens = 8
+    assert kv.cached_block_hashes() == set(keys[:2])
+    assert kv.allocate_slots(a, 4)  # A's block 2 fills; its parent block is A's own
+    a.num_computed_tokens = 12
+    assert keys[2] not in kv.cached_block_hashes()
+    kv.check_integrity([a, b])
+    # B ends; a newcomer takes every free block, so B's cached blocks are evicted.
+    kv.free(b)
+    c = make_seq(list(range(100, 116)))
+    assert kv.allocate_slots(c, 16)
+    assert not kv.cached_block_hashes() & set(keys)
+    stored: dict[int, int | None] = {}
+    live: set[int] = set()
+    for e in kv.take_events():
+        if isinstance(e, BlockStored):
+            chain = [e.parent_block_hash, *e.block_hashes]
+            stored.update(zip(e.block_hashes, chain[:-1], strict=True))
+            live.update(e.block_hashes)
+        elif isinstance(e, BlockRemoved):
+            live.difference_update(e.block_hashes)
+        elif isinstance(e, AllBlocksCleared):
+            live.clear()
+    assert all(stored[h] is None or stored[h] in live for h in live), "an orphan in the index"
+    kv.check_integrity([a, c])
