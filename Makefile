@@ -30,8 +30,9 @@ test: setup control-plane
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/lint-imports
 	bash scripts/in-netns.sh $(VENV)/bin/pytest
 
-## Without the control plane (no Go build): the e2e directory is left out.
+## Without the control plane (only helm is built, for the chart tests): e2e/ is left out.
 test-fast: setup
+	bash scripts/control-plane.sh helm
 	$(VENV)/bin/pytest tests
 
 control-plane:
