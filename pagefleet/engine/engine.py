@@ -19,12 +19,14 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generic, cast, overload
 
 import torch
 
 from pagefleet.engine.config import EngineConfig
-from pagefleet.engine.detokenizer import Decoder, IncrementalDetokenizer
+from pagefleet.engine.detokenizer import IncrementalDetokenizer
 from pagefleet.engine.errors import InvalidRequestError
 from pagefleet.engine.guided import GrammarBackend, GrammarError
 from pagefleet.engine.kv_cache_manager import KVCacheManager, cdiv
@@ -37,13 +39,16 @@ from pagefleet.engine.outputs import (
     RequestOutput,
     TokenLogprob,
 )
-from pagefleet.engine.parts import EngineParts, load_parts
+from pagefleet.engine.parts import EngineParts, TokenizerT, load_parts
 from pagefleet.engine.request import Request, SeqIdCounter, Sequence
 from pagefleet.engine.sampler import SampleResult
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.scheduler import Scheduler
 from pagefleet.kvindex.events import KVEventBatch
 from pagefleet.kvindex.hashing import block_hashes
+
+if TYPE_CHECKING:
+    from pagefleet.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -70,21 +75,43 @@ class EngineStats:
     kv_imports_live: int = 0  # P/D: block reservations for pulls in flight
 
 
-class LLMEngine:
-    tokenizer: Decoder
+class LLMEngine(Generic[TokenizerT]):
+    """``LLMEngine[Tokenizer]`` when built from a checkpoint (what the daemon serves: its
+    ``tokenizer`` encodes and renders chat templates); model-free parts bring any decoder."""
+
+    tokenizer: TokenizerT
     max_model_len: int
+
+    @overload
+    def __init__(
+        self: LLMEngine[Tokenizer],
+        config: EngineConfig,
+        event_sink: EventSink | None = None,
+        *,
+        parts: None = None,
+    ) -> None: ...
+
+    @overload
+    def __init__(
+        self,
+        config: EngineConfig,
+        event_sink: EventSink | None = None,
+        *,
+        parts: EngineParts[TokenizerT],
+    ) -> None: ...
 
     def __init__(
         self,
         config: EngineConfig,
         event_sink: EventSink | None = None,
         *,
-        parts: EngineParts | None = None,
+        parts: EngineParts[TokenizerT] | None = None,
     ) -> None:
         """Build the engine over ``parts``; without them, load ``config.model``
         (``load_parts``: weights, KV pool size, model runner). The only constructor."""
         if parts is None:
-            parts = load_parts(config)
+            # The first overload: without parts, TokenizerT is Tokenizer.
+            parts = cast("EngineParts[TokenizerT]", load_parts(config))
         num_blocks = parts.num_blocks
         self.config = config
         self.runner = parts.runner
@@ -636,7 +663,7 @@ class LLMEngine:
 
     def generate(
         self,
-        prompts: list[str] | list[list[int]],
+        prompts: Seq[str | list[int]],
         params: SamplingParams | list[SamplingParams],
     ) -> list[GenerateResult]:
         """Run ``prompts`` to completion; results in prompt order."""

@@ -10,21 +10,26 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.detokenizer import Decoder
 from pagefleet.engine.model_config import ModelConfig
 from pagefleet.engine.model_runner import Runner
+from pagefleet.tokenizer import Tokenizer
+
+# The tokenizer an engine carries: a checkpoint's full ``Tokenizer`` (what the daemon serves
+# with) for loaded models, any decoder for the model-free runners of tests and benchmarks.
+TokenizerT = TypeVar("TokenizerT", bound=Decoder)
 
 
 @dataclass(slots=True)
-class EngineParts:
+class EngineParts(Generic[TokenizerT]):
     """A runner over ``num_blocks`` KV blocks, the tokenizer its outputs are decoded with,
     and the model's limits. ``model_config`` is None for a model-free runner."""
 
     runner: Runner
-    tokenizer: Decoder
+    tokenizer: TokenizerT
     eos_token_ids: Seq[int]
     vocab_size: int
     model_max_len: int
@@ -55,7 +60,9 @@ def _kv_pool_bytes(config: EngineConfig, device: Any, vocab_size: int) -> int:
     return gpu_kv_pool_bytes(free, total, config.gpu_memory_utilization, reserve)
 
 
-def load_parts(config: EngineConfig, loaded: tuple[Any, Any, Any] | None = None) -> EngineParts:
+def load_parts(
+    config: EngineConfig, loaded: tuple[Any, Any, Tokenizer] | None = None
+) -> EngineParts[Tokenizer]:
     """Load ``config.model`` (or reuse ``loaded`` = ``load_model``'s result, so several
     engines can share one set of weights), size the KV pool, build the model runner.
 
