@@ -138,9 +138,6 @@ IGNORED_FIELDS = frozenset(
 # (vLLM's defaults): any other value is refused rather than silently ignored.
 ACCEPTED_DEFAULTS: dict[str, object] = {
     "spaces_between_special_tokens": True,
-    "use_beam_search": False,
-    "length_penalty": 1.0,
-    "early_stopping": False,
     "prompt_logprobs": None,
     "truncate_prompt_tokens": None,
     "return_tokens_as_token_ids": False,
@@ -150,7 +147,6 @@ ACCEPTED_DEFAULTS: dict[str, object] = {
     "functions": None,
     "function_call": None,
     "modalities": ["text"],
-    "best_of": None,
     "documents": None,
     "chat_template": None,
     # Added by the peer routers to every request they forward, at these values:
@@ -235,6 +231,11 @@ class _SamplingFields(_Lenient):
     user: str | None = None
     # P/D handshake (vLLM's shape); opaque to everything but the daemon's P/D code.
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's beam search: best_of beams (n when unset), the n best returned, not streamed.
+    use_beam_search: bool = False
+    best_of: int | None = Field(default=None, ge=1, le=128)
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
     @field_validator("stop")
     @classmethod

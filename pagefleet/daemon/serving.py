@@ -401,11 +401,20 @@ class OpenAIServing:
         except ValueError as exc:
             raise APIError(400, str(exc), param="response_format") from None
         spec = None if guided is None else GuidedSpec(guided[0], guided[1])  # type: ignore[arg-type]
+        beam = req.use_beam_search
+        self._check_beam_fields(req)
+        temperature = req.temperature
+        if temperature is None:
+            temperature = 0.0 if beam else 1.0  # beam search is deterministic
         try:
             return SamplingParams(
                 guided=spec,
+                use_beam_search=beam,
+                best_of=req.best_of,
+                length_penalty=req.length_penalty,
+                early_stopping=req.early_stopping,
                 n=req.n,
-                temperature=1.0 if req.temperature is None else req.temperature,
+                temperature=temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
                 top_k=-1 if req.top_k is None or req.top_k == 0 else req.top_k,
                 min_p=req.min_p or 0.0,
@@ -427,6 +436,26 @@ class OpenAIServing:
         except ValueError as exc:
             param = str(exc).split(" ", 1)[0]
             raise APIError(400, str(exc), param=param) from None
+
+    @staticmethod
+    def _check_beam_fields(req: CompletionRequest | ChatCompletionRequest) -> None:
+        """Beam-search fields that would be silently meaningless are a 400 naming them."""
+        if req.use_beam_search:
+            if req.stream:
+                raise APIError(
+                    400,
+                    "use_beam_search cannot stream: the best beams are known only at the "
+                    "end; send stream=false",
+                    param="stream",
+                )
+            return
+        for name, default in (("length_penalty", 1.0), ("early_stopping", False)):
+            if getattr(req, name) != default:
+                raise APIError(
+                    400,
+                    f"{name} applies to beam search only; set use_beam_search=true or drop it",
+                    param=name,
+                )
 
     def _check_lengths(self, prompts: list[list[int]], max_tokens: int | None) -> None:
         limit = self.max_model_len()

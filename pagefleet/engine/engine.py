@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Generic, cast, overload
 
 import torch
 
+from pagefleet.engine.beam import BeamSearch, apply_selection, num_beam_candidates
 from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.detokenizer import IncrementalDetokenizer
 from pagefleet.engine.errors import InvalidRequestError
@@ -178,8 +179,8 @@ class LLMEngine(Generic[TokenizerT]):
         pulls it or ``kv_transfer_timeout_s`` passes."""
         req = self._new_request(request_id, prompt, params, arrival_time, lora_id)
         if kv_export:
-            if params.n != 1:
-                raise ValueError("a request whose KV is exported must have n=1")
+            if params.n != 1 or params.use_beam_search:
+                raise ValueError("a request whose KV is exported must have n=1, no beam search")
             if request_id in self.exports.handles():
                 raise ValueError(f"transfer handle {request_id!r} is still live")
             req.kv_export = True
@@ -204,6 +205,12 @@ class LLMEngine(Generic[TokenizerT]):
                 f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}: the samples "
                 "could never run together; lower n or raise max_num_seqs",
                 param="n",
+            )
+        if params.beam_width > self.config.max_num_seqs:
+            raise InvalidRequestError(
+                f"beam width {params.beam_width} (best_of, else n) exceeds max_num_seqs="
+                f"{self.config.max_num_seqs}: the beams could never run together; lower it",
+                param="best_of",
             )
         if isinstance(prompt, str):
             encode = getattr(self.tokenizer, "encode", None)
@@ -234,14 +241,26 @@ class LLMEngine(Generic[TokenizerT]):
         metrics = RequestMetrics(
             arrival_time=time.monotonic() if arrival_time is None else arrival_time
         )
-        return Request(
+        req = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
             params=params,
             metrics=metrics,
             lora_id=lora_id,
-            forked=params.n == 1,
+            forked=params.n == 1 or params.use_beam_search,  # beams fork in beam.py
         )
+        if params.use_beam_search:
+            room = self.max_model_len - len(token_ids)
+            eos = frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)
+            req.beam = BeamSearch(
+                width=params.beam_width,
+                num_candidates=num_beam_candidates(params.beam_width, len(self.eos_token_ids)),
+                max_new_tokens=room if params.max_tokens is None else min(params.max_tokens, room),
+                eos_token_ids=eos,
+                length_penalty=params.length_penalty,
+                early_stopping=params.early_stopping,
+            )
+        return req
 
     def _check_token_controls(self, params: SamplingParams) -> None:
         """Refuse token ids outside the vocabulary; tokenize ``bad_words`` (as vLLM: each
@@ -322,6 +341,12 @@ class LLMEngine(Generic[TokenizerT]):
             return False
         now = time.monotonic()
         deltas: list[CompletionDelta] = []
+        if req.beam is not None:  # no beam has been reported: one ending per answer
+            for seq in req.seqs:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq)
+            req.seqs = []
+            deltas = [CompletionDelta(i, [], "", None, "abort") for i in range(req.params.n)]
         for seq in req.seqs:
             if seq.is_finished and seq.reported_finish:
                 continue
@@ -359,9 +384,20 @@ class LLMEngine(Generic[TokenizerT]):
             self.kv.end_step()
             now = time.monotonic()
             touched: dict[str, Request] = {}
+            beams: dict[str, Request] = {}
             for seq, res in results:
+                req = seq.request
+                if req.beam is not None:
+                    assert res.beam is not None, "the sampler gives beam rows candidates"
+                    req.beam.record(seq, *res.beam)
+                    beams[req.request_id] = req
+                    continue
                 self._append_token(seq, res, now)
-                touched[seq.request.request_id] = seq.request
+                touched[req.request_id] = req
+            for req in beams.values():
+                out = self._advance_beams(req, now)
+                if out is not None:
+                    outputs.append(out)
             for req in touched.values():
                 deltas = [
                     self._delta(s, finished=s.is_finished)
@@ -375,6 +411,44 @@ class LLMEngine(Generic[TokenizerT]):
                 outputs.append(self._request_output(req, deltas, finished))
         self._publish_events()
         return outputs
+
+    def _advance_beams(self, req: Request, now: float) -> RequestOutput | None:
+        """One beam-search selection once every live beam has its candidates (beam.py);
+        the request's output (its ``n`` best hypotheses) once the search is over."""
+        beam = req.beam
+        assert beam is not None
+        live = [s for s in req.seqs if not s.is_finished]
+        if not beam.ready(live):
+            return None
+        sel = beam.select(live)
+        new_live = apply_selection(sel, live, self.scheduler, beam, self._beam_fork)
+        req.seqs = new_live
+        self.generation_tokens_total += len(new_live)
+        m = req.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.last_token_time = now
+        if not sel.done:
+            return None
+        deltas = []
+        for i, hyp in enumerate(beam.finished[: req.params.n]):
+            detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params)
+            text_ids = hyp.token_ids[:-1] if hyp.finish_reason == "stop" else hyp.token_ids
+            for tok in text_ids:
+                detok.add_token(tok, check_stop=False)
+            text = detok.take_delta(True)
+            deltas.append(CompletionDelta(i, list(hyp.token_ids), text, None, hyp.finish_reason))
+        m.finished_time = now
+        self._requests.pop(req.request_id, None)
+        out = self._request_output(req, deltas, finished=True)
+        out.num_generated_tokens = sum(len(d.new_token_ids) for d in deltas)
+        return out
+
+    def _beam_fork(self, parent: Sequence) -> Sequence:
+        """A new beam with ``parent``'s tokens (the scheduler gives it parent's blocks)."""
+        req = parent.request
+        child = self._new_seq(req, parent.index, list(parent.token_ids))
+        return child
 
     def _append_token(self, seq: Sequence, res: SampleResult, now: float) -> None:
         req = seq.request

@@ -28,6 +28,7 @@ from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.kvindex.hashing import block_hashes
 
 if TYPE_CHECKING:
+    from pagefleet.engine.beam import BeamSearch
     from pagefleet.engine.detokenizer import IncrementalDetokenizer
 
 
@@ -62,6 +63,9 @@ class Sequence:
     reported_finish: bool = False
     # xgrammar GrammarMatcher of a structured-output request (guided.py); None otherwise
     grammar: Any = None
+    # Beam search: this beam's candidates are in and it waits for its siblings' (beam.py);
+    # the scheduler does not schedule a held sequence.
+    held: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -110,6 +114,8 @@ class Request:
     kv_export: bool = False
     # P/D: admitted with its prompt's KV already in place (imported from a prefill pod)
     kv_imported: bool = False
+    # Beam search state (beam.py); its live beams are the unfinished ``seqs``.
+    beam: BeamSearch | None = None
 
     @property
     def is_finished(self) -> bool:
@@ -117,7 +123,10 @@ class Request:
 
     @property
     def fanout(self) -> int:
-        """Sequences this request will occupy once forked (for the max_num_seqs bound)."""
+        """Sequences this request will occupy once forked (for the max_num_seqs bound);
+        a beam search always counts its full beam width."""
+        if self.beam is not None:
+            return self.beam.width
         return 1 if self.forked else self.params.n
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagefleet.engine.beam import num_beam_candidates
 from pagefleet.engine.guided import apply_grammar_bitmask
 from pagefleet.engine.request import Sequence
 
@@ -35,6 +36,9 @@ class SampleResult:
     token_id: int
     logprob: float | None = None  # of the sampled token; None unless logprobs were asked
     top: list[tuple[int, float]] = field(default_factory=list)
+    # Beam search rows: the best continuations (token ids, logprobs of the raw logits),
+    # best first, as many as beam.num_beam_candidates asks for; None for other rows.
+    beam: tuple[list[int], list[float]] | None = None
 
 
 def apply_truncation(
@@ -175,6 +179,15 @@ class Sampler:
                 tokens[i] = drawn[0]
         token_ids = tokens.tolist()
         results = [SampleResult(token_id=t) for t in token_ids]
+        beam_rows = [i for i, p in enumerate(params) if p.use_beam_search]
+        if beam_rows:
+            # transformers ranks log_softmax(logits) in float32, before any processor.
+            base = raw if raw is not None else logits
+            lp_beam = torch.log_softmax(base[beam_rows].float(), dim=-1)
+            for j, i in enumerate(beam_rows):
+                k = min(num_beam_candidates(params[i].beam_width, len(self.eos_token_ids)), vocab)
+                top = torch.topk(lp_beam[j], k)
+                results[i].beam = (top.indices.tolist(), top.values.tolist())
         if any(p.logprobs is not None for p in params):
             lp_all = torch.log_softmax(raw if raw is not None else logits, dim=-1)
             for i, p in enumerate(params):

@@ -39,6 +39,12 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     # Structured output: the generated text must match this (guided.py).
     guided: GuidedSpec | None = None
+    # Beam search (beam.py): ``best_of`` beams (``n`` when unset), the ``n`` best returned.
+    # Scores are sum(logprob) / generated_len ** length_penalty, as transformers' generate.
+    use_beam_search: bool = False
+    best_of: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False  # True, False or "never" (transformers' meanings)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -70,6 +76,56 @@ class SamplingParams:
             raise ValueError("bad_words must not contain an empty word")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of must be >= n, got best_of={self.best_of} and n={self.n}")
+        if self.use_beam_search:
+            self._check_beam_search()
+        elif self.best_of is not None and self.best_of != self.n:
+            raise ValueError(
+                "best_of is supported with use_beam_search only (it is the beam width); "
+                "drop best_of or set use_beam_search"
+            )
+
+    def _check_beam_search(self) -> None:
+        """Beam search is deterministic and scores raw logprobs: every control that would
+        change the distribution or end a beam other than by EOS / length is refused."""
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(
+                f"early_stopping must be true, false or 'never', got {self.early_stopping!r}"
+            )
+        if self.temperature != 0.0:
+            raise ValueError(
+                "temperature must be 0 with use_beam_search (beam search is deterministic; "
+                f"got {self.temperature}); drop temperature or set it to 0"
+            )
+        refused = {
+            "top_p": self.top_p != 1.0,
+            "top_k": self.top_k not in (-1, 0),
+            "min_p": self.min_p != 0.0,
+            "min_tokens": self.min_tokens != 0,
+            "stop": bool(self.stop),
+            "stop_token_ids": bool(self.stop_token_ids),
+            "presence_penalty": self.presence_penalty != 0.0,
+            "frequency_penalty": self.frequency_penalty != 0.0,
+            "repetition_penalty": self.repetition_penalty != 1.0,
+            "logit_bias": bool(self.logit_bias),
+            "bad_words": bool(self.bad_words or self.bad_words_token_ids),
+            "response_format": self.guided is not None,
+            "logprobs": self.logprobs is not None,
+        }
+        name = next((k for k, bad in refused.items() if bad), None)
+        if name is not None:
+            raise ValueError(
+                f"{name} is not supported with use_beam_search (beams end on EOS or length "
+                "and score the model's own logprobs); drop one of the two"
+            )
+
+    @property
+    def beam_width(self) -> int:
+        """Live beams of a beam-search request (0 when not beam search)."""
+        if not self.use_beam_search:
+            return 0
+        return self.best_of if self.best_of is not None else self.n
 
     @property
     def has_penalties(self) -> bool:

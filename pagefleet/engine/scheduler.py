@@ -118,6 +118,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.held:  # a beam waiting for its siblings' candidates (beam.py)
+                i += 1
+                continue
             num_new = self._cap_prefill(seq.num_tokens - seq.num_computed_tokens)
             if num_new > budget:
                 if not cfg.enable_chunked_prefill:
@@ -144,11 +147,16 @@ class Scheduler:
                 self._order_waiting_cache_aware()
             # Seats taken: a request still in prefill holds all n of its future sequences,
             # or admitting others meanwhile would overflow max_num_seqs when it forks.
-            seats = sum(s.request.fanout if s.index == 0 else 1 for s in self.running)
+            # A beam search takes its beam width once, whichever of its beams run.
+            seats, beam_reqs = self._seats()
             seats += len(forked)
             while self.waiting and budget > 0:
-                seq = self.waiting[0]
-                if seats + seq.request.fanout > cfg.max_num_seqs:
+                seq = self._next_waiting()
+                if seq is None:
+                    break
+                req = seq.request
+                need = 0 if req.beam is not None and id(req) in beam_reqs else req.fanout
+                if seats + need > cfg.max_num_seqs:
                     break
                 imported = self.kv.has_table(seq)  # KV pulled from a prefill pod
                 if imported:
@@ -167,8 +175,13 @@ class Scheduler:
                 ) or not self.kv.allocate_slots(seq, num_new, hits, num_cached):
                     if self._release_waiting_imports():
                         continue  # retry the head with the imports' blocks back
+                    if not scheduled and self._preempt_held(preempted):
+                        continue  # only held beams hold the blocks: they wait elsewhere
                     break
-                self.waiting.popleft()
+                if self.waiting[0] is seq:
+                    self.waiting.popleft()
+                else:
+                    self.waiting.remove(seq)
                 self.prefix_queries_tokens += seq.num_tokens
                 if imported:  # only the local cache hits count as hits
                     self.prefix_hits_tokens += seq.request.metrics.num_cached_tokens
@@ -179,7 +192,9 @@ class Scheduler:
                 seq.num_computed_tokens = num_cached
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
-                seats += seq.request.fanout
+                seats += need
+                if req.beam is not None:
+                    beam_reqs.add(id(req))
                 scheduled.append(self._schedule_one(seq, num_new, forked))
                 budget -= num_new
 
@@ -192,6 +207,62 @@ class Scheduler:
             preempted=preempted,
             num_batched_tokens=cfg.max_num_batched_tokens - budget,
         )
+
+    def _seats(self) -> tuple[int, set[int]]:
+        """Sequence slots the running sequences take (a request still in prefill counts
+        all n of its future samples; a beam search its width once) and the ids of the
+        beam-search requests among them."""
+        seats = 0
+        beam_reqs: set[int] = set()
+        for s in self.running:
+            req = s.request
+            if req.beam is not None:
+                if id(req) not in beam_reqs:
+                    beam_reqs.add(id(req))
+                    seats += req.fanout
+            else:
+                seats += req.fanout if s.index == 0 else 1
+        return seats, beam_reqs
+
+    def _next_waiting(self) -> Sequence | None:
+        """The first waiting sequence that is not a held beam (held beams need nothing
+        until their siblings catch up, so they must not block the queue)."""
+        if not self.waiting[0].held:
+            return self.waiting[0]
+        return next((s for s in self.waiting if not s.held), None)
+
+    def _preempt_held(self, preempted: list[Sequence]) -> bool:
+        """Preempt the newest running held beam; False if none runs.
+
+        Without this, beams whose candidates are in could keep the blocks a sibling needs
+        to produce its own, and the step after would schedule nothing, forever. A held
+        beam keeps its candidates: it is recomputed only if the selection keeps it."""
+        for j in range(len(self.running) - 1, -1, -1):
+            seq = self.running[j]
+            if seq.held:
+                del self.running[j]
+                self._preempt(seq)
+                preempted.append(seq)
+                return True
+        return False
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Queue ``child`` (a copy of ``parent``'s tokens) right after ``parent``.
+
+        A running parent shares every block with it (ref counts up; the partly filled last
+        block is copied on write by whichever writes it first); the child of a waiting
+        (preempted) parent has no KV and is computed on admission like its parent."""
+        child.arrival_order = parent.arrival_order
+        if parent.status is SequenceStatus.RUNNING:
+            self.kv.fork(parent, child)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.status = SequenceStatus.RUNNING
+            self.running.insert(self.running.index(parent) + 1, child)
+        else:
+            child.block_hashes = list(parent.block_hashes)
+            child.num_computed_tokens = 0
+            child.status = SequenceStatus.WAITING
+            self.waiting.insert(self.waiting.index(parent) + 1, child)
 
     def _release_waiting_imports(self) -> bool:
         """Free the blocks of queued sequences that were admitted with imported KV (P/D).

@@ -133,7 +133,8 @@ class PDOrchestrator:
     ) -> dict[str, Any] | None:
         req = dict(original)
         for k in ("stream", "stream_options", "logprobs", "top_logprobs", "echo",
-                  "max_completion_tokens", "min_tokens", "best_of"):  # fmt: skip
+                  "max_completion_tokens", "min_tokens", "best_of", "use_beam_search",
+                  "length_penalty", "early_stopping"):  # fmt: skip
             req.pop(k, None)
         req.update(max_tokens=1, n=1, kv_transfer_params={"do_remote_decode": True})
         self.prefill_router.acquire(ep)

@@ -470,3 +470,49 @@ async def test_cost_per_token_on_metrics(client, live):
         price = sample(text, f"pagefleet:cost_per_million_{kind}_tokens_dollars")
         # Both read in one scrape: the same uptime, so the same ratio up to clock ticks.
         assert price == pytest.approx(spent / sample(text, tokens) * 1e6, rel=1e-3)
+
+
+async def test_beam_search_through_the_openai_client(client):
+    """use_beam_search with best_of beams and n answers: the n best hypotheses of
+    transformers' beam search on the same checkpoint, text for text; the combinations that
+    make no sense are 400s naming the field."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pagefleet.engine.loader import resolve_model
+
+    path = resolve_model("tiny")
+    prompt = [(i * 37) % 1000 + 5 for i in range(30)]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = hf.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, 30, dtype=torch.long),
+            num_beams=4, do_sample=False, max_new_tokens=8, length_penalty=0.5,
+            num_return_sequences=2, pad_token_id=2,
+        )  # fmt: skip
+    tok = AutoTokenizer.from_pretrained(path)
+    want = [tok.decode(row[30:], skip_special_tokens=True) for row in out.tolist()]
+    beam = dict(model=MODEL, prompt=prompt, max_tokens=8, n=2, best_of=4)
+    extra = {"use_beam_search": True, "length_penalty": 0.5}
+    got = await client.completions.create(**beam, extra_body=extra)
+    assert [c.index for c in got.choices] == [0, 1]
+    assert [c.text for c in got.choices] == want
+    assert got.usage.completion_tokens == 16 or any(c.finish_reason == "stop" for c in got.choices)
+    refused = [
+        ({"stream": True}, extra, "stream"),
+        ({"temperature": 0.8}, extra, "temperature"),
+        ({"n": 5}, extra, "best_of"),  # n > best_of
+        ({"logprobs": 2}, extra, "logprobs"),
+        ({}, {**extra, "guided_choice": ["a", "b"]}, "response_format"),
+        ({"best_of": None}, {"length_penalty": 0.5}, "length_penalty"),
+        ({}, {"early_stopping": True}, "early_stopping"),
+        ({"best_of": 3}, {}, "best_of"),  # sampling best_of is not implemented
+    ]
+    for kw, body, param in refused:
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.completions.create(**{**beam, **kw}, extra_body=body)
+            pytest.fail(f"accepted: {kw} {body}")
+        assert e.value.body["param"] == param, (kw, body, e.value.body)
+    with pytest.raises(openai.BadRequestError) as e:  # width above max_num_seqs (8)
+        await client.completions.create(**{**beam, "best_of": 9}, extra_body=extra)
+    assert e.value.body["param"] == "best_of"
