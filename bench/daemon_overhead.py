@@ -1,15 +1,16 @@
 """What the daemon costs on top of the engine, and whether its event loop stays responsive.
 
 Baseline (same process, same engine config): ``LLMEngine.generate`` on all requests at once,
-offline, on a thread of its own as the daemon runs its engine. Then the same requests through
-a live daemon on 127.0.0.1 (the real aiohttp app, engine thread and asyncio bridge), all sent
-at once over HTTP, as plain JSON and then streamed (SSE). Greedy with ``ignore_eos``, so both
-make exactly the same tokens. The HTTP client shares the daemon's process and event loop. While the
-daemon works, a probe hits ``/health`` every 20 ms: its latency shows whether the event loop
-ever waits on the model.
+offline, on a thread of its own. Then the same requests through a live daemon on 127.0.0.1
+(the real aiohttp app; the engine in its own process, or with ``--engine thread`` on a thread
+of the HTTP process), all sent at once over HTTP, as plain JSON and then streamed (SSE).
+Greedy with ``ignore_eos``, so both make exactly the same tokens. The HTTP client shares the
+daemon's HTTP process and event loop. While the daemon works, a probe hits ``/health`` every
+20 ms: its latency shows whether the event loop ever waits on the model.
 
     python bench/daemon_overhead.py            # 64 requests x 32 tokens
     python bench/daemon_overhead.py --quick    # 24 requests x 16 tokens, < 60 s
+    python bench/daemon_overhead.py --model bench --engine thread   # 4x512 Llama, old way
 """
 
 from __future__ import annotations
@@ -46,10 +47,11 @@ def workload(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(16, vocab) for _ in range(rng.randint(32, 96))] for _ in range(n)]
 
 
-def config(port: int) -> DaemonConfig:
+def config(port: int, model: str = "tiny", engine_process: bool = True) -> DaemonConfig:
     return DaemonConfig(
-        model="tiny", port=port, block_size=BLOCK_SIZE, num_gpu_blocks=1024,
+        model=model, port=port, block_size=BLOCK_SIZE, num_gpu_blocks=1024,
         max_num_seqs=64, max_queue=256, max_model_len=512, enable_prefix_caching=False,
+        engine_process=engine_process,
     )  # fmt: skip
 
 
@@ -58,10 +60,10 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-def run_engine(prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+def run_engine(prompts: list[list[int]], max_tokens: int, model: str) -> dict[str, Any]:
     from pagefleet.engine.engine import LLMEngine
 
-    engine = LLMEngine(config(0).engine_config())
+    engine = LLMEngine(config(0, model).engine_config())
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     engine.generate(prompts[:2], params)  # warm-up: first-call allocations
     walls: list[float] = []
@@ -92,11 +94,13 @@ async def _probe(url: str, stop: asyncio.Event, out: list[float]) -> None:
             await asyncio.sleep(0.02)
 
 
-async def run_daemon(prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+async def run_daemon(
+    prompts: list[list[int]], max_tokens: int, model: str, engine_process: bool
+) -> dict[str, Any]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    daemon = Daemon(config(port))
+    daemon = Daemon(config(port, model, engine_process))
     runner = web.AppRunner(daemon.app, handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
@@ -160,18 +164,31 @@ async def run_daemon(prompts: list[list[int]], max_tokens: int) -> dict[str, Any
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="24 requests x 16 tokens (< 60 s)")
+    ap.add_argument(
+        "--model", default="tiny", help="tiny (default), bench (the 4x512 Llama), or a preset"
+    )
+    ap.add_argument(
+        "--engine", choices=["process", "thread"], default="process",
+        help="where the daemon runs its engine: its own process, or a thread (the old way)",
+    )  # fmt: skip
     args = ap.parse_args()
     n, max_tokens = (24, 16) if args.quick else (64, 32)
-    from pagefleet.engine.tiny import ensure_tiny_checkpoint
     from pagefleet.tokenizer import Tokenizer
 
-    vocab = Tokenizer.from_dir(ensure_tiny_checkpoint("tiny")).vocab_size
+    model = args.model
+    if model == "bench":
+        from bench_models import ensure_bench_model  # bench/ is on sys.path as the script's
+
+        model = str(ensure_bench_model())
+    from pagefleet.engine.loader import resolve_model
+
+    vocab = Tokenizer.from_dir(resolve_model(model)).vocab_size
     prompts = workload(n, vocab)
-    eng = run_engine(prompts, max_tokens)
+    eng = run_engine(prompts, max_tokens, model)
     print(f"engine.generate     {eng['tokens']} tokens in {eng['wall_s']:.2f}s = "
           f"{eng['tok_s']:.0f} tok/s (best of runs: "
           f"{', '.join(f'{w:.2f}s' for w in eng['walls'])})")  # fmt: skip
-    d = asyncio.run(run_daemon(prompts, max_tokens))
+    d = asyncio.run(run_daemon(prompts, max_tokens, model, args.engine == "process"))
     for mode in ("json", "sse"):
         r = d[mode]
         assert r["tokens"] == eng["tokens"], (mode, r["tokens"], eng["tokens"])
@@ -182,6 +199,9 @@ def main() -> None:
     print(f"SSE TTFT p50 {d['sse']['ttft_p50_s']:.2f}s p99 {d['sse']['ttft_p99_s']:.2f}s "
           f"({n} requests sent at once)")  # fmt: skip
     summary = {
+        "model": args.model,
+        "engine": args.engine,
+        "load_avg_1m": round(os.getloadavg()[0], 2),
         "requests": n,
         "max_tokens": max_tokens,
         "engine_tok_s": round(eng["tok_s"], 1),

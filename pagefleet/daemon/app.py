@@ -29,6 +29,7 @@ from pagefleet.api.openapi import daemon_openapi
 from pagefleet.daemon import quiet_preface
 from pagefleet.daemon.admission import Admission
 from pagefleet.daemon.config import DaemonConfig
+from pagefleet.daemon.engine_client import EngineClient, EngineHandle
 from pagefleet.daemon.engine_loop import EngineLoop
 from pagefleet.daemon.engine_protocol import EngineLike
 from pagefleet.daemon.errors import APIError, http_error
@@ -54,18 +55,31 @@ def default_engine_factory(config: DaemonConfig, event_sink: EventSink | None) -
 
 
 class Daemon:
-    """One inference daemon: engine thread + HTTP app (+ KV-event publisher with an index)."""
+    """One inference daemon: engine (thread or process) + HTTP app (+ KV-event publisher)."""
 
     def __init__(
         self,
         config: DaemonConfig,
-        engine_factory: EngineFactory = default_engine_factory,
+        engine_factory: EngineFactory | None = None,
         index: KVIndex | None = None,
         credentials: Credentials | None = None,
+        engine_process: bool | None = None,
     ) -> None:
-        """``credentials``: API keys and admin token (default: from the PAGEFLEET_* env)."""
+        """``credentials``: API keys and admin token (default: from the PAGEFLEET_* env).
+
+        ``engine_process``: run the engine in its own process (EngineClient) rather than a
+        thread of this one (EngineLoop). None: ``config.engine_process``, except with a
+        custom ``engine_factory`` (a test's fake engine lives in this process); a factory
+        for a process must be a module-level function (it is pickled by reference).
+        """
         self.config = config
-        self._engine_factory = engine_factory
+        if engine_process is None:
+            engine_process = config.engine_process and engine_factory is None
+        self.engine_process = engine_process
+        self._engine_factory = engine_factory or default_engine_factory
+        self._custom_factory = engine_factory
+        # Set when the engine process dies: `pagefleet daemon` then exits non-zero.
+        self.engine_died = asyncio.Event()
         self._index = index
         self.metrics = DaemonMetrics(
             config.model_name,
@@ -75,7 +89,7 @@ class Daemon:
             cost_per_hour=config.cost_per_hour,
         )
         self.admission = Admission(config.max_inflight, self.metrics)
-        self.engine_loop: EngineLoop | None = None
+        self.engine_loop: EngineHandle | None = None
         self.publisher: KVEventPublisher | None = None
         self.serving = OpenAIServing(
             config, self.metrics, self.admission, self.live_loop, started_at=time.time()
@@ -116,19 +130,25 @@ class Daemon:
                 self.config.pod,
                 loop,
                 load_fn=self._pod_load,
-                run_on_engine=lambda fn: self.live_loop().call(fn),
+                snapshot=lambda deliver: self.live_loop().snapshot_cached_blocks(deliver),
                 metrics=self.metrics,
                 heartbeat_s=self.config.heartbeat_s,
                 ttl_s=self.config.heartbeat_ttl_s,
             )
             sink = self.publisher.sink
         cfg = self.config
-        self.engine_loop = EngineLoop(
-            lambda: self._engine_factory(cfg, sink), loop, on_step=self.metrics.update_stats
-        )
+        if self.engine_process:
+            self.engine_loop = EngineClient(
+                cfg, loop, on_step=self.metrics.update_stats, on_events=sink,
+                on_death=lambda code: self.engine_died.set(), factory=self._custom_factory,
+            )  # fmt: skip
+        else:
+            self.engine_loop = EngineLoop(
+                lambda: self._engine_factory(cfg, sink), loop, on_step=self.metrics.update_stats
+            )
         self.engine_loop.start()
         await self.engine_loop.wait_loaded()
-        self.metrics.update_stats(await self.engine_loop.call(lambda eng: eng.stats()))
+        self.metrics.update_stats(await self.engine_loop.stats())
         if self.publisher is not None:
             await self.publisher.start()
         await self.pd.start()
@@ -161,7 +181,7 @@ class Daemon:
         if self.engine_loop is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.engine_loop.stop)
 
-    def live_loop(self) -> EngineLoop:
+    def live_loop(self) -> EngineHandle:
         """The loaded, running engine loop; otherwise the caller's 503."""
         if self.engine_loop is None or not self.engine_loop.loaded.is_set():
             raise APIError(
@@ -291,6 +311,7 @@ class Daemon:
             pod=self.config.pod,
             ready=self.ready,
             max_total_num_tokens=None,
+            engine_pid=None if self.engine_loop is None else self.engine_loop.pid,
         )
         s = self.metrics.latest_stats
         if s is not None:
@@ -299,7 +320,7 @@ class Daemon:
         return web.json_response(info)
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
-        await self.live_loop().call(lambda engine: engine.reset_prefix_cache())
+        await self.live_loop().reset_prefix_cache()
         return web.json_response({"reset": True})
 
     async def load(self, request: web.Request) -> web.Response:

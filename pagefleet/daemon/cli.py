@@ -39,11 +39,20 @@ async def serve(config: DaemonConfig) -> None:
     logger.warning("pagefleet daemon listening on http://%s:%d", config.host, config.port)
     start = asyncio.create_task(daemon.start())
     stop_wait = asyncio.create_task(stop.wait())
+    died = asyncio.create_task(daemon.engine_died.wait())
     done, _ = await asyncio.wait({start, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
     if start in done and start.exception() is not None:
         await runner.cleanup()
         raise click.ClickException(f"the engine failed to start: {start.exception()}")
-    await stop.wait()
+    await asyncio.wait({stop_wait, died}, return_when=asyncio.FIRST_COMPLETED)
+    if died.done() and not stop.is_set():
+        # A daemon without its engine only fails requests: exit non-zero and let
+        # Kubernetes restart the pod (its liveness probe would take much longer).
+        code = getattr(daemon.engine_loop, "exitcode", None)
+        await daemon.stop()
+        await runner.cleanup()
+        raise click.ClickException(f"the engine process died (exit code {code}); exiting")
+    died.cancel()
     logger.warning("stop signal: draining (up to %.0fs)", config.drain_timeout_s)
     if not start.done():
         start.cancel()
@@ -163,6 +172,13 @@ async def serve(config: DaemonConfig) -> None:
     show_default=True,
     type=float,
     help="Dollars per hour this replica costs; /metrics then reports cost per 1M tokens.",
+)
+@click.option(
+    "--engine-process/--no-engine-process",
+    default=False,
+    show_default=True,
+    help="Run the engine in its own process (the HTTP layer never takes the GIL from the "
+    "model); if that process dies, the daemon exits non-zero.",
 )
 @click.option(
     "--log-level",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -133,14 +134,21 @@ class EngineLoop:
         lora_id: str | None = None,
         queue: asyncio.Queue[StreamItem | BaseException] | None = None,
         admit: Callable[[Any], None] | None = None,
+        kv_export: bool = False,
     ) -> RequestStream:
         """Admit a request; its outputs flow into the returned stream.
 
         Several requests may share one ``queue`` (an HTTP request with many prompts reads
         them merged). Raises ValueError (from the engine: prompt too long, empty, duplicate
         id) without admitting anything. ``admit(engine)``, when given, admits the request
-        instead of ``add_request`` (P/D: an export or a committed import), under the same id.
+        instead of ``add_request`` (P/D: a committed import), under the same id.
+        ``kv_export``: keep the prompt's KV for a decode pod to pull (P/D prefill).
         """
+        if admit is None and kv_export:
+
+            def admit(eng: Any) -> None:
+                eng.add_request(request_id, prompt, params, lora_id=lora_id, kv_export=True)
+
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
         stream = RequestStream(request_id) if queue is None else RequestStream(request_id, queue)
@@ -157,6 +165,76 @@ class EngineLoop:
             self._streams.pop(request_id, None)
             raise
         return stream
+
+    # -- named calls: the surface EngineClient (engine in its own process) shares --------
+
+    async def stats(self) -> EngineStatsLike:
+        return await self.call(lambda eng: eng.stats())
+
+    async def reset_prefix_cache(self) -> None:
+        await self.call(lambda eng: eng.reset_prefix_cache())
+
+    async def cached_block_hashes(self) -> set[int]:
+        return await self.call(lambda eng: set(eng.cached_block_hashes()))
+
+    async def invoke(self, method: str, *args: Any) -> Any:
+        """``engine.method(*args)`` on the engine thread (tests, debugging)."""
+        return await self.call(lambda eng: getattr(eng, method)(*args))
+
+    async def snapshot_cached_blocks(self, deliver: Callable[[set[int]], None]) -> None:
+        """Call ``deliver(cached block set)`` on the engine thread, between two steps: it
+        lands after every KV event the engine emitted before it, before any after it."""
+        await self.call(lambda eng: deliver(set(eng.cached_block_hashes())))
+
+    async def reserve_import(self, request_id: str, prompt: list[int], lora_id: str | None) -> Any:
+        return await self.call(lambda eng: eng.reserve_import(request_id, prompt, lora_id))
+
+    async def add_import(
+        self,
+        request_id: str,
+        plan: Any,
+        kv: Any,
+        params: SamplingParams,
+        queue: asyncio.Queue[StreamItem | BaseException],
+    ) -> RequestStream:
+        """Commit a pulled KV reservation and start its request (P/D decode)."""
+        return await self.add_request(
+            request_id, plan.token_ids, params, queue=queue,
+            admit=lambda eng: eng.commit_import(plan, kv, params),
+        )  # fmt: skip
+
+    def post_cancel_import(self, plan: Any) -> None:
+        self.post(lambda eng: eng.cancel_import(plan))
+
+    def post_collect_transfers(self) -> None:
+        if self.engine is not None and hasattr(self.engine, "collect_transfers"):
+            self.post(lambda eng: eng.collect_transfers())
+
+    def kv_layout(self) -> Any:
+        return self.loaded_engine.runner.kv_layout()  # type: ignore[attr-defined]
+
+    def kv_source(self) -> Any:
+        """The loaded engine: the KV export server reads it in this process."""
+        return self.engine
+
+    def exports_expired_total(self) -> float:
+        exports = getattr(self.engine, "exports", None)  # engines without P/D: none
+        return float(exports.expired_total) if exports is not None else 0.0
+
+    async def export_block_ids(self, handle: str) -> list[int]:
+        """The blocks a transfer handle pins (empty if gone), read without consuming it."""
+        exports = getattr(self.engine, "exports", None)
+        entry = None if exports is None else exports.acquire(handle, float("-inf"))
+        if entry is None:
+            return []
+        try:
+            return list(entry.block_ids)
+        finally:
+            exports.release(handle, consumed=False)
+
+    @property
+    def pid(self) -> int:
+        return os.getpid()
 
     def post(self, fn: Callable[[Any], Any]) -> None:
         """Run ``fn(engine)`` on the engine thread, fire and forget (also from cleanup

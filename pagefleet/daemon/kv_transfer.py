@@ -314,46 +314,99 @@ class TcpKVTransfer(KVTransfer):
             await self._session.close()
 
 
+class KVSource(ABC):
+    """Where a prefill pod's exported KV is read: the engine in this process (``LocalKVSource``)
+    or in the daemon's engine process (``engine_client.ClientKVSource``)."""
+
+    @abstractmethod
+    def layout(self) -> Any:
+        """The engine's KVLayout (fixed once loaded)."""
+
+    @abstractmethod
+    async def acquire(self, handle: str) -> Any:
+        """Start reading ``handle`` (an ExportedKV) or None; pair with ``release``."""
+
+    @abstractmethod
+    async def read_layer(self, block_ids: list[int], layer: int) -> tuple[Any, Any]:
+        """K and V of ``block_ids`` in ``layer`` as bytes-like objects, C order."""
+
+    @abstractmethod
+    def release(self, handle: str, consumed: bool) -> None:
+        """End a read started by ``acquire`` (never blocks; safe in a ``finally``)."""
+
+
+class LocalKVSource(KVSource):
+    """An engine in this process: its ``exports`` registry is thread-safe and its runner's
+    ``read_kv_blocks`` reads pinned blocks from a worker thread, so a pull never waits for an
+    engine step."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def layout(self) -> Any:
+        return self.engine.runner.kv_layout()
+
+    async def acquire(self, handle: str) -> Any:
+        return self.engine.exports.acquire(handle, time.monotonic())
+
+    async def read_layer(self, block_ids: list[int], layer: int) -> tuple[Any, Any]:
+        runner = self.engine.runner
+        ((k, v),) = await asyncio.get_running_loop().run_in_executor(
+            None, runner.read_kv_blocks, block_ids, range(layer, layer + 1)
+        )
+        return _bytes_view(k), _bytes_view(v)
+
+    def release(self, handle: str, consumed: bool) -> None:
+        self.engine.exports.release(handle, consumed=consumed)
+
+
 class KVExportServer:
     """Serves ``POST /v1/kv/pull`` from a prefill engine's transfer handles.
 
-    ``engine()`` returns the loaded engine (its ``exports`` registry is thread-safe and its
-    runner's ``read_kv_blocks`` reads pinned blocks from a worker thread, so a pull never
-    waits for an engine step). ``release(handle)`` asks the engine thread to free a handle
-    once its bytes are out.
+    ``source()`` returns a KVSource, or a loaded engine (read in this process), or None
+    while loading. ``release()`` asks the engine thread to free handles once their bytes
+    are out.
     """
 
     def __init__(
         self,
-        engine: Callable[[], Any],
+        source: Callable[[], Any],
         release: Callable[[], None],
         metrics: KVTransferMetrics | None = None,
     ) -> None:
-        self._engine = engine
+        self._source = source
         self._release = release
         self.metrics = metrics
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post(PULL_PATH, self.pull)
 
+    def _kv_source(self) -> KVSource | None:
+        src = self._source()
+        if src is None or isinstance(src, KVSource):
+            return src
+        if getattr(src, "exports", None) is None:
+            return None  # an engine that keeps no transfer handles
+        return LocalKVSource(src)
+
     async def pull(self, request: web.Request) -> web.StreamResponse:
         try:
             req = PullRequest.model_validate_json(await request.read())
         except ValidationError as exc:
             return _error(400, f"bad KV pull request: {exc.errors()[:3]}")
-        engine = self._engine()
-        if engine is None:
+        raw = self._source()
+        if raw is None:
             return _error(503, "the model is still loading")
-        if getattr(engine, "exports", None) is None:
+        src = self._kv_source()
+        if src is None:
             return _error(404, "this engine keeps no KV transfer handles")
-        runner = engine.runner
-        layout = runner.kv_layout()
+        layout = src.layout()
         if req.layout != layout_dict(layout):
             return _error(
                 409, f"KV layout mismatch: this pod has {layout_dict(layout)}, asked for "
                 f"{req.layout}"
             )  # fmt: skip
-        entry = engine.exports.acquire(req.handle, time.monotonic())
+        entry = await src.acquire(req.handle)
         if entry is None:
             return _error(
                 404, f"no live transfer handle {req.handle!r}: already pulled, expired, or "
@@ -386,25 +439,24 @@ class KVExportServer:
             resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
             await resp.prepare(request)
             await resp.write(_HEADER_LEN.pack(len(data)) + data)
-            loop = asyncio.get_running_loop()
             sent = 0
             for layer in range(layout.num_layers):
-                ((k, v),) = await loop.run_in_executor(
-                    None, runner.read_kv_blocks, ids, range(layer, layer + 1)
-                )
-                for t in (k, v):
-                    buf = t.contiguous().view(-1).view(_uint8()).numpy()
-                    await resp.write(memoryview(buf))
-                    sent += buf.nbytes
+                for buf in await src.read_layer(ids, layer):
+                    await resp.write(buf)
+                    sent += len(buf)
             await resp.write_eof()
             consumed = True
             if self.metrics is not None:
                 self.metrics.moved("sent", sent, len(ids))
             return resp
         finally:
-            engine.exports.release(req.handle, consumed=consumed)
+            src.release(req.handle, consumed=consumed)
             if consumed:
                 self._release()
+
+
+def _bytes_view(t: Any) -> memoryview:
+    return memoryview(t.contiguous().view(-1).view(_uint8()).numpy())
 
 
 def _uint8() -> Any:

@@ -26,7 +26,8 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from pagefleet.daemon.config import DaemonConfig
-from pagefleet.daemon.engine_loop import EngineLoop, RequestStream, StreamItem
+from pagefleet.daemon.engine_client import EngineHandle
+from pagefleet.daemon.engine_loop import RequestStream, StreamItem
 from pagefleet.daemon.kv_transfer import (
     KVExportServer,
     KVPullError,
@@ -56,7 +57,7 @@ class PDSide:
         registry: Any,
         labels: tuple[str, ...],
         label_values: list[str],
-        engine_loop: Callable[[], EngineLoop | None],
+        engine_loop: Callable[[], EngineHandle | None],
         transfer: KVTransfer | None = None,
     ) -> None:
         self.config = config
@@ -65,7 +66,7 @@ class PDSide:
         self.transfer = transfer or TcpKVTransfer(
             timeout_s=config.kv_pull_timeout_s, metrics=self.metrics
         )
-        self.export_server = KVExportServer(self._engine, self._collect, self.metrics)
+        self.export_server = KVExportServer(self._kv_source, self._collect, self.metrics)
         self._timer: asyncio.Task[None] | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -83,18 +84,22 @@ class PDSide:
                 await self._timer
         await self.transfer.close()
 
-    def _engine(self) -> Any:
+    def _loaded(self) -> EngineHandle | None:
         loop = self._engine_loop()
-        return None if loop is None or not loop.loaded.is_set() else loop.engine
+        return None if loop is None or not loop.loaded.is_set() or loop.dead else loop
+
+    def _kv_source(self) -> Any:
+        loop = self._loaded()
+        return None if loop is None else loop.kv_source()
 
     def _collect(self) -> None:
-        loop = self._engine_loop()
-        if loop is not None and loop.alive and hasattr(self._engine(), "collect_transfers"):
-            loop.post(lambda eng: eng.collect_transfers())
+        loop = self._loaded()
+        if loop is not None and loop.alive:
+            loop.post_collect_transfers()
 
     def _expired_total(self) -> float:
-        exports = getattr(self._engine(), "exports", None)  # engines without P/D: none
-        return float(exports.expired_total) if exports is not None else 0.0
+        loop = self._loaded()
+        return 0.0 if loop is None else loop.exports_expired_total()
 
     async def _collect_loop(self) -> None:
         while True:
@@ -135,7 +140,7 @@ class PDSide:
 
     async def admit(
         self,
-        loop: EngineLoop,
+        loop: EngineHandle,
         rid: str,
         ids: list[int],
         params: SamplingParams,
@@ -147,11 +152,8 @@ class PDSide:
         if tp is not None and tp.do_remote_decode:
             self.metrics.outcome("exported")
             return await loop.add_request(
-                rid, ids, params, lora_id=lora_id, queue=queue,
-                admit=lambda eng: eng.add_request(
-                    rid, ids, params, lora_id=lora_id, kv_export=True
-                ),
-            )  # fmt: skip
+                rid, ids, params, lora_id=lora_id, queue=queue, kv_export=True
+            )
         if tp is not None and tp.do_remote_prefill:
             stream = await self._import(loop, rid, ids, params, queue, tp, lora_id)
             if stream is not None:
@@ -160,7 +162,7 @@ class PDSide:
 
     async def _import(
         self,
-        loop: EngineLoop,
+        loop: EngineHandle,
         rid: str,
         ids: list[int],
         params: SamplingParams,
@@ -172,7 +174,7 @@ class PDSide:
         if tp.remote_num_tokens is not None and tp.remote_num_tokens != len(ids):
             self._fallback(rid, "prompt_mismatch", "the handle holds another prompt")
             return None
-        plan = await loop.call(lambda eng: eng.reserve_import(rid, ids, lora_id))
+        plan = await loop.reserve_import(rid, ids, lora_id)
         if plan is None:
             self._fallback(rid, "no_reservation", "no blocks free for the pull now")
             return None
@@ -180,16 +182,13 @@ class PDSide:
         try:
             kv = None
             if plan.num_pull_blocks:
-                layout = loop.engine.runner.kv_layout()  # type: ignore[union-attr]
+                layout = loop.kv_layout()
                 try:
                     kv = await self.transfer.pull(tp, plan, layout)
                 except KVPullError as exc:
                     self._fallback(rid, exc.reason, str(exc))
                     return None
-            stream = await loop.add_request(
-                rid, ids, params, lora_id=lora_id, queue=queue,
-                admit=lambda eng: eng.commit_import(plan, kv, params),
-            )  # fmt: skip
+            stream = await loop.add_import(rid, plan, kv, params, queue)
             committed = True
             self.metrics.outcome("pulled" if plan.num_pull_blocks else "local_hit")
             return stream
@@ -198,22 +197,17 @@ class PDSide:
             return None
         finally:
             if not committed:
-                loop.post(lambda eng: eng.cancel_import(plan))
+                loop.post_cancel_import(plan)
 
     def _fallback(self, rid: str, reason: str, message: str) -> None:
         self.metrics.failed(reason)
         self.metrics.outcome("fallback")
         logger.info("request %s: KV pull failed (%s: %s); prefilling locally", rid, reason, message)
 
-    def response_params(self, rid: str, num_tokens: int) -> dict[str, Any]:
+    async def response_params(self, rid: str, num_tokens: int) -> dict[str, Any]:
         """What a prefill pod returns so that a decode pod can pull ``rid``'s KV."""
-        engine = self._engine()
-        block_ids: list[int] = []
-        if engine is not None:
-            entry = engine.exports.acquire(rid, float("-inf"))
-            if entry is not None:
-                block_ids = list(entry.block_ids)
-                engine.exports.release(rid, consumed=False)
+        loop = self._loaded()
+        block_ids = [] if loop is None else await loop.export_block_ids(rid)
         return KVTransferParams(
             do_remote_prefill=True,
             remote_engine_id=self.config.pod,

@@ -1,13 +1,14 @@
 """KV events and heartbeats from one daemon to the global prefix index.
 
-The engine's ``event_sink`` runs on the engine thread; it hands each ``KVEventBatch`` to the
+The engine's ``event_sink`` runs on the engine thread (or, with the engine in its own
+process, on the event loop as its messages arrive); it hands each ``KVEventBatch`` to the
 event loop (``call_soon_threadsafe``), where one task applies batches to the index in order.
 
 Invariant: while the index is reachable, the pod's entry in it equals the engine's cached
 block set as of the last applied batch. When the index fails, queued batches are dropped
 (replaying a partial history cannot be trusted) and, once it answers again, the whole set is
-replaced by a fresh snapshot (``engine.cached_block_hashes()``). The snapshot is taken on
-the engine thread and enters the same queue as the batches, so batches emitted before it are
+replaced by a fresh snapshot (``engine.cached_block_hashes()``). The snapshot is taken
+between engine steps and enters the same queue as the batches, so batches emitted before it are
 skipped (the snapshot contains them) and batches after it are applied on top: no gap, no
 double count.
 """
@@ -42,8 +43,9 @@ class _Wake:
 _STOP = object()
 
 Item = KVEventBatch | _Snapshot | _Wake | object
-# Runs fn(engine) on the engine thread (EngineLoop.call).
-RunOnEngine = Callable[[Callable[[Any], Any]], Awaitable[Any]]
+# Calls deliver(the engine's cached block set) in order with the engine's KV events
+# (EngineLoop.snapshot_cached_blocks, EngineClient.snapshot_cached_blocks).
+Snapshot = Callable[[Callable[[set[int]], None]], Awaitable[None]]
 
 
 class KVEventPublisher:
@@ -55,7 +57,7 @@ class KVEventPublisher:
         pod: str,
         loop: asyncio.AbstractEventLoop,
         load_fn: Callable[[], PodLoad],
-        run_on_engine: RunOnEngine,
+        snapshot: Snapshot,
         metrics: Any | None = None,
         heartbeat_s: float = 1.0,
         ttl_s: float = 5.0,
@@ -68,7 +70,7 @@ class KVEventPublisher:
         self.pod = pod
         self._loop = loop
         self._load_fn = load_fn
-        self._run_on_engine = run_on_engine
+        self._snapshot = snapshot
         self._metrics = metrics
         self._heartbeat_s = heartbeat_s
         self._ttl_s = ttl_s
@@ -201,10 +203,8 @@ class KVEventPublisher:
         while True:
             token = object()
             try:
-                await self._run_on_engine(
-                    lambda eng, token=token: self._put_threadsafe(
-                        _Snapshot(token, set(eng.cached_block_hashes()))
-                    )
+                await self._snapshot(
+                    lambda hashes, token=token: self._put_threadsafe(_Snapshot(token, hashes))
                 )
             except Exception as exc:
                 logger.warning("cannot snapshot the engine's block set (%s); not resyncing", exc)

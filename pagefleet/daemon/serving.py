@@ -41,7 +41,8 @@ from pagefleet.api.openai import (
 )
 from pagefleet.daemon.admission import Admission
 from pagefleet.daemon.config import DaemonConfig
-from pagefleet.daemon.engine_loop import EngineDeadError, EngineLoop, StreamItem
+from pagefleet.daemon.engine_client import EngineHandle
+from pagefleet.daemon.engine_loop import EngineDeadError, StreamItem
 from pagefleet.daemon.engine_protocol import ServingTokenizer
 from pagefleet.daemon.errors import APIError, json_model
 from pagefleet.daemon.job import Job
@@ -73,7 +74,7 @@ class OpenAIServing:
         config: DaemonConfig,
         metrics: DaemonMetrics,
         admission: Admission,
-        live_loop: Callable[[], EngineLoop],
+        live_loop: Callable[[], EngineHandle],
         started_at: float,
     ) -> None:
         self.config = config
@@ -284,7 +285,9 @@ class OpenAIServing:
         if self.pd is not None and job.transfer is not None and job.transfer.do_remote_decode:
             # The prefill pod's answer says where its KV waits (vLLM's response field).
             data = resp.model_dump(mode="json")
-            data["kv_transfer_params"] = self.pd.response_params(job.rid(0), len(job.prompts[0]))
+            data["kv_transfer_params"] = await self.pd.response_params(
+                job.rid(0), len(job.prompts[0])
+            )
             return web.json_response(data)
         return json_model(resp)
 

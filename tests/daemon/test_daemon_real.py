@@ -225,7 +225,7 @@ async def test_disconnect_mid_stream_frees_blocks(live):
     assert sample(text, "vllm:num_requests_running") == 0
     assert sample(text, "pagefleet:kv_cache_free_blocks") == total
     assert live.daemon.admission.inflight == 0
-    stats = await live.daemon.engine_loop.call(lambda eng: eng.stats())
+    stats = await live.daemon.engine_loop.stats()
     assert stats.num_free_blocks == stats.num_blocks
 
 

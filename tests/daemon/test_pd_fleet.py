@@ -159,9 +159,9 @@ async def test_bad_transfer_params_fall_back_or_400(fleet) -> None:
     # No block is left referenced once the dust settles (handles expire or were pulled).
     for daemon in (p, d):
         loop = daemon.daemon.engine_loop
-        await loop.call(lambda e: e.collect_transfers(float("inf")))
-        assert await loop.call(lambda e: e.kv.pool.num_referenced_blocks) == 0
-        await loop.call(lambda e: e.check_integrity())
+        await loop.invoke("collect_transfers", float("inf"))
+        assert (await loop.stats()).kv_usage == 0  # referenced blocks / all blocks
+        await loop.invoke("check_integrity")
 
 
 async def test_dead_prefill_pool_falls_back(fleet) -> None:

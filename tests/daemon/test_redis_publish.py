@@ -85,7 +85,7 @@ async def test_redis_mirrors_engine_then_empty_after_shutdown():
         async with live_daemon(config(url, "pod-1")) as d:
             await run_prompts(d.url, PROMPTS)
             await settle(d.daemon.publisher)
-            cached = await d.daemon.engine_loop.call(lambda eng: eng.cached_block_hashes())
+            cached = await d.daemon.engine_loop.cached_block_hashes()
             assert len(cached) >= 10
             held, found = await held_in_redis(url, "pod-1", cached)
             assert found == len(cached), "a cached block is missing from Redis"
@@ -103,13 +103,13 @@ async def test_reset_prefix_cache_empties_engine_and_index():
         async with live_daemon(config(url, "pod-r")) as d:
             await run_prompts(d.url, PROMPTS[:1])
             await settle(d.daemon.publisher)
-            cached = await d.daemon.engine_loop.call(lambda eng: eng.cached_block_hashes())
+            cached = await d.daemon.engine_loop.cached_block_hashes()
             assert (await held_in_redis(url, "pod-r", cached))[1] == len(cached) > 0
             async with aiohttp.ClientSession() as s, s.post(f"{d.url}/reset_prefix_cache") as r:
                 assert r.status == 200 and (await r.json()) == {"reset": True}
             # Published without waiting for another request to step the engine.
             await settle(d.daemon.publisher)
-            assert await d.daemon.engine_loop.call(lambda eng: eng.cached_block_hashes()) == set()
+            assert await d.daemon.engine_loop.cached_block_hashes() == set()
             assert (await held_in_redis(url, "pod-r", cached))[1] == 0
             # The same prompt again is a cold prefill.
             async with aiohttp.ClientSession() as s:
@@ -156,7 +156,7 @@ async def test_redis_restart_triggers_resync(tmp_path):
             await asyncio.wait_for(pub.in_sync.wait(), 15)
             await settle(pub)
             assert pub.resyncs > resyncs
-            cached = await d.daemon.engine_loop.call(lambda eng: eng.cached_block_hashes())
+            cached = await d.daemon.engine_loop.cached_block_hashes()
             held, found = await held_in_redis(url, "pod-2", cached)
             assert found == held == len(cached) > 0
             metrics = d.daemon.metrics.render().decode()

@@ -1,0 +1,407 @@
+"""The HTTP process's handle on an engine running in its own process (engine_core.py).
+
+``EngineClient`` offers what the daemon uses of ``EngineLoop`` (requests in, a stream of
+outputs per request, named calls, P/D reservations, the KV export source), so serving,
+P/D and the publisher run unchanged over either. Outputs, stats and KV events arrive on a
+reader thread, which hands each message to the event loop in order.
+
+The engine process is started with the ``forkserver`` method: a fork of a clean server
+process that preloaded torch and the engine (fast to start, and never a fork of this
+process's threads and event loop).
+
+Invariants:
+- each request id has at most one live RequestStream, fed in engine order, then removed;
+- when the engine process ends for any reason but ``stop``, every live stream and pending
+  call gets EngineDeadError, ``dead`` is set and ``on_death(exitcode)`` runs once: the
+  daemon exits non-zero instead of serving errors forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import multiprocessing
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from pagefleet.daemon import engine_core, ipc
+from pagefleet.daemon.engine_loop import EngineDeadError, EngineLoop, RequestStream, StreamItem
+from pagefleet.daemon.engine_protocol import EngineStatsLike
+from pagefleet.daemon.kv_transfer import KVSource
+from pagefleet.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Imported by the fork server once, so each engine process starts without importing torch.
+_PRELOAD = ["pagefleet.daemon.engine_core", "pagefleet.engine.engine"]
+
+
+class EngineClient:
+    """An engine in a child process, driven from the event loop (not thread-safe)."""
+
+    def __init__(
+        self,
+        config: Any,
+        loop: asyncio.AbstractEventLoop,
+        on_step: Callable[[EngineStatsLike], None] | None = None,
+        on_events: Callable[[Any], None] | None = None,
+        on_death: Callable[[int | None], None] | None = None,
+        factory: Callable[..., Any] | None = None,
+    ) -> None:
+        """``factory(config, event_sink)`` builds the engine in the child; it must pickle by
+        reference (a module-level function); None: the daemon's default engine."""
+        self._config = config
+        self._loop = loop
+        self._on_step = on_step
+        self._on_events = on_events
+        self._on_death = on_death
+        self._factory = factory
+        self._streams: dict[str, RequestStream] = {}
+        self._pending: dict[int, tuple[asyncio.Future[Any], Callable[[Any], None] | None]] = {}
+        self._ids = itertools.count()
+        self._send_lock = threading.Lock()  # stop() sends from an executor thread
+        self._conn: Any = None
+        self._proc: Any = None
+        self._stopping = False
+        self.info: ipc.EngineInfo | None = None
+        self.loaded = asyncio.Event()
+        self.load_error: BaseException | None = None
+        self.dead = False
+        self.exitcode: int | None = None
+        self.engine = None  # no engine object in this process
+        self.latest_stats: Any = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)
+        parent, child = ctx.Pipe(duplex=True)
+        self._proc = ctx.Process(
+            target=engine_core.run,
+            args=(child, self._config, self._factory),
+            name="pagefleet-engine",
+            daemon=True,
+        )
+        self._proc.start()
+        child.close()  # only the child holds its end: its death closes the pipe
+        self._conn = parent
+        threading.Thread(target=self._read, name="engine-client-recv", daemon=True).start()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    @property
+    def alive(self) -> bool:
+        return not self.dead and self._proc is not None and self._proc.is_alive()
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    @property
+    def loaded_engine(self) -> ipc.EngineInfo:
+        """The engine's fixed attributes (tokenizer, max_model_len); raises before loaded."""
+        if self.info is None:
+            raise RuntimeError("the engine has not loaded yet; await wait_loaded() first")
+        return self.info
+
+    async def wait_loaded(self) -> None:
+        await self.loaded.wait()
+        if self.load_error is not None:
+            raise self.load_error
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        """Ask the engine process to exit after its current step; kill it past ``timeout``.
+        Blocks (the daemon calls it from a worker thread)."""
+        self._stopping = True
+        if self._proc is None:
+            return
+        with contextlib.suppress(EngineDeadError):
+            self._send(("stop",))
+        self._proc.join(timeout)
+        if self._proc.is_alive():
+            logger.warning("engine process %d did not stop in %ss; killing it", self.pid, timeout)
+            self._proc.kill()
+            self._proc.join(5)
+        with contextlib.suppress(OSError):
+            self._conn.close()
+
+    # -- requests --------------------------------------------------------------------------
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        lora_id: str | None = None,
+        queue: asyncio.Queue[StreamItem | BaseException] | None = None,
+        admit: Any = None,
+        kv_export: bool = False,
+    ) -> RequestStream:
+        """As ``EngineLoop.add_request``; ``admit`` is not supported across processes."""
+        if admit is not None:
+            raise TypeError("an engine in another process takes named calls, not callables")
+        if kv_export:
+            return await self._admit(
+                request_id, queue, "add_export", (request_id, prompt, params, lora_id)
+            )
+        return await self._admit(
+            request_id, queue, "add_request", (request_id, prompt, params, None, lora_id)
+        )
+
+    async def _admit(
+        self,
+        request_id: str,
+        queue: asyncio.Queue[StreamItem | BaseException] | None,
+        method: str,
+        args: tuple[Any, ...],
+    ) -> RequestStream:
+        if request_id in self._streams:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        stream = RequestStream(request_id) if queue is None else RequestStream(request_id, queue)
+        self._streams[request_id] = stream  # before the engine can emit: nothing orphaned
+        try:
+            await self._call(method, args)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        if self._streams.pop(request_id, None) is None:
+            return
+        self._post("abort", (request_id,))
+
+    def abort_all(self) -> int:
+        """Abort every live request; their final "abort" outputs still reach the handlers."""
+        rids = list(self._streams)
+        for rid in rids:
+            self._post("abort", (rid,))
+        return len(rids)
+
+    # -- named calls -----------------------------------------------------------------------
+
+    async def stats(self) -> EngineStatsLike:
+        return await self._call("stats", ())
+
+    async def reset_prefix_cache(self) -> None:
+        await self._call("reset_prefix_cache", ())
+
+    async def cached_block_hashes(self) -> set[int]:
+        return await self._call("snapshot", ())
+
+    async def invoke(self, method: str, *args: Any) -> Any:
+        """``engine.method(*args)`` in the engine process, for the methods it allows."""
+        return await self._call(method, args)
+
+    async def snapshot_cached_blocks(self, deliver: Callable[[set[int]], None]) -> None:
+        """``deliver(cached block set)``, called on the event loop in order with the KV
+        events (those emitted before the snapshot were handed on before it)."""
+        await self._call("snapshot", (), on_reply=deliver)
+
+    async def reserve_import(self, request_id: str, prompt: list[int], lora_id: str | None) -> Any:
+        return await self._call("reserve_import", (request_id, prompt, lora_id))
+
+    async def add_import(
+        self,
+        request_id: str,
+        plan: Any,
+        kv: Any,
+        params: SamplingParams,
+        queue: asyncio.Queue[StreamItem | BaseException],
+    ) -> RequestStream:
+        return await self._admit(
+            request_id, queue, "commit_import", (plan.key, _kv_bytes(kv), params)
+        )
+
+    def post_cancel_import(self, plan: Any) -> None:
+        self._post("cancel_import", (plan.key,))
+
+    def post_collect_transfers(self) -> None:
+        self._post("collect_transfers", ())
+
+    def kv_layout(self) -> Any:
+        return self.loaded_engine.kv_layout
+
+    def kv_source(self) -> KVSource | None:
+        if self.info is None or not self.info.has_exports:
+            return None
+        return ClientKVSource(self)
+
+    def exports_expired_total(self) -> float:
+        s = self.latest_stats
+        return float(getattr(s, "kv_exports_expired_total", 0)) if s is not None else 0.0
+
+    async def export_block_ids(self, handle: str) -> list[int]:
+        return await self.side("export_block_ids", handle)
+
+    async def side(self, method: str, *args: Any) -> Any:
+        """A call the engine process answers off its engine thread (exported KV reads)."""
+        return await self._call(method, args, kind="side")
+
+    # -- the wire --------------------------------------------------------------------------
+
+    def _send(self, msg: tuple[Any, ...]) -> None:
+        if self.dead or self._conn is None:
+            raise EngineDeadError("the engine is not running; retry on another replica")
+        data = ipc.dumps(msg)
+        try:
+            with self._send_lock:
+                self._conn.send_bytes(data)
+        except OSError as exc:
+            raise EngineDeadError(f"the engine process is gone: {exc}") from None
+
+    def _post(self, method: str, args: tuple[Any, ...]) -> None:
+        with contextlib.suppress(EngineDeadError):
+            self._send(("call", None, method, args))
+
+    async def _call(
+        self,
+        method: str,
+        args: tuple[Any, ...],
+        on_reply: Callable[[Any], None] | None = None,
+        kind: str = "call",
+    ) -> Any:
+        call_id = next(self._ids)
+        fut: asyncio.Future[Any] = self._loop.create_future()
+        self._pending[call_id] = (fut, on_reply)
+        try:
+            self._send((kind, call_id, method, args))
+        except BaseException:
+            self._pending.pop(call_id, None)
+            raise
+        return await fut
+
+    def _read(self) -> None:
+        """Reader thread: every message to the event loop, in order; then the pipe's end."""
+        while True:
+            try:
+                msg = ipc.loads(self._conn.recv_bytes())
+            except (EOFError, OSError):
+                break
+            if not self._hand_over(self._dispatch, msg):
+                return
+        if self._proc is not None:
+            self._proc.join(5)
+            self.exitcode = self._proc.exitcode
+        self._hand_over(self._gone, None)
+
+    def _hand_over(self, fn: Callable[[Any], None], arg: Any) -> bool:
+        try:
+            self._loop.call_soon_threadsafe(fn, arg)
+        except RuntimeError:
+            return False  # the event loop closed: nobody is listening any more
+        return True
+
+    def _dispatch(self, msg: tuple[Any, ...]) -> None:
+        kind = msg[0]
+        if kind == "step":
+            _, outputs, t, stats = msg
+            self.latest_stats = stats
+            streams = self._streams
+            for out in ipc.unpack_outputs(outputs):
+                stream = streams.get(out.request_id)
+                if stream is None:
+                    continue  # aborted by the caller; late outputs are dropped
+                stream.queue.put_nowait(StreamItem(out, t))
+                if out.finished:
+                    del streams[out.request_id]
+            if self._on_step is not None:
+                try:
+                    self._on_step(stats)
+                except Exception:
+                    logger.exception("on_step callback failed")
+        elif kind == "events":
+            if self._on_events is not None:
+                for batch in msg[1]:
+                    self._on_events(batch)
+        elif kind == "reply":
+            _, call_id, ok, value = msg
+            fut, on_reply = self._pending.pop(call_id, (None, None))
+            if fut is None or fut.done():
+                return
+            if not ok:
+                fut.set_exception(value.exception())
+                return
+            if on_reply is not None:
+                on_reply(value)
+            fut.set_result(value)
+        elif kind == "ready":
+            self.info = msg[1]
+            self.loaded.set()
+        elif kind == "load_error":
+            self.load_error = RuntimeError(msg[1])
+            self.dead = True
+            self.loaded.set()
+        elif kind == "crashed":
+            logger.error("the engine process crashed: %s", msg[1])
+
+    def _gone(self, _: Any) -> None:
+        """The pipe closed: the engine process exited (stopped, crashed, or was killed)."""
+        was_dead = self.dead
+        self.dead = True
+        err = EngineDeadError(
+            "the engine stopped" if self._stopping
+            else f"the engine process died (exit code {self.exitcode})"
+        )  # fmt: skip
+        for stream in self._streams.values():
+            stream.queue.put_nowait(err)
+        self._streams.clear()
+        for fut, _cb in self._pending.values():
+            if not fut.done():
+                fut.set_exception(err)
+        self._pending.clear()
+        if not self.loaded.is_set():
+            self.load_error = err
+            self.loaded.set()
+        if self._stopping or was_dead:
+            return
+        logger.error("the engine process %s died (exit code %s)", self.pid, self.exitcode)
+        if self._on_death is not None:
+            self._on_death(self.exitcode)
+
+
+class ClientKVSource(KVSource):
+    """Exported KV read in the engine process, off its engine thread (``side`` calls)."""
+
+    def __init__(self, client: EngineClient) -> None:
+        self._client = client
+
+    def layout(self) -> Any:
+        return self._client.kv_layout()
+
+    async def acquire(self, handle: str) -> Any:
+        return await self._client.side("acquire", handle)
+
+    async def read_layer(self, block_ids: list[int], layer: int) -> tuple[Any, Any]:
+        return await self._client.side("read_layer", block_ids, layer)
+
+    def release(self, handle: str, consumed: bool) -> None:
+        # Side calls run in arrival order of their threads; a release needs no answer.
+        with contextlib.suppress(EngineDeadError):
+            self._client._send(("side", next(self._client._ids), "release", (handle, consumed)))
+
+
+def _kv_bytes(kv: Any) -> Any:
+    """Pulled KV (per layer K, V tensors) as bytes for the pipe; engine_core rebuilds it."""
+    if kv is None:
+        return None
+    k0 = kv[0][0]
+    dtype = str(k0.dtype).removeprefix("torch.")
+    layers = [tuple(_raw(t) for t in pair) for pair in kv]
+    return dtype, tuple(k0.shape), layers
+
+
+def _raw(t: Any) -> bytes:
+    import torch
+
+    return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+# What the daemon drives: an engine thread in this process, or an engine process.
+EngineHandle = EngineLoop | EngineClient

@@ -1,0 +1,131 @@
+"""The engine in its own process (engine_core.py, engine_client.py).
+
+Here: the engine
+really is another process, the wire carries errors back as the caller's 400, and a daemon
+whose engine process is killed mid-stream ends the stream and exits non-zero within
+seconds (Kubernetes restarts the pod) instead of hanging, with the cause in its
+termination message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import fields
+
+import aiohttp
+import pytest
+
+from pagefleet.daemon import ipc
+from pagefleet.daemon.config import DaemonConfig
+from pagefleet.daemon.engine_client import EngineClient
+from pagefleet.engine.outputs import CompletionDelta, RequestMetrics, RequestOutput, TokenLogprob
+
+from .conftest import free_port, live_daemon
+
+PROMPT = "The quick brown fox jumps over the lazy dog and then"
+
+
+def test_step_outputs_cross_the_pipe_whole():
+    """Every field of a step's outputs survives packing (but the prompt, never read); a
+    field added to the output dataclasses without packing it fails here."""
+    for cls, names in ipc.PACKED_FIELDS.items():
+        assert tuple(f.name for f in fields(cls)) == names, f"{cls.__name__} changed: pack it"
+    out = RequestOutput(
+        "r-0", [1, 2, 3],
+        [CompletionDelta(0, [7, 8], "ab", [TokenLogprob(7, "a", -0.5, [(9, "z", -1.0)])]),
+         CompletionDelta(1, [5], "c", None, "stop", "\n")],
+        True, RequestMetrics(1.0, 2.0, 3.0, 4.0, 5.0, 16), 3,
+    )  # fmt: skip
+    (back,) = ipc.unpack_outputs(ipc.loads(ipc.dumps(ipc.pack_outputs([out]))))
+    assert back == RequestOutput(
+        out.request_id, [], out.deltas, out.finished, out.metrics, out.num_generated_tokens
+    )
+
+
+async def test_engine_runs_in_another_process_and_errors_cross_the_wire():
+    cfg = DaemonConfig(model="tiny", served_model_name="m", port=free_port(), block_size=8,
+                       num_gpu_blocks=64, max_model_len=128, max_num_seqs=4,
+                       engine_process=True)  # fmt: skip
+    async with live_daemon(cfg) as d:
+        loop = d.daemon.engine_loop
+        assert isinstance(loop, EngineClient)
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"{d.url}/server_info") as r:
+                pid = (await r.json())["engine_pid"]
+            assert pid not in (None, os.getpid())
+            body = {"prompt": PROMPT, "max_tokens": 5, "temperature": 0}
+            async with s.post(f"{d.base_url}/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+                out = await r.json()
+            assert out["usage"]["completion_tokens"] == 5
+            # The engine's own refusal (n above max_num_seqs) travels back as a 400.
+            async with s.post(f"{d.base_url}/completions", json={**body, "n": 9}) as r:
+                assert r.status == 400
+                assert (await r.json())["error"]["param"] == "n"
+        stats = await loop.stats()
+        assert stats.num_free_blocks == stats.num_blocks
+        assert stats.generation_tokens_total >= 5
+
+
+async def test_killed_engine_process_ends_streams_and_the_daemon_exits_nonzero(tmp_path):
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    term = tmp_path / "termination-log"
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pagefleet.cli", "daemon", "--model", "tiny",
+             "--port", str(port), "--max-model-len", "256", "--block-size", "8",
+             "--num-gpu-blocks", "64", "--engine-process", "--termination-log", str(term)],
+            stdout=log, stderr=log,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+        try:
+            async with aiohttp.ClientSession() as s:
+                await _wait_ready(s, base, proc)
+                async with s.get(f"{base}/server_info") as r:
+                    engine_pid = (await r.json())["engine_pid"]
+                assert engine_pid != proc.pid
+                body = {"prompt": PROMPT, "max_tokens": 200, "stream": True, "ignore_eos": True}
+                async with s.post(f"{base}/v1/completions", json=body) as r:
+                    assert r.status == 200
+                    assert (await r.content.readline()).startswith(b"data: ")  # decoding
+                    os.kill(engine_pid, signal.SIGKILL)
+                    t0 = time.monotonic()
+                    # The stream ends (an in-band error, or the connection closes): no hang.
+                    try:
+                        rest = await asyncio.wait_for(r.read(), 10)
+                    except aiohttp.ClientError:
+                        rest = b""
+                    assert b'"finish_reason":"length"' not in rest
+            rc = await asyncio.get_running_loop().run_in_executor(None, proc.wait, 15)
+            waited = time.monotonic() - t0
+            log.seek(0)
+            text = log.read().decode()
+            assert rc != 0, text[-3000:]
+            assert waited < 10, f"the daemon took {waited:.1f}s to exit"
+            assert "engine process died" in term.read_text()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
+async def _wait_ready(s: aiohttp.ClientSession, base: str, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"daemon exited early with {proc.returncode}")
+        try:
+            async with s.get(f"{base}/ready") as r:
+                if r.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.2)
+    pytest.fail("daemon never became ready")
