@@ -24,9 +24,10 @@ import pytest
 from pagefleet.daemon import ipc
 from pagefleet.daemon.config import DaemonConfig
 from pagefleet.daemon.engine_client import EngineClient
+from pagefleet.dev.process import free_port
 from pagefleet.engine.outputs import CompletionDelta, RequestMetrics, RequestOutput, TokenLogprob
 
-from .conftest import free_port, live_daemon
+from .conftest import live_daemon
 
 PROMPT = "The quick brown fox jumps over the lazy dog and then"
 
