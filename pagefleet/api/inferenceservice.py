@@ -195,8 +195,15 @@ class AutoscalingSpec(_Model):
     """Most replicas added by one decision."""
     max_scale_down_step: int = Field(default=1, ge=1)
     """Most replicas removed by one decision."""
-    target_utilization: float = Field(default=0.8, gt=0, le=1)
-    """Share of a replica's capacity at the SLO to plan for (headroom for bursts)."""
+    target_utilization: float = Field(default=1.0, gt=0, le=1)
+    """Share of a replica's learned capacity at the SLO to plan for. That capacity already
+    is what one replica serves while the SLO's percentile holds (learned from the pods),
+    and scale-up leads rising load by replicaStartupSeconds, so 1.0 needs no extra margin;
+    lower it for headroom against bursts shorter than a replica's start-up."""
+    replica_startup_seconds: float = Field(default=60.0, ge=0)
+    """How long a new replica takes from being asked for to serving (scheduling, image,
+    model load). Scale-up plans for the load this far ahead on a rising trend; 0 turns
+    the forecast off."""
     prefill_tokens_per_second: float | None = Field(default=None, gt=0)
     """Starting estimate of one replica's uncached prompt tokens/s at the TTFT target; the
     autoscaler corrects it from what the pods report. Unset: learned from scratch."""

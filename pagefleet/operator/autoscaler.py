@@ -117,8 +117,11 @@ def _pod_ready(pod: Manifest) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
 
 
-def planner_config(role: str, spec: InferenceServiceSpec, has_slo: bool) -> PlannerConfig:
-    """The planner's view of one autoscaled role (bounds, windows, SLO, engine limits)."""
+def planner_config(
+    role: str, spec: InferenceServiceSpec, has_slo: bool, observation_window_s: float = 30.0
+) -> PlannerConfig:
+    """The planner's view of one autoscaled role (bounds, windows, SLO, engine limits);
+    ``observation_window_s``: the span of the rates and percentiles it is fed."""
     auto = dict(spec.roles.items())[role].autoscaling
     assert auto is not None, f"role {role} has no autoscaling"
     return PlannerConfig(
@@ -135,6 +138,8 @@ def planner_config(role: str, spec: InferenceServiceSpec, has_slo: bool) -> Plan
         max_step_down=auto.max_scale_down_step,
         prefill_capacity_hint=auto.prefill_tokens_per_second,
         decode_capacity_hint=auto.decode_tokens_per_second,
+        observation_window_s=observation_window_s,
+        startup_s=auto.replica_startup_seconds,
     )
 
 
@@ -331,7 +336,7 @@ class Autoscaler:
         now: float,
     ) -> RoleOutcome:
         mem = self.memory.setdefault((namespace, name, role), RoleMemory())
-        cfg = planner_config(role, spec, has_slo)
+        cfg = planner_config(role, spec, has_slo, self.settings.rate_window_s)
         decision = decide(cfg, inputs.observation, mem.state, now)
         mem.state = decision.state
         mem.last_decision = now

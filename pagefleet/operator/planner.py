@@ -82,6 +82,13 @@ class PlannerConfig:
     backlog_drain_s: float = 10.0  # queued prompt work should be gone this soon
     prefill_capacity_hint: float | None = None  # uncached prompt tokens/s per replica at TTFT
     decode_capacity_hint: float | None = None  # generated tokens/s per replica at TPOT
+    # Rates and percentiles span this long: an interval teaches capacity only when the
+    # Ready count held for all of it (else the latencies are those of another fleet size).
+    observation_window_s: float = 30.0
+    # A new replica serves this long after it is asked for: scale-up plans for the load
+    # this far ahead, extrapolating the rising trend of the last trend_window_s.
+    startup_s: float = 0.0
+    trend_window_s: float = 120.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas <= self.max_replicas:
@@ -93,6 +100,8 @@ class PlannerConfig:
             raise ValueError("target_utilization and kv_target must lie in (0, 1]")
         if self.max_step_up < 1 or self.max_step_down < 1:
             raise ValueError("max_step_up and max_step_down must be at least 1")
+        if min(self.observation_window_s, self.startup_s, self.trend_window_s) < 0:
+            raise ValueError("observation_window_s, startup_s and trend_window_s must be >= 0")
 
     @property
     def uses_prefill(self) -> bool:
@@ -134,6 +143,10 @@ class PlannerState:
     mean_prompt_tokens: float | None = None  # uncached tokens per request (backlog estimate)
     # (time, recommendation) over the last scale-down window, oldest first.
     history: tuple[tuple[float, int], ...] = field(default_factory=tuple)
+    # (time, uncached prompt tokens/s, generated tokens/s) over the trend window, oldest first.
+    rates: tuple[tuple[float, float, float], ...] = field(default_factory=tuple)
+    ready: int | None = None  # Ready replicas at the last decision
+    ready_since: float | None = None  # when that count was first seen
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,6 +288,45 @@ def replicas_needed(
     return max(needs), exact
 
 
+def _rising(samples: list[tuple[float, float]]) -> float:
+    """Least-squares slope of (time, value) samples per second, never below 0; 0 with fewer
+    than 3 samples. Non-decreasing in the newest sample's value (it has the latest time)."""
+    if len(samples) < 3:
+        return 0.0
+    mt = sum(t for t, _ in samples) / len(samples)
+    mv = sum(v for _, v in samples) / len(samples)
+    den = sum((t - mt) ** 2 for t, _ in samples)
+    if den <= 0:
+        return 0.0
+    return max(0.0, sum((t - mt) * (v - mv) for t, v in samples) / den)
+
+
+def forecast(
+    cfg: PlannerConfig, obs: RoleObservation, state: PlannerState, now: float
+) -> tuple[RoleObservation, tuple[tuple[float, float, float], ...]]:
+    """(the observation with its token rates moved ``startup_s`` ahead along their rising
+    trend, the rate samples to remember). A replica asked for now serves only after its
+    start-up, so scaling on today's rate is late by that much on a rising curve; a falling
+    trend is not extrapolated (scale-down stays on measured load). Only observations of
+    every pod are remembered (a partial sum would look like a dip, then a rise)."""
+    horizon = now - cfg.trend_window_s
+    rates = tuple(r for r in state.rates if horizon < r[0] < now)
+    if obs.unknown_pods == 0 and obs.known_pods > 0:
+        rates = (*rates, (now, obs.prompt_tokens_per_s, obs.generation_tokens_per_s))
+    if cfg.startup_s <= 0 or not rates or rates[-1][0] != now:
+        return obs, rates
+    lead_prompt = _rising([(t, p) for t, p, _ in rates]) * cfg.startup_s
+    lead_gen = _rising([(t, g) for t, _, g in rates]) * cfg.startup_s
+    if lead_prompt <= 0 and lead_gen <= 0:
+        return obs, rates
+    ahead = replace(
+        obs,
+        prompt_tokens_per_s=obs.prompt_tokens_per_s + lead_prompt,
+        generation_tokens_per_s=obs.generation_tokens_per_s + lead_gen,
+    )
+    return ahead, rates
+
+
 def slo_missed(cfg: PlannerConfig, obs: RoleObservation) -> list[str]:
     """Which targets the observed percentiles missed, as human-readable phrases."""
     out = []
@@ -284,6 +336,17 @@ def slo_missed(cfg: PlannerConfig, obs: RoleObservation) -> list[str]:
     if cfg.uses_decode and cfg.tpot_s is not None and tpot is not None and tpot > cfg.tpot_s:
         out.append(f"TPOT {obs.tpot_s * 1000:.0f} ms > {cfg.tpot_s * 1000:.0f} ms")
     return out
+
+
+def _slack(cfg: PlannerConfig, obs: RoleObservation) -> bool:
+    """Every latency the role is judged on was observed and sits within _COMFORTABLE of
+    its target."""
+    pairs = []
+    if cfg.uses_prefill:
+        pairs.append((obs.ttft_s, cfg.ttft_s))
+    if cfg.uses_decode:
+        pairs.append((obs.tpot_s, cfg.tpot_s))
+    return all(o is not None and t is not None and o <= _COMFORTABLE * t for o, t in pairs)
 
 
 def _describe(obs: RoleObservation) -> str:
@@ -330,7 +393,8 @@ def decide(
             state,
         )
 
-    need, exact = replicas_needed(cfg, obs, state)
+    ahead, rates = forecast(cfg, obs, state, now)
+    need, exact = replicas_needed(cfg, ahead, state)
     missed = slo_missed(cfg, obs)
     up_rec = math.ceil(need - 1e-9)
     if missed:
@@ -344,9 +408,29 @@ def decide(
 
     window_start = now - cfg.scale_down_window_s
     history = (*((t, r) for t, r in state.history if t > window_start), (now, rec))
-    new_state = replace(learn(cfg, obs, state), history=history)
+    # Capacity is learned only from an interval whose whole observation window saw the
+    # current Ready count (a first decision has no record of a change: it trusts the data).
+    if state.ready is None:
+        ready_since = -math.inf
+    elif state.ready != obs.ready or state.ready_since is None:
+        ready_since = now
+    else:
+        ready_since = state.ready_since
+    settled = now - ready_since >= cfg.observation_window_s
+    new_state = replace(
+        learn(cfg, obs, state) if settled else state,
+        history=history,
+        rates=rates,
+        ready=obs.ready,
+        ready_since=ready_since,
+    )
     since = math.inf if state.last_scale_time is None else now - state.last_scale_time
     why = _describe(obs) + (f"; SLO missed: {', '.join(missed)}" if missed else "")
+    if ahead is not obs:
+        why += (
+            f"; in {cfg.startup_s:.0f}s at the trend: prompt "
+            f"{ahead.prompt_tokens_per_s:.0f} tok/s, gen {ahead.generation_tokens_per_s:.0f} tok/s"
+        )
 
     if rec > current:
         if obs.ready < current:
@@ -391,14 +475,16 @@ def decide(
                 rec,
             )
         # The window's highest recommendation: a dip shorter than the window moves nothing.
-        target = max(r for _, r in history)
+        # With every observed percentile far inside its target, the SLO has slack: a high
+        # recommendation from a burst that is over is weaker evidence, so hold half as long.
+        hold = cfg.scale_down_window_s * (0.5 if _slack(cfg, obs) else 1.0)
+        target = max(r for t, r in history if t > now - hold or t == now)
         desired = max(target, current - cfg.max_step_down)
         if desired >= current:
             return Decision(
                 current,
                 Reason.DOWN_WINDOW,
-                f"load fits {rec} but asked for {target} within the last "
-                f"{cfg.scale_down_window_s:.0f}s ({why})",
+                f"load fits {rec} but asked for {target} within the last {hold:.0f}s ({why})",
                 new_state,
                 rec,
             )

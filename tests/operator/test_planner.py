@@ -40,6 +40,9 @@ def configs(draw: st.DrawFn) -> PlannerConfig:
         max_step_down=draw(st.integers(1, 3)),
         prefill_capacity_hint=draw(CAP),
         decode_capacity_hint=draw(CAP),
+        observation_window_s=draw(st.floats(0, 60)),
+        startup_s=draw(st.floats(0, 120)),
+        trend_window_s=draw(st.floats(0, 300)),
     )
 
 
@@ -73,6 +76,9 @@ def states(draw: st.DrawFn, now: float) -> PlannerState:
         decode_capacity=draw(CAP),
         mean_prompt_tokens=draw(st.one_of(st.none(), st.floats(1, 4000))),
         history=tuple(sorted(hist)),
+        rates=tuple(sorted(draw(st.lists(st.tuples(st.floats(now - 300, now), RATES, RATES))))),
+        ready=draw(st.one_of(st.none(), st.integers(0, 14))),
+        ready_since=draw(st.one_of(st.none(), st.floats(now - 1000, now))),
     )
 
 
@@ -260,3 +266,40 @@ def test_out_of_bounds_is_corrected_at_once() -> None:
     cfg = _cfg(min_replicas=2, max_replicas=3)
     assert decide(cfg, _obs(1, 0.0), PlannerState(last_scale_time=0.0), 1.0).desired == 2
     assert decide(cfg, _obs(5, 0.0), PlannerState(last_scale_time=0.0), 1.0).desired == 3
+
+
+def test_rising_load_is_planned_a_start_up_ahead_falling_load_is_not() -> None:
+    # Prompt load climbing 40 tok/s per second; a replica takes 30 s to start.
+    ramp = [100.0 + 40.0 * 5.0 * k for k in range(8)]
+    lagging = _run(_cfg(max_replicas=8, scale_up_window_s=0.0), ramp)
+    leading = _run(_cfg(max_replicas=8, scale_up_window_s=0.0, startup_s=30.0), ramp)
+    assert [d.desired for d in leading] >= [d.desired for d in lagging]
+    assert leading[-1].desired > lagging[-1].desired
+    assert "at the trend" in leading[-1].message
+    # The same points falling: no extrapolation below the measured load.
+    cfg = _cfg(max_replicas=8, scale_up_window_s=0.0, scale_down_window_s=0.0, startup_s=30.0)
+    state = PlannerState()
+    for k, prompt in enumerate(reversed(ramp)):
+        d = decide(cfg, _obs(4, prompt), state, 1000.0 + 5.0 * k)
+        state = d.state
+        assert d.recommendation is not None
+        assert d.recommendation >= min(4, -(-prompt // 800.0)) - 1  # measured need, step 1
+
+
+def test_capacity_is_learned_only_once_the_ready_count_held_a_whole_window() -> None:
+    cfg = _cfg(prefill_capacity_hint=10_000.0, observation_window_s=30.0)
+    # Seen at 1 Ready replica, then 2: the 2-replica window still holds 1-replica latencies.
+    s1 = decide(cfg, _obs(1, 100.0), PlannerState(), 0.0).state
+    d = decide(cfg, _obs(2, 1600.0, ttft_s=3.0, waiting=5), s1, 10.0)
+    assert d.state.prefill_capacity == 10_000.0 and d.state.ready_since == 10.0  # kept
+    later = decide(cfg, _obs(2, 1600.0, ttft_s=3.0, waiting=5), d.state, 40.0)
+    assert later.state.prefill_capacity == 800.0  # a full window at 2: now it counts
+
+
+def test_slack_halves_the_scale_down_hold() -> None:
+    cfg = _cfg(scale_up_window_s=0.0, scale_down_window_s=60.0)
+    high = PlannerState(history=((960.0, 3),))  # 40 s ago the load asked for 3
+    tight = decide(cfg, _obs(3, 100.0, ttft_s=0.45, tpot_s=0.01), high, 1000.0)
+    assert tight.desired == 3 and tight.reason == Reason.DOWN_WINDOW
+    slack = decide(cfg, _obs(3, 100.0, ttft_s=0.1, tpot_s=0.01), high, 1000.0)
+    assert slack.desired == 2 and slack.reason == Reason.SCALED_DOWN
