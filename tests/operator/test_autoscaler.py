@@ -483,3 +483,124 @@ def test_an_api_error_while_listing_holds_quietly(redis: str) -> None:
     kube.list = refuse  # type: ignore[method-assign]
     assert tick(scaler, kube, events) == []
     assert replicas(kube) == 2 and events == []
+
+
+# ------------------------------------------------------------------------------- P/D roles
+
+
+def _pod(kube: FakeKube, pod: str, ip: str, role: str) -> None:
+    labels = {"pagefleet.io/service": NAME, "pagefleet.io/role": role}
+    kube.add(
+        {
+            "kind": "Pod",
+            "metadata": {"name": pod, "namespace": NS, "labels": labels},
+            "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]},
+        }
+    )
+
+
+def test_prefill_and_decode_roles_scale_each_on_their_own_load(
+    redis: str, servers: MetricsServers
+) -> None:
+    """roles {prefill, decode}: prefill replicas follow the uncached prompt-token rate
+    against prefill capacity at the TTFT target; decode replicas follow concurrent
+    sequences, generation rate and KV usage against decode capacity at the TPOT target.
+    Neither is moved by the other's load or by the other's latency."""
+    import time
+
+    kube, clock, events = FakeKube(), Clock(), []
+    auto = {
+        "minReplicas": 1,
+        "maxReplicas": 6,
+        "intervalSeconds": 1,
+        "scaleUpWindowSeconds": 0,
+        "scaleDownWindowSeconds": 0,
+        "maxScaleUpStep": 4,
+        "replicaStartupSeconds": 0,
+    }
+    spec = {
+        "model": {"source": {"path": "tiny"}},
+        "engine": {"maxNumSeqs": 16},
+        "roles": {
+            "prefill": {"autoscaling": {**auto, "prefillTokensPerSecond": 1000}},
+            "decode": {"autoscaling": {**auto, "decodeTokensPerSecond": 100}},
+        },
+        "index": {"redisURL": redis},
+        "slo": {"ttftMs": 500, "tpotMs": 100, "percentile": 95},
+    }
+    kube.add(
+        {"kind": "InferenceService", "metadata": {"name": NAME, "namespace": NS}, "spec": spec}
+    )
+    for role in ("prefill", "decode"):
+        labels = {"pagefleet.io/service": NAME, "pagefleet.io/role": role}
+        kube.add(
+            {
+                "kind": "Deployment",
+                "metadata": {"name": f"{NAME}-{role}", "namespace": NS, "labels": labels},
+                "spec": {"replicas": 1},
+            }
+        )
+    _pod(kube, "chat-p0", "127.0.0.2", "prefill")
+    _pod(kube, "chat-d0", "127.0.0.3", "decode")
+    pre, dec = servers.add("chat-p0", "127.0.0.2"), servers.add("chat-d0", "127.0.0.3")
+    scaler = make(kube, clock)
+
+    def count(role: str) -> int:
+        d = kube.get(DEPLOYMENT, NS, f"{NAME}-{role}")
+        assert d is not None
+        return int(d["spec"]["replicas"])
+
+    def step(**loads: dict[str, Any]) -> dict[str, Any]:
+        for pod, load in loads.items():
+            heartbeat(redis, pod, **load)
+        time.sleep(0.5)  # rates are per real second between scrapes: keep them bounded
+        clock.t += 1
+        return {o.role: o for o in tick(scaler, kube, events)}
+
+    step(**{"chat-p0": {}, "chat-d0": {}})  # first scrape of both: rates unknown
+    # Prefill-heavy interval: 4000 uncached prompt tokens/s (4 replicas' worth at 1000)
+    # within the TTFT target. The decode pod generates little but reports the imported
+    # prompts and its requests' TTFT way past the target: neither is decode's business.
+    pre.serve_requests(n=40, prompt=120, cached=20, out=1, ttft=0.2)
+    dec.serve_requests(n=2, prompt=400, cached=0, out=1, ttft=2.0)
+    out = step(
+        **{
+            "chat-p0": {"running": 1, "kv_usage": 0.1},
+            "chat-d0": {"running": 2, "kv_usage": 0.1},
+        }
+    )
+    assert out["prefill"].decision.reason.value == "ScaledUp", out["prefill"].decision.message
+    # Rates are per real second between the two scrapes (a little under 1 s here).
+    prompt_rate = out["prefill"].inputs.observation.prompt_tokens_per_s
+    assert 1000 < prompt_rate < 8100
+    grown = count("prefill")
+    assert grown == min(5, math.ceil(prompt_rate / 1000))  # +4 at most
+    assert out["decode"].decision.desired == 1, out["decode"].decision.message
+    assert "TTFT" not in out["decode"].decision.message and count("decode") == 1
+
+    # Decode-heavy interval: the decode pod's KV is 95% full and 30 sequences share a
+    # 16-sequence batch limit; the prefill pods are idle and their new pods still start.
+    _pod(kube, "chat-p1", "127.0.0.4", "prefill")  # (only one of the new prefill pods up)
+    servers.add("chat-p1", "127.0.0.4")
+    dec.serve_requests(n=30, prompt=0, cached=0, out=5, ttft=0.05)
+    out = step(
+        **{
+            "chat-p0": {"running": 0, "kv_usage": 0.0},
+            "chat-p1": {"running": 0, "kv_usage": 0.0},
+            "chat-d0": {"running": 30, "kv_usage": 0.95},
+        }
+    )
+    dmsg = out["decode"].decision.message
+    assert out["decode"].decision.reason.value == "ScaledUp", dmsg
+    # ceil(30 / 16) = 2 on concurrency and ceil(0.95 / 0.8) = 2 on KV; the generation
+    # rate (~150 tok/s at 100 per replica) asks for about as many.
+    gen_rate = out["decode"].inputs.observation.generation_tokens_per_s
+    assert count("decode") == max(2, math.ceil(gen_rate / 100)), dmsg
+    assert "running 30" in dmsg and "kv 95%" in dmsg
+    assert count("prefill") == grown  # not moved by decode load
+    status = {r["name"]: r["autoscaling"] for r in status_of(kube)["roles"]}
+    assert status["prefill"]["desiredReplicas"] == grown
+    assert status["decode"]["desiredReplicas"] == count("decode")
+    assert status["prefill"]["prefillTokensPerSecond"] > 0
+    assert "decodeTokensPerSecond" in status["decode"]
+    assert "prefillTokensPerSecond" not in status["decode"]
