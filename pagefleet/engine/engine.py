@@ -341,12 +341,15 @@ class LLMEngine(Generic[TokenizerT]):
             return False
         now = time.monotonic()
         deltas: list[CompletionDelta] = []
-        if req.beam is not None:  # no beam has been reported: one ending per answer
+        if req.beam is not None:  # beams are never reported before the end: n endings
             for seq in req.seqs:
                 if not seq.is_finished:
                     self.scheduler.finish(seq)
             req.seqs = []
             deltas = [CompletionDelta(i, [], "", None, "abort") for i in range(req.params.n)]
+            req.metrics.finished_time = now
+            self._aborted.append(self._request_output(req, deltas, finished=True))
+            return True
         for seq in req.seqs:
             if seq.is_finished and seq.reported_finish:
                 continue

@@ -13,6 +13,10 @@ continues exactly. Nothing accepted is ever dropped: a sequence leaves only by f
 being aborted. A step that preempted admits nobody new (memory is short), and while
 others run an admission must leave a small watermark of blocks free.
 
+Beam search (beam.py): a ``held`` beam, whose candidates are in while a sibling's are not,
+is never scheduled; a beam search takes its width once against ``max_num_seqs``; a step
+that would otherwise schedule nothing preempts held beams to give a sibling their blocks.
+
 Invariant: ``num_computed_tokens`` of every scheduled sequence is advanced here, at
 schedule time, to what it will be once the step's forward has run.
 """

@@ -199,6 +199,25 @@ def test_beam_kv_usage_far_below_independent_sequences() -> None:
     assert beam_peak * 2 < independent
 
 
+def test_beam_abort_mid_search_ends_every_answer_and_frees_every_block() -> None:
+    engine = _engine("tiny", [2, 4], block_size=8)
+    params = SamplingParams(n=2, best_of=3, use_beam_search=True, temperature=0.0, max_tokens=30)
+    engine.add_request("b", _prompts()[2], params)
+    for _ in range(4):
+        assert engine.step() == []  # nothing is reported before the search ends
+        engine.check_integrity()
+    assert len(engine._requests["b"].seqs) == 3  # the beams exist, forked
+    assert engine.abort("b")
+    engine.check_integrity()
+    assert engine.kv.pool.num_referenced_blocks == 0
+    (out,) = engine.step()
+    assert out.finished and [(d.index, d.finish_reason) for d in out.deltas] == [
+        (0, "abort"),
+        (1, "abort"),
+    ]
+    assert not engine.has_unfinished()
+
+
 @pytest.mark.parametrize(
     ("kw", "param"),
     [
