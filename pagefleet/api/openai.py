@@ -496,8 +496,19 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
-class ToolCallDelta(ToolCall):
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    """A piece of a streamed tool call: the first carries id, type and name; the others
+    the next piece of the arguments' text (clients concatenate them by ``index``)."""
+
     index: int = 0
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
 
 
 class ChatResponseMessage(BaseModel):

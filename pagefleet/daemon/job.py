@@ -30,6 +30,9 @@ class Choice:
     stop_reason: str | int | None = None
     last_token_t: float | None = None
     sent_role: bool = False  # chat streaming: the first chunk carries role "assistant"
+    # chat streaming of a forced tool call: its id once announced, argument chars sent
+    tool_call_id: str | None = None
+    tool_args_sent: int = 0
 
 
 @dataclass(slots=True)

@@ -7,6 +7,7 @@ shape never touches the engine or the queue: it reads the job's choices and one 
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Protocol
 
 from pydantic import BaseModel
@@ -25,11 +26,13 @@ from pagefleet.api.openai import (
     CompletionStreamResponse,
     DeltaMessage,
     FunctionCall,
+    FunctionCallDelta,
     ToolCall,
     ToolCallDelta,
     TopLogprob,
 )
 from pagefleet.daemon.job import Choice, Job
+from pagefleet.daemon.tool_calls import read_call
 from pagefleet.engine.outputs import CompletionDelta, TokenLogprob
 
 
@@ -145,14 +148,10 @@ class ChatShape:
     ) -> ChatCompletionChunk:
         msg = DeltaMessage(content=delta.new_text)
         if job.forced_tool_call:
-            # The call goes out whole with the last chunk: its arguments must parse first.
             msg.content = None
-            if delta.finish_reason is not None:
-                call = _tool_call(ch.text)
-                if call is not None:
-                    msg.tool_calls = [ToolCallDelta(index=0, **call.model_dump())]
-                else:
-                    msg.content = ch.text
+            msg.tool_calls = _tool_call_piece(ch, delta.finish_reason is not None)
+            if delta.finish_reason is not None and ch.tool_call_id is None:
+                msg.content = ch.text  # never became a call (cut short): the text as is
         if not ch.sent_role:
             msg.role = "assistant"
             ch.sent_role = True
@@ -204,12 +203,36 @@ def chat_logprobs(lps: list[TokenLogprob]) -> ChatLogprobs:
 
 
 def _tool_call(text: str) -> ToolCall | None:
-    """The call in a constrained output; None if it was cut short (max_tokens)."""
+    """The call in a constrained output; None if it was cut short (max_tokens). The
+    arguments are the model's own text of them, as streamed (tool_calls.py)."""
     try:
         obj = json.loads(text)
     except ValueError:
         return None
-    return ToolCall(function=FunctionCall(name=obj["name"], arguments=json.dumps(obj["arguments"])))
+    call = read_call(text)
+    args = call.arguments if call.complete else json.dumps(obj["arguments"])
+    return ToolCall(function=FunctionCall(name=obj["name"], arguments=args))
+
+
+def _tool_call_piece(ch: Choice, final: bool) -> list[ToolCallDelta] | None:
+    """What of ``ch``'s forced call is new since the last chunk, OpenAI-style: the call's
+    id, type and name once the name is complete, then each new piece of the arguments.
+    A call whose name never showed in the expected place goes out whole at the end."""
+    call = read_call(ch.text)
+    if call.name is None:
+        whole = _tool_call(ch.text) if final else None
+        if whole is None:
+            return None
+        ch.tool_call_id = whole.id
+        fn = FunctionCallDelta(name=whole.function.name, arguments=whole.function.arguments)
+        return [ToolCallDelta(index=0, id=whole.id, type="function", function=fn)]
+    piece = call.arguments[ch.tool_args_sent :]
+    ch.tool_args_sent = len(call.arguments)
+    if ch.tool_call_id is None:
+        ch.tool_call_id = f"call-{uuid.uuid4().hex}"
+        fn = FunctionCallDelta(name=call.name, arguments=piece)
+        return [ToolCallDelta(index=0, id=ch.tool_call_id, type="function", function=fn)]
+    return [ToolCallDelta(index=0, function=FunctionCallDelta(arguments=piece))] if piece else None
 
 
 def _message(job: Job, c: Choice) -> ChatResponseMessage:

@@ -440,12 +440,27 @@ async def test_forced_tool_calls_are_openai_shaped(tmp_path):
         )  # fmt: skip
         for ch in required.choices:
             assert ch.message.tool_calls[0].function.name in ("get_weather", "get_time")
-        stream = await c.chat.completions.create(
+        # Streamed as OpenAI does: id, type and name first, then the arguments piece by
+        # piece; the official client's accumulation gives the non-streamed call back.
+        async with c.chat.completions.stream(
             model=MODEL, messages=msgs, tools=tools, max_tokens=120, temperature=0,
-            tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True,
-        )  # fmt: skip
-        calls = [tc async for chunk in stream for tc in (chunk.choices[0].delta.tool_calls or [])]
-        assert [json.loads(tc.function.arguments) for tc in calls] == [args]
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        ) as stream:  # fmt: skip
+            pieces, chunk_calls = [], []
+            async for event in stream:
+                if event.type == "chunk" and event.chunk.choices:
+                    chunk_calls += event.chunk.choices[0].delta.tool_calls or []
+                elif event.type == "tool_calls.function.arguments.delta":
+                    pieces.append(event.arguments_delta)
+            final = await stream.get_final_completion()
+        head, *rest = chunk_calls
+        assert head.id and head.type == "function" and head.function.name == "get_weather"
+        assert rest and all(tc.id is None and tc.function.name is None for tc in rest)
+        assert len([p for p in pieces if p]) > 3, pieces  # not one chunk
+        (streamed,) = final.choices[0].message.tool_calls
+        assert final.choices[0].finish_reason == "tool_calls"
+        assert streamed.function.name == "get_weather"
+        assert streamed.function.arguments == call.function.arguments  # the same text
         auto = await c.chat.completions.create(
             model=MODEL, messages=msgs, tools=tools, max_tokens=5, temperature=0
         )
