@@ -31,7 +31,13 @@ from typing import Any
 from pydantic import ValidationError
 
 from pagefleet.api.inferenceservice import InferenceServiceSpec, RoleSpec, parse_spec
-from pagefleet.operator.builders import BuildSettings, SpecError, resolve_redis_url
+from pagefleet.kvindex.redis_auth import RedisCredentials
+from pagefleet.operator.builders import (
+    BUNDLED_GATEWAY_USER,
+    BuildSettings,
+    SpecError,
+    resolve_redis_url,
+)
 from pagefleet.operator.collect import PodTarget, gather_inputs
 from pagefleet.operator.kube import DEPLOYMENT, INFERENCE_SERVICE, POD, KubeAPI, KubeError
 from pagefleet.operator.metrics import OperatorMetrics
@@ -73,9 +79,9 @@ class AutoscalerSettings:
     # Query this Prometheus for the inputs instead of scraping every pod (promql.py).
     prometheus_url: str | None = None
     metrics_port: int = DAEMON_PORT
-    redis_password_note: str = (
-        "the operator cannot read Redis passwords from Secrets; heartbeats are unknown"
-    )
+    # Password of the bundled Redis' read-only user (pf-gateway), for services on it; the
+    # chart passes it from its Secret (the operator itself reads no Secrets).
+    default_redis_password: str | None = field(default=None, repr=False)
 
 
 @dataclass(slots=True)
@@ -195,9 +201,9 @@ class Autoscaler:
             redis_url: str | None = resolve_redis_url(spec, self.build)
         except SpecError:
             redis_url = None
-        redis_note = None
-        if spec.index.password_secret_ref is not None:
-            redis_url, redis_note = None, self.settings.redis_password_note
+        credentials, redis_note = self._redis_credentials(spec)
+        if redis_note is not None:
+            redis_url = None
 
         try:
             deploy_list = self._list(DEPLOYMENT, namespace, name)
@@ -222,7 +228,13 @@ class Autoscaler:
             if not prom and _pod_ready(p) and (ip := (p.get("status") or {}).get("podIP"))
         ]
         scrapes, loads, redis_err = asyncio.run(
-            gather_inputs(targets, redis_url, names.kv_namespace, self.settings.scrape_timeout_s)
+            gather_inputs(
+                targets,
+                redis_url,
+                names.kv_namespace,
+                self.settings.scrape_timeout_s,
+                credentials,
+            )
         )
         redis_err = redis_note or redis_err
         from_prometheus: dict[str, RoleInputs] = {}
@@ -269,6 +281,40 @@ class Autoscaler:
         return outcomes
 
     # ------------------------------------------------------------------------------------
+
+    def _redis_credentials(
+        self, spec: InferenceServiceSpec
+    ) -> tuple[RedisCredentials | None, str | None]:
+        """(credentials for reading the heartbeats, or why they cannot be read).
+
+        A service on the bundled Redis (no redisURL of its own) is read as its read-only
+        ACL user with the password the operator was started with. A service whose own Redis
+        needs the password in ``passwordSecretRef`` cannot be: the operator holds no RBAC
+        for Secrets (reading every namespace's Secrets is more than an autoscaler should
+        hold), so the message says what works instead."""
+        index = spec.index
+        if index.password_secret_ref is not None:
+            ref = index.password_secret_ref
+            return None, (
+                f"spec.index.passwordSecretRef ({ref.name}/{ref.key}): the operator reads no "
+                "Secrets, so it cannot read the load heartbeats from this Redis and holds the "
+                "replica count; run the operator with --prometheus-url (inputs from "
+                "Prometheus; heartbeats then only rank pods for scale-down), or put the "
+                "service on the operator's bundled Redis (no spec.index.redisURL)"
+            )
+        if index.redis_url is None and self.build.default_redis_secret:
+            if self.settings.default_redis_password is None:
+                return None, (
+                    "the bundled Redis needs a password and the operator has none: set "
+                    "PAGEFLEET_DEFAULT_REDIS_PASSWORD to the gateway-password of Secret "
+                    f"{self.build.default_redis_secret} (the Helm chart does)"
+                )
+            return RedisCredentials(
+                username=BUNDLED_GATEWAY_USER, password=self.settings.default_redis_password
+            ), None
+        if index.username:
+            return RedisCredentials(username=index.username), None
+        return None, None
 
     def _list(self, kind: Any, namespace: str, name: str) -> list[Manifest]:
         return self.kube.list(kind, namespace, {LABEL_SERVICE: name})

@@ -46,6 +46,14 @@ from pagefleet.operator.builders import BuildSettings
     "gateway-password) for InferenceServices on --default-redis-url.",
 )
 @click.option(
+    "--default-redis-password",
+    envvar="PAGEFLEET_DEFAULT_REDIS_PASSWORD",
+    default=None,
+    hidden=True,  # environment only: a password on the command line is readable by all
+    help="Password of the bundled Redis' read-only user pf-gateway (the autoscaler reads "
+    "the load heartbeats with it).",
+)
+@click.option(
     "--resync-seconds",
     type=click.FloatRange(min=1.0),
     default=30.0,
@@ -137,6 +145,7 @@ def command(
     standalone: bool,
     default_redis_url: str | None,
     default_redis_secret: str | None,
+    default_redis_password: str | None,
     resync_seconds: float,
     liveness_endpoint: str | None,
     allowed_image_prefixes: tuple[str, ...],
@@ -189,6 +198,7 @@ def command(
             scrape_timeout_s=scrape_timeout_seconds,
             rate_window_s=rate_window_seconds,
             prometheus_url=prometheus_url,
+            default_redis_password=default_redis_password,
         ),
         metrics,
     )

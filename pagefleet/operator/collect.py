@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from pagefleet.kvindex.index import PodLoad
+from pagefleet.kvindex.redis_auth import RedisCredentials
 from pagefleet.operator.signals import MetricsError, PodSnapshot, parse_metrics
 
 
@@ -54,10 +55,14 @@ async def scrape_pods(targets: list[PodTarget], timeout_s: float) -> dict[str, S
 
 
 async def read_heartbeats(
-    redis_url: str, kv_namespace: str, timeout_s: float
+    redis_url: str,
+    kv_namespace: str,
+    timeout_s: float,
+    credentials: RedisCredentials | None = None,
 ) -> dict[str, PodLoad]:
     """Live pods' heartbeats of one InferenceService; raises OSError-like redis errors when
-    Redis cannot be reached (the caller turns that into a condition, never into zeros)."""
+    Redis cannot be reached or refuses the credentials (the caller turns that into a
+    condition, never into zeros)."""
     import redis.asyncio as aredis
 
     from pagefleet.kvindex.redis_index import RedisKVIndex
@@ -67,6 +72,7 @@ async def read_heartbeats(
         decode_responses=False,
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,
+        **(credentials or RedisCredentials()).client_kwargs(redis_url),
     )
     index = RedisKVIndex(client, namespace=kv_namespace, owns_client=True, auto_gc_interval_s=None)
     try:
@@ -76,7 +82,11 @@ async def read_heartbeats(
 
 
 async def gather_inputs(
-    targets: list[PodTarget], redis_url: str | None, kv_namespace: str, timeout_s: float
+    targets: list[PodTarget],
+    redis_url: str | None,
+    kv_namespace: str,
+    timeout_s: float,
+    credentials: RedisCredentials | None = None,
 ) -> tuple[dict[str, Scrape], dict[str, PodLoad] | None, str | None]:
     """Scrapes and heartbeats at once: (scrapes, heartbeats or None, Redis error or None)."""
 
@@ -84,7 +94,8 @@ async def gather_inputs(
         if redis_url is None:
             return None, "no Redis URL"
         try:
-            return await read_heartbeats(redis_url, kv_namespace, timeout_s), None
+            loads = await read_heartbeats(redis_url, kv_namespace, timeout_s, credentials)
+            return loads, None
         except Exception as exc:  # any failure of Redis means: heartbeats unknown
             return None, f"Redis {_redact(redis_url)}: {type(exc).__name__}: {exc}"
 

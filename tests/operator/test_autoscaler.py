@@ -604,3 +604,91 @@ def test_prefill_and_decode_roles_scale_each_on_their_own_load(
     assert status["prefill"]["prefillTokensPerSecond"] > 0
     assert "decodeTokensPerSecond" in status["decode"]
     assert "prefillTokensPerSecond" not in status["decode"]
+
+
+# ----------------------------------------------------------------- Redis with a password
+
+
+def test_bundled_redis_with_acl_passwords_is_read_as_the_read_only_user(
+    servers: MetricsServers,
+) -> None:
+    """The chart's bundled Redis: default user off, pf-daemon writes, pf-gateway reads. The
+    operator reads the heartbeats as pf-gateway with the password the chart gives it; with
+    none, or for a service whose own Redis password sits in a Secret, it holds the count
+    and says why and what to do."""
+    from pagefleet.kvindex.redis_auth import (
+        DAEMON_ACL_RULES,
+        GATEWAY_ACL_RULES,
+        RedisCredentials,
+    )
+    from pagefleet.operator.autoscaler import AutoscalerSettings
+
+    acl = [
+        "user default off",
+        f"user pf-daemon on >daemon-pw {DAEMON_ACL_RULES}",
+        f"user pf-gateway on >gateway-pw {GATEWAY_ACL_RULES}",
+    ]
+    with LocalRedis(acl=acl) as server:
+        url = server.url
+
+        async def beat(pod: str, running: int) -> None:
+            creds = RedisCredentials(username="pf-daemon", password="daemon-pw")
+            index = RedisKVIndex.from_url(url, namespace=f"{NS}/{NAME}", credentials=creds)
+            try:
+                await index.heartbeat(pod, PodLoad(running=running), ttl_s=60)
+            finally:
+                await index.close()
+
+        def scaler_for(kube: FakeKube, clock: Clock, password: str | None) -> Autoscaler:
+            return Autoscaler(
+                kube,
+                BuildSettings(default_redis_url=url, default_redis_secret="pf-redis-auth"),
+                AutoscalerSettings(
+                    scrape_timeout_s=1.0,
+                    metrics_port=PORT,
+                    rate_window_s=0.0,
+                    default_redis_password=password,
+                ),
+                OperatorMetrics(),
+                clock=clock,
+            )
+
+        kube, clock, events = FakeKube(), Clock(), []
+        world(kube, url, 1, [("chat-a", "127.0.0.2")])
+        obj = kube.obj("InferenceService", NS, NAME)
+        assert obj is not None
+        obj["spec"]["index"] = {}  # on the bundled Redis
+        a = servers.add("chat-a", "127.0.0.2")
+        asyncio.run(beat("chat-a", 2))
+
+        blind = scaler_for(kube, clock, None)
+        tick(blind, kube, events)
+        a.serve_requests(n=50, prompt=120, cached=20, out=8, ttft=0.9)
+        clock.t += 1
+        (out,) = tick(blind, kube, events)
+        assert replicas(kube) == 1 and out.decision.reason.value == "InputsUnknown"
+        cond = scaling_active(kube)
+        assert cond["status"] == "False" and "PAGEFLEET_DEFAULT_REDIS_PASSWORD" in cond["message"]
+
+        scaler = scaler_for(kube, clock, "gateway-pw")
+        tick(scaler, kube, events)  # first scrape of this operator's memory
+        a.serve_requests(n=50, prompt=120, cached=20, out=8, ttft=0.9)
+        clock.t += 1
+        (out,) = tick(scaler, kube, events)
+        assert out.inputs.observation.known_pods == 1, [p.error for p in out.inputs.pods]
+        assert out.inputs.observation.running == 2  # the heartbeat, read as pf-gateway
+        assert out.decision.reason.value == "ScaledUp" and replicas(kube) == 3
+        assert scaling_active(kube)["status"] == "True"
+
+        # Its own Redis, password in a Secret: no Secret reads; a condition with the way out.
+        obj["spec"]["index"] = {
+            "redisURL": url,
+            "username": "pf-gateway",
+            "passwordSecretRef": {"name": "chat-redis", "key": "password"},
+        }
+        clock.t += 1
+        (out,) = tick(scaler, kube, events)
+        assert replicas(kube) == 3 and out.decision.reason.value == "InputsUnknown"
+        msg = scaling_active(kube)["message"]
+        assert "passwordSecretRef (chat-redis/password)" in msg and "--prometheus-url" in msg
+        assert "gateway-pw" not in msg

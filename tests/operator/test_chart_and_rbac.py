@@ -212,6 +212,12 @@ def test_helm_template_with_redis_namespaces_and_monitoring_apis():
             "value": "redis://pf-pagefleet-redis.pagefleet-system.svc:6379/0",
         },
         {"name": "PAGEFLEET_DEFAULT_REDIS_SECRET", "value": "pf-pagefleet-redis-auth"},
+        {
+            "name": "PAGEFLEET_DEFAULT_REDIS_PASSWORD",
+            "valueFrom": {
+                "secretKeyRef": {"name": "pf-pagefleet-redis-auth", "key": "gateway-password"}
+            },
+        },
     ]
     assert "--liveness=http://$(POD_IP):8080/healthz" in c["command"]
     assert any(s["metadata"]["name"] == "pf-pagefleet-redis" for s in by_kind["Service"])
