@@ -40,11 +40,11 @@ def _config(role: str, name: str) -> DaemonConfig:
     )  # fmt: skip
 
 
-async def _gateway(prefill_urls: list[str], decode_urls: list[str]):
+async def _gateway(prefill_urls: list[str], decode_urls: list[str], **kw):
     cfg = GatewayConfig(
         model=str(ensure_tiny_checkpoint("tiny")), served_model_name=MODEL, block_size=8,
         prefill_endpoints=prefill_urls, decode_endpoints=decode_urls,
-        pd_min_uncached_tokens=16, pd_prefill_timeout_s=5.0, port=free_port(),
+        pd_min_uncached_tokens=16, pd_prefill_timeout_s=5.0, port=free_port(), **kw,
     )  # fmt: skip
     gw = build_gateway(cfg)
     runner = web.AppRunner(gw.make_app(), handler_cancellation=True)
@@ -75,6 +75,9 @@ async def _metric(url: str, name: str, **labels: str) -> float:
         if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+_OUTCOME = "pagefleet:kv_transfer_requests_total"
 
 
 def _client(url: str) -> openai.AsyncOpenAI:
@@ -176,3 +179,104 @@ async def test_dead_prefill_pool_falls_back(fleet) -> None:
         await uni.close()
     finally:
         await runner.cleanup()
+
+
+class _DyingDecodePod:
+    """A real aiohttp server in the decode pool that is ready but drops every generation
+    request before its first byte: the connection closes (non-streamed) or the response
+    headers go out and the stream ends empty (streamed), as a pod that crashes would."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict] = []
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        app = web.Application()
+        app.router.add_get("/ready", lambda _: web.json_response({"ready": True}))
+        app.router.add_get("/health", lambda _: web.json_response({"ok": True}))
+        app.router.add_post("/v1/completions", self._die)
+        app.router.add_post("/v1/chat/completions", self._die)
+        self.runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0)
+
+    async def _die(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.seen.append(body)
+        if body.get("stream"):
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write_eof()  # headers, then an empty stream: no first byte
+            return resp
+        assert request.transport is not None
+        request.transport.close()  # crash: the connection drops before any response
+        return web.Response()
+
+    async def __aenter__(self) -> _DyingDecodePod:
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.runner.cleanup()
+
+
+async def _complete(client: openai.AsyncOpenAI, prompt: str, stream: bool) -> tuple:
+    """(text, prompt_tokens, completion_tokens) of one greedy completion."""
+    kw = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    if not stream:
+        r = await client.completions.create(**kw)
+        return r.choices[0].text, r.usage.prompt_tokens, r.usage.completion_tokens
+    text, usage = "", None
+    async for chunk in await client.completions.create(
+        **kw, stream=True, stream_options={"include_usage": True}
+    ):
+        if chunk.choices:
+            text += chunk.choices[0].text
+        if chunk.usage:
+            usage = chunk.usage
+    assert usage is not None
+    return text, usage.prompt_tokens, usage.completion_tokens
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_decode_pod_dying_before_first_byte_retries_with_the_same_handle(
+    fleet, stream: bool
+) -> None:
+    """The request moves to the next decode pod carrying the handle the prefill pod made:
+    one prefill per request, the second decode pod pulls it, the answer equals unified."""
+    p, d, u = fleet["prefill"], fleet["decode"], fleet["unified"]
+    async with _DyingDecodePod() as bad:
+        # round_robin starts each request one pod further: one of the two requests below
+        # meets the dying pod first, whatever the pods' names sort to.
+        _, runner, url = await _gateway([p.url], [bad.url, d.url], policy="round_robin")
+        gw, uni = _client(url), _client(u.url)
+        try:
+            exported0 = await _metric(p.url, _OUTCOME, outcome="exported")
+            prompt0 = await _metric(p.url, "vllm:prompt_tokens_total")
+            pulled0 = await _metric(d.url, _OUTCOME, outcome="pulled")
+            fallback0 = await _metric(d.url, _OUTCOME, outcome="fallback")
+            n_prompt = 0
+            for prompt in (PROMPT + " at dawn", PROMPT + " at dusk"):
+                got = await _complete(gw, prompt, stream)
+                want = await _complete(uni, prompt, stream)
+                assert got == want
+                n_prompt += want[1]
+            assert len(bad.seen) == 1, "exactly one request met the dying pod first"
+            assert bool(bad.seen[0].get("stream")) is stream
+            handle = bad.seen[0]["kv_transfer_params"]["remote_request_id"]
+            exported = await _metric(p.url, _OUTCOME, outcome="exported")
+            assert exported - exported0 == 2, "one remote prefill per request, none again"
+            tokens = await _metric(p.url, "vllm:prompt_tokens_total") - prompt0
+            assert tokens == n_prompt, "the prefill pod prefilled a prompt twice"
+            pulled = await _metric(d.url, _OUTCOME, outcome="pulled")
+            assert pulled - pulled0 == 2, "the retried request must pull the same handle"
+            assert await _metric(d.url, _OUTCOME, outcome="fallback") == fallback0
+            loop = p.daemon.engine_loop
+            assert handle not in await loop.call(lambda e: e.exports.handles())
+            retried = await _metric(
+                url, "pagefleet_gateway_upstream_retries_total", pod=f"127.0.0.1:{bad.port}"
+            )
+            assert retried == 1
+        finally:
+            await gw.close()
+            await uni.close()
+            await runner.cleanup()
