@@ -335,8 +335,9 @@ def _split(value: str | None) -> list[str]:
     default=8,
     show_default=True,
     type=int,
-    help="P/D: a prefill pod with this many of our requests counts as saturated; the "
-    "decode pod prefills locally meanwhile.",
+    help="P/D: a prefill pod with this many requests in flight (this gateway's, plus what "
+    "its Redis heartbeat reports beyond them) takes no more; when every prefill pod is "
+    "that busy the decode pod prefills locally.",
 )
 @click.option(
     "--pd-prefill-timeout",

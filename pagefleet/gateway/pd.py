@@ -5,9 +5,13 @@ load). Then:
 
 1. Conditional disaggregation: when the best decode pod's cached prefix leaves fewer than
    ``min_uncached_tokens`` to compute, or the prompt is unknown (no tokenizer), or the
-   prefill pool is saturated (its best pod already has ``max_prefill_inflight`` requests
-   from this gateway) or empty, the decode pod prefills locally: the body goes as is.
+   prefill pool is saturated or empty, the decode pod prefills locally: the body goes as
+   is. Saturated: every prefill pod already has ``max_prefill_inflight`` requests in
+   flight, counting this gateway's own (exact, instant) plus what the pod's last Redis
+   heartbeat reported beyond them (other gateway replicas, direct clients): the router's
+   ``queue`` figure, the same one the cache-aware policy balances on.
 2. Otherwise the prompt goes to the best prefill pod (cache-aware over the prefill pool)
+   that is not saturated
    with ``max_tokens=1``, ``n=1``, no streaming and ``kv_transfer_params.do_remote_decode``;
    its answer's ``kv_transfer_params`` (host and port taken from the endpoint the gateway
    reached) are added to the original body, which the proxy then sends to the decode pods
@@ -41,7 +45,8 @@ logger = logging.getLogger(__name__)
 class PDSettings:
     # Disaggregate only when the decode pod would compute at least this many prompt tokens.
     min_uncached_tokens: int = 256
-    # The prefill pool counts as saturated when its best pod has this many of our requests.
+    # A prefill pod with this many requests in flight (ours plus those its heartbeat
+    # reports beyond ours) takes no more; when all do, the decode pod prefills locally.
     max_prefill_inflight: int = 8
     prefill_timeout_s: float = 30.0
 
@@ -111,8 +116,11 @@ class PDOrchestrator:
         if not pre.ranked:
             self._count("local", "no_prefill_pods")
             return body
-        ep = pre.ranked[0].endpoint
-        if self.prefill_router.inflight.get(ep.pod, 0) >= self.settings.max_prefill_inflight:
+        ep = next(
+            (s.endpoint for s in pre.ranked if s.queue < self.settings.max_prefill_inflight),
+            None,
+        )
+        if ep is None:
             self._count("local", "prefill_saturated")
             return body
         params = await self._prefill(session, ep, path, original, headers)

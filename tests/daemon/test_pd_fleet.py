@@ -9,6 +9,7 @@ prefill with the same answer; malformed params are a clear 400.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import aiohttp
@@ -19,8 +20,10 @@ from aiohttp import web
 
 from pagefleet.daemon.config import DaemonConfig
 from pagefleet.dev.process import free_port
+from pagefleet.dev.redis_server import LocalRedis
 from pagefleet.engine.tiny import ensure_tiny_checkpoint
 from pagefleet.gateway.cli import GatewayConfig, build_gateway
+from pagefleet.kvindex.redis_index import RedisKVIndex
 
 from .conftest import live_daemon
 
@@ -33,10 +36,14 @@ PROMPT = (
 )
 
 
-def _config(role: str, name: str) -> DaemonConfig:
+def _config(role: str, redis_url: str | None = None) -> DaemonConfig:
+    # Pod names follow the static-discovery convention (host:port), as `pagefleet up` does,
+    # so that a gateway reading Redis matches each heartbeat to its endpoint.
+    port = free_port()
     return DaemonConfig(
-        model="tiny", served_model_name=MODEL, port=free_port(), pod_name=name, role=role,
+        model="tiny", served_model_name=MODEL, port=port, pod_name=f"127.0.0.1:{port}", role=role,
         block_size=8, num_gpu_blocks=128, max_model_len=256, max_num_seqs=8, max_queue=8,
+        redis_url=redis_url, heartbeat_s=0.2,
     )  # fmt: skip
 
 
@@ -55,14 +62,17 @@ async def _gateway(prefill_urls: list[str], decode_urls: list[str], **kw):
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def fleet():
+    # The P/D daemons heartbeat into a real Redis; only gateways given --redis-url read it.
     async with (
-        live_daemon(_config("prefill", "p0")) as p,
-        live_daemon(_config("decode", "d0")) as d,
-        live_daemon(_config("unified", "u0")) as u,
+        LocalRedis() as redis,
+        live_daemon(_config("prefill", redis.url)) as p,
+        live_daemon(_config("decode", redis.url)) as d,
+        live_daemon(_config("unified")) as u,
     ):
         gw, runner, url = await _gateway([p.url], [d.url])
         try:
-            yield {"prefill": p, "decode": d, "unified": u, "gateway": url, "gw": gw}
+            yield {"prefill": p, "decode": d, "unified": u, "gateway": url, "gw": gw,
+                   "redis": redis.url}  # fmt: skip
         finally:
             await runner.cleanup()
 
@@ -280,3 +290,66 @@ async def test_decode_pod_dying_before_first_byte_retries_with_the_same_handle(
             await gw.close()
             await uni.close()
             await runner.cleanup()
+
+
+async def _prefill_load(redis_url: str, pod: str) -> int:
+    index = RedisKVIndex.from_url(redis_url, namespace=MODEL, auto_gc_interval_s=None)
+    try:
+        load = (await index.pods()).get(pod)
+        return 0 if load is None else load.running + load.waiting
+    finally:
+        await index.close()
+
+
+async def _until(cond, timeout: float = 20.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await cond():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.1)
+
+
+@pytest.mark.timeout(120)
+async def test_prefill_pool_busy_per_its_heartbeat_means_local_prefill(fleet) -> None:
+    """Saturation counts the prefill pod's own load (its Redis heartbeat), not only this
+    gateway's in-flight requests: traffic this gateway never sent keeps it off the pool."""
+    p, d, u = fleet["prefill"], fleet["decode"], fleet["unified"]
+    _, runner, url = await _gateway(
+        [p.url], [d.url], redis_url=fleet["redis"], pd_max_prefill_inflight=2
+    )
+    gw, uni, direct = _client(url), _client(u.url), _client(p.url)
+    busy: list[asyncio.Task] = []
+    try:
+        # Other clients keep the prefill pod busy: long decodes sent to it directly.
+        for i in range(3):
+            busy.append(asyncio.create_task(direct.completions.create(
+                model=MODEL, prompt=f"{PROMPT} {i}", max_tokens=200, temperature=0,
+                extra_body={"ignore_eos": True},
+            )))  # fmt: skip
+        await _until(lambda: _loaded(fleet["redis"], p.daemon.config.pod, at_least=2))
+        exported0 = await _metric(p.url, _OUTCOME, outcome="exported")
+        prompt = PROMPT + " under load"
+        assert await _complete(gw, prompt, False) == await _complete(uni, prompt, False)
+        assert await _metric(url, "pagefleet_gateway_pd_requests_total",
+                             path="local", reason="prefill_saturated") == 1  # fmt: skip
+        assert await _metric(p.url, _OUTCOME, outcome="exported") == exported0
+        # Once the heartbeat shows the pod idle again, the pool takes prompts again.
+        for t in busy:
+            t.cancel()
+        await asyncio.gather(*busy, return_exceptions=True)
+        await _until(lambda: _loaded(fleet["redis"], p.daemon.config.pod, at_most=0))
+        await asyncio.sleep(0.6)  # the gateway re-reads heartbeats every 0.25 s
+        prompt = "At rest: " + PROMPT  # its own first block: nothing of it cached anywhere
+        assert await _complete(gw, prompt, False) == await _complete(uni, prompt, False)
+        assert await _metric(url, "pagefleet_gateway_pd_requests_total", path="remote") == 1
+        assert await _metric(p.url, _OUTCOME, outcome="exported") == exported0 + 1
+    finally:
+        for t in busy:
+            t.cancel()
+        await asyncio.gather(*busy, return_exceptions=True)
+        for c in (gw, uni, direct):
+            await c.close()
+        await runner.cleanup()
+
+
+async def _loaded(redis_url: str, pod: str, at_least: int = 0, at_most: int = 10**9) -> bool:
+    return at_least <= await _prefill_load(redis_url, pod) <= at_most
