@@ -237,6 +237,10 @@ class EngineClient:
         s = self.latest_stats
         return float(getattr(s, "kv_exports_expired_total", 0)) if s is not None else 0.0
 
+    def exports_live(self) -> float:
+        s = self.latest_stats
+        return float(getattr(s, "kv_exports_live", 0)) if s is not None else 0.0
+
     async def export_block_ids(self, handle: str) -> list[int]:
         return await self.side("export_block_ids", handle)
 

@@ -221,6 +221,10 @@ class EngineLoop:
         exports = getattr(self.engine, "exports", None)  # engines without P/D: none
         return float(exports.expired_total) if exports is not None else 0.0
 
+    def exports_live(self) -> float:
+        exports = getattr(self.engine, "exports", None)
+        return float(len(exports)) if exports is not None else 0.0
+
     async def export_block_ids(self, handle: str) -> list[int]:
         """The blocks a transfer handle pins (empty if gone), read without consuming it."""
         exports = getattr(self.engine, "exports", None)

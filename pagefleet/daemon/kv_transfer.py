@@ -11,6 +11,10 @@ the prompt's blocks and receives them in one binary response on the daemon's own
     payload   for each layer in the header's layer range: K then V of the blocks, as
               ``[num_blocks, block_size, num_kv_heads, head_dim]`` in C order
 
+A decode pod that will not pull a handle after all (its own cache holds every block, or it
+prefills locally) says so with ``POST /v1/kv/release`` (``{"handle": ...}``): the prefill
+pod unpins the blocks at once instead of at the handle's deadline.
+
 The bytes come straight out of the KV tensors (one gather per layer, no per-element Python);
 on CUDA the gather is staged through pinned host memory (``ModelRunner.read_kv_blocks``).
 
@@ -38,13 +42,14 @@ from typing import Any
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 logger = logging.getLogger(__name__)
 
 PULL_PATH = "/v1/kv/pull"
+RELEASE_PATH = "/v1/kv/release"
 _HEADER_LEN = struct.Struct(">I")
 _MAX_HEADER = 64 << 20
 
@@ -86,6 +91,7 @@ class KVTransferMetrics:
         labels: tuple[str, ...],
         values: list[str],
         expired_total: Callable[[], float],
+        active: Callable[[], float] = lambda: 0.0,
     ) -> None:
         self._values = values
         self.bytes = Counter(
@@ -120,7 +126,7 @@ class KVTransferMetrics:
             [*labels, "outcome"],
             registry=registry,
         )
-        registry.register(_ExpiredCollector(labels, values, expired_total))
+        registry.register(_ExpiredCollector(labels, values, expired_total, active))
 
     def moved(self, direction: str, nbytes: int, nblocks: int) -> None:
         self.bytes.labels(*self._values, direction).inc(nbytes)
@@ -134,12 +140,17 @@ class KVTransferMetrics:
 
 
 class _ExpiredCollector(Collector):
-    """Handles expired, read from the engine's own count at scrape time (never drifts)."""
+    """Handles expired and live, read from the engine's own registry at scrape time (never
+    drifts)."""
 
     def __init__(
-        self, labels: tuple[str, ...], values: list[str], total: Callable[[], float]
+        self,
+        labels: tuple[str, ...],
+        values: list[str],
+        total: Callable[[], float],
+        active: Callable[[], float],
     ) -> None:
-        self._labels, self._values, self._total = labels, values, total
+        self._labels, self._values, self._total, self._active = labels, values, total, active
 
     def collect(self) -> Iterator[Metric]:
         c = CounterMetricFamily(
@@ -149,6 +160,13 @@ class _ExpiredCollector(Collector):
         )
         c.add_metric(self._values, float(self._total()))
         yield c
+        g = GaugeMetricFamily(
+            "pagefleet:kv_transfer_handles_active",
+            "Transfer handles whose KV blocks are pinned, waiting to be pulled or released.",
+            labels=list(self._labels),
+        )
+        g.add_metric(self._values, float(self._active()))
+        yield g
 
 
 class PullRequest(BaseModel):
@@ -212,10 +230,24 @@ def check_header(header: dict[str, Any], plan: Any, layout: Any) -> None:
         raise KVPullError("hash_mismatch", "the pulled blocks were computed from other token ids")
 
 
+class ReleaseRequest(BaseModel):
+    """Body of ``POST /v1/kv/release``: the decode side will not pull ``handle``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    handle: str = Field(min_length=1, max_length=256)
+
+
 class KVTransfer(ABC):
     """Moves a prompt's KV blocks from a prefill pod into a decode pod's reservation."""
 
     name: str
+
+    @abstractmethod
+    async def release(self, params: KVTransferParams) -> bool:
+        """Tell the prefill pod that holds ``params``' handle to free it now (this pod will
+        not pull it). Best effort: True when the prefill pod freed it; never raises (the
+        handle's deadline frees it otherwise)."""
 
     @abstractmethod
     async def pull(self, params: KVTransferParams, plan: Any, layout: Any) -> list[tuple[Any, Any]]:
@@ -245,9 +277,8 @@ class TcpKVTransfer(KVTransfer):
             )
         return self._session
 
-    async def pull(self, params: KVTransferParams, plan: Any, layout: Any) -> list[tuple[Any, Any]]:
-        import torch
-
+    @staticmethod
+    def _url(params: KVTransferParams, path: str) -> str:
         if not params.remote_host or not params.remote_port or not params.remote_request_id:
             raise KVPullError(
                 "bad_params",
@@ -256,7 +287,23 @@ class TcpKVTransfer(KVTransfer):
         host = params.remote_host
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"  # IPv6 literal
-        url = f"http://{host}:{params.remote_port}{PULL_PATH}"
+        return f"http://{host}:{params.remote_port}{path}"
+
+    async def release(self, params: KVTransferParams) -> bool:
+        try:
+            url = self._url(params, RELEASE_PATH)
+            body = ReleaseRequest(handle=params.remote_request_id or "").model_dump()
+            async with asyncio.timeout(min(self.timeout_s, 2.0)):
+                async with self._client().post(url, json=body) as resp:
+                    return resp.status == 200
+        except (KVPullError, TimeoutError, ClientError, OSError, ValidationError) as exc:
+            logger.debug("releasing KV handle %s failed: %s", params.remote_request_id, exc)
+            return False
+
+    async def pull(self, params: KVTransferParams, plan: Any, layout: Any) -> list[tuple[Any, Any]]:
+        import torch
+
+        url = self._url(params, PULL_PATH)
         body = PullRequest(
             handle=params.remote_request_id,
             first_block=plan.first_block,
@@ -380,6 +427,21 @@ class KVExportServer:
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post(PULL_PATH, self.pull)
+        app.router.add_post(RELEASE_PATH, self.release)
+
+    async def release(self, request: web.Request) -> web.Response:
+        """Free a handle nobody will pull (its blocks are unpinned at the engine's next
+        collect, posted now); a handle being read is freed when its read ends."""
+        try:
+            req = ReleaseRequest.model_validate_json(await request.read())
+        except ValidationError as exc:
+            return _error(400, f"bad KV release request: {exc.errors()[:3]}")
+        src = self._kv_source()
+        if src is None or await src.acquire(req.handle) is None:
+            return _error(404, f"no live transfer handle {req.handle!r}")
+        src.release(req.handle, consumed=True)
+        self._release()
+        return web.json_response({"released": req.handle})
 
     def _kv_source(self) -> KVSource | None:
         src = self._source()

@@ -7,7 +7,10 @@
 - ``do_remote_prefill`` (sent to a decode pod, with the original request): reserve blocks,
   pull only what the local prefix cache lacks, verify, commit, decode. Any failure of the
   pull (dead host, expired or forged handle, another model) is counted by reason and the
-  request is prefilled here instead: the caller gets its answer either way.
+  request is prefilled here instead: the caller gets its answer either way. A handle this
+  pod will not pull (its own cache holds every block, or it prefills locally while the
+  handle may still be live) is released on the prefill pod at once, in the background, so
+  its blocks do not stay pinned until the deadline.
 - No params: the request is served as by a unified pod.
 
 Invariant: a reservation opened for a pull ends in a commit or a cancel on every path
@@ -42,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 # How often an idle engine frees pulled and expired handles.
 _COLLECT_EVERY_S = 1.0
+# Pull failures after which a release request would find nothing or reach nobody.
+_NOTHING_TO_RELEASE = frozenset({"not_found", "unreachable", "bad_params"})
 
 
 class TransferParamsError(ValueError):
@@ -62,12 +67,15 @@ class PDSide:
     ) -> None:
         self.config = config
         self._engine_loop = engine_loop
-        self.metrics = KVTransferMetrics(registry, labels, label_values, self._expired_total)
+        self.metrics = KVTransferMetrics(
+            registry, labels, label_values, self._expired_total, self._active_handles
+        )
         self.transfer = transfer or TcpKVTransfer(
             timeout_s=config.kv_pull_timeout_s, metrics=self.metrics
         )
         self.export_server = KVExportServer(self._kv_source, self._collect, self.metrics)
         self._timer: asyncio.Task[None] | None = None
+        self._releases: set[asyncio.Task[bool]] = set()
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -82,6 +90,8 @@ class PDSide:
             self._timer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._timer
+        if self._releases:  # each is bounded by its own short timeout
+            await asyncio.gather(*self._releases, return_exceptions=True)
         await self.transfer.close()
 
     def _loaded(self) -> EngineHandle | None:
@@ -100,6 +110,16 @@ class PDSide:
     def _expired_total(self) -> float:
         loop = self._loaded()
         return 0.0 if loop is None else loop.exports_expired_total()
+
+    def _active_handles(self) -> float:
+        loop = self._loaded()
+        return 0.0 if loop is None else loop.exports_live()
+
+    def _release_remote(self, tp: KVTransferParams) -> None:
+        """Free ``tp``'s handle on the prefill pod, without delaying this request."""
+        task = asyncio.create_task(self.transfer.release(tp), name="kv-release")
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
     async def _collect_loop(self) -> None:
         while True:
@@ -172,11 +192,11 @@ class PDSide:
     ) -> RequestStream | None:
         """Pull and commit; None (reservation released, reason counted) to prefill here."""
         if tp.remote_num_tokens is not None and tp.remote_num_tokens != len(ids):
-            self._fallback(rid, "prompt_mismatch", "the handle holds another prompt")
+            self._fallback(rid, "prompt_mismatch", "the handle holds another prompt", tp)
             return None
         plan = await loop.reserve_import(rid, ids, lora_id)
         if plan is None:
-            self._fallback(rid, "no_reservation", "no blocks free for the pull now")
+            self._fallback(rid, "no_reservation", "no blocks free for the pull now", tp)
             return None
         committed = False
         try:
@@ -186,23 +206,28 @@ class PDSide:
                 try:
                     kv = await self.transfer.pull(tp, plan, layout)
                 except KVPullError as exc:
-                    self._fallback(rid, exc.reason, str(exc))
+                    self._fallback(rid, exc.reason, str(exc), tp)
                     return None
+            else:
+                self._release_remote(tp)  # every block is in this pod's own cache
             stream = await loop.add_import(rid, plan, kv, params, queue)
             committed = True
             self.metrics.outcome("pulled" if plan.num_pull_blocks else "local_hit")
             return stream
         except ValueError as exc:  # the reservation expired meanwhile
-            self._fallback(rid, "reservation_expired", str(exc))
+            self._fallback(rid, "reservation_expired", str(exc), tp)
             return None
         finally:
             if not committed:
                 loop.post_cancel_import(plan)
 
-    def _fallback(self, rid: str, reason: str, message: str) -> None:
+    def _fallback(self, rid: str, reason: str, message: str, tp: KVTransferParams) -> None:
         self.metrics.failed(reason)
         self.metrics.outcome("fallback")
         logger.info("request %s: KV pull failed (%s: %s); prefilling locally", rid, reason, message)
+        # Nobody pulls this handle now; free it unless it is known gone or unreachable.
+        if reason not in _NOTHING_TO_RELEASE and tp.remote_request_id:
+            self._release_remote(tp)
 
     async def response_params(self, rid: str, num_tokens: int) -> dict[str, Any]:
         """What a prefill pod returns so that a decode pod can pull ``rid``'s KV."""

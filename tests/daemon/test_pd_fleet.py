@@ -327,7 +327,7 @@ async def test_prefill_pool_busy_per_its_heartbeat_means_local_prefill(fleet) ->
             )))  # fmt: skip
         await _until(lambda: _loaded(fleet["redis"], p.daemon.config.pod, at_least=2))
         exported0 = await _metric(p.url, _OUTCOME, outcome="exported")
-        prompt = PROMPT + " under load"
+        prompt = "Under load: " + PROMPT  # its own first block, cached nowhere yet
         assert await _complete(gw, prompt, False) == await _complete(uni, prompt, False)
         assert await _metric(url, "pagefleet_gateway_pd_requests_total",
                              path="local", reason="prefill_saturated") == 1  # fmt: skip
@@ -353,3 +353,53 @@ async def test_prefill_pool_busy_per_its_heartbeat_means_local_prefill(fleet) ->
 
 async def _loaded(redis_url: str, pod: str, at_least: int = 0, at_most: int = 10**9) -> bool:
     return at_least <= await _prefill_load(redis_url, pod) <= at_most
+
+
+@pytest.mark.timeout(120)
+async def test_decode_pod_frees_handles_it_does_not_pull_at_once(fleet) -> None:
+    """Pulled, not needed (every block already cached on the decode pod), or left behind by
+    a local-prefill fallback: the prefill pod's handle is gone within a second or two, far
+    before its 30 s deadline, and none of them counts as expired."""
+    p, d, u = fleet["prefill"], fleet["decode"], fleet["unified"]
+    # Token ids, 57 of them: the decode pod's import covers positions 0..55, seven full
+    # blocks of 8, so once cached it has every block and nothing to pull.
+    prompt = [(i * 13) % 200 + 5 for i in range(57)]
+    base = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0.0}
+    _, want = await _post(u.url, base)
+    expired0 = await _metric(p.url, "pagefleet:kv_transfer_handles_expired_total")
+
+    async def export(body: dict) -> dict:
+        status, pre = await _post(
+            p.url, {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+        )
+        assert status == 200, pre
+        assert await _metric(p.url, "pagefleet:kv_transfer_handles_active") >= 1
+        return pre["kv_transfer_params"]
+
+    async def freed() -> bool:
+        return await _metric(p.url, "pagefleet:kv_transfer_handles_active") == 0
+
+    async def decode_with(tp: dict, outcome: str, body: dict = base) -> None:
+        before = await _metric(d.url, _OUTCOME, outcome=outcome)
+        status, got = await _post(d.url, {**body, "kv_transfer_params": tp})
+        assert status == 200, got
+        assert await _metric(d.url, _OUTCOME, outcome=outcome) == before + 1
+        await _until(freed, timeout=5.0)
+
+    await _until(freed, timeout=5.0)  # earlier tests' handles are pulled or released
+    # 1. Pulled: freed as soon as the bytes are out.
+    await decode_with(await export(base), "pulled")
+    # 2. The decode pod now holds every block of this prompt: nothing to pull, released.
+    await decode_with(await export(base), "local_hit")
+    # 3. Fallback: the handle is for a prompt this request does not have; prefilled here.
+    other = {**base, "prompt": [*prompt, 9]}
+    await decode_with(await export(other), "fallback")
+    _, got = await _post(d.url, base)
+    assert got["choices"][0]["text"] == want["choices"][0]["text"]
+    assert await _metric(p.url, "pagefleet:kv_transfer_handles_expired_total") == expired0
+    # A handle nobody holds: the release endpoint answers 404, not an error page.
+    async with aiohttp.ClientSession() as s:
+        async with s.post(p.url + "/v1/kv/release", json={"handle": "nope"}) as r:
+            assert r.status == 404
+        async with s.post(p.url + "/v1/kv/release", json={"handle": ""}) as r:
+            assert r.status == 400
