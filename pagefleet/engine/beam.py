@@ -50,6 +50,10 @@ def num_beam_candidates(width: int, num_eos: int) -> int:
     return max(2, 1 + num_eos) * width
 
 
+# One generated token's logprob and its row's best alternatives: (token, logprob, top).
+RawLogprob = tuple[int, float, list[tuple[int, float]]]
+
+
 @dataclass(slots=True)
 class Hypothesis:
     """A finished beam: its generated tokens (an ending EOS included) and its score."""
@@ -58,6 +62,7 @@ class Hypothesis:
     score: float  # cum_logprob / len(token_ids) ** length_penalty
     cum_logprob: float
     finish_reason: str  # "stop" (EOS) or "length"
+    logprobs: list[RawLogprob] | None = None  # with SamplingParams.logprobs only
 
 
 @dataclass(slots=True)
@@ -65,6 +70,7 @@ class Candidate:
     parent: Sequence
     token_id: int
     cum_logprob: float
+    logprob: RawLogprob | None = None  # with SamplingParams.logprobs only
 
 
 @dataclass(slots=True)
@@ -87,10 +93,12 @@ class BeamSearch:
     eos_token_ids: frozenset[int]  # empty with ignore_eos
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    num_logprobs: int | None = None  # SamplingParams.logprobs: keep each token's logprobs
     cum_logprobs: dict[int, float] = field(default_factory=dict)  # seq_id -> running score
     # seq_id -> (token ids, logprobs) of its best continuations, this step
     pending: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
     finished: list[Hypothesis] = field(default_factory=list)  # best first, <= width
+    token_logprobs: dict[int, list[RawLogprob]] = field(default_factory=dict)  # seq_id ->
     improvable: bool = True  # transformers' is_early_stop_heuristic_unsatisfied
     done: bool = False
 
@@ -110,8 +118,13 @@ class BeamSearch:
         for rank, seq in enumerate(live):
             base = self.cum_logprobs.get(seq.seq_id, 0.0)
             ids, lps = self.pending.pop(seq.seq_id)
-            for t, lp in zip(ids, lps, strict=True):
-                cands.append((-(base + lp), rank, t, Candidate(seq, t, base + lp)))
+            top = None
+            if self.num_logprobs is not None:
+                top = list(zip(ids[: self.num_logprobs], lps[: self.num_logprobs], strict=True))
+            k = self.num_candidates
+            for t, lp in zip(ids[:k], lps[:k], strict=True):
+                raw = None if top is None else (t, lp, top)
+                cands.append((-(base + lp), rank, t, Candidate(seq, t, base + lp, raw)))
         # transformers ranks over the flattened [beam, vocab] scores: ties go to the lower
         # beam rank, then the lower token id.
         cands.sort(key=lambda c: c[:3])
@@ -130,6 +143,7 @@ class BeamSearch:
                             score=c.cum_logprob / gen_len**self.length_penalty,
                             cum_logprob=c.cum_logprob,
                             finish_reason="stop" if eos else "length",
+                            logprobs=self.logprobs_after(c),
                         )
                     )
         # Stable: an earlier hypothesis wins a tie, as in transformers' merge.
@@ -154,6 +168,12 @@ class BeamSearch:
         pruned = [s for s in live if id(s) not in parents]
         return Selection(next_beams=next_beams, pruned=pruned, done=self.done)
 
+    def logprobs_after(self, c: Candidate) -> list[RawLogprob] | None:
+        """The parent's token logprobs with ``c``'s appended (None without logprobs)."""
+        if c.logprob is None:
+            return None
+        return [*self.token_logprobs.get(c.parent.seq_id, ()), c.logprob]
+
 
 def apply_selection(
     sel: Selection,
@@ -171,10 +191,14 @@ def apply_selection(
     for seq in sel.pruned:
         scheduler.finish(seq)
         beam.cum_logprobs.pop(seq.seq_id, None)
+    # Computed before any sequence changes: a fork and its parent read the same list.
+    logprobs = [beam.logprobs_after(c) for c in sel.next_beams]
+    for seq in sel.pruned:
+        beam.token_logprobs.pop(seq.seq_id, None)
     taken: set[int] = set()
     out: list[Sequence] = []
     children: list[tuple[Sequence, int]] = []
-    for c in sel.next_beams:
+    for c, lps in zip(sel.next_beams, logprobs, strict=True):
         if id(c.parent) in taken:
             child = new_seq(c.parent)
             scheduler.fork(c.parent, child)
@@ -184,6 +208,8 @@ def apply_selection(
             taken.add(id(c.parent))
             seq = c.parent
         beam.cum_logprobs[seq.seq_id] = c.cum_logprob
+        if lps is not None:
+            beam.token_logprobs[seq.seq_id] = lps
         out.append(seq)
     # Tokens are appended only now: every fork above copied its parent's tokens before
     # the parent's own continuation was added.

@@ -259,6 +259,7 @@ class LLMEngine(Generic[TokenizerT]):
                 eos_token_ids=eos,
                 length_penalty=params.length_penalty,
                 early_stopping=params.early_stopping,
+                num_logprobs=params.logprobs,
             )
         return req
 
@@ -440,7 +441,14 @@ class LLMEngine(Generic[TokenizerT]):
             for tok in text_ids:
                 detok.add_token(tok, check_stop=False)
             text = detok.take_delta(True)
-            deltas.append(CompletionDelta(i, list(hyp.token_ids), text, None, hyp.finish_reason))
+            lps = None
+            if hyp.logprobs is not None:
+                text_of = self._token_text
+                lps = [
+                    TokenLogprob(t, text_of(t), v, [(a, text_of(a), w) for a, w in top])
+                    for t, v, top in hyp.logprobs
+                ]
+            deltas.append(CompletionDelta(i, list(hyp.token_ids), text, lps, hyp.finish_reason))
         m.finished_time = now
         self._requests.pop(req.request_id, None)
         out = self._request_output(req, deltas, finished=True)

@@ -37,7 +37,8 @@ class SampleResult:
     logprob: float | None = None  # of the sampled token; None unless logprobs were asked
     top: list[tuple[int, float]] = field(default_factory=list)
     # Beam search rows: the best continuations (token ids, logprobs of the raw logits),
-    # best first, as many as beam.num_beam_candidates asks for; None for other rows.
+    # best first, as many as beam.num_beam_candidates asks for (or the row's ``logprobs``
+    # if more); None for other rows.
     beam: tuple[list[int], list[float]] | None = None
 
 
@@ -185,8 +186,9 @@ class Sampler:
             base = raw if raw is not None else logits
             lp_beam = torch.log_softmax(base[beam_rows].float(), dim=-1)
             for j, i in enumerate(beam_rows):
-                k = min(num_beam_candidates(params[i].beam_width, len(self.eos_token_ids)), vocab)
-                top = torch.topk(lp_beam[j], k)
+                p = params[i]
+                k = num_beam_candidates(p.beam_width, len(self.eos_token_ids))
+                top = torch.topk(lp_beam[j], min(max(k, p.logprobs or 0), vocab))
                 results[i].beam = (top.indices.tolist(), top.values.tolist())
         if any(p.logprobs is not None for p in params):
             lp_all = torch.log_softmax(raw if raw is not None else logits, dim=-1)

@@ -111,7 +111,6 @@ class SamplingParams:
             "logit_bias": bool(self.logit_bias),
             "bad_words": bool(self.bad_words or self.bad_words_token_ids),
             "response_format": self.guided is not None,
-            "logprobs": self.logprobs is not None,
         }
         name = next((k for k, bad in refused.items() if bad), None)
         if name is not None:

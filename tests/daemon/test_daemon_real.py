@@ -513,11 +513,18 @@ async def test_beam_search_through_the_openai_client(client):
     assert [c.index for c in got.choices] == [0, 1]
     assert [c.text for c in got.choices] == want
     assert got.usage.completion_tokens == 16 or any(c.finish_reason == "stop" for c in got.choices)
+    with_lp = await client.completions.create(**beam, logprobs=2, extra_body=extra)
+    assert [c.text for c in with_lp.choices] == want  # logprobs change nothing else
+    for c in with_lp.choices:
+        lp = c.logprobs
+        assert "".join(lp.tokens) == c.text or c.finish_reason == "stop"
+        pairs = zip(lp.top_logprobs, lp.token_logprobs, strict=True)
+        assert lp.tokens and all(len(top) <= 2 and v <= 0 for top, v in pairs)
     refused = [
         ({"stream": True}, extra, "stream"),
         ({"temperature": 0.8}, extra, "temperature"),
         ({"n": 5}, extra, "best_of"),  # n > best_of
-        ({"logprobs": 2}, extra, "logprobs"),
+        ({"top_p": 0.5}, extra, "top_p"),
         ({}, {**extra, "guided_choice": ["a", "b"]}, "response_format"),
         ({"best_of": None}, {"length_penalty": 0.5}, "length_penalty"),
         ({}, {"early_stopping": True}, "early_stopping"),

@@ -199,6 +199,44 @@ def test_beam_kv_usage_far_below_independent_sequences() -> None:
     assert beam_peak * 2 < independent
 
 
+def test_beam_logprobs_are_the_models_and_score_the_answers() -> None:
+    """With logprobs, each answer's tokens carry the model's logprob (teacher-forced
+    transformers forward) and the row's best alternatives; their sum scored with the
+    length penalty is transformers' sequences_scores, best first."""
+    preset, width, n, lp = "tiny", 4, 3, 0.7
+    prompt = _prompts()[1]
+    eos = [_mid_eos(preset, prompt)]
+    engine = _engine(preset, eos, block_size=16)
+    params = SamplingParams(
+        n=n, best_of=width, use_beam_search=True, temperature=0.0, max_tokens=MAX_TOKENS,
+        length_penalty=lp, logprobs=5,
+    )  # fmt: skip
+    (res,) = engine.generate([prompt], params)
+    with torch.inference_mode():
+        ref = _hf(preset).generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            num_beams=width, do_sample=False, max_new_tokens=MAX_TOKENS, length_penalty=lp,
+            num_return_sequences=n, eos_token_id=eos, pad_token_id=eos[0],
+            return_dict_in_generate=True, output_scores=True,
+        )  # fmt: skip
+    scores = []
+    for out, want in zip(res.outputs, ref.sequences_scores.tolist(), strict=True):
+        toks = out.token_ids
+        assert [lp_.token_id for lp_ in out.logprobs] == toks
+        with torch.inference_mode():
+            logits = _hf(preset)(torch.tensor([prompt + toks])).logits[0, len(prompt) - 1 : -1]
+        model_lp = torch.log_softmax(logits.float(), dim=-1)
+        for j, tl in enumerate(out.logprobs):
+            assert tl.logprob == pytest.approx(float(model_lp[j, tl.token_id]), abs=1e-3)
+            assert len(tl.top) == 5
+            assert [t for t, _, _ in tl.top] == model_lp[j].topk(5).indices.tolist()
+            assert [v for _, _, v in tl.top] == sorted((v for _, _, v in tl.top), reverse=True)
+        score = sum(t.logprob for t in out.logprobs) / len(toks) ** lp
+        assert score == pytest.approx(want, abs=1e-3)
+        scores.append(score)
+    assert scores == sorted(scores, reverse=True)
+
+
 def test_beam_abort_mid_search_ends_every_answer_and_frees_every_block() -> None:
     engine = _engine("tiny", [2, 4], block_size=8)
     params = SamplingParams(n=2, best_of=3, use_beam_search=True, temperature=0.0, max_tokens=30)
@@ -223,7 +261,7 @@ def test_beam_abort_mid_search_ends_every_answer_and_frees_every_block() -> None
     [
         (dict(temperature=0.7), "temperature"),
         (dict(temperature=0.0, n=3, best_of=2), "best_of"),
-        (dict(temperature=0.0, logprobs=1), "logprobs"),
+        (dict(temperature=0.0, logit_bias={5: 1.0}), "logit_bias"),
         (dict(temperature=0.0, stop=["x"]), "stop"),
         (dict(temperature=0.0, repetition_penalty=1.2), "repetition_penalty"),
         (dict(temperature=0.0, early_stopping="sometimes"), "early_stopping"),
