@@ -332,6 +332,79 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
         ),
     ),
     (
+        "Prefill/decode disaggregation",
+        (
+            PanelSpec(
+                "KV transfer throughput",
+                "KV bytes decode pods pulled from prefill pods per second, per decode pod "
+                "(pagefleet:kv_transfer_bytes_total, direction received).",
+                "Bps",
+                (
+                    Query(
+                        "sum by (pod) (rate(pagefleet:kv_transfer_bytes_total"
+                        + sel()[:-1]
+                        + f', direction="received"}}[{RATE}]))',
+                        "pulled by {{pod}}",
+                    ),
+                ),
+            ),
+            PanelSpec(
+                "KV transfer latency",
+                "One pull, request to last byte verified, on the decode pod "
+                "(pagefleet:kv_transfer_seconds).",
+                "s",
+                tuple(
+                    Query(
+                        f"histogram_quantile({q}, sum by (le) (rate("
+                        f"pagefleet:kv_transfer_seconds_bucket{sel()}[{RATE}])))",
+                        f"p{round(q * 100)}",
+                    )
+                    for q in (0.5, 0.99)
+                ),
+            ),
+            PanelSpec(
+                "P/D paths and failed pulls",
+                "Gateway: requests prefilled remotely vs locally on the decode pod, by reason "
+                "(short_uncached, prefill_saturated, prefill_failed, ...). Decode pods: pulls "
+                "that failed and fell back to local prefill, by reason.",
+                "reqps",
+                (
+                    Query(
+                        "sum by (path, reason) (rate(pagefleet_gateway_pd_requests_total"
+                        f"{sel()}[{RATE}]))",
+                        "{{path}} ({{reason}})",
+                    ),
+                    Query(
+                        "sum by (reason) (rate(pagefleet:kv_transfer_pulls_failed_total"
+                        f"{sel()}[{RATE}]))",
+                        "pull failed: {{reason}}",
+                        empty_unless="pagefleet:kv_transfer_pulls_failed",
+                    ),
+                ),
+            ),
+            PanelSpec(
+                "Transfer handles",
+                "Prefill pods: handles whose KV blocks are pinned now (waiting to be pulled "
+                "or released), and handles freed by their deadline, never pulled (per second).",
+                "short",
+                (
+                    Query(
+                        "sum by (pod) (pagefleet:kv_transfer_handles_active"
+                        + sel()[:-1]
+                        + ', role="prefill"})',
+                        "active {{pod}}",
+                    ),
+                    Query(
+                        "sum by (pod) (rate(pagefleet:kv_transfer_handles_expired_total"
+                        + sel()[:-1]
+                        + f', role="prefill"}}[{RATE}]))',
+                        "expired {{pod}}",
+                    ),
+                ),
+            ),
+        ),
+    ),
+    (
         "Autoscaling",
         (
             PanelSpec(

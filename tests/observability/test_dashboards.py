@@ -58,6 +58,12 @@ def test_panels_a_platform_team_expects() -> None:
         "pagefleet_gateway_upstream_retries_total",
         "pagefleet_gateway_routing_decision_seconds_bucket",
         "$replica_cost_per_hour",
+        "pagefleet:kv_transfer_bytes_total",
+        "pagefleet:kv_transfer_seconds_bucket",
+        "pagefleet:kv_transfer_pulls_failed_total",
+        "pagefleet:kv_transfer_handles_active",
+        "pagefleet:kv_transfer_handles_expired_total",
+        "pagefleet_gateway_pd_requests_total",
     ):
         assert needle in text, needle
     for q in (0.5, 0.9, 0.99):

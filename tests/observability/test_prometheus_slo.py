@@ -1,5 +1,7 @@
 """Every dashboard query and every rule expression, executed on a real Prometheus that
-scrapes a real local fleet (Redis, 2 daemons on the tiny model, the gateway) under traffic.
+scrapes a real local fleet under traffic: Redis, 1 prefill + 2 decode daemons on the tiny
+model and the P/D gateway, so the disaggregation panels (KV transfer rate and latency,
+handles) have data too; every other panel reads role-agnostic series.
 
 Prometheus (the Debian package's binary) runs on a free loopback port with a generated
 scrape config that adds the labels the chart's PodMonitor adds in a cluster (`namespace`,
@@ -52,7 +54,11 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
     rules = rule_groups()
     rules_path = tmp / "rules.yaml"
     rules_path.write_text(yaml.safe_dump(rules))
-    spec = FleetSpec(num_daemons=2, log_dir=tmp / "fleet", seed=0, num_gpu_blocks=256)
+    # Remote prefill from 16 uncached tokens on: each tenant's first prompts are pulled.
+    spec = FleetSpec(
+        num_prefill=1, num_decode=2, log_dir=tmp / "fleet", seed=0, num_gpu_blocks=256,
+        gateway_args=["--pd-min-uncached-tokens", "16"],
+    )  # fmt: skip
     # The operator's registry, served as `pagefleet operator --metrics-port` serves it. No
     # InferenceService autoscales here, so its per-role series stay empty; the families
     # must still be exported for the autoscaling panels' queries.
@@ -117,12 +123,16 @@ def test_every_dashboard_query_returns_data(observed: dict[str, Any]) -> None:
 def test_dashboard_variable_queries_find_the_fleet(observed: dict[str, Any]) -> None:
     api: PrometheusAPI = observed["api"]
     by = api.query("count by (namespace, inferenceservice, role) (vllm:num_requests_running)")
-    assert [r["metric"] for r in by] == [
-        {"namespace": NAMESPACE, "inferenceservice": SERVICE, "role": "unified"}
-    ]
-    assert by[0]["value"][1] == "2"
+    found = {r["metric"]["role"]: r["value"][1] for r in by}
+    assert found == {"prefill": "1", "decode": "2"}
+    assert all(
+        (r["metric"]["namespace"], r["metric"]["inferenceservice"]) == (NAMESPACE, SERVICE)
+        for r in by
+    )
     pods = api.query("count by (pod) (pagefleet_gateway_requests_total)")
-    assert len(pods) == 2  # the gateway spread the traffic over both daemons
+    assert len(pods) == 2  # the gateway spread the traffic over both decode daemons
+    remote = api.query('sum(pagefleet_gateway_pd_requests_total{path="remote"})')
+    assert remote and float(remote[0]["value"][1]) > 0, "no request was prefilled remotely"
 
 
 def _as_bool(expr: str) -> str:
