@@ -19,7 +19,7 @@ KV cache layout per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]`` 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -37,6 +37,9 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    # Values a backend derives from this metadata once per step and reuses in every layer
+    # (the metadata is built once per step and is the same object for all layers).
+    scratch: dict[str, object] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

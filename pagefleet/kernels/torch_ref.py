@@ -69,21 +69,12 @@ def paged_attention(
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
     out = torch.empty_like(q)
-    qsl = meta.query_start_loc.tolist() if meta.num_seqs else [0]
     nd = meta.num_decodes
     if nd > 0:
-        for rows in _length_buckets(meta.seq_lens_cpu[:nd]):
-            idx = torch.tensor(rows, device=q.device)
-            out[idx] = _decode_batched(
-                q[idx],
-                k_cache,
-                v_cache,
-                meta.block_tables[idx],
-                meta.seq_lens[idx],
-                max(meta.seq_lens_cpu[r] for r in rows),
-                scale,
-                group,
-            )
+        _decode(q, k_cache, v_cache, _decode_plan(meta), scale, out)
+    if nd == meta.num_seqs:
+        return out
+    qsl = meta.query_start_loc.tolist()
     for i in range(nd, meta.num_seqs):
         start, end = qsl[i], qsl[i + 1]
         seq_len = meta.seq_lens_cpu[i]
@@ -104,49 +95,66 @@ def paged_attention(
     return out
 
 
-def _length_buckets(seq_lens: list[int], max_buckets: int = 4) -> list[list[int]]:
-    """Decode rows grouped by context length, so each group pads only to its own longest.
+# One decode row's context: (first block of a contiguous run, None) or (None, block ids),
+# and its length in tokens.
+DecodeRow = tuple[int | None, torch.Tensor | None, int]
 
-    The padded gather copies every row's context up to the group's maximum: with lengths
-    spread 1..L, one group copies ~2x the live K/V, four sorted groups ~1.15x. A group per
-    quarter of the rows keeps the SDPA calls few.
+
+def _decode_plan(meta: AttentionMetadata) -> list[DecodeRow]:
+    """Where each decode row's context lives, derived once per step for all layers.
+
+    A context whose blocks are consecutive ids (a prompt allocated in one go usually is)
+    is a plain slice of the pool and is read in place; any other is gathered block by
+    block, its own blocks only (no padding to the batch's longest context).
     """
-    order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__)
-    n = len(order)
-    if n < 8:
-        return [order]
-    size = -(-n // max_buckets)
-    return [order[i : i + size] for i in range(0, n, size)]
+    plan = meta.scratch.get("torch_decode_plan")
+    if plan is not None:
+        return plan  # type: ignore[return-value]
+    bs = meta.block_size
+    tables = meta.block_tables[: meta.num_decodes].tolist()
+    rows: list[DecodeRow] = []
+    for table, seq_len in zip(tables, meta.seq_lens_cpu, strict=False):
+        n = (seq_len + bs - 1) // bs
+        blocks = table[:n]
+        first = blocks[0]
+        if blocks[-1] - first == n - 1 and blocks == list(range(first, first + n)):
+            rows.append((first, None, seq_len))
+        else:
+            rows.append((None, torch.tensor(blocks, dtype=torch.int64), seq_len))
+    meta.scratch["torch_decode_plan"] = rows
+    return rows
 
 
-def _decode_batched(
+def _decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    max_len: int,
+    plan: list[DecodeRow],
     scale: float,
-    group: int,
-) -> torch.Tensor:
-    """Single-token sequences at once, their contexts padded to the longest one.
+    out: torch.Tensor,
+) -> None:
+    """Single-token rows ``0 .. len(plan) - 1``, one SDPA call per row over its own context.
 
-    GQA without copies: the ``group`` query heads that share a KV head become the query
-    rows of one SDPA call over that head's keys, so K/V are never repeated per query head.
+    Per row rather than padded into one batch: the padded batch copied every row's
+    context up to the longest one (and again per layer), which cost more than the
+    attention itself on CPU; a row's own context stays in cache between its gather and
+    its SDPA. GQA without copies: the ``group`` query heads sharing a KV head are the
+    query rows of one SDPA call over that head's keys.
     """
-    nd = q.shape[0]
-    block_size = k_cache.shape[1]
-    n_blocks = (max_len + block_size - 1) // block_size
-    flat = block_tables[:, :n_blocks].long().flatten()
-    hkv, d = k_cache.shape[2], k_cache.shape[3]
-    span = n_blocks * block_size
-    # [nd, S, Hkv, D] -> [nd, Hkv, S, D]; .float() is free for an fp32 cache.
-    kc = k_cache.index_select(0, flat).view(nd, span, hkv, d).transpose(1, 2).float()
-    vc = v_cache.index_select(0, flat).view(nd, span, hkv, d).transpose(1, 2).float()
-    qf = q.float().view(nd, hkv, group, d)
-    valid = torch.arange(span, device=q.device).unsqueeze(0) < seq_lens.unsqueeze(1)
-    o = F.scaled_dot_product_attention(qf, kc, vc, attn_mask=valid[:, None, None, :], scale=scale)
-    return o.reshape(nd, hkv * group, d).to(q.dtype)
+    _, bs, hkv, d = k_cache.shape
+    hq = q.shape[1]
+    qf = q.float().view(q.shape[0], hkv, hq // hkv, d)
+    for i, (first, blocks, seq_len) in enumerate(plan):
+        if blocks is None:
+            n = (seq_len + bs - 1) // bs
+            kc, vc = k_cache[first : first + n], v_cache[first : first + n]
+        else:
+            kc, vc = k_cache.index_select(0, blocks), v_cache.index_select(0, blocks)
+        # [n, bs, Hkv, D] -> [Hkv, seq_len, D] (a view); .float() is free for fp32.
+        kc = kc.view(-1, hkv, d)[:seq_len].transpose(0, 1).float()
+        vc = vc.view(-1, hkv, d)[:seq_len].transpose(0, 1).float()
+        o = F.scaled_dot_product_attention(qf[i], kc, vc, scale=scale)
+        out[i] = o.view(hq, d)
 
 
 class TorchAttentionBackend:
