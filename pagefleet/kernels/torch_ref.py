@@ -95,8 +95,8 @@ def paged_attention(
     return out
 
 
-# One decode row's context: (first block of a contiguous run, None) or (None, block ids),
-# and its length in tokens.
+# One decode row's context: (its first slot, None) when its blocks are consecutive ids,
+# else (None, its block ids); and its length in tokens.
 DecodeRow = tuple[int | None, torch.Tensor | None, int]
 
 
@@ -118,7 +118,7 @@ def _decode_plan(meta: AttentionMetadata) -> list[DecodeRow]:
         blocks = table[:n]
         first = blocks[0]
         if blocks[-1] - first == n - 1 and blocks == list(range(first, first + n)):
-            rows.append((first, None, seq_len))
+            rows.append((first * bs, None, seq_len))
         else:
             rows.append((None, torch.tensor(blocks, dtype=torch.int64), seq_len))
     meta.scratch["torch_decode_plan"] = rows
@@ -141,20 +141,26 @@ def _decode(
     its SDPA. GQA without copies: the ``group`` query heads sharing a KV head are the
     query rows of one SDPA call over that head's keys.
     """
-    _, bs, hkv, d = k_cache.shape
-    hq = q.shape[1]
-    qf = q.float().view(q.shape[0], hkv, hq // hkv, d)
-    for i, (first, blocks, seq_len) in enumerate(plan):
+    _, _, hkv, d = k_cache.shape
+    nd, hq = len(plan), q.shape[1]
+    upcast = k_cache.dtype != torch.float32  # accumulate in fp32 whatever the cache holds
+    kf, vf = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
+    qf = q[:nd].float().view(nd, hkv, hq // hkv, d)
+    outs = []
+    for i, (slot, blocks, seq_len) in enumerate(plan):
         if blocks is None:
-            n = (seq_len + bs - 1) // bs
-            kc, vc = k_cache[first : first + n], v_cache[first : first + n]
+            kc, vc = kf[slot : slot + seq_len], vf[slot : slot + seq_len]
         else:
-            kc, vc = k_cache.index_select(0, blocks), v_cache.index_select(0, blocks)
-        # [n, bs, Hkv, D] -> [Hkv, seq_len, D] (a view); .float() is free for fp32.
-        kc = kc.view(-1, hkv, d)[:seq_len].transpose(0, 1).float()
-        vc = vc.view(-1, hkv, d)[:seq_len].transpose(0, 1).float()
-        o = F.scaled_dot_product_attention(qf[i], kc, vc, scale=scale)
-        out[i] = o.view(hq, d)
+            kc = k_cache.index_select(0, blocks).view(-1, hkv, d)[:seq_len]
+            vc = v_cache.index_select(0, blocks).view(-1, hkv, d)[:seq_len]
+        kc, vc = kc.transpose(0, 1), vc.transpose(0, 1)  # [Hkv, seq_len, D], views
+        if upcast:
+            kc, vc = kc.float(), vc.float()
+        outs.append(F.scaled_dot_product_attention(qf[i], kc, vc, scale=scale))
+    if out.dtype == torch.float32:
+        torch.stack(outs, out=out[:nd].view(nd, hkv, hq // hkv, d))
+    else:
+        out[:nd] = torch.stack(outs).view(nd, hq, d)
 
 
 class TorchAttentionBackend:
