@@ -535,6 +535,12 @@ async def test_beam_search_through_the_openai_client(client):
             await client.completions.create(**{**beam, **kw}, extra_body=body)
             pytest.fail(f"accepted: {kw} {body}")
         assert e.value.body["param"] == param, (kw, body, e.value.body)
+    chat = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6, n=2,
+        extra_body={"use_beam_search": True, "best_of": 3},
+    )  # fmt: skip
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content != chat.choices[1].message.content
     with pytest.raises(openai.BadRequestError) as e:  # width above max_num_seqs (8)
         await client.completions.create(**{**beam, "best_of": 9}, extra_body=extra)
     assert e.value.body["param"] == "best_of"

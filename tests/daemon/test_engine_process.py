@@ -65,6 +65,13 @@ async def test_engine_runs_in_another_process_and_errors_cross_the_wire():
                 assert r.status == 200, await r.text()
                 out = await r.json()
             assert out["usage"]["completion_tokens"] == 5
+            # A beam search's held and forked sequences stay inside the engine process.
+            beams = {**body, "use_beam_search": True, "best_of": 3, "n": 2}
+            async with s.post(f"{d.base_url}/completions", json=beams) as r:
+                assert r.status == 200, await r.text()
+                choices = (await r.json())["choices"]
+            assert [c["index"] for c in choices] == [0, 1]
+            assert choices[0]["text"] != choices[1]["text"]
             # The engine's own refusal (n above max_num_seqs) travels back as a 400.
             async with s.post(f"{d.base_url}/completions", json={**body, "n": 9}) as r:
                 assert r.status == 400
