@@ -175,6 +175,16 @@ def flops_per_token(shape: dict[str, Any], vocab: int, mean_ctx: float) -> float
     return 2 * (layers * per_layer + h * vocab) + layers * attn
 
 
+def workload_matmul_flops(shape: dict[str, Any], vocab: int, reqs: list) -> float:
+    """Projection FLOPs any exact engine must spend on ``reqs``: every prompt and output
+    token through every layer, the LM head for every output token (attention excluded)."""
+    h, i, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    kv = shape["num_key_value_heads"] * (h // shape["num_attention_heads"])
+    per_layer = h * h + 2 * h * kv + h * h + 3 * h * i
+    tokens = sum(len(p) + o for p, o in reqs)
+    return 2 * (layers * per_layer * tokens + h * vocab * sum(o for _, o in reqs))
+
+
 def profile_summary(prof: cProfile.Profile, top: int = 12) -> str:
     buf = io.StringIO()
     stats = pstats.Stats(prof, stream=buf)
@@ -245,6 +255,14 @@ def main() -> None:
     # The same fraction per CPU-second: what the engine gets out of the cores it was given.
     mfu_cpu = fpt * eng["tok_cpu_s"] / peak_cpu
     hf_mfu_cpu = fpt * hf_runs[best_cpu_b]["tok_cpu_s"] / peak_cpu
+    # The most any engine could gain on this machine: its projections alone at the measured
+    # matmul rate, attention and every other cost free, against the baseline's CPU time.
+    floor_cpu_s = workload_matmul_flops(shape, tok.vocab_size, reqs) / peak_cpu
+    ceiling = hf_runs[best_cpu_b]["cpu_s"] / floor_cpu_s
+    print(
+        f"engine CPU floor (projections only, at the matmul rate) {floor_cpu_s:.2f} s vs "
+        f"{eng['cpu_s']:.2f} s spent; per-CPU-second ratio ceiling {ceiling:.2f}"
+    )
     print(
         f"model FLOPs/token {fpt / 1e6:.1f} M; fp32 matmul at model shapes "
         f"{peak / 1e9:.1f} GFLOP/s ({peak_cpu / 1e9:.1f} per CPU-second); engine MFU "
@@ -278,6 +296,8 @@ def main() -> None:
                 "matmul_gflops": round(peak / 1e9, 1),
                 "matmul_gflops_per_cpu_s": round(peak_cpu / 1e9, 1),
                 "outputs_identical": same,
+                "engine_cpu_floor_s": round(floor_cpu_s, 2),
+                "ratio_cpu_time_ceiling": round(ceiling, 2),
                 "requests": len(reqs),
                 "model": args.model,
             }
