@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import sys
 import time
@@ -66,6 +67,9 @@ OURS = ("cache_aware", "round_robin", "least_load")
 # Two cache_aware gateway replicas, conversations alternating between them: what a replica
 # loses by remembering only its own recent placements (docs/gateway.md).
 REPLICATED = "cache_aware_x2"
+# The cache_aware gateway of another checkout (``--base-pythonpath``): an A/B of two
+# versions of the gateway on the same daemons, trace and load, in one process.
+BASE = "cache_aware_base"
 DOORS = ("cache_aware", "sglang", "vllm_router", "round_robin", "least_load")
 BLOCK = 16
 
@@ -110,6 +114,25 @@ def scrape(url: str) -> dict[str, float]:
         for s in fam.samples:
             if s.name.endswith("_total"):
                 out[key] += s.value
+    return out
+
+
+def placements(url: str) -> dict[str, int]:
+    """A pagefleet gateway's requests by placement and reason ("best_prefix/cache_aware":
+    n), from its ``pagefleet_gateway_placements`` counter; {} for a peer router."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except (OSError, ValueError):
+        return {}
+    out: dict[str, int] = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.name != "pagefleet_gateway_placements":
+            continue
+        for s in fam.samples:
+            if s.name.endswith("_total"):
+                key = f"{s.labels['placement']}/{s.labels['reason']}"
+                out[key] = out.get(key, 0) + int(s.value)
     return out
 
 
@@ -165,23 +188,15 @@ def overhead_probe(
     return quantiles(Counter({b: after[b] - before.get(b, 0.0) for b in after}), (0.5, 0.99))
 
 
-def miss_breakdown(
+def reachable(
     results: list[RequestResult], ids: dict[tuple[int, int], list[int]], namespace: str
-) -> dict[str, Any]:
-    """Where hit tokens went, against what a single unbounded cache would have hit.
-
-    For each request (in send order): ``ideal`` = leading blocks shared with any request
-    sent earlier; ``done`` = those shared with a request that had already *finished* when
-    this one was sent (its KV surely existed somewhere). Lost tokens split into: the
-    prefix was only in flight elsewhere (``lost_inflight``: no router could have served it
-    from cache, but could have placed it with its twin), and the prefix was finished
-    somewhere but this request did not hit it (``lost_done``: placement or eviction).
-    ``blind`` counts requests whose router predicted fewer blocks than ``done`` (only
-    pagefleet's gateway reports a prediction).
-    """
+) -> list[tuple[RequestResult, int, int]]:
+    """Successful requests in send order, each with ``(ideal, done)`` in blocks: the leading
+    blocks it shares with any request sent before it, and with one that had already
+    *finished* when it was sent (its KV surely existed somewhere)."""
     ok = sorted((r for r in results if r.ok), key=lambda r: r.start)
     sent: list[tuple[RequestResult, list[int]]] = []
-    lost_inflight = lost_done = blind = predicted_n = 0
+    out: list[tuple[RequestResult, int, int]] = []
     for r in ok:
         keys = block_hashes(ids[(r.conversation, r.turn)], BLOCK, namespace)
         ideal = done = 0
@@ -193,6 +208,25 @@ def miss_breakdown(
             if prev.start + prev.e2e <= r.start:
                 done = max(done, n)
         sent.append((r, keys))
+        out.append((r, ideal, done))
+    return out
+
+
+def miss_breakdown(
+    results: list[RequestResult], ids: dict[tuple[int, int], list[int]], namespace: str
+) -> dict[str, Any]:
+    """Where hit tokens went, against what a single unbounded cache would have hit.
+
+    Per request (``reachable``): lost tokens split into: the prefix was only in flight
+    elsewhere (``lost_inflight``: no router could have served it from cache, but could
+    have placed it with its twin), and the prefix was finished somewhere but this request
+    did not hit it (``lost_done``: placement or eviction). ``blind`` counts requests whose
+    router predicted fewer blocks than ``done`` (only pagefleet's gateway reports a
+    prediction).
+    """
+    lost_inflight = lost_done = blind = predicted_n = 0
+    rows = reachable(results, ids, namespace)
+    for r, ideal, done in rows:
         cap = max(r.prompt_tokens - 1, 0)
         cached = r.cached_tokens
         lost_done += max(0, min(done * BLOCK, cap) - cached)
@@ -201,7 +235,7 @@ def miss_breakdown(
             predicted_n += 1
             if r.predicted_hit < min(done * BLOCK, cap) and done > 0:
                 blind += 1
-    prompt = sum(r.prompt_tokens for r in ok) or 1
+    prompt = sum(r.prompt_tokens for r, _, _ in rows) or 1
     return {
         "lost_frac_done": round(lost_done / prompt, 4),
         "lost_frac_inflight": round(lost_inflight / prompt, 4),
@@ -209,39 +243,131 @@ def miss_breakdown(
     }
 
 
+def moved_turns(results: list[RequestResult]) -> int | None:
+    """Turns sent to another pod than their conversation's previous turn (None: the door
+    does not name the pod it chose; only pagefleet's gateway does)."""
+    by_conv: dict[int, list[RequestResult]] = {}
+    for r in results:
+        if r.ok:
+            by_conv.setdefault(r.conversation, []).append(r)
+    if not any(r.pod for rs in by_conv.values() for r in rs):
+        return None
+    moved = 0
+    for rs in by_conv.values():
+        rs.sort(key=lambda r: r.turn)
+        moved += sum(1 for a, b in itertools.pairwise(rs) if a.pod != b.pod)
+    return moved
+
+
+def write_dump(
+    path: Path,
+    shape: str,
+    door: str,
+    results: list[RequestResult],
+    ids: dict[tuple[int, int], list[int]],
+    namespace: str,
+) -> None:
+    """One JSON line per request (appended): where it went, what it hit, what it could
+    have hit, its TTFT; the raw material of the per-request analysis in docs."""
+    rows = reachable(results, ids, namespace)
+    t0 = min((r.start for r, _, _ in rows), default=0.0)
+    with path.open("a") as f:
+        for r, ideal, done in rows:
+            f.write(
+                json.dumps(
+                    {
+                        "shape": shape,
+                        "door": door,
+                        "conv": r.conversation,
+                        "turn": r.turn,
+                        "tenant": r.tenant,
+                        "pod": r.pod,
+                        "start_ms": round((r.start - t0) * 1000, 1),
+                        "ttft_ms": round(r.ttft * 1000, 1),
+                        "e2e_ms": round(r.e2e * 1000, 1),
+                        "prompt": r.prompt_tokens,
+                        "cached": r.cached_tokens,
+                        "predicted": r.predicted_hit,
+                        "ideal": min(ideal * BLOCK, max(r.prompt_tokens - 1, 0)),
+                        "done": min(done * BLOCK, max(r.prompt_tokens - 1, 0)),
+                    }
+                )
+                + "\n"
+            )
+
+
 class Bench:
     def __init__(self, fleet: LocalFleet, args: argparse.Namespace) -> None:
         self.fleet = fleet
         self.args = args
         self.children: list[Child] = []
+        self._ours: list[Child] = []
+        self._last: list[dict[str, float]] | None = None
 
-    def spawn_doors(self, shape: str) -> dict[str, list[Child]]:
-        """Fresh processes for every door of one shape (no router remembers another run)."""
-        doors: dict[str, list[Child]] = {}
+    def spawn_doors(self, shapes: list[str]) -> dict[str, dict[str, list[Child]]]:
+        """Fresh processes for every door of every shape, all started at once (no router
+        remembers another shape's run; none pays another's start-up); not waited for."""
+        doors: dict[str, dict[str, list[Child]]] = {}
         ours: list[Child] = []
-        for name in self.args.doors if shape == "chat" else self.args.agentic_doors:
-            if name in OURS:
-                doors[name] = [self.fleet.spawn_gateway(name, name=f"gateway-{name}-{shape}")]
-                ours += doors[name]
-            elif name == REPLICATED:
-                doors[name] = [
-                    self.fleet.spawn_gateway("cache_aware", name=f"gateway-replica{i}-{shape}")
-                    for i in range(2)
-                ]
-                ours += doors[name]
-            elif peer_version(name) is not None:
-                doors[name] = [spawn_peer(name, self.fleet.daemon_urls, self.fleet.log_dir)]
-        self.children += [c for cs in doors.values() for c in cs]
-        self.fleet.wait_ready(ours)
-        for cs in doors.values():
-            for c in cs:
-                if c not in ours:
-                    wait_peer_ready(c, self.fleet.served_model_name)
+        for shape in shapes:
+            doors[shape] = {}
+            for name in self.args.doors if shape == "chat" else self.args.agentic_doors:
+                if name in OURS:
+                    gw = self.fleet.spawn_gateway(name, name=f"gateway-{name}-{shape}")
+                    doors[shape][name] = [gw]
+                elif name == BASE:
+                    if not self.args.base_pythonpath:
+                        raise SystemExit(f"door {BASE} needs --base-pythonpath DIR")
+                    doors[shape][name] = [
+                        self.fleet.spawn_gateway(
+                            "cache_aware",
+                            name=f"gateway-base-{shape}",
+                            env={"PYTHONPATH": self.args.base_pythonpath},
+                        )
+                    ]
+                elif name == REPLICATED:
+                    doors[shape][name] = [
+                        self.fleet.spawn_gateway("cache_aware", name=f"gateway-replica{i}-{shape}")
+                        for i in range(2)
+                    ]
+                elif peer_version(name) is not None:
+                    doors[shape][name] = [
+                        spawn_peer(name, self.fleet.daemon_urls, self.fleet.log_dir, tag=shape)
+                    ]
+                    continue
+                else:
+                    continue
+                ours += doors[shape][name]
+        self.children += [c for by_name in doors.values() for cs in by_name.values() for c in cs]
+        self._ours = ours
         return doors
+
+    def wait_doors(self) -> None:
+        """Block until every door started by :meth:`spawn_doors` answers."""
+        self.fleet.wait_ready(self._ours)
+        for c in self.children:
+            if c not in self._ours:
+                wait_peer_ready(c, self.fleet.served_model_name)
 
     def reset_caches(self) -> None:
         for url in self.fleet.daemon_urls:
             _post(url + "/reset_prefix_cache")
+
+    def settled(self, before: list[dict[str, float]], ok: int) -> list[dict[str, float]]:
+        """The daemons' counters once they count every one of ``ok`` successes (their
+        last engine step's snapshot can trail the stream's end by a moment), at most 3 s."""
+        deadline = time.monotonic() + 3.0
+        while True:
+            after = [scrape(u) for u in self.fleet.daemon_urls]
+            done = sum(a["requests"] - b["requests"] for a, b in zip(after, before, strict=True))
+            if done >= ok or time.monotonic() > deadline:
+                self._last = after
+                return after
+            time.sleep(0.05)
+
+    def forget_counters(self) -> None:
+        """Traffic outside :meth:`run` went to the daemons: the next run scrapes afresh."""
+        self._last = None
 
     def run(
         self,
@@ -249,10 +375,9 @@ class Bench:
         convs: list[Conversation],
         think_s: float = 0.0,
         ids: dict[tuple[int, int], list[int]] | None = None,
-    ) -> dict[str, Any]:
+    ) -> tuple[dict[str, Any], list[RequestResult]]:
         self.reset_caches()
-        time.sleep(0.3)  # the daemons' next stats snapshot, so the "before" scrape is fresh
-        before = [scrape(u) for u in self.fleet.daemon_urls]
+        before = self._last or [scrape(u) for u in self.fleet.daemon_urls]
         n = len(door)
 
         async def drive() -> tuple[list[RequestResult], float]:
@@ -274,8 +399,7 @@ class Bench:
             return [r for res, _ in parts for r in res], max(w for _, w in parts)
 
         results, wall = asyncio.run(drive())
-        time.sleep(0.6)  # let every daemon's counters catch up with its last request
-        after = [scrape(u) for u in self.fleet.daemon_urls]
+        after = self.settled(before, sum(1 for r in results if r.ok))
         report = summarize(results, wall)
         delta = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before, strict=True)]
         served = sum(d["requests"] for d in delta) or 1.0
@@ -284,7 +408,13 @@ class Bench:
         report["evictions_per_pod"] = [int(d["evictions"]) for d in delta]
         if ids is not None:
             report.update(miss_breakdown(results, ids, self.fleet.namespace))
-        return report
+        report["moved_turns"] = moved_turns(results)
+        if any(d in self._ours for d in door):
+            total: Counter[str] = Counter()
+            for d in door:
+                total.update(placements(d.url))
+            report["placements"] = dict(sorted(total.items()))
+        return report, results
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -332,7 +462,11 @@ def shape_keys(reports: dict[str, dict[str, Any]], ideal: float, suffix: str) ->
         "lost_frac_inflight": {d: r.get("lost_frac_inflight") for d, r in reports.items()},
         "lost_frac_done": {d: r.get("lost_frac_done") for d, r in reports.items()},
         "blind_requests_cache_aware": get("cache_aware", "blind_requests"),
+        "moved_turns_cache_aware": get("cache_aware", "moved_turns"),
+        "placements_cache_aware": reports.get("cache_aware", {}).get("placements"),
         "cache_aware_x2_hit_rate": get(REPLICATED, "prefix_hit_rate"),
+        "cache_aware_base_hit_rate": get(BASE, "prefix_hit_rate"),
+        "ttft_p50_ms_cache_aware_base": get(BASE, "ttft_ms_p50"),
         "ttft_p50_ms_cache_aware_x2": get(REPLICATED, "ttft_ms_p50"),
         "failed": sum(r["failed"] for r in reports.values()),
     }
@@ -350,9 +484,9 @@ def main() -> None:
         "--doors",
         default=None,
         help="front doors on the chat shape: "
-        + ", ".join((*DOORS, REPLICATED))
+        + ", ".join((*DOORS, REPLICATED, BASE))
         + " (default: all but the last; with "
-        "--quick, all but least_load)",
+        "--quick, cache_aware and the peers)",
     )
     ap.add_argument(
         "--agentic-doors",
@@ -367,8 +501,9 @@ def main() -> None:
     ap.add_argument(
         "--overhead-requests",
         type=int,
-        default=24,
-        help="requests sent one at a time to measure the gateway's own time",
+        default=None,
+        help="requests sent one at a time to measure the gateway's own time (default 12 "
+        "with --quick, 24)",
     )
     ap.add_argument(
         "--kv-blocks-per-daemon",
@@ -376,13 +511,25 @@ def main() -> None:
         default=None,
         help="default: 1/3 of the chat trace's prefix working set",
     )
+    ap.add_argument(
+        "--single-requests",
+        type=int,
+        default=None,
+        help="requests of the single-hot-prompt run (default 24 with --quick, 160)",
+    )
+    ap.add_argument("--dump", default=None, help="append one JSON line per request here")
+    ap.add_argument(
+        "--base-pythonpath",
+        default=None,
+        help=f"checkout whose gateway the door {BASE} runs (an A/B against this one)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--zipf-s", type=float, default=0.8, help="tenant popularity skew")
     ap.add_argument(
         "--tenants",
         type=int,
         default=None,
-        help="chat tenants; default 16 with --quick, 32 for the full trace",
+        help="chat tenants; default 12 with --quick, 32 for the full trace",
     )
     ap.add_argument(
         "--system-prompt-words",
@@ -402,7 +549,7 @@ def main() -> None:
         "checkpoint dir or a .gguf file",
     )
     args = ap.parse_args()
-    quick_chat = "cache_aware,sglang,vllm_router,round_robin"
+    quick_chat = "cache_aware,sglang,vllm_router"
     chat_doors = args.doors or (quick_chat if args.quick else ",".join(DOORS))
     args.doors = [d for d in chat_doors.split(",") if d]
     quick_agentic = "cache_aware,sglang,vllm_router"
@@ -419,10 +566,16 @@ def main() -> None:
         args.model = str(resolve_checkpoint_dir(args.model))
 
     t_start = time.perf_counter()
-    n_req = args.requests or (48 if args.quick else 240)
-    n_agent = args.agentic_requests or (48 if args.quick else 200)
+    t_doors = 0.0
+    n_req = args.requests or (32 if args.quick else 240)
+    n_agent = args.agentic_requests or (32 if args.quick else 200)
+    if args.single_requests is None:
+        args.single_requests = 24 if args.quick else 160
+    if args.overhead_requests is None:
+        args.overhead_requests = 12 if args.quick else 24
+    dump = Path(args.dump) if args.dump else None
     if args.tenants is None:
-        args.tenants = 16 if args.quick else 32
+        args.tenants = 12 if args.quick else 32
     spec = WorkloadSpec(
         num_conversations=n_req,
         num_tenants=args.tenants,
@@ -470,7 +623,9 @@ def main() -> None:
             seed=args.seed,
             weights=args.weights,
             gateway_port=0,
-            gateway_args=args.gateway_args.split(),
+            # The bench's bodies (2-4 KB) are all parsed inline (IntakePool.inline_bytes):
+            # worker processes would only cost each gateway's start-up.
+            gateway_args=["--intake-workers", "0", *args.gateway_args.split()],
         )
     )
     assert fleet.namespace == served, (fleet.namespace, served)
@@ -490,6 +645,8 @@ def main() -> None:
             f"{len(ordered['agentic'])}; peers "
             + ", ".join(f"{p} {peer_version(p)}" for p in PEERS)
         )
+        # Every door of every shape starts now, while the warm-up runs beside it.
+        all_doors = bench.spawn_doors(shapes)
         # Warm every daemon's first-forward costs so no door pays them.
         warm = trim(
             build_conversations(
@@ -503,20 +660,27 @@ def main() -> None:
                 fleet.gateway.url, fleet.served_model_name, warm, args.daemons, progress=False
             )
         )
+        bench.wait_doors()
+        t_doors = time.perf_counter() - t_start - t_ready
+        print(f"doors ready {t_doors:.1f}s after the fleet")
         for shape in shapes:
-            doors = bench.spawn_doors(shape)
+            doors = all_doors[shape]
             reports[shape] = {}
             think = args.think_ms / 1000.0 if shape == "agentic" else 0.0
             for name, door in doors.items():
-                r = bench.run(door, traces[shape], think, ids[shape])
+                r, results = bench.run(door, traces[shape], think, ids[shape])
                 reports[shape][name] = r
+                if dump is not None:
+                    write_dump(dump, shape, name, results, ids[shape], fleet.namespace)
                 print(
-                    f"{shape:8s} {name:12s} hit {r['prefix_hit_rate']:.3f}  ttft p50 "
+                    f"{shape:8s} {name:14s} hit {r['prefix_hit_rate']:.3f}  ttft p50 "
                     f"{r['ttft_ms_p50']} p99 {r['ttft_ms_p99']} ms  wall {r['wall_s']} s  "
                     f"failed {r['failed']}  shares {r['pod_share']}  evictions "
                     f"{r['evictions_per_pod']}  lost inflight/done "
                     f"{r['lost_frac_inflight']}/{r['lost_frac_done']}  blind "
-                    f"{r['blind_requests']}"
+                    f"{r['blind_requests']}  moved {r['moved_turns']}  "
+                    f"{r.get('placements', '')}",
+                    flush=True,
                 )
             if "cache_aware" in doors:
                 url = doors["cache_aware"][0].url
@@ -524,8 +688,9 @@ def main() -> None:
                 overhead[shape] = overhead_probe(
                     url, fleet.served_model_name, trim(traces[shape], args.overhead_requests)
                 )
+                bench.forget_counters()
                 print(f"{shape:8s} gateway overhead, one request at a time: {overhead[shape]}")
-        single = single_prompt_trace(40 if args.quick else 160, words=140, salt="single ")
+        single = single_prompt_trace(args.single_requests, words=140, salt="single ")
         bench.reset_caches()
         results, wall = asyncio.run(
             run_workload(
@@ -571,6 +736,7 @@ def main() -> None:
             "kv_blocks_per_daemon": blocks_per_daemon,
             "prefix_working_set_blocks": reusable,
             "start_s": round(t_ready, 1),
+            "doors_start_s": round(t_doors, 1),
             "runs_s": round(t_runs, 1),
             "wall_s": round(time.perf_counter() - t_start, 1),
         }

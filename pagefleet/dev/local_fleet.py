@@ -79,12 +79,14 @@ class Child:
     url: str
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
+    env: dict[str, str] = field(default_factory=dict)  # on top of this process's own
 
     def start(self) -> None:
         env = dict(os.environ)
         # Each daemon gets the machine's cores to itself only in name: cap torch threads so
         # N daemons on a small box do not oversubscribe the CPU.
         env.setdefault("OMP_NUM_THREADS", "1")
+        env.update(self.env)
         self.proc = process.spawn(self.argv, self.log_path, env=env)
 
     @property
@@ -300,9 +302,11 @@ class LocalFleet:
         weights: str | None = None,
         name: str = "gateway",
         port: int | None = None,
+        env: dict[str, str] | None = None,
     ) -> Child:
         """Start one more gateway over the same daemons and index, without waiting for it
-        (several replicas, or one per policy in a benchmark). The caller stops it."""
+        (several replicas, or one per policy in a benchmark; ``env`` on top of ours, e.g.
+        another PYTHONPATH to run another version of the code). The caller stops it."""
         port = port or (self.spec.gateway_port if name == "gateway" else 0) or free_port()
         host = self.spec.host
         argv = [
@@ -324,7 +328,9 @@ class LocalFleet:
         if self.spec.seed is not None:
             argv += ["--seed", str(self.spec.seed)]
         argv += self.spec.gateway_args
-        child = Child(name, argv, f"http://{host}:{port}", self.log_dir / f"{name}.log")
+        child = Child(
+            name, argv, f"http://{host}:{port}", self.log_dir / f"{name}.log", env=dict(env or {})
+        )
         child.start()
         return child
 

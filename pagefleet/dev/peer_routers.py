@@ -64,15 +64,21 @@ def peer_argv(
 
 
 def spawn_peer(
-    kind: str, worker_urls: list[str], log_dir: Path, policy: str = "cache_aware"
+    kind: str,
+    worker_urls: list[str],
+    log_dir: Path,
+    policy: str = "cache_aware",
+    tag: str = "",
 ) -> Child:
-    """Start a peer router (not waiting for it; see :func:`wait_peer_ready`)."""
+    """Start a peer router (not waiting for it; see :func:`wait_peer_ready`). ``tag`` tells
+    several routers of one kind apart (their names and logs)."""
     port = free_port()
+    name = f"{kind}-{policy}" + (f"-{tag}" if tag else "")
     child = Child(
-        f"{kind}-{policy}",
+        name,
         peer_argv(kind, worker_urls, port, policy),
         f"http://127.0.0.1:{port}",
-        log_dir / f"{kind}-{policy}.log",
+        log_dir / f"{name}.log",
     )
     child.start()
     return child
