@@ -50,6 +50,7 @@ class GatewayMetrics:
     rejected: Counter = field(init=False)
     broken_streams: Counter = field(init=False)
     unhealthy: Counter = field(init=False)
+    placements: Counter = field(init=False)
 
     def __post_init__(self) -> None:
         r = self.registry
@@ -140,6 +141,15 @@ class GatewayMetrics:
             p + "pod_unhealthy",
             "Times a pod was marked unhealthy (timeout or failed probe).",
             ["pod"],
+            registry=r,
+        )
+
+        self.placements = Counter(
+            p + "placements",
+            "Requests by where they were sent against the longest known prefix: "
+            "best_prefix (a pod holding it), moved (away from every pod holding it), "
+            "new_prefix (no pod holds any of it); and by the policy's reason.",
+            ["placement", "reason"],
             registry=r,
         )
 

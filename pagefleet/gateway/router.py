@@ -42,6 +42,8 @@ logger = logging.getLogger(__name__)
 _KEY_CACHE_MAX = 131_072
 # In-flight changes remembered per pod, to line heartbeats up with our own traffic.
 _HISTORY_LEN = 512
+# Weight of the newest request in the mean predicted work per request.
+_WORK_EWMA = 0.1
 
 
 @dataclass(slots=True)
@@ -60,13 +62,23 @@ class RoutingDecision:
     def predicted_hit_tokens(self) -> int:
         return self.ranked[0].matched_tokens if self.ranked else 0
 
+    def placement(self, chosen: Scored) -> str:
+        """``best_prefix`` when ``chosen`` holds the longest prefix any pod holds, ``moved``
+        when another pod holds more, ``new_prefix`` when no pod holds any."""
+        best = max((s.matched_tokens for s in self.ranked), default=0)
+        if best <= 0:
+            return "new_prefix"
+        return "best_prefix" if chosen.matched_tokens >= best else "moved"
+
 
 @dataclass(slots=True)
 class Ticket:
-    """One attempt in flight; ``prefilling`` until its first byte came back."""
+    """One attempt in flight; ``prefilling`` until its first byte came back, with ``work``
+    uncached prompt tokens predicted for its pod."""
 
     pod: str
     prefilling: bool = True
+    work: int = 0
 
 
 @dataclass(slots=True)
@@ -110,6 +122,11 @@ class Router:
     inflight: dict[str, int] = field(default_factory=dict)
     # Of those, the ones still waiting for their first byte (queued or prefilling).
     prefilling: dict[str, int] = field(default_factory=dict)
+    # Their predicted uncached prompt tokens: the prefill work queued there by us.
+    prefill_work: dict[str, int] = field(default_factory=dict)
+    # Mean predicted uncached tokens per request (moving average): the work a request
+    # seen only as a count in a heartbeat (another replica's) is taken to carry.
+    mean_work: float = 0.0
     placements: PlacementMemory = field(default_factory=PlacementMemory)
     _ejected: dict[str, float] = field(default_factory=dict)
     _history: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)
@@ -177,36 +194,46 @@ class Router:
 
     # -- in-flight accounting -------------------------------------------------------------
 
-    def acquire(self, ep: Endpoint, keys: Sequence[int] = ()) -> Ticket:
-        """A request (with block ``keys``) is being sent to ``ep``."""
+    def acquire(self, ep: Endpoint, keys: Sequence[int] = (), work: int = 0) -> Ticket:
+        """A request (with block ``keys`` and ``work`` predicted uncached prompt tokens on
+        this pod) is being sent to ``ep``."""
         self._set_inflight(ep.pod, self.inflight.get(ep.pod, 0) + 1)
         self.prefilling[ep.pod] = self.prefilling.get(ep.pod, 0) + 1
+        work = max(0, work)
+        if work:
+            self.prefill_work[ep.pod] = self.prefill_work.get(ep.pod, 0) + work
+        self.mean_work += (work - self.mean_work) * _WORK_EWMA
         if keys and self.placement_ttl_s > 0:
             self.placements.begin(keys, ep.pod)
-        return Ticket(ep.pod)
+        return Ticket(ep.pod, work=work)
 
     def first_token(self, ticket: Ticket) -> None:
         """The attempt's first byte arrived: it no longer delays a new prefill there."""
         if ticket.prefilling:
             ticket.prefilling = False
-            self._dec_prefilling(ticket.pod)
+            self._dec_prefilling(ticket.pod, ticket.work)
 
     def release(self, ep: Endpoint, keys: Sequence[int] = (), ticket: Ticket | None = None) -> None:
         """The request :meth:`acquire` announced finished (or failed)."""
         self._set_inflight(ep.pod, max(0, self.inflight.get(ep.pod, 0) - 1))
         if ticket is None or ticket.prefilling:
-            self._dec_prefilling(ep.pod)
+            self._dec_prefilling(ep.pod, ticket.work if ticket is not None else 0)
             if ticket is not None:
                 ticket.prefilling = False
         if keys and self.placement_ttl_s > 0:
             self.placements.end(keys, ep.pod)
 
-    def _dec_prefilling(self, pod: str) -> None:
+    def _dec_prefilling(self, pod: str, work: int = 0) -> None:
         n = self.prefilling.get(pod, 0) - 1
         if n > 0:
             self.prefilling[pod] = n
         else:
             self.prefilling.pop(pod, None)
+        left = self.prefill_work.get(pod, 0) - work
+        if left > 0 and n > 0:
+            self.prefill_work[pod] = left
+        else:
+            self.prefill_work.pop(pod, None)
 
     def _set_inflight(self, pod: str, n: int) -> None:
         if n > 0:
@@ -379,6 +406,8 @@ class Router:
                     has_heartbeat=load is not None,
                     footprint_blocks=self.placements.footprint(ep.pod) if keys else 0,
                     capacity_blocks=load.num_blocks if load else 0,
+                    prefill_work=self.prefill_work.get(ep.pod, 0),
+                    mean_work=self.mean_work,
                 )
             )
         req = RouteRequest(

@@ -371,7 +371,9 @@ class Gateway:
         for i, scored in enumerate(attempts):
             ep = scored.endpoint
             more_left = i + 1 < len(attempts)
-            ticket = self.router.acquire(ep, decision.keys)
+            ticket = self.router.acquire(
+                ep, decision.keys, work=decision.prompt_tokens - scored.matched_tokens
+            )
             self.metrics.inflight.labels(pod=ep.pod).inc()
             attempt = _Attempt(asyncio.get_running_loop())
             unwatch = self.router.watch(ep.pod, attempt.pod_down)
@@ -389,6 +391,9 @@ class Gateway:
                 self.router.release(ep, decision.keys, ticket)
                 self.metrics.inflight.labels(pod=ep.pod).dec()
             if isinstance(result, web.StreamResponse):
+                self.metrics.placements.labels(
+                    placement=decision.placement(scored), reason=scored.reason
+                ).inc()
                 return result
             last_error = result
             hung = hung or "timed out" in result
