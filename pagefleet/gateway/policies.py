@@ -6,29 +6,31 @@ pass a seeded ``random.Random``); only round robin keeps a cursor, per router in
 
 Cost model of ``cache_aware`` (lower is better), per ready pod ``p`` and a prompt of ``L``
 tokens (``N`` full blocks of ``B`` tokens) of which ``m_p`` leading blocks are on ``p`` (the
-index's exact answer, or this gateway's recent placements it has not seen yet):
+index's exact answer, or this gateway's recent placements it has not seen yet). Every term
+is prefill work in tokens, divided by ``L``: one unit is one full prefill of this prompt.
 
-    uncached_frac = (L - m_p * B) / L                   # prefill work still to do, 0..1
-    queue         = inflight_p + max(0, running_p + waiting_p - inflight_p(at heartbeat))
-    ahead         = prefilling_p + max(0, waiting_p - inflight_p(at heartbeat))
-    excess        = max(0, ahead - min over pods of ahead - slack)
-    fit           = min(2, (footprint_p + N - m_p) / capacity_p)
-    full          = 1 if (N - m_p) > capacity_p * (1 - kv_usage_p) else 0
-    cost          = w_prefill * uncached_frac + w_queue * excess + w_kv * full
-                    + w_fit * fit
+    uncached  = L - m_p * B                                # this prompt's work on p
+    work_p    = prefill_work_p + others_waiting_p * mean_work
+    excess    = max(0, work_p - min over pods of work - slack * L)
+    new       = N - m_p                                    # blocks p would have to add
+    evicts    = min(new, max(0, footprint_p + new - capacity_p))
+    full      = 1 if new > capacity_p * (1 - kv_usage_p) else 0
+    fill      = min(2, (footprint_p + new) / capacity_p)
+    cost      = (w_prefill * uncached + w_queue * excess + w_fit * evicts * B) / L
+                + w_kv * full + w_spread * fill
 
-``queue`` is this gateway's own in-flight count now (exact, instant) plus whatever the
-pod's last heartbeat saw beyond our own requests at the moment it was taken (other gateway
-replicas' traffic).
-
-The load rule: load costs only when it would raise this request's TTFT. What delays a
-prefill is the requests ahead of it that are themselves still queued or prefilling
-(``ahead``: ours without their first byte yet, plus the pod's waiting queue beyond ours);
-requests already decoding do not, continuous batching runs a new prefill beside them. And
-``ahead`` costs nothing while it is within ``slack`` (default 1) of the least-loaded pod's:
-when every pod is nearly idle there is nothing to balance. Beyond that, each request ahead
-costs ``w_queue`` of a full prefill (default 0.5: two prefills ahead beyond the slack delay
-this one about as much as prefilling it elsewhere). ``queue`` (all in flight) drives the
+The load rule: load costs only when it would raise this request's TTFT, and by how much
+work it puts ahead of it. What delays a prefill is the prefill work still queued or
+running on the pod (``work_p``): the uncached tokens of this gateway's requests there that
+have no first byte yet (each request's own predicted miss, so a queue of cache hits weighs
+little and one long miss a lot), plus the pod's waiting requests beyond ours (other
+replicas'; ``others_waiting``), each at the mean work of our recent requests. Requests
+already decoding do not count: continuous batching runs a new prefill beside them. And
+``work_p`` costs nothing while it is within ``slack`` prefills of this prompt (default 1)
+of the least-loaded pod's: when every pod is nearly idle there is nothing to balance.
+Beyond it, each token ahead costs ``w_queue`` (default 0.5) of a token of own prefill:
+a token computed elsewhere costs this request's TTFT once and the fleet's capacity once,
+a token waited for only the former. ``queue`` (all requests in flight) drives the
 imbalance guard and least_load. KV in use counts the same way: only when this request's
 new blocks do not fit beside the live requests' (``full``) would it wait for blocks.
 The imbalance guard falls back to pure load when the pods holding the longest prefix are
@@ -41,12 +43,19 @@ only breaking ties, so the prefix is replicated onto the least-loaded pods (a si
 popular prompt spreads over the fleet). A tenant with its fair share of traffic or less
 keeps its affinity.
 
-Placement (``fit``): ``footprint_p`` is the distinct blocks this gateway sent ``p`` in the
-last minute, the working set it asked ``p`` to keep; ``capacity_p`` is ``p``'s KV pool in
-blocks (from its heartbeat). A prompt no pod holds goes where adding its blocks leaves the
-most room, so tenants spread by the cache they need rather than by request count; a pod
-that already holds the prompt adds nothing to its footprint. Exact ties break at random:
-a popular prompt spreads over the pods that hold it.
+Placement (``evicts``): ``footprint_p`` is the distinct blocks this gateway sent ``p`` in
+the last minute, the working set it asked ``p`` to keep; ``capacity_p`` is ``p``'s KV pool
+in blocks (from its heartbeat). Blocks this request adds beyond that room push out blocks
+sent there within the minute, which someone will likely prefill again: each costs its
+``B`` tokens at ``w_fit`` (default 0.5: fleet capacity, not this request's TTFT). So a
+prompt no pod holds goes where it evicts least, and a tenant is not moved onto a pod full
+of other hot tenants to save a little queueing. Among pods that evict nothing, ``fill``
+(``w_spread`` = 0.25 per pool's worth) sends it where the most room is left: a pod's
+recent working set is also the traffic it will keep receiving, so new prefixes spread
+over the pods (sglang-router's "smallest tree", on the blocks the pods must hold), and a
+sliver shared by every prompt (a template's first block) does not pile every new tenant
+onto the pod that has it. Exact ties break at random: a popular prompt spreads over the
+pods that hold it.
 """
 
 from __future__ import annotations
@@ -71,18 +80,31 @@ class RoutingWeights(BaseModel):
 
     prefill: float = Field(1.0, ge=0, description="cost of a fully uncached prompt")
     queue: float = Field(
-        0.5, ge=0, description="cost per queued request beyond the least-loaded pod's + slack"
+        0.5,
+        ge=0,
+        description="cost per token of prefill work queued on the pod beyond the least-loaded "
+        "pod's + slack, relative to a token of this prompt's own prefill",
     )
     slack: float = Field(
-        1.0, ge=0, description="requests more than the least-loaded pod that cost nothing"
+        1.0,
+        ge=0,
+        description="prefill work (in prefills of this prompt) more than the least-loaded "
+        "pod's that costs nothing",
     )
     kv: float = Field(
         0.5, ge=0, description="cost of a pod whose free KV cannot hold this request's new blocks"
     )
     fit: float = Field(
+        0.5,
+        ge=0,
+        description="cost per token of recently sent blocks this placement would evict from the "
+        "pod's KV pool, relative to a token of own prefill",
+    )
+    spread: float = Field(
         0.25,
         ge=0,
-        description="cost of a placement that fills the pod's KV pool with its recent working set",
+        description="cost of a placement by how full it leaves the pod's recent working set "
+        "(0..2 of its KV pool): spreads new prefixes over the pods",
     )
     imbalance_abs: float = Field(
         4.0, ge=0, description="fall back to least load when best-cache queue exceeds min by more"
@@ -122,6 +144,8 @@ class Candidate:
     prefilling: int = 0  # of ``inflight``, those without their first byte yet
     footprint_blocks: int = 0  # distinct blocks this gateway recently sent the pod
     capacity_blocks: int = 0  # the pod's KV pool in blocks (0: unknown)
+    prefill_work: int = 0  # uncached tokens of our requests there without a first byte yet
+    mean_work: float = 0.0  # mean predicted uncached tokens of our recent requests
 
     @property
     def queue(self) -> int:
@@ -136,6 +160,13 @@ class Candidate:
         already decoding do not: continuous batching runs a new prefill beside them."""
         others = max(0, self.waiting - self.own_at_heartbeat)
         return self.prefilling + others
+
+    @property
+    def work_ahead(self) -> float:
+        """Prefill tokens that would run before this request's: ours (each request's own
+        predicted miss) plus the pod's waiting queue beyond ours at the mean miss."""
+        others = max(0, self.waiting - self.own_at_heartbeat)
+        return self.prefill_work + others * self.mean_work
 
 
 @dataclass(slots=True, frozen=True)
@@ -169,11 +200,23 @@ def _matched_tokens(c: Candidate, req: RouteRequest) -> int:
     return min(c.matched_blocks * req.block_size, req.prompt_tokens)
 
 
-def _order(scored: list[Scored], rng: random.Random) -> list[Scored]:
-    # A random secondary key breaks exact ties uniformly, so equal pods share traffic.
-    keyed = [(s.cost, rng.random(), s) for s in scored]
-    keyed.sort(key=lambda t: (t[0], t[1]))
-    return [s for _, _, s in keyed]
+def _order(
+    scored: list[Scored], rng: random.Random, fill: dict[str, float] | None = None
+) -> list[Scored]:
+    # Equal costs: the pod with more room left first (``fill``), then a random key breaks
+    # exact ties uniformly, so equal pods share traffic.
+    keyed = [(s.cost, (fill or {}).get(s.endpoint.pod, 0.0), rng.random(), s) for s in scored]
+    keyed.sort(key=lambda t: (t[0], t[1], t[2]))
+    return [t[3] for t in keyed]
+
+
+def _room(c: Candidate, req: RouteRequest) -> float:
+    """How full the pod's recent working set would be with this request, to 1 %: the
+    tie-break among pods of equal cost (a coarse one, so near-equal pods still share)."""
+    if c.capacity_blocks <= 0:
+        return 0.0
+    new = max(0, req.num_blocks - c.matched_blocks)
+    return round(min(2.0, (c.footprint_blocks + new) / c.capacity_blocks), 2)
 
 
 class LeastLoadPolicy:
@@ -205,27 +248,30 @@ class CacheAwarePolicy:
     def __init__(self, weights: RoutingWeights | None = None) -> None:
         self.weights = weights or RoutingWeights()
 
-    def cost(self, c: Candidate, req: RouteRequest, min_queue: int = 0) -> float:
-        """The module docstring's cost; ``min_queue``: the least-loaded pod's queue."""
+    def cost(self, c: Candidate, req: RouteRequest, min_work: float = 0.0) -> float:
+        """The module docstring's cost; ``min_work``: the least-loaded pod's work ahead."""
         w = self.weights
+        length = max(1, req.prompt_tokens)
         uncached = req.prompt_tokens - _matched_tokens(c, req)
-        frac = uncached / req.prompt_tokens if req.prompt_tokens > 0 else 1.0
-        excess = max(0.0, c.ahead - min_queue - w.slack)
-        fit = full = 0.0
+        excess = max(0.0, c.work_ahead - min_work - w.slack * length)
+        evicts = full = fill = 0.0
         if c.capacity_blocks > 0:
             new = max(0, req.num_blocks - c.matched_blocks)
-            fit = min(2.0, (c.footprint_blocks + new) / c.capacity_blocks)
+            evicts = min(new, max(0, c.footprint_blocks + new - c.capacity_blocks))
+            fill = min(2.0, (c.footprint_blocks + new) / c.capacity_blocks)
             # Live requests hold kv_usage of the pool; the rest is free or evictable. Only
             # when this request's new blocks do not fit there must it wait for others.
             full = 1.0 if new > c.capacity_blocks * (1.0 - c.kv_usage) else 0.0
-        return w.prefill * frac + w.queue * excess + w.kv * full + w.fit * fit
+        work = w.prefill * uncached + w.queue * excess + w.fit * evicts * req.block_size
+        return work / length + w.kv * full + w.spread * fill
 
     def rank(
         self, candidates: list[Candidate], req: RouteRequest, rng: random.Random
     ) -> list[Scored]:
         if not candidates:
             return []
-        min_queue = min(c.ahead for c in candidates)
+        min_queue = min(c.queue for c in candidates)
+        min_work = min(c.work_ahead for c in candidates)
         if req.hot:
             # Replicate a hot prefix: least load first, the cache only breaks ties (a
             # holder wins at equal load; one more request than elsewhere moves it on).
@@ -248,7 +294,7 @@ class CacheAwarePolicy:
             [
                 Scored(
                     c.endpoint,
-                    self.cost(c, req, min_queue),
+                    self.cost(c, req, min_work),
                     _matched_tokens(c, req),
                     c.queue,
                     "cache_aware",
@@ -256,6 +302,7 @@ class CacheAwarePolicy:
                 for c in candidates
             ],
             rng,
+            {c.endpoint.pod: _room(c, req) for c in candidates},
         )
         best_match = max(s.matched_tokens for s in ranked)
         # The guard looks at the pods holding the longest prefix, not just the cheapest one:

@@ -16,6 +16,7 @@ from pagefleet.gateway.policies import (
     RoundRobinPolicy,
     RouteRequest,
     RoutingWeights,
+    Scored,
     SessionPolicy,
     make_policy,
 )
@@ -235,8 +236,8 @@ async def test_index_failure_degrades_to_load_only_and_opens_breaker() -> None:
     index = _BrokenIndex(NS)
     router = await _router("cache_aware", index, breaker_cooldown_s=60)
     try:
-        for _ in range(2):  # beyond the slack of one request
-            router.acquire(Endpoint(PODS[1], URLS[1]))
+        for _ in range(2):  # two misses of this size: beyond the slack of one prefill
+            router.acquire(Endpoint(PODS[1], URLS[1]), work=5 * BS)
         d = await router.route(_prompt(3, 5 * BS))
         assert not d.index_ok
         assert d.ranked and d.ranked[-1].endpoint.pod == PODS[1]
@@ -258,34 +259,73 @@ def test_weights_parse_and_reject_unknown_names() -> None:
         make_policy("fastest")
 
 
-def test_cache_aware_cost_trades_hits_against_queue() -> None:
+def test_cache_aware_cost_trades_hits_against_work_ahead() -> None:
+    """Load is prefill work queued ahead, in tokens: a queue of cache hits weighs little,
+    a queue of long misses a lot; decoding requests nothing."""
     policy = CacheAwarePolicy(RoutingWeights(prefill=1.0, queue=0.5, slack=1, kv=0.0, fit=0.0))
     ep = [Endpoint(p, u) for p, u in zip(PODS, URLS, strict=True)]
-    req = RouteRequest(prompt_tokens=10 * BS, block_size=BS, num_blocks=10)
-    # Full hit with 2 queued (cost 0.5 * (2 - 1)) beats a cold idle pod (cost 1.0) ...
-    ranked = policy.rank([Candidate(ep[0], 10, waiting=2), Candidate(ep[1])], req, random.Random(0))
-    assert ranked[0].endpoint == ep[0]
-    # ... but not with 4 queued (cost 1.5).
-    ranked = policy.rank([Candidate(ep[0], 10, waiting=4), Candidate(ep[1])], req, random.Random(0))
-    assert ranked[0].endpoint == ep[1]
+    n = 10 * BS
+    req = RouteRequest(prompt_tokens=n, block_size=BS, num_blocks=10)
+
+    def first(cands: list[Candidate]) -> Endpoint:
+        return policy.rank(cands, req, random.Random(0))[0].endpoint
+
+    # Full hit with two prefills of work ahead (cost 0.5 * (2 - 1)) beats a cold idle pod
+    # (cost 1.0) ...
+    assert first([Candidate(ep[0], 10, prefill_work=2 * n), Candidate(ep[1])]) == ep[0]
+    # ... but not with four (cost 1.5).
+    assert first([Candidate(ep[0], 10, prefill_work=4 * n), Candidate(ep[1])]) == ep[1]
+    # Six requests ahead that are themselves hits (a block of work each) cost nothing.
+    hits = [Candidate(ep[0], 10, prefilling=6, prefill_work=6 * BS), Candidate(ep[1])]
+    assert first(hits) == ep[0]
+    # Another replica's waiting requests count at our mean work per request.
+    others = [Candidate(ep[0], 10, waiting=4, mean_work=n), Candidate(ep[1], mean_work=n)]
+    assert first(others) == ep[1]
     # Requests already decoding do not delay a prefill: a busy decoder keeps its hits.
-    decoding = [Candidate(ep[0], 10, running=4), Candidate(ep[1])]
-    assert policy.rank(decoding, req, random.Random(0))[0].endpoint == ep[0]
+    decoding = [Candidate(ep[0], 10, running=4, mean_work=n), Candidate(ep[1])]
+    assert first(decoding) == ep[0]
     # Load is counted from the least-loaded pod: all busy alike, the hit wins however busy.
-    busy = [Candidate(ep[0], 10, waiting=9), Candidate(ep[1], waiting=8)]
-    assert policy.rank(busy, req, random.Random(0))[0].endpoint == ep[0]
+    busy = [Candidate(ep[0], 10, prefill_work=9 * n), Candidate(ep[1], prefill_work=8 * n)]
+    assert first(busy) == ep[0]
 
 
-def test_slack_makes_a_request_or_two_more_free() -> None:
-    """Nearly idle pods: a partial hit stays with its holder whatever the in-flight counts;
-    with slack 0 the same one-request difference moves it."""
+def test_slack_makes_one_prefill_more_free() -> None:
+    """Nearly idle pods: a partial hit stays with its holder while the work ahead of it is
+    within one prefill of this prompt; with slack 0 the same work moves it."""
     ep = [Endpoint(p, u) for p, u in zip(PODS, URLS, strict=True)]
     req = RouteRequest(prompt_tokens=10 * BS, block_size=BS, num_blocks=10)
-    cands = [Candidate(ep[0], 6, waiting=1), Candidate(ep[1])]
+    cands = [Candidate(ep[0], 6, prefilling=1, prefill_work=10 * BS), Candidate(ep[1])]
     slack = CacheAwarePolicy(RoutingWeights(queue=0.5, slack=1, kv=0.0, fit=0.0))
     assert slack.rank(cands, req, random.Random(0))[0].endpoint == ep[0]
     strict = CacheAwarePolicy(RoutingWeights(queue=1.0, slack=0, kv=0.0, fit=0.0))
     assert strict.rank(cands, req, random.Random(0))[0].endpoint == ep[1]
+
+
+def test_placement_weighs_evictions_against_work_ahead() -> None:
+    """A new prompt on a pod whose recent working set fills its pool evicts blocks someone
+    will prefill again: it goes to a pod with room unless that pod's queue costs more."""
+    ep = [Endpoint(p, u) for p, u in zip(PODS, URLS, strict=True)]
+    n = 40 * BS
+    req = RouteRequest(prompt_tokens=n, block_size=BS, num_blocks=40)
+    policy = CacheAwarePolicy()
+    full_idle = Candidate(ep[0], footprint_blocks=200, capacity_blocks=200)
+    # One prefill ahead is within the slack: the pod with room wins.
+    room = Candidate(ep[1], prefilling=1, prefill_work=n, footprint_blocks=40, capacity_blocks=200)
+    for seed in range(5):
+        assert policy.rank([full_idle, room], req, random.Random(seed))[0].endpoint == ep[1]
+    # Three prefills ahead (cost 0.5 * 2) outweigh evicting this prompt's 40 blocks (0.5).
+    busy = Candidate(
+        ep[1], prefilling=3, prefill_work=3 * n, footprint_blocks=40, capacity_blocks=200
+    )
+    assert policy.rank([full_idle, busy], req, random.Random(0))[0].endpoint == ep[0]
+    # A sliver every prompt shares (a template's first block) does not outweigh room.
+    sliver = Candidate(ep[0], 1, footprint_blocks=150, capacity_blocks=200)
+    empty = Candidate(ep[1], footprint_blocks=0, capacity_blocks=200)
+    assert policy.rank([sliver, empty], req, random.Random(0))[0].endpoint == ep[1]
+    # A partial hit whose new blocks fit stays with its holder over an idle pod with room.
+    holder = Candidate(ep[2], 30, prefill_work=n, footprint_blocks=190, capacity_blocks=200)
+    other = Candidate(ep[3], footprint_blocks=0, capacity_blocks=200)
+    assert policy.rank([holder, other], req, random.Random(0))[0].endpoint == ep[2]
 
 
 def test_new_prefix_goes_where_its_blocks_fit() -> None:
@@ -355,3 +395,17 @@ async def test_heartbeat_load_is_not_double_counted_with_own_inflight() -> None:
         assert {s.endpoint.pod: s.queue for s in d.ranked}[PODS[0]] == 0
     finally:
         await router.close()
+
+
+def test_decision_names_where_a_request_went_against_the_longest_prefix() -> None:
+    """The placements counter's labels: the holder of the longest prefix, another pod, or
+    no holder at all."""
+    from pagefleet.gateway.router import RoutingDecision
+
+    ep = [Endpoint(p, u) for p, u in zip(PODS, URLS, strict=True)]
+    ranked = [Scored(ep[0], 1.0, 32, 0, "cache_aware"), Scored(ep[1], 0.5, 64, 0, "cache_aware")]
+    d = RoutingDecision(ranked, "cache_aware", 80, 5, True, 0.0)
+    assert d.placement(ranked[1]) == "best_prefix"
+    assert d.placement(ranked[0]) == "moved"
+    cold = [Scored(ep[0], 1.0, 0, 0, "cache_aware")]
+    assert RoutingDecision(cold, "cache_aware", 80, 5, True, 0.0).placement(cold[0]) == "new_prefix"
