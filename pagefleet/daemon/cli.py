@@ -175,7 +175,7 @@ async def serve(config: DaemonConfig) -> None:
 )
 @click.option(
     "--engine-process/--no-engine-process",
-    default=False,
+    default=True,
     show_default=True,
     help="Run the engine in its own process (the HTTP layer never takes the GIL from the "
     "model); if that process dies, the daemon exits non-zero.",

@@ -57,7 +57,7 @@ class DaemonConfig(BaseModel):
     kv_advertise_host: str | None = None  # default: $POD_IP, else --host unless a wildcard
     # Run the engine in its own process (engine_core.py), so the HTTP layer never takes
     # the GIL from the model; off: an engine thread in the HTTP process.
-    engine_process: bool = False
+    engine_process: bool = True
 
     @property
     def model_name(self) -> str:

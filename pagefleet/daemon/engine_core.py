@@ -245,7 +245,7 @@ def run(conn: Connection, config: Any, factory: Callable[..., Any] | None = None
         )
     except BaseException as exc:
         logger.exception("engine failed to load")
-        core.send(("load_error", f"{type(exc).__name__}: {exc}"))
+        core.send(("load_error", str(exc) or type(exc).__name__))
         conn.close()
         sys.exit(1)
     core.send(("ready", info))
