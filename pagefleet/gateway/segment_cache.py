@@ -1,12 +1,15 @@
-"""Tokenize chat prompts piecewise, caching the long pieces every turn repeats.
+"""Tokenize chat prompts piecewise, caching the pieces every turn repeats.
 
 A chat prompt is the rendered conversation: a long system prompt and history that the
 next turn repeats verbatim, between the template's special tokens (``<|im_start|>`` ...).
 A fast tokenizer splits its input on special added tokens *before* normalizing and
 pre-tokenizing, so each piece between two special tokens is tokenized on its own. Encoding
-the pieces separately, with the long ones from a cache, therefore gives the very ids of
+the pieces separately, repeated ones from a cache, therefore gives the very ids of
 encoding the whole text, at the cost of only the new pieces: a few hundred microseconds
-instead of milliseconds per 1000-token prompt.
+instead of milliseconds per 1000-token prompt. Short pieces are cached too (a chat's
+earlier user and assistant turns, the role names): every call into the tokenizer costs
+~0.1-0.2 ms however short its text, so on the bench's chat prompts caching them halved
+the time (0.84 -> 0.38 ms per prompt, in-process, load ~8).
 
 Invariant: ``encode`` returns exactly ``tokenizer.encode(text, add_special_tokens)``. Where
 that cannot be assumed (special tokens that strip neighbouring spaces or are normalized)
@@ -31,7 +34,7 @@ class SegmentCachedEncoder:
         self,
         tokenizer: Tokenizer,
         max_entries: int = 4096,
-        min_chars: int = 256,
+        min_chars: int = 1,
         verify_first: int = 16,
         verify_every: int = 256,
     ) -> None:
