@@ -6,7 +6,8 @@ A real fleet: 4 daemons + real Redis, all started by pagefleet's LocalFleet, on 
 Llama of bench/throughput.py (`--model bench`, the default): a model whose prefill, not the
 fixed per-request path, sets TTFT, as on a real model and GPU.
 
-Front doors, each over the same daemons and the same trace: pagefleet's gateway
+Front doors, each over the same daemons and the same trace (`--quick`: cache_aware and both
+peers on chat, cache_aware and sglang-router on agentic, 32 requests each): pagefleet's gateway
 (cache_aware, round_robin, least_load) and the peer routers from PyPI, sglang-router and
 vllm-router, each with its cache-aware policy at its defaults (`pip install '.[bench]'`; a
 peer that is not installed is skipped and its keys are null). Before every run every
@@ -322,7 +323,12 @@ class Bench:
                         self.fleet.spawn_gateway(
                             "cache_aware",
                             name=f"gateway-base-{shape}",
-                            env={"PYTHONPATH": self.args.base_pythonpath},
+                            # PYTHONSAFEPATH: `python -m` must not put the working
+                            # directory (this checkout) ahead of the other one.
+                            env={
+                                "PYTHONPATH": self.args.base_pythonpath,
+                                "PYTHONSAFEPATH": "1",
+                            },
                         )
                     ]
                 elif name == REPLICATED:
@@ -492,7 +498,7 @@ def main() -> None:
         "--agentic-doors",
         default=None,
         help="front doors on the agentic shape (default: all; with --quick, cache_aware and "
-        "the peers)",
+        "sglang-router)",
     )
     ap.add_argument(
         "--shapes", default="chat,agentic", help="workload shapes: chat, agentic (or one)"
@@ -552,7 +558,7 @@ def main() -> None:
     quick_chat = "cache_aware,sglang,vllm_router"
     chat_doors = args.doors or (quick_chat if args.quick else ",".join(DOORS))
     args.doors = [d for d in chat_doors.split(",") if d]
-    quick_agentic = "cache_aware,sglang,vllm_router"
+    quick_agentic = "cache_aware,sglang"
     agentic_doors = args.agentic_doors or (quick_agentic if args.quick else ",".join(DOORS))
     args.agentic_doors = [d for d in agentic_doors.split(",") if d]
     shapes = [s for s in args.shapes.split(",") if s]
@@ -614,7 +620,10 @@ def main() -> None:
     ideal = {s: ideal_hit_rate(ordered[s], BLOCK, served) for s in traces}
     # A third of the chat working set per daemon, 4/3 of it across the fleet: only a router
     # that partitions the reused prefixes across pods keeps the hit rate near the ceiling.
-    kv_blocks = args.kv_blocks_per_daemon or max(16, reusable["chat"] // 3)
+    # ... but never below the longest prompt (+ a few blocks to decode into): a daemon
+    # refuses a prompt its whole pool cannot hold (the long agentic turns).
+    longest = max(len(x) for s in traces for x in ordered[s]) // BLOCK + 4
+    kv_blocks = args.kv_blocks_per_daemon or max(16, reusable["chat"] // 3, longest)
     fleet = LocalFleet(
         FleetSpec(
             num_daemons=args.daemons,
