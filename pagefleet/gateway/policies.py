@@ -37,11 +37,15 @@ The imbalance guard falls back to pure load when the pods holding the longest pr
 all busier than the least-loaded pod by more than ``imbalance_abs`` requests.
 
 Hot prefixes: when the requests in flight that share this prompt's matched prefix are more
-than one pod's fair share of all in-flight requests plus the slack (``shared > total / pods
-+ slack``), one pod cannot carry that prefix; the request is then ranked by load, the cache
-only breaking ties, so the prefix is replicated onto the least-loaded pods (a single hugely
-popular prompt spreads over the fleet). A tenant with its fair share of traffic or less
-keeps its affinity.
+than ``hot`` (default 2) pods' fair shares of all in-flight requests plus the slack
+(``shared > hot * total / pods + slack``), one pod cannot carry that prefix; the request
+is then ranked by load, the cache only breaking ties, so the prefix is replicated onto the
+least-loaded pods (a single hugely popular prompt spreads over the fleet). Replicating
+costs a full prefill of the prefix on the new pod and the blocks it evicts there, so a
+popular tenant keeps its affinity until its holder carries twice a fair share: measured on
+bench/routing.py's chat shape, replicating at one fair share (3-4 of 8 in flight, the
+rule until session 4) turned two later turns into full misses and cost 7 % of the prompt
+tokens (docs/benchmarks.md, session 4).
 
 Placement (``evicts``): ``footprint_p`` is the distinct blocks this gateway sent ``p`` in
 the last minute, the working set it asked ``p`` to keep; ``capacity_p`` is ``p``'s KV pool
@@ -105,6 +109,12 @@ class RoutingWeights(BaseModel):
         ge=0,
         description="cost of a placement by how full it leaves the pod's recent working set "
         "(0..2 of its KV pool): spreads new prefixes over the pods",
+    )
+    hot: float = Field(
+        2.0,
+        ge=0,
+        description="a prefix whose requests in flight exceed this many pods' fair shares "
+        "(+ slack) is replicated by load",
     )
     imbalance_abs: float = Field(
         4.0, ge=0, description="fall back to least load when best-cache queue exceeds min by more"

@@ -360,7 +360,10 @@ class Router:
     def _is_hot(
         self, keys: list[int], matched: dict[str, int], candidates: list[Candidate]
     ) -> bool:
-        """The prefix shared with requests in flight keeps more than one pod busy."""
+        """The requests in flight sharing this prompt's prefix are more than ``hot`` times
+        one pod's fair share of all in flight, plus the slack: more than its holder can
+        carry without queueing that a replica's full prefill (and the evictions it causes
+        there) would undo."""
         if not keys or not matched or not candidates or self.placement_ttl_s <= 0:
             return False
         m = min(max(matched.values()), len(keys))
@@ -368,9 +371,11 @@ class Router:
             return False
         shared = self.placements.inflight_with(keys[m - 1])
         total = sum(c.queue for c in candidates)
-        slack = getattr(getattr(self.policy, "weights", None), "slack", 1.0)
+        weights = getattr(self.policy, "weights", None)
+        slack = getattr(weights, "slack", 1.0)
+        factor = getattr(weights, "hot", 2.0)
         # A fair share below one request would make any twin "hot" on an idle fleet.
-        return shared > max(1.0, total / len(candidates)) + slack
+        return shared > factor * max(1.0, total / len(candidates)) + slack
 
     async def route(
         self,

@@ -409,3 +409,27 @@ def test_decision_names_where_a_request_went_against_the_longest_prefix() -> Non
     assert d.placement(ranked[0]) == "moved"
     cold = [Scored(ep[0], 1.0, 0, 0, "cache_aware")]
     assert RoutingDecision(cold, "cache_aware", 80, 5, True, 0.0).placement(cold[0]) == "new_prefix"
+
+
+async def test_a_popular_tenant_keeps_affinity_a_single_hot_prompt_spreads() -> None:
+    """Hot means more than twice a fair share of the requests in flight (+ slack): a
+    tenant with 3 of 8 stays on its holder, a prompt with 8 of 13 is replicated by load."""
+    index = MemoryKVIndex(NS)
+    await _beat(index)
+    tenant, other = _prompt(21, 20 * BS), _prompt(22, 20 * BS)
+    router = await _router("cache_aware", index)
+    try:
+        holder = Endpoint(PODS[0], URLS[0])
+        keys = router.block_keys(tenant)
+        for _ in range(3):
+            router.acquire(holder, keys, work=BS)
+        for i in range(5):  # the rest of the fleet's traffic, elsewhere
+            router.acquire(Endpoint(PODS[1 + i % 3], URLS[1 + i % 3]), router.block_keys(other))
+        d = await router.route(tenant)
+        assert d.ranked[0].endpoint == holder and d.ranked[0].reason == "cache_aware"
+        for _ in range(5):  # 8 of 13 in flight share the prompt: beyond 2 * 13/4 + 1
+            router.acquire(holder, keys, work=BS)
+        d = await router.route(tenant)
+        assert d.ranked[0].reason == "hot_prefix" and d.ranked[0].endpoint != holder
+    finally:
+        await router.close()
