@@ -521,7 +521,7 @@ def main() -> None:
         "--single-requests",
         type=int,
         default=None,
-        help="requests of the single-hot-prompt run (default 24 with --quick, 160)",
+        help="requests of the single-hot-prompt run (default 40 with --quick, 160)",
     )
     ap.add_argument("--dump", default=None, help="append one JSON line per request here")
     ap.add_argument(
@@ -576,7 +576,7 @@ def main() -> None:
     n_req = args.requests or (32 if args.quick else 240)
     n_agent = args.agentic_requests or (32 if args.quick else 200)
     if args.single_requests is None:
-        args.single_requests = 24 if args.quick else 160
+        args.single_requests = 40 if args.quick else 160
     if args.overhead_requests is None:
         args.overhead_requests = 12 if args.quick else 24
     dump = Path(args.dump) if args.dump else None
