@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,10 +22,9 @@ import pytest
 from e2e.cluster import ControlPlane, eventually, tail
 from e2e.kube_client import KubeClient
 from e2e.kube_helpers import live_pods, pod_ready, tiny_checkpoint
+from e2e.operator_process import OperatorProcess, install_prerequisites
 from e2e.test_operator import (
-    CRD,
     PAGEFLEET,
-    ROOT,
     apply,
     condition,
     events_for,
@@ -35,6 +32,7 @@ from e2e.test_operator import (
     infsvc,
     redis_url,  # noqa: F401 (fixture)
 )
+from pagefleet.dev.process import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -42,57 +40,25 @@ DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 SELECTOR = "pagefleet.io/service=auto,pagefleet.io/role=unified"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def autoscaling_operator(
     cluster: ControlPlane, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[subprocess.Popen[bytes], Path, int]]:
-    cluster.kubectl("apply", "-f", str(CRD))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "-f", str(CRD))
-    cluster.kubectl("apply", "-f", str(ROOT / "deploy" / "rbac.yaml"))
-    kubeconfig = cluster.service_account_kubeconfig("pagefleet-system", "pagefleet-operator")
+) -> Iterator[tuple[OperatorProcess, int]]:
+    install_prerequisites(cluster)
     log = tmp_path_factory.mktemp("operator") / "operator.log"
-    port = _free_port()
-    cmd = [
-        PAGEFLEET,
-        "operator",
-        "--all-namespaces",
-        "--resync-seconds",
-        "5",
-        "--autoscale-seconds",
-        "1",
-        "--rate-window-seconds",
-        "6",
-        "--metrics-port",
-        str(port),
-        "--metrics-host",
-        "127.0.0.1",
-    ]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            cmd,
-            env={**os.environ, "KUBECONFIG": str(kubeconfig)},
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    port = free_port()
+    op = OperatorProcess(
+        cluster, log,
+        "--resync-seconds", "5", "--autoscale-seconds", "1", "--rate-window-seconds", "6",
+        "--metrics-port", str(port), "--metrics-host", "127.0.0.1",
+    )  # fmt: skip
+    op.start()
     try:
-        yield proc, log, port
+        yield op, port
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        op.stop()
+        op.assert_not_refused()
         text = log.read_text(errors="replace")
-        assert "is forbidden: User" not in text, "the operator was refused by RBAC"
         if "autoscaler tick of" in text:  # an unexpected exception: show its traceback
             at = text.index("autoscaler tick of")
             raise AssertionError("the autoscaler raised:\n" + text[at : at + 4000])
@@ -125,10 +91,11 @@ def test_load_step_scales_out_and_back_removing_the_marked_pod(
     cluster: ControlPlane,
     kube: KubeClient,
     namespace: str,
-    autoscaling_operator: tuple[subprocess.Popen[bytes], Path, int],
+    autoscaling_operator: tuple[OperatorProcess, int],
     redis_url: str,  # noqa: F811
 ) -> None:
-    proc, log, metrics_port = autoscaling_operator
+    operator, metrics_port = autoscaling_operator
+    log = operator.log
     t0 = time.monotonic()
     model = tiny_checkpoint()
     gw_kubeconfig = cluster.workdir / f"kubeconfig-sa-{namespace}-auto-gateway"
@@ -259,7 +226,7 @@ def test_load_step_scales_out_and_back_removing_the_marked_pod(
         text = r.read().decode()
     assert 'pagefleet_operator_role_desired_replicas{namespace="' + namespace in text
     assert "pagefleet_operator_autoscaler_decisions_total" in text
-    assert proc.poll() is None, tail(log, 40)
+    operator.check_alive()
     print(
         f"autoscale e2e: first Ready {ready_s:.0f}s, scale-out {scale_out_s:.0f}s, "
         f"scale-in {scale_in_s:.0f}s, removed {sorted(watch.removed)}"

@@ -9,88 +9,39 @@ cluster, using a kubeconfig of the gateway's own ServiceAccount (the Role the op
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from e2e.cluster import ControlPlane, ControlPlaneError, eventually, tail
+from e2e.cluster import ControlPlane, ControlPlaneError, eventually
 from e2e.kube_client import KubeClient
 from e2e.kube_helpers import live_pods, pod_ready, ready_endpoints, tiny_checkpoint
+from e2e.operator_process import PAGEFLEET, OperatorProcess, install_prerequisites
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[1]
-CRD = ROOT / "crds" / "inferenceservices.pagefleet.io.yaml"
-PAGEFLEET = str(Path(sys.executable).with_name("pagefleet"))
 API = "/apis/pagefleet.io/v1alpha1"
 
 
-@dataclass
-class Operator:
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-    def check_alive(self) -> None:
-        if self.proc.poll() is not None:
-            raise AssertionError(
-                f"the operator exited with {self.proc.returncode}:\n{tail(self.log, 40)}"
-            )
+# Kept under its old name: the P/D scenario imports it.
+Operator = OperatorProcess
 
 
 @pytest.fixture(scope="module")
 def operator(cluster: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
-    cluster.kubectl("apply", "-f", str(CRD))
-    crd_path = (
-        "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/inferenceservices.pagefleet.io"
-    )
-    admin = KubeClient.from_kubeconfig(cluster.kubeconfig_path)
-    eventually(
-        lambda: any(
-            c["type"] == "Established" and c["status"] == "True"
-            for c in (admin.get(crd_path).get("status") or {}).get("conditions") or []
-        ),
-        60,
-        "the CRD Established",
-    )
-    cluster.kubectl("apply", "-f", str(ROOT / "deploy" / "rbac.yaml"))
-    kubeconfig = cluster.service_account_kubeconfig("pagefleet-system", "pagefleet-operator")
+    install_prerequisites(cluster)
     log = tmp_path_factory.mktemp("operator") / "operator.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [PAGEFLEET, "operator", "--all-namespaces", "--resync-seconds", "3", "--verbose"],
-            env={**os.environ, "KUBECONFIG": str(kubeconfig)},
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    op = Operator(proc, log)
+    op = OperatorProcess(cluster, log, "--resync-seconds", "3", "--verbose")
+    op.start()
     try:
         yield op
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        # An RBAC refusal reads `... is forbidden: User "system:serviceaccount:..." cannot`:
-        # none may happen (a 403 for a terminating namespace is not one).
-        refused = [
-            line
-            for line in log.read_text(errors="replace").splitlines()
-            if "is forbidden: User" in line
-        ]
-        assert not refused, "the operator was refused by RBAC:\n" + "\n".join(refused[:20])
+        op.stop()
+        op.assert_not_refused()
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,8 @@ with exactly one of every object.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,12 +24,10 @@ import pytest
 from e2e.cluster import ControlPlane, eventually
 from e2e.kube_client import KubeClient
 from e2e.kube_helpers import live_pods, tiny_checkpoint
+from e2e.operator_process import OperatorProcess, install_prerequisites
 from e2e.test_operator import (
     API,
-    CRD,
     PAGEFLEET,
-    ROOT,
-    Operator,
     _wait_ready,
     apply,
     condition,
@@ -46,71 +40,26 @@ from e2e.test_operator import (
 pytestmark = pytest.mark.e2e
 
 
-class RestartableOperator:
-    """`pagefleet operator` as the operator ServiceAccount; `kill()` is SIGKILL (no
-    cleanup, as a node failure or OOM kill), `start()` a fresh process on the same log."""
-
-    def __init__(self, cluster: ControlPlane, log: Path) -> None:
-        self.kubeconfig = cluster.service_account_kubeconfig(
-            "pagefleet-system", "pagefleet-operator"
-        )
-        self.log = log
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(
-                [PAGEFLEET, "operator", "--all-namespaces", "--resync-seconds", "3", "-v"],
-                env={**os.environ, "KUBECONFIG": str(self.kubeconfig)},
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-    def check_alive(self) -> None:
-        assert self.proc is not None
-        Operator(self.proc, self.log).check_alive()
-
-
 @pytest.fixture(scope="module")
 def operator(
     cluster: ControlPlane, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[RestartableOperator]:
-    cluster.kubectl("apply", "-f", str(CRD))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "-f", str(CRD))
-    cluster.kubectl("apply", "-f", str(ROOT / "deploy" / "rbac.yaml"))
-    op = RestartableOperator(cluster, tmp_path_factory.mktemp("operator") / "operator.log")
+) -> Iterator[OperatorProcess]:
+    install_prerequisites(cluster)
+    log = tmp_path_factory.mktemp("operator") / "operator.log"
+    op = OperatorProcess(cluster, log, "--resync-seconds", "3", "-v")
     op.start()
     try:
         yield op
     finally:
         op.stop()
-        refused = [
-            line
-            for line in op.log.read_text(errors="replace").splitlines()
-            if "is forbidden: User" in line
-        ]
-        assert not refused, "the operator was refused by RBAC:\n" + "\n".join(refused[:20])
+        op.assert_not_refused()
 
 
 def test_crash_looping_daemons_degrade_with_their_last_words_then_recover(
     cluster: ControlPlane,
     kube: KubeClient,
     namespace: str,
-    operator: RestartableOperator,
+    operator: OperatorProcess,
     redis_url: str,  # noqa: F811
 ) -> None:
     t0 = time.monotonic()
@@ -210,7 +159,7 @@ def test_operator_killed_mid_reconcile_converges_without_duplicates(
     cluster: ControlPlane,
     kube: KubeClient,
     namespace: str,
-    operator: RestartableOperator,
+    operator: OperatorProcess,
     redis_url: str,  # noqa: F811
 ) -> None:
     """SIGKILL the operator once the first child of a new service exists (the pass is
