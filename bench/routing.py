@@ -459,6 +459,10 @@ def shape_keys(reports: dict[str, dict[str, Any]], ideal: float, suffix: str) ->
         "hit_rate_minus_best_peer": round(ca_hit - best_hit, 4)
         if ca_hit is not None and best_hit is not None
         else None,
+        # The most any router could lead the best peer by: the single unbounded cache's
+        # rate (ideal_hit_rate, the ceiling) minus the peer's. Below 0.02, the target
+        # hit_rate_minus_best_peer >= 0.02 cannot be met on this trace by anyone.
+        "ceiling_minus_best_peer": round(ideal - best_hit, 4) if best_hit is not None else None,
         "ttft_p50_ratio_rr_over_ca": _ratio(get("round_robin", "ttft_ms_p50"), ca_p50),
         "ttft_mean_ratio_rr_over_ca": _ratio(
             get("round_robin", "ttft_ms_mean"), get("cache_aware", "ttft_ms_mean")
