@@ -244,6 +244,10 @@ class EngineClient:
     async def export_block_ids(self, handle: str) -> list[int]:
         return await self.side("export_block_ids", handle)
 
+    async def export_handles(self) -> list[str]:
+        """Live transfer handles (P/D prefill), for tests and debugging."""
+        return await self.side("export_handles")
+
     async def side(self, method: str, *args: Any) -> Any:
         """A call the engine process answers off its engine thread (exported KV reads)."""
         return await self._call(method, args, kind="side")

@@ -130,6 +130,10 @@ class EngineCore:
             t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for t in (k, v)
         )
 
+    def side_export_handles(self) -> list[str]:
+        exports = getattr(self.engine, "exports", None)
+        return [] if exports is None else exports.handles()
+
     def side_export_block_ids(self, handle: str) -> list[int]:
         entry = self.engine.exports.acquire(handle, float("-inf"))
         if entry is None:

@@ -236,6 +236,11 @@ class EngineLoop:
         finally:
             exports.release(handle, consumed=False)
 
+    async def export_handles(self) -> list[str]:
+        """Live transfer handles (P/D prefill), for tests and debugging."""
+        exports = getattr(self.engine, "exports", None)
+        return [] if exports is None else exports.handles()
+
     @property
     def pid(self) -> int:
         return os.getpid()

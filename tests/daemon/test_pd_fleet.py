@@ -281,7 +281,7 @@ async def test_decode_pod_dying_before_first_byte_retries_with_the_same_handle(
             assert pulled - pulled0 == 2, "the retried request must pull the same handle"
             assert await _metric(d.url, _OUTCOME, outcome="fallback") == fallback0
             loop = p.daemon.engine_loop
-            assert handle not in await loop.call(lambda e: e.exports.handles())
+            assert handle not in await loop.export_handles()
             retried = await _metric(
                 url, "pagefleet_gateway_upstream_retries_total", pod=f"127.0.0.1:{bad.port}"
             )
