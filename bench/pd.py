@@ -8,19 +8,23 @@ Two cores. Three fleets, each two daemons pinned one per core (``taskset``,
 - ``pd``: one prefill daemon + one decode daemon, the gateway doing remote prefills.
 
 Workload (seeded, the same for each fleet): ``--chats`` chat sessions decoding all the time
-(short prompts, ``--chat-tokens`` output tokens each, back to back), while long prompts
-(1.5k-2k tokens, 4 output tokens) arrive at random (exponential gaps, ``--long-gap-s``
-mean). Figures, from the client's clock on streamed tokens:
+(short prompts, ``--chat-tokens`` output tokens each, back to back), while ``--long-prompts``
+long prompts (1.5k-2k tokens, 4 output tokens) arrive at random (exponential gaps,
+``--long-gap-s`` mean); the chats run until the last long prompt is answered. Figures, from
+the client's clock on streamed tokens:
 
 - ``itl_p99_ms_*``: p99 gap between consecutive tokens of the chat streams;
-- ``ttft_p50_ms_*``: median time to first token of the long prompts (the price of P/D is
-  here: a remote prefill, a KV pull, then the decode pod's own first step);
+- ``ttft_p50_ms_*``: median time to first token of the long prompts under that chat load;
+- ``ttft_idle_p50_ms_unified`` / ``_pd`` and ``ttft_cost_ms_pd``: the TTFT cost of P/D by
+  itself -- ``--idle-prompts`` long prompts one at a time on otherwise idle fleets (unified
+  vs P/D), the difference of the medians (a remote prefill round trip, the KV pull, and the
+  decode pod's own step for the last prompt token);
 - ``transfer_mb_per_s``, ``transfer_ms_p50``: the decode daemon's KV pulls (its metrics);
 - ``pd_token_exact``: the same seeded, sampled long-prompt requests give identical text
   through the unified and the P/D fleet.
 
-    python bench/pd.py --quick      # ~10 s per fleet
-    python bench/pd.py              # 40 s per fleet
+    python bench/pd.py --quick      # 3 long prompts per fleet; under 60 s wall
+    python bench/pd.py              # 24 long prompts per fleet, 6 idle ones
 
 The last line is one JSON object.
 """
@@ -137,13 +141,13 @@ async def _stream(s: aiohttp.ClientSession, url: str, body: dict) -> tuple[float
 async def _run_fleet(url: str, args: argparse.Namespace, vocab: int) -> Result:
     res = Result()
     rng = random.Random(args.seed)
-    stop_at = time.perf_counter() + args.duration
+    done = asyncio.Event()  # the last long prompt was answered: the chats stop
     timeout = aiohttp.ClientTimeout(total=600)
 
     async def chat(i: int) -> None:
         crng = random.Random(args.seed * 100 + i)
         async with aiohttp.ClientSession(timeout=timeout) as s:
-            while time.perf_counter() < stop_at:
+            while not done.is_set():
                 prompt = [crng.randrange(5, vocab) for _ in range(32)]
                 body = {"model": MODEL, "prompt": prompt, "max_tokens": args.chat_tokens,
                         "temperature": 0.0, "ignore_eos": True, "logprobs": 0}  # fmt: skip
@@ -157,10 +161,8 @@ async def _run_fleet(url: str, args: argparse.Namespace, vocab: int) -> Result:
     async def long_prompts() -> None:
         async with aiohttp.ClientSession(timeout=timeout) as s:
             tasks = []
-            while True:
+            for _ in range(args.long_prompts):
                 await asyncio.sleep(rng.expovariate(1.0 / args.long_gap_s))
-                if time.perf_counter() >= stop_at - 1.0:
-                    break
                 n = rng.randrange(1536, 2048)
                 prompt = [rng.randrange(5, vocab) for _ in range(n)]
                 body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0.0,
@@ -175,9 +177,24 @@ async def _run_fleet(url: str, args: argparse.Namespace, vocab: int) -> Result:
 
                 tasks.append(asyncio.create_task(one()))
             await asyncio.gather(*tasks)
+        done.set()
 
     await asyncio.gather(*(chat(i) for i in range(args.chats)), long_prompts())
     return res
+
+
+async def _idle_ttft(url: str, vocab: int, n: int) -> list[float]:
+    """TTFT of ``n`` long prompts sent one at a time to an otherwise idle fleet."""
+    rng = random.Random(4242)  # the same prompts for every fleet, none seen before
+    out: list[float] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
+        for _ in range(n):
+            prompt = [rng.randrange(5, vocab) for _ in range(rng.randrange(1536, 2048))]
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0.0,
+                    "ignore_eos": True}  # fmt: skip
+            ttft, _ = await _stream(s, url, body)
+            out.append(ttft)
+    return out
 
 
 async def _exact(urls: list[str], vocab: int, n: int) -> bool:
@@ -238,6 +255,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 async def main(args: argparse.Namespace) -> dict:
+    t_start = time.perf_counter()
     model = str(bench_model(args.model))
     vocab = json.loads((Path(model) / "config.json").read_text()).get("vocab_size", 1000)
     logdir = Path(tempfile.mkdtemp(prefix="pagefleet-bench-pd-"))
@@ -252,7 +270,7 @@ async def main(args: argparse.Namespace) -> dict:
     }  # fmt: skip
     procs = [p for ps in daemons.values() for p in ps]
     try:
-        await _wait_ready(procs)
+        # The gateways start beside the daemons (they probe until the daemons are ready).
         gws = {
             "unified": _gateway("g-unified", model, [p.url for p in daemons["unified"]], [],
                                 logdir),
@@ -262,7 +280,7 @@ async def main(args: argparse.Namespace) -> dict:
                            logdir),
         }  # fmt: skip
         procs += list(gws.values())
-        await _wait_ready(list(gws.values()))
+        await _wait_ready(procs)
         results: dict[str, Result] = {}
         for name in ("unified", "unified_chunked", "pd"):
             results[name] = await _run_fleet(gws[name].url, args, vocab)
@@ -274,6 +292,13 @@ async def main(args: argparse.Namespace) -> dict:
                 file=sys.stderr,
             )
         mbps, p50_ms, pulls = await _transfer_stats(daemons["pd"][1].url)
+        idle = {k: await _idle_ttft(gws[k].url, vocab, args.idle_prompts)
+                for k in ("unified", "pd")}  # fmt: skip
+        print(
+            f"idle long-prompt TTFT p50: unified {_pct(idle['unified'], 0.5) * 1e3:.1f} ms, "
+            f"P/D {_pct(idle['pd'], 0.5) * 1e3:.1f} ms (n={args.idle_prompts} each)",
+            file=sys.stderr,
+        )
         exact = await _exact([gws["unified"].url, gws["pd"].url], vocab, args.exact_requests)
     finally:
         for p in procs:
@@ -296,6 +321,12 @@ async def main(args: argparse.Namespace) -> dict:
         "ttft_p50_ms_unified": round(_pct(u.long_ttft, 0.5) * 1e3, 1),
         "ttft_p50_ms_unified_chunked": round(_pct(c.long_ttft, 0.5) * 1e3, 1),
         "ttft_p50_ms_pd": round(_pct(d.long_ttft, 0.5) * 1e3, 1),
+        "ttft_p90_ms_unified": round(_pct(u.long_ttft, 0.9) * 1e3, 1),
+        "ttft_p90_ms_pd": round(_pct(d.long_ttft, 0.9) * 1e3, 1),
+        "ttft_idle_p50_ms_unified": round(_pct(idle["unified"], 0.5) * 1e3, 1),
+        "ttft_idle_p50_ms_pd": round(_pct(idle["pd"], 0.5) * 1e3, 1),
+        # The TTFT price of P/D alone: idle fleets, the same prompts, medians subtracted.
+        "ttft_cost_ms_pd": round((_pct(idle["pd"], 0.5) - _pct(idle["unified"], 0.5)) * 1e3, 1),
         "transfer_mb_per_s": round(mbps, 1),
         "transfer_ms_p50": round(p50_ms, 2),
         "kv_pulls": int(pulls),
@@ -303,6 +334,7 @@ async def main(args: argparse.Namespace) -> dict:
         "errors": u.errors + c.errors + d.errors,
         "pd_token_exact": exact,
         "loadavg_1m": round(load, 2),
+        "wall_s": round(time.perf_counter() - t_start, 1),
     }
 
 
@@ -310,16 +342,19 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--model", default=None, help="default: the 4x512 bench Llama")
-    ap.add_argument("--duration", type=float, default=None, help="seconds per fleet")
+    ap.add_argument("--long-prompts", type=int, default=None, help="per fleet (24; quick 3)")
+    ap.add_argument("--idle-prompts", type=int, default=None, help="idle TTFT (6; quick 2)")
     ap.add_argument("--chats", type=int, default=3)
     ap.add_argument("--chat-tokens", type=int, default=128)
-    ap.add_argument("--long-gap-s", type=float, default=2.5)
+    ap.add_argument("--long-gap-s", type=float, default=2.0)
     ap.add_argument("--chunk", type=int, default=256, help="long_prefill_token_threshold")
     ap.add_argument("--exact-requests", type=int, default=None)
     ap.add_argument("--seed", type=int, default=7)
     args = ap.parse_args()
-    if args.duration is None:
-        args.duration = 10.0 if args.quick else 40.0
+    if args.long_prompts is None:
+        args.long_prompts = 3 if args.quick else 24
+    if args.idle_prompts is None:
+        args.idle_prompts = 2 if args.quick else 6
     if args.exact_requests is None:
         args.exact_requests = 2 if args.quick else 6
     return args
