@@ -48,6 +48,9 @@ def _config(role: str, redis_url: str | None = None) -> DaemonConfig:
 
 
 async def _gateway(prefill_urls: list[str], decode_urls: list[str], **kw):
+    # No /ready probes (a loaded machine can answer one late twice and drop a pod that
+    # the test needs) and no intake processes (small bodies are inspected inline anyway).
+    kw = {"probe_interval_s": 0, "intake_workers": 0, **kw}
     cfg = GatewayConfig(
         model=str(ensure_tiny_checkpoint("tiny")), served_model_name=MODEL, block_size=8,
         prefill_endpoints=prefill_urls, decode_endpoints=decode_urls,
@@ -63,18 +66,22 @@ async def _gateway(prefill_urls: list[str], decode_urls: list[str], **kw):
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def fleet():
     # The P/D daemons heartbeat into a real Redis; only gateways given --redis-url read it.
-    async with (
-        LocalRedis() as redis,
-        live_daemon(_config("prefill", redis.url)) as p,
-        live_daemon(_config("decode", redis.url)) as d,
-        live_daemon(_config("unified")) as u,
-    ):
-        gw, runner, url = await _gateway([p.url], [d.url])
-        try:
-            yield {"prefill": p, "decode": d, "unified": u, "gateway": url, "gw": gw,
-                   "redis": redis.url}  # fmt: skip
-        finally:
-            await runner.cleanup()
+    # Teardown is bounded: a stuck shutdown fails loudly instead of hanging the session
+    # (seen once in a combined tests/daemon + tests/engine run, not reproduced since).
+    async with asyncio.timeout(None) as bound:
+        async with (
+            LocalRedis() as redis,
+            live_daemon(_config("prefill", redis.url)) as p,
+            live_daemon(_config("decode", redis.url)) as d,
+            live_daemon(_config("unified")) as u,
+        ):
+            gw, runner, url = await _gateway([p.url], [d.url])
+            try:
+                yield {"prefill": p, "decode": d, "unified": u, "gateway": url, "gw": gw,
+                       "redis": redis.url}  # fmt: skip
+            finally:
+                bound.reschedule(asyncio.get_running_loop().time() + 90)
+                await runner.cleanup()
 
 
 async def _metric(url: str, name: str, **labels: str) -> float:
@@ -320,12 +327,13 @@ async def test_prefill_pool_busy_per_its_heartbeat_means_local_prefill(fleet) ->
     busy: list[asyncio.Task] = []
     try:
         # Other clients keep the prefill pod busy: long decodes sent to it directly.
-        for i in range(3):
+        for i in range(6):
             busy.append(asyncio.create_task(direct.completions.create(
-                model=MODEL, prompt=f"{PROMPT} {i}", max_tokens=200, temperature=0,
+                model=MODEL, prompt=f"{PROMPT} {i}", max_tokens=190, temperature=0,
                 extra_body={"ignore_eos": True},
             )))  # fmt: skip
         await _until(lambda: _loaded(fleet["redis"], p.daemon.config.pod, at_least=2))
+        await asyncio.sleep(0.6)  # the gateway re-reads heartbeats every 0.25 s
         exported0 = await _metric(p.url, _OUTCOME, outcome="exported")
         prompt = "Under load: " + PROMPT  # its own first block, cached nowhere yet
         assert await _complete(gw, prompt, False) == await _complete(uni, prompt, False)
