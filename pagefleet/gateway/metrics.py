@@ -148,7 +148,8 @@ class GatewayMetrics:
             p + "placements",
             "Requests by where they were sent against the longest known prefix: "
             "best_prefix (a pod holding it), moved (away from every pod holding it), "
-            "new_prefix (no pod holds any of it); and by the policy's reason.",
+            "new_prefix (no pod holds any of it), no_index (a policy that does not look); and by "
+            "the policy's reason.",
             ["placement", "reason"],
             registry=r,
         )

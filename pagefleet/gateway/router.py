@@ -57,6 +57,7 @@ class RoutingDecision:
     index_ok: bool
     decision_s: float
     keys: list[int] = field(default_factory=list)
+    uses_index: bool = True  # the policy looked up prefixes (else placement is unknown)
 
     @property
     def predicted_hit_tokens(self) -> int:
@@ -64,7 +65,10 @@ class RoutingDecision:
 
     def placement(self, chosen: Scored) -> str:
         """``best_prefix`` when ``chosen`` holds the longest prefix any pod holds, ``moved``
-        when another pod holds more, ``new_prefix`` when no pod holds any."""
+        when another pod holds more, ``new_prefix`` when no pod holds any; ``no_index``
+        when the policy never asked (round robin, least load, session)."""
+        if not self.uses_index:
+            return "no_index"
         best = max((s.matched_tokens for s in self.ranked), default=0)
         if best <= 0:
             return "new_prefix"
@@ -433,6 +437,7 @@ class Router:
             index_ok=index_ok,
             decision_s=time.perf_counter() - t0,
             keys=keys,
+            uses_index=self.policy.uses_index,
         )
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(

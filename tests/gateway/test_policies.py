@@ -409,6 +409,8 @@ def test_decision_names_where_a_request_went_against_the_longest_prefix() -> Non
     assert d.placement(ranked[0]) == "moved"
     cold = [Scored(ep[0], 1.0, 0, 0, "cache_aware")]
     assert RoutingDecision(cold, "cache_aware", 80, 5, True, 0.0).placement(cold[0]) == "new_prefix"
+    rr = RoutingDecision(cold, "round_robin", 80, 5, True, 0.0, uses_index=False)
+    assert rr.placement(cold[0]) == "no_index"
 
 
 async def test_a_popular_tenant_keeps_affinity_a_single_hot_prompt_spreads() -> None:
