@@ -37,6 +37,7 @@ from pagefleet.operator.hardening import (
     api_token_volume,
     cache_env,
     container_security_context,
+    cpu_thread_env,
     default_resources,
     pod_security_context,
     writable_volumes,
@@ -419,6 +420,7 @@ def build_role(
         # scheduler places the pod anywhere and the device plugin exposes no GPU to it.
         resources = {**resources, "limits": {**resources.get("limits", {}), GPU_RESOURCE: "1"}}
     container["resources"] = resources
+    container["env"] = env + cpu_thread_env(resources, env)
     deploy = _deployment(
         owner,
         names.role(role),

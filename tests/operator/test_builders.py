@@ -274,6 +274,24 @@ def test_scheduling_and_resources(unified_spec):
     }
 
 
+@pytest.mark.parametrize(
+    "resources,role_env,threads",
+    [
+        ({"limits": {"cpu": "500m", "memory": "8Gi"}}, [], "1"),
+        ({"limits": {"cpu": 4}}, [], "4"),
+        ({"limits": {"cpu": "2.5"}}, [], "3"),
+        ({"requests": {"cpu": "8"}}, [], None),  # no limit: the node's idle cores are usable
+        ({"limits": {"cpu": "4"}}, [{"name": "OMP_NUM_THREADS", "value": "2"}], "2"),
+        ({"limits": {"cpu": "lots"}}, [], None),  # left to the apiserver to refuse
+    ],
+)
+def test_daemon_threads_follow_the_cpu_limit(unified_spec, resources, role_env, threads):
+    unified_spec["roles"]["unified"].update(resources=resources, env=role_env)
+    pod = children(unified_spec)[("Deployment", "llama-unified")]["spec"]["template"]["spec"]
+    env = [e for e in pod["containers"][0]["env"] if e["name"] == "OMP_NUM_THREADS"]
+    assert [e["value"] for e in env] == ([threads] if threads else [])
+
+
 def test_no_redis_anywhere_is_a_spec_error_naming_the_fix(unified_spec):
     del unified_spec["index"]
     with pytest.raises(SpecError, match=r"spec.index.redisURL.*redis.enabled=true"):
