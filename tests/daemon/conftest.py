@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import subprocess
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 
@@ -51,3 +55,21 @@ async def live_daemon(
 @pytest.fixture(scope="session")
 def tiny_tokenizer() -> Tokenizer:
     return Tokenizer.from_dir(ensure_tiny_checkpoint("tiny"))
+
+
+async def wait_daemon_ready(
+    s: aiohttp.ClientSession, base: str, proc: subprocess.Popen, timeout_s: float = 120.0
+) -> None:
+    """Poll ``base``/ready until 200; fail at once if the daemon process exits first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"daemon exited early with {proc.returncode}")
+        try:
+            async with s.get(f"{base}/ready") as r:
+                if r.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.2)
+    pytest.fail("daemon never became ready")

@@ -19,7 +19,6 @@ import time
 from dataclasses import fields
 
 import aiohttp
-import pytest
 
 from pagefleet.daemon import ipc
 from pagefleet.daemon.config import DaemonConfig
@@ -27,7 +26,7 @@ from pagefleet.daemon.engine_client import EngineClient
 from pagefleet.dev.process import free_port
 from pagefleet.engine.outputs import CompletionDelta, RequestMetrics, RequestOutput, TokenLogprob
 
-from .conftest import live_daemon
+from .conftest import live_daemon, wait_daemon_ready
 
 PROMPT = "The quick brown fox jumps over the lazy dog and then"
 
@@ -95,7 +94,7 @@ async def test_killed_engine_process_ends_streams_and_the_daemon_exits_nonzero(t
         )  # fmt: skip
         try:
             async with aiohttp.ClientSession() as s:
-                await _wait_ready(s, base, proc)
+                await wait_daemon_ready(s, base, proc)
                 async with s.get(f"{base}/server_info") as r:
                     engine_pid = (await r.json())["engine_pid"]
                 assert engine_pid != proc.pid
@@ -122,18 +121,3 @@ async def test_killed_engine_process_ends_streams_and_the_daemon_exits_nonzero(t
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
-
-
-async def _wait_ready(s: aiohttp.ClientSession, base: str, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"daemon exited early with {proc.returncode}")
-        try:
-            async with s.get(f"{base}/ready") as r:
-                if r.status == 200:
-                    return
-        except aiohttp.ClientError:
-            pass
-        await asyncio.sleep(0.2)
-    pytest.fail("daemon never became ready")

@@ -16,7 +16,6 @@ import tempfile
 import time
 
 import aiohttp
-import pytest
 import redis.asyncio as aredis
 
 from pagefleet.daemon.config import DaemonConfig
@@ -24,7 +23,7 @@ from pagefleet.dev.process import free_port
 from pagefleet.dev.redis_server import LocalRedis, find_redis_server
 from pagefleet.kvindex.redis_index import RedisKVIndex, key_prefix
 
-from .conftest import live_daemon
+from .conftest import live_daemon, wait_daemon_ready
 
 NS = "ns-test"
 PROMPTS = [
@@ -184,7 +183,7 @@ async def test_sigterm_drains_and_exits_zero():
             )  # fmt: skip
             try:
                 async with aiohttp.ClientSession() as s:
-                    await _wait_ready(s, base, proc)
+                    await wait_daemon_ready(s, base, proc, timeout_s=90)
                     body = {"prompt": PROMPTS[0], "max_tokens": 200, "stream": True,
                             "ignore_eos": True}  # fmt: skip
                     async with s.post(f"{base}/v1/completions", json=body) as r:
@@ -218,21 +217,6 @@ async def test_sigterm_drains_and_exits_zero():
                     proc.wait(10)
         held, _ = await held_in_redis(redis_srv.url, "pod-3", set())
         assert held == 0  # the pod removed its entries on the way out
-
-
-async def _wait_ready(s: aiohttp.ClientSession, base: str, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"daemon exited early with {proc.returncode}")
-        try:
-            async with s.get(f"{base}/ready") as r:
-                if r.status == 200:
-                    return
-        except aiohttp.ClientError:
-            pass
-        await asyncio.sleep(0.2)
-    pytest.fail("daemon never became ready")
 
 
 async def test_serves_without_redis_then_syncs_when_it_appears(tmp_path, tiny_tokenizer):
