@@ -212,7 +212,14 @@ def test_load_step_scales_out_and_back_removing_the_marked_pod(
     for pod in watch.removed:
         assert any(pod in e["message"] for e in downs), (pod, [e["message"] for e in downs])
 
-    obj = get_is(kube, namespace, "auto")
+    # The status is written by the next decision: one taken while a removed pod was still
+    # terminating reads InputsPartial (that pod answers no scrape) and holds. Wait for a
+    # decision on the fleet as it is now.
+    def settled() -> dict[str, Any] | bool:
+        obj = get_is(kube, namespace, "auto")
+        return obj if _autoscaling(obj).get("currentReplicas") == 1 else False
+
+    obj = eventually(settled, 60, "a decision on the scaled-in fleet")
     auto = _autoscaling(obj)
     assert auto["reason"] in ("ScaledDown", "Steady", "ScaleDownStabilizing"), auto
     assert auto["lastScaleTime"] and auto["currentReplicas"] >= 1
