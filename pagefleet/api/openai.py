@@ -106,7 +106,10 @@ def parse_body(model: type[_Req], body: bytes | str) -> _Req:
 
 
 class _Lenient(BaseModel):
-    """Request models: unknown fields are kept (to forward or to log), never rejected."""
+    """Request models keep unknown fields instead of failing validation on them, so the
+    server can sort them itself: ignorable ones (``IGNORED_FIELDS``) and ones at a value that
+    asks for nothing (``ACCEPTED_DEFAULTS``) pass, any other is refused with a 400 that names
+    it (``unsupported_fields``), never dropped silently."""
 
     model_config = ConfigDict(extra="allow")
 
