@@ -18,6 +18,11 @@ load). Then:
    -- on a decode failure before the first byte, the next decode pod gets the same handle.
 3. A prefill pod that fails or times out costs nothing but time: the original body goes to
    the decode pod, which prefills locally.
+4. When the gateway gives up on a request that carries a handle (every decode pod failed,
+   a decode pod answered an error, or the client went away first), it releases the handle
+   on the prefill pod (``POST /v1/kv/release``) in the background: its blocks are unpinned
+   at once instead of at the handle's deadline. A handle already pulled answers 404, which
+   is harmless.
 
 The client sees one ordinary OpenAI response from the decode pod (usage included), since
 the decode pod serves the original request.
@@ -49,6 +54,17 @@ class PDSettings:
     # reports beyond ours) takes no more; when all do, the decode pod prefills locally.
     max_prefill_inflight: int = 8
     prefill_timeout_s: float = 30.0
+    # Bound on one release request (best effort: the handle's deadline frees it otherwise).
+    release_timeout_s: float = 2.0
+
+
+@dataclass(slots=True)
+class PDPrepared:
+    """What ``prepare`` decided: the body for the decode pool, and the prefill pod's
+    ``kv_transfer_params`` when a remote prefill made a handle (None: local prefill)."""
+
+    body: bytes
+    params: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -60,6 +76,8 @@ class PDOrchestrator:
     registry: Any = None
     _decisions: Any = None
     _prefill_seconds: Any = None
+    _released: Any = None
+    _releases: set[asyncio.Task[None]] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         kw = {"registry": self.registry} if self.registry is not None else {"registry": None}
@@ -76,11 +94,22 @@ class PDOrchestrator:
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
             **kw,
         )
+        self._released = Counter(
+            "pagefleet_gateway_pd_handles_released",
+            "Prefill handles the gateway released because no decode pod served the request, "
+            "by result: released, gone (already pulled or expired), failed (unreachable).",
+            ["result"],
+            **kw,
+        )
 
     async def start(self) -> None:
         await self.prefill_router.start()
 
     async def close(self) -> None:
+        """Stop routing; wait for releases in flight (each bounded by its own timeout).
+        Call before the session the releases use is closed."""
+        if self._releases:
+            await asyncio.gather(*self._releases, return_exceptions=True)
         await self.prefill_router.close()
 
     def _count(self, path: str, reason: str) -> None:
@@ -94,9 +123,22 @@ class PDOrchestrator:
         token_ids: list[int] | None,
         decision: RoutingDecision,
         headers: dict[str, str],
-    ) -> bytes:
+    ) -> PDPrepared:
         """The body to send to the decode pool: with ``kv_transfer_params`` after a
-        successful remote prefill, else unchanged (local prefill)."""
+        successful remote prefill (``params`` set: the caller must ``release_later`` it if
+        no decode pod serves the request), else unchanged (local prefill)."""
+        body = await self._prepare(session, path, body, token_ids, decision, headers)
+        return body if isinstance(body, PDPrepared) else PDPrepared(body)
+
+    async def _prepare(
+        self,
+        session: aiohttp.ClientSession,
+        path: str,
+        body: bytes,
+        token_ids: list[int] | None,
+        decision: RoutingDecision,
+        headers: dict[str, str],
+    ) -> bytes | PDPrepared:
         if not token_ids:
             self._count("local", "prompt_unknown")
             return body
@@ -129,7 +171,29 @@ class PDOrchestrator:
             return body
         original["kv_transfer_params"] = params
         self._count("remote", "ok")
-        return json.dumps(original, separators=(",", ":")).encode()
+        return PDPrepared(json.dumps(original, separators=(",", ":")).encode(), params)
+
+    def release_later(self, session: aiohttp.ClientSession, params: dict[str, Any]) -> None:
+        """Free ``params``' handle on its prefill pod in the background: no decode pod will
+        pull it. Never raises; ``close`` waits for it."""
+        task = asyncio.get_running_loop().create_task(self._release(session, params))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _release(self, session: aiohttp.ClientSession, params: dict[str, Any]) -> None:
+        host, port = params.get("remote_host"), params.get("remote_port")
+        handle = params.get("remote_request_id")
+        if ":" in str(host) and not str(host).startswith("["):
+            host = f"[{host}]"  # IPv6 literal
+        url = f"http://{host}:{port}/v1/kv/release"
+        try:
+            async with asyncio.timeout(self.settings.release_timeout_s):
+                async with session.post(url, json={"handle": handle}) as resp:
+                    result = {200: "released", 404: "gone"}.get(resp.status, "failed")
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            logger.info("releasing prefill handle %s at %s failed: %s", handle, url, exc)
+            result = "failed"
+        self._released.labels(result=result).inc()
 
     async def _prefill(
         self,

@@ -192,13 +192,13 @@ class Gateway:
             await self.pd.start()
 
     async def _on_cleanup(self, app: web.Application) -> None:
+        if self.pd is not None:
+            await self.pd.close()  # its handle releases in flight use the session
         if self._session is not None:
             await self._session.close()
         if self.intake is not None:
             self.intake.close()
         await self.router.close()
-        if self.pd is not None:
-            await self.pd.close()
 
     @web.middleware
     async def _errors_middleware(
@@ -343,10 +343,40 @@ class Gateway:
                 for k, v in request.headers.items()
                 if k.lower() not in _DROP_REQUEST_HEADERS and k.lower() != "authorization"
             }
-            body = await self.pd.prepare(
+            prepared = await self.pd.prepare(
                 self._session, path, body, intake.token_ids, decision, headers
             )
+            if prepared.params is not None:
+                return await self._forward_handle(
+                    request, prepared.body, prepared.params, path, intake.stream, decision,
+                    t_arrival,
+                )  # fmt: skip
+            body = prepared.body
         return await self._forward(request, body, path, intake.stream, decision, t_arrival)
+
+    async def _forward_handle(
+        self,
+        request: web.Request,
+        body: bytes,
+        params: dict[str, Any],
+        path: str,
+        stream: bool,
+        decision: RoutingDecision,
+        t_arrival: float,
+    ) -> web.StreamResponse:
+        """``_forward`` of a body that carries a prefill handle: unless a decode pod took
+        the request (a 2xx), release the handle on the prefill pod -- every decode pod
+        failed, one answered an error, or the client went away -- so its blocks do not
+        stay pinned until the handle's deadline."""
+        assert self.pd is not None and self._session is not None
+        served = False
+        try:
+            resp = await self._forward(request, body, path, stream, decision, t_arrival)
+            served = resp.status < 300
+            return resp
+        finally:
+            if not served:
+                self.pd.release_later(self._session, params)
 
     async def _forward(
         self,

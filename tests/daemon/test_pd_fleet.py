@@ -411,3 +411,39 @@ async def test_decode_pod_frees_handles_it_does_not_pull_at_once(fleet) -> None:
             assert r.status == 404
         async with s.post(p.url + "/v1/kv/release", json={"handle": ""}) as r:
             assert r.status == 400
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_gateway_releases_the_handle_when_every_decode_pod_fails(fleet, stream: bool) -> None:
+    """No decode pod serves the request (the only one dies before its first byte): the
+    client gets the gateway's 502, and the prefill pod's handle is freed by the gateway's
+    release within seconds, not at its 30 s deadline, and never counts as expired."""
+    p = fleet["prefill"]
+    async with _DyingDecodePod() as bad:
+        _, runner, url = await _gateway([p.url], [bad.url])
+        try:
+            expired0 = await _metric(p.url, "pagefleet:kv_transfer_handles_expired_total")
+            body = {"model": MODEL, "prompt": PROMPT + " in winter", "max_tokens": 4,
+                    "temperature": 0.0, "stream": stream}  # fmt: skip
+            async with (
+                aiohttp.ClientSession() as s,
+                s.post(url + "/v1/completions", json=body) as r,
+            ):
+                assert r.status == 502, await r.text()
+            assert len(bad.seen) == 1
+            handle = bad.seen[0]["kv_transfer_params"]["remote_request_id"]
+
+            async def released() -> bool:
+                return handle not in await p.daemon.engine_loop.export_handles()
+
+            async def counted() -> bool:
+                return await _metric(
+                    url, "pagefleet_gateway_pd_handles_released_total", result="released"
+                ) == 1  # fmt: skip
+
+            await _until(released, timeout=5.0)
+            await _until(counted, timeout=5.0)
+            assert await _metric(p.url, "pagefleet:kv_transfer_handles_expired_total") == expired0
+        finally:
+            await runner.cleanup()
