@@ -5,11 +5,17 @@ offline, on a thread of its own. Then the same requests through a live daemon on
 (the real aiohttp app; the engine in its own process, or with ``--engine thread`` on a thread
 of the HTTP process), all sent at once over HTTP, as plain JSON and then streamed (SSE).
 Greedy with ``ignore_eos``, so both make exactly the same tokens. The HTTP client shares the
-daemon's HTTP process and event loop. While the daemon works, a probe hits ``/health`` every
-20 ms: its latency shows whether the event loop ever waits on the model.
+daemon's HTTP process and event loop. While the daemon works, a probe (a process of its own,
+as the kubelet) hits ``/health`` every 20 ms: its latency shows whether the event loop ever
+waits on the model.
 
-    python bench/daemon_overhead.py            # 64 requests x 32 tokens
-    python bench/daemon_overhead.py --quick    # 24 requests x 16 tokens, < 60 s
+Each run lasts seconds, not fractions of one (a 0.2 s run moved its ratio by 10 points from
+one scheduling hiccup), and the three measurements (engine, JSON, SSE) are interleaved in
+rounds; the ratios reported are medians over the rounds of each round's ratio, so a load
+swing on this shared machine hits both sides of a ratio alike.
+
+    python bench/daemon_overhead.py            # 64 requests, 5 rounds, tokens per model
+    python bench/daemon_overhead.py --quick    # 64 requests, 3 rounds, < 60 s
     python bench/daemon_overhead.py --model bench --engine thread   # 4x512 Llama, old way
 """
 
@@ -27,6 +33,8 @@ import json
 import random
 import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -60,43 +68,93 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-def run_engine(prompts: list[list[int]], max_tokens: int, model: str) -> dict[str, Any]:
-    from pagefleet.engine.engine import LLMEngine
+class BareEngine:
+    """The baseline: ``LLMEngine.generate`` on every prompt at once, on a thread of its own
+    (as in the daemon). Built once; each ``run`` is one timed round."""
 
-    engine = LLMEngine(config(0, model).engine_config())
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    engine.generate(prompts[:2], params)  # warm-up: first-call allocations
-    walls: list[float] = []
-    results: list[Any] = []
+    def __init__(self, prompts: list[list[int]], max_tokens: int, model: str) -> None:
+        from pagefleet.engine.engine import LLMEngine
 
-    def timed() -> None:
-        t0 = time.perf_counter()
-        results[:] = engine.generate(prompts, params)
-        walls.append(time.perf_counter() - t0)
+        self.engine = LLMEngine(config(0, model).engine_config())
+        self.prompts = prompts
+        self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        self.engine.generate(prompts[:2], self.params)  # warm-up: first-call allocations
 
-    for _ in range(2):  # best of two: this VM is shared, a single run can be starved
-        # On a thread of its own, as in the daemon.
+    def run(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        steps0 = self.engine.stats().steps_total
+        cpu0 = cpu_s(os.getpid())
+
+        def timed() -> None:
+            t0 = time.perf_counter()
+            results = self.engine.generate(self.prompts, self.params)
+            out["wall_s"] = time.perf_counter() - t0
+            out["tokens"] = sum(len(o.token_ids) for r in results for o in r.outputs)
+
         t = threading.Thread(target=timed)
         t.start()
         t.join()
-    tokens = sum(len(o.token_ids) for r in results for o in r.outputs)
-    wall = min(walls)
-    return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "walls": walls}
+        out["tok_s"] = out["tokens"] / out["wall_s"]
+        out["steps"] = self.engine.stats().steps_total - steps0
+        out["engine_cpu_s"] = cpu_s(os.getpid()) - cpu0
+        return out
 
 
-async def _probe(url: str, stop: asyncio.Event, out: list[float]) -> None:
-    async with aiohttp.ClientSession() as s:
-        while not stop.is_set():
-            t = time.perf_counter()
-            async with s.get(url) as r:
-                await r.read()
-            out.append(time.perf_counter() - t)
-            await asyncio.sleep(0.02)
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc; NaN elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def run_daemon(
-    prompts: list[list[int]], max_tokens: int, model: str, engine_process: bool
-) -> dict[str, Any]:
+# The /health prober runs in a process of its own, as the kubelet does: a probe coroutine on
+# the daemon's own event loop would also wait behind the load generator's work there.
+_PROBER = """
+import http.client, json, sys, threading, time
+host, port = sys.argv[1], int(sys.argv[2])
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
+conn, out = http.client.HTTPConnection(host, port), []
+while True:
+    t = time.perf_counter()
+    conn.request("GET", "/health")
+    conn.getresponse().read()
+    out.append(time.perf_counter() - t)
+    if len(out) == 1:
+        print("ready", flush=True)
+    if stop.wait(0.02):
+        break
+print(json.dumps(out), flush=True)
+"""
+
+
+class Prober:
+    """GET /health every 20 ms from a child process until ``stop``; latencies in seconds."""
+
+    def __init__(self, port: int) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-I", "-c", _PROBER, "127.0.0.1", str(port)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "ready"
+
+    def stop(self) -> list[float]:
+        out, _ = self.proc.communicate("stop\n", timeout=30)
+        return json.loads(out.strip().splitlines()[-1])
+
+
+async def run_rounds(
+    prompts: list[list[int]],
+    max_tokens: int,
+    model: str,
+    engine_process: bool,
+    rounds: int,
+    bare: BareEngine,
+) -> list[dict[str, Any]]:
+    """``rounds`` x (bare engine, daemon JSON, daemon SSE), one daemon for all of them."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -107,7 +165,7 @@ async def run_daemon(
     await daemon.start()
     base = f"http://127.0.0.1:{port}"
     conn = aiohttp.TCPConnector(limit=0)
-    out: dict[str, Any] = {}
+    out: list[dict[str, Any]] = []
     try:
         async with aiohttp.ClientSession(connector=conn) as s:
 
@@ -135,25 +193,30 @@ async def run_daemon(
                 return tokens, ttft
 
             await plain(prompts[0])  # warm-up
-            for mode, fn in (("json", plain), ("sse", streamed)):
-                stop, health = asyncio.Event(), []
-                probe = asyncio.create_task(_probe(f"{base}/health", stop, health))
-                t0 = time.perf_counter()
-                res = await asyncio.gather(*(fn(p) for p in prompts))
-                wall = time.perf_counter() - t0
-                stop.set()
-                await probe
-                tokens = sum(r if isinstance(r, int) else r[0] for r in res)
-                out[mode] = {
-                    "wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
-                    "health_p50_ms": 1e3 * statistics.median(health),
-                    "health_p99_ms": 1e3 * pct(health, 0.99),
-                    "health_max_ms": 1e3 * max(health),
-                }  # fmt: skip
-                if mode == "sse":
-                    ttfts = [r[1] for r in res]
-                    out[mode]["ttft_p50_s"] = statistics.median(ttfts)
-                    out[mode]["ttft_p99_s"] = pct(ttfts, 0.99)
+            handle = daemon.live_loop()
+            for _ in range(rounds):
+                rnd: dict[str, Any] = {"engine": bare.run()}
+                for mode, fn in (("json", plain), ("sse", streamed)):
+                    steps0 = (await handle.stats()).steps_total
+                    cpu0 = cpu_s(os.getpid()), cpu_s(handle.pid)
+                    prober = await asyncio.to_thread(Prober, port)
+                    t0 = time.perf_counter()
+                    res = await asyncio.gather(*(fn(p) for p in prompts))
+                    wall = time.perf_counter() - t0
+                    health = await asyncio.to_thread(prober.stop)
+                    tokens = sum(r if isinstance(r, int) else r[0] for r in res)
+                    rnd[mode] = {
+                        "wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
+                        "steps": (await handle.stats()).steps_total - steps0,
+                        "health": health,
+                        # CPU seconds of this (HTTP + client) process and of the engine
+                        # process (the same process in thread mode)
+                        "http_cpu_s": cpu_s(os.getpid()) - cpu0[0],
+                        "engine_cpu_s": cpu_s(handle.pid) - cpu0[1],
+                    }  # fmt: skip
+                    if mode == "sse":
+                        rnd[mode]["ttft_p50_s"] = statistics.median([r[1] for r in res])
+                out.append(rnd)
     finally:
         await daemon.drain(1.0)
         await daemon.stop()
@@ -161,9 +224,14 @@ async def run_daemon(
     return out
 
 
+# Output tokens per request: enough for seconds-long runs on each model (tiny ~4k tok/s,
+# the 4x512 bench model ~0.5k tok/s on this VM), short enough for --quick under 60 s.
+TOKENS = {"tiny": (64, 256), "bench": (16, 64)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="24 requests x 16 tokens (< 60 s)")
+    ap.add_argument("--quick", action="store_true", help="3 rounds, fewer tokens (< 60 s)")
     ap.add_argument(
         "--model", default="tiny", help="tiny (default), bench (the 4x512 Llama), or a preset"
     )
@@ -171,8 +239,14 @@ def main() -> None:
         "--engine", choices=["process", "thread"], default="process",
         help="where the daemon runs its engine: its own process, or a thread (the old way)",
     )  # fmt: skip
+    ap.add_argument("--requests", type=int, default=64, help="requests sent at once")
+    ap.add_argument("--max-tokens", type=int, default=None, help="output tokens per request")
+    ap.add_argument("--rounds", type=int, default=None, help="engine/JSON/SSE rounds")
     args = ap.parse_args()
-    n, max_tokens = (24, 16) if args.quick else (64, 32)
+    quick_tokens, full_tokens = TOKENS.get(args.model, TOKENS["bench"])
+    max_tokens = args.max_tokens or (quick_tokens if args.quick else full_tokens)
+    rounds = args.rounds or (3 if args.quick else 5)
+    n = args.requests
     from pagefleet.tokenizer import Tokenizer
 
     model = args.model
@@ -184,34 +258,58 @@ def main() -> None:
 
     vocab = Tokenizer.from_dir(resolve_model(model)).vocab_size
     prompts = workload(n, vocab)
-    eng = run_engine(prompts, max_tokens, model)
-    print(f"engine.generate     {eng['tokens']} tokens in {eng['wall_s']:.2f}s = "
-          f"{eng['tok_s']:.0f} tok/s (best of runs: "
-          f"{', '.join(f'{w:.2f}s' for w in eng['walls'])})")  # fmt: skip
-    d = asyncio.run(run_daemon(prompts, max_tokens, model, args.engine == "process"))
-    for mode in ("json", "sse"):
-        r = d[mode]
-        assert r["tokens"] == eng["tokens"], (mode, r["tokens"], eng["tokens"])
-        print(f"daemon HTTP {mode:<5}   {r['tokens']} tokens in {r['wall_s']:.2f}s = "
-              f"{r['tok_s']:.0f} tok/s ({r['tok_s'] / eng['tok_s']:.2f}x engine); /health "
-              f"p50 {r['health_p50_ms']:.1f} ms, p99 {r['health_p99_ms']:.1f} ms, "
-              f"max {r['health_max_ms']:.1f} ms")  # fmt: skip
-    print(f"SSE TTFT p50 {d['sse']['ttft_p50_s']:.2f}s p99 {d['sse']['ttft_p99_s']:.2f}s "
-          f"({n} requests sent at once)")  # fmt: skip
+    bare = BareEngine(prompts, max_tokens, model)
+    load0 = os.getloadavg()[0]
+    rnds = asyncio.run(
+        run_rounds(prompts, max_tokens, model, args.engine == "process", rounds, bare)
+    )
+    for i, r in enumerate(rnds):
+        e = r["engine"]
+        line = (f"round {i}: engine {e['tok_s']:.0f} tok/s ({e['wall_s']:.2f}s, {e['steps']} "
+                f"steps, CPU s {e['engine_cpu_s']:.2f})")  # fmt: skip
+        for mode in ("json", "sse"):
+            m = r[mode]
+            assert m["tokens"] == e["tokens"], (mode, m["tokens"], e["tokens"])
+            line += (f"; {mode} {m['tok_s']:.0f} tok/s = {m['tok_s'] / e['tok_s']:.3f}x "
+                     f"({m['wall_s']:.2f}s, {m['steps']} steps, CPU s engine "
+                     f"{m['engine_cpu_s']:.2f} http {m['http_cpu_s']:.2f})")  # fmt: skip
+        print(line)
+    med = statistics.median
+    ratio = {m: med([r[m]["tok_s"] / r["engine"]["tok_s"] for r in rnds]) for m in ("json", "sse")}
+    health = [h for r in rnds for m in ("json", "sse") for h in r[m]["health"]]
     summary = {
         "model": args.model,
         "engine": args.engine,
-        "load_avg_1m": round(os.getloadavg()[0], 2),
+        "load_avg_1m_before": round(load0, 2),
+        "load_avg_1m_after": round(os.getloadavg()[0], 2),
         "requests": n,
         "max_tokens": max_tokens,
-        "engine_tok_s": round(eng["tok_s"], 1),
-        "daemon_json_tok_s": round(d["json"]["tok_s"], 1),
-        "daemon_sse_tok_s": round(d["sse"]["tok_s"], 1),
-        "json_vs_engine": round(d["json"]["tok_s"] / eng["tok_s"], 3),
-        "sse_vs_engine": round(d["sse"]["tok_s"] / eng["tok_s"], 3),
-        "health_p99_ms_under_load": round(max(d[m]["health_p99_ms"] for m in d), 2),
-        "sse_ttft_p50_s": round(d["sse"]["ttft_p50_s"], 3),
-    }
+        "rounds": rounds,
+        "engine_wall_s_median": round(med([r["engine"]["wall_s"] for r in rnds]), 3),
+        "engine_tok_s": round(med([r["engine"]["tok_s"] for r in rnds]), 1),
+        "daemon_json_tok_s": round(med([r["json"]["tok_s"] for r in rnds]), 1),
+        "daemon_sse_tok_s": round(med([r["sse"]["tok_s"] for r in rnds]), 1),
+        "json_vs_engine": round(ratio["json"], 3),
+        "sse_vs_engine": round(ratio["sse"], 3),
+        "json_vs_engine_rounds": [round(r["json"]["tok_s"] / r["engine"]["tok_s"], 3)
+                                  for r in rnds],
+        "sse_vs_engine_rounds": [round(r["sse"]["tok_s"] / r["engine"]["tok_s"], 3)
+                                 for r in rnds],
+        "steps_engine_json_sse": [med([r[m]["steps"] for r in rnds])
+                                  for m in ("engine", "json", "sse")],
+        # CPU seconds per round (medians): the bare engine; the daemon's engine process and
+        # its HTTP process (which here also runs the HTTP client) in JSON and SSE
+        "cpu_s_engine": round(med([r["engine"]["engine_cpu_s"] for r in rnds]), 3),
+        "cpu_s_json_engine_http": [round(med([r["json"][k] for r in rnds]), 3)
+                                   for k in ("engine_cpu_s", "http_cpu_s")],
+        "cpu_s_sse_engine_http": [round(med([r["sse"][k] for r in rnds]), 3)
+                                  for k in ("engine_cpu_s", "http_cpu_s")],
+        "health_probes": len(health),
+        "health_p50_ms_under_load": round(1e3 * med(health), 2),
+        "health_p99_ms_under_load": round(1e3 * pct(health, 0.99), 2),
+        "health_max_ms_under_load": round(1e3 * max(health), 2),
+        "sse_ttft_p50_s": round(med([r["sse"]["ttft_p50_s"] for r in rnds]), 3),
+    }  # fmt: skip
     print(json.dumps(summary))
 
 
