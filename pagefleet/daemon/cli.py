@@ -49,8 +49,11 @@ async def serve(config: DaemonConfig) -> None:
         # A daemon without its engine only fails requests: exit non-zero and let
         # Kubernetes restart the pod (its liveness probe would take much longer).
         code = getattr(daemon.engine_loop, "exitcode", None)
+        hung = getattr(daemon.engine_loop, "hung_reason", None)
         await daemon.stop()
         await runner.cleanup()
+        if hung is not None:
+            raise click.ClickException(f"the engine process hung ({hung}); exiting")
         raise click.ClickException(f"the engine process died (exit code {code}); exiting")
     died.cancel()
     logger.warning("stop signal: draining (up to %.0fs)", config.drain_timeout_s)
@@ -179,6 +182,15 @@ async def serve(config: DaemonConfig) -> None:
     show_default=True,
     help="Run the engine in its own process (the HTTP layer never takes the GIL from the "
     "model); if that process dies, the daemon exits non-zero.",
+)
+@click.option(
+    "--engine-hang-timeout",
+    "engine_hang_timeout_s",
+    default=60.0,
+    show_default=True,
+    type=float,
+    help="With --engine-process: seconds the engine process may go silent while it has "
+    "work before it counts as hung, is killed, and the daemon exits non-zero (0: never).",
 )
 @click.option(
     "--log-level",

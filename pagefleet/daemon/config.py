@@ -58,6 +58,11 @@ class DaemonConfig(BaseModel):
     # Run the engine in its own process (engine_core.py), so the HTTP layer never takes
     # the GIL from the model; off: an engine thread in the HTTP process.
     engine_process: bool = True
+    # An engine process that has work but sends nothing (no step, no reply) for this long
+    # is hung (stopped, deadlocked, a step that never ends): it is killed and the daemon
+    # exits non-zero. 0: never. Generous by default: a long prefill on a CPU can take
+    # seconds, and a false positive restarts the pod.
+    engine_hang_timeout_s: float = Field(default=60.0, ge=0)
 
     @property
     def model_name(self) -> str:

@@ -13,7 +13,10 @@ Invariants:
 - each request id has at most one live RequestStream, fed in engine order, then removed;
 - when the engine process ends for any reason but ``stop``, every live stream and pending
   call gets EngineDeadError, ``dead`` is set and ``on_death(exitcode)`` runs once: the
-  daemon exits non-zero instead of serving errors forever.
+  daemon exits non-zero instead of serving errors forever;
+- when it has work but sends nothing for ``config.engine_hang_timeout_s`` (liveness.py),
+  it is hung: ``hung_reason`` is set, ``alive`` turns false (/health fails) and the process
+  is killed, which ends it as above.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import itertools
 import logging
 import multiprocessing
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +35,7 @@ from pagefleet.daemon import engine_core, ipc
 from pagefleet.daemon.engine_loop import EngineDeadError, EngineLoop, RequestStream, StreamItem
 from pagefleet.daemon.engine_protocol import EngineStatsLike
 from pagefleet.daemon.kv_transfer import KVSource
+from pagefleet.daemon.liveness import SilenceClock, check_period
 from pagefleet.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -73,6 +78,8 @@ class EngineClient:
         self.exitcode: int | None = None
         self.engine = None  # no engine object in this process
         self.latest_stats: Any = None
+        self._silence = SilenceClock()
+        self.hung_reason: str | None = None  # set when the watchdog found it hung
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -90,6 +97,7 @@ class EngineClient:
         child.close()  # only the child holds its end: its death closes the pipe
         self._conn = parent
         threading.Thread(target=self._read, name="engine-client-recv", daemon=True).start()
+        self._schedule_watch()
 
     @property
     def pid(self) -> int | None:
@@ -97,7 +105,50 @@ class EngineClient:
 
     @property
     def alive(self) -> bool:
-        return not self.dead and self._proc is not None and self._proc.is_alive()
+        return (
+            not self.dead
+            and self.hung_reason is None
+            and self._proc is not None
+            and self._proc.is_alive()
+        )
+
+    # -- hang watchdog (liveness.py) ------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        """Work handed to the engine process and not answered yet: live streams or calls."""
+        return bool(self._streams or self._pending)
+
+    def _note_work(self) -> None:
+        """Call before registering new work: starts the silence clock of a busy spell."""
+        if not self.busy:
+            self._silence.work_started(time.monotonic())
+
+    def _schedule_watch(self) -> None:
+        timeout = float(getattr(self._config, "engine_hang_timeout_s", 0.0) or 0.0)
+        if timeout > 0 and not (self.dead or self._stopping):
+            self._loop.call_later(check_period(timeout), self._watch, timeout)
+
+    def _watch(self, timeout: float) -> None:
+        if self.dead or self._stopping or self.hung_reason is not None:
+            return
+        if self.loaded.is_set():  # loading may take minutes: only a loaded engine can hang
+            silent = self._silence.silent_for(time.monotonic(), self.busy)
+            if silent > timeout:
+                self._declare_hung(silent)
+                return
+        self._schedule_watch()
+
+    def _declare_hung(self, silent: float) -> None:
+        self.hung_reason = (
+            f"no step or reply for {silent:.1f}s with {len(self._streams)} requests and "
+            f"{len(self._pending)} calls outstanding; limit --engine-hang-timeout"
+        )
+        logger.error("the engine process %s is hung (%s): killing it", self.pid, self.hung_reason)
+        # Killing it (SIGKILL works on a stopped process too) closes the pipe: the death path
+        # then fails every stream and call and makes the daemon exit non-zero.
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            self._proc.kill()
 
     @property
     def num_streams(self) -> int:
@@ -164,6 +215,7 @@ class EngineClient:
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
         stream = RequestStream(request_id) if queue is None else RequestStream(request_id, queue)
+        self._note_work()
         self._streams[request_id] = stream  # before the engine can emit: nothing orphaned
         try:
             await self._call(method, args)
@@ -277,6 +329,7 @@ class EngineClient:
     ) -> Any:
         call_id = next(self._ids)
         fut: asyncio.Future[Any] = self._loop.create_future()
+        self._note_work()
         self._pending[call_id] = (fut, on_reply)
         try:
             self._send((kind, call_id, method, args))
@@ -292,6 +345,7 @@ class EngineClient:
                 msg = ipc.loads(self._conn.recv_bytes())
             except (EOFError, OSError):
                 break
+            self._silence.heard(time.monotonic())
             if not self._hand_over(self._dispatch, msg):
                 return
         if self._proc is not None:

@@ -277,14 +277,16 @@ class EngineLoop:
         self._fail_all(EngineDeadError("the engine stopped"))
 
     def _push(self, cmd: _Command) -> None:
-        if self.dead:
-            err = EngineDeadError("the engine is not running; retry on another replica")
-            if cmd.future is not None:
-                cmd.future.set_exception(err)
-            return
+        # ``dead`` is read and set under the condition's lock: a command appended after the
+        # thread's last drain would otherwise never be answered and its caller would hang.
         with self._cv:
-            self._commands.append(cmd)
-            self._cv.notify()
+            if not self.dead:
+                self._commands.append(cmd)
+                self._cv.notify()
+                return
+        err = EngineDeadError("the engine is not running; retry on another replica")
+        if cmd.future is not None:
+            cmd.future.set_exception(err)
 
     def _deliver(self, items: list[tuple[str, StreamItem]]) -> None:
         for rid, item in items:
@@ -333,7 +335,7 @@ class EngineLoop:
         except BaseException as exc:  # loading failed: report it, do not hang waiters
             logger.exception("engine failed to load")
             self.load_error = exc
-            self.dead = True
+            self._drain_commands_with(EngineDeadError(f"the engine failed to load: {exc}"))
             self._loop.call_soon_threadsafe(self.loaded.set)
             return
         self.engine = engine
@@ -342,15 +344,16 @@ class EngineLoop:
             self._serve(engine)
         except BaseException as exc:
             logger.exception("engine thread crashed; failing all in-flight requests")
-            self.dead = True
             self._drain_commands_with(EngineDeadError(f"the engine crashed: {exc}"))
             self._fail_all(EngineDeadError(f"the engine crashed: {exc}"))
             return
-        self.dead = True
         self._drain_commands_with(EngineDeadError("the engine stopped"))
 
     def _drain_commands_with(self, err: BaseException) -> None:
+        """Mark the loop dead and answer every queued command with ``err``; one lock hold,
+        so no command can slip in between (``_push`` checks ``dead`` under it)."""
         with self._cv:
+            self.dead = True
             pending = list(self._commands)
             self._commands.clear()
         for cmd in pending:

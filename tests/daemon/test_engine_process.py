@@ -10,6 +10,7 @@ termination message.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -118,6 +119,86 @@ async def test_killed_engine_process_ends_streams_and_the_daemon_exits_nonzero(t
             assert waited < 10, f"the daemon took {waited:.1f}s to exit"
             assert "engine process died" in term.read_text()
         finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
+def test_silence_clock_counts_only_busy_spells():
+    """Quiet while idle is not a hang; the clock restarts when work arrives after idling."""
+    from pagefleet.daemon.liveness import SilenceClock, check_period
+
+    c = SilenceClock(last_heard=0.0, busy_since=0.0)
+    assert c.silent_for(100.0, busy=False) == 0.0
+    c.work_started(100.0)  # idle for 100 s, then a request: not silent yet
+    assert c.silent_for(101.0, busy=True) == 1.0
+    c.heard(105.0)
+    assert c.silent_for(107.5, busy=True) == 2.5
+    assert check_period(60.0) == 1.0 and check_period(2.0) == 0.5
+
+
+async def test_hung_engine_process_fails_health_and_the_daemon_exits_nonzero(tmp_path):
+    """A stopped (SIGSTOP), not dead, engine process: harmless while idle; with a request
+    in flight, past --engine-hang-timeout it is killed, /health fails and the daemon exits
+    non-zero saying it hung."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    term = tmp_path / "termination-log"
+    timeout = 1.5
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pagefleet.cli", "daemon", "--model", "tiny",
+             "--port", str(port), "--max-model-len", "256", "--block-size", "8",
+             "--num-gpu-blocks", "64", "--engine-process", "--termination-log", str(term),
+             "--engine-hang-timeout", str(timeout)],
+            stdout=log, stderr=log,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+        engine_pid = None
+        try:
+            async with aiohttp.ClientSession() as s:
+                await wait_daemon_ready(s, base, proc)
+                async with s.get(f"{base}/server_info") as r:
+                    engine_pid = (await r.json())["engine_pid"]
+                # Idle and stopped for longer than the timeout: nothing is owed, no hang.
+                os.kill(engine_pid, signal.SIGSTOP)
+                await asyncio.sleep(2 * timeout)
+                async with s.get(f"{base}/health") as r:
+                    assert r.status == 200, await r.text()
+                os.kill(engine_pid, signal.SIGCONT)
+                body = {"prompt": PROMPT, "max_tokens": 200, "stream": True, "ignore_eos": True}
+                async with s.post(f"{base}/v1/completions", json=body) as r:
+                    assert r.status == 200
+                    assert (await r.content.readline()).startswith(b"data: ")  # decoding
+                    os.kill(engine_pid, signal.SIGSTOP)
+                    t0 = time.monotonic()
+                    health = None
+                    while proc.poll() is None and time.monotonic() - t0 < 15:
+                        try:
+                            async with s.get(f"{base}/health") as h:
+                                if h.status == 503:
+                                    health = time.monotonic() - t0
+                                    break
+                        except aiohttp.ClientError:
+                            break  # the daemon already exited
+                        await asyncio.sleep(0.1)
+                    try:
+                        rest = await asyncio.wait_for(r.read(), 10)
+                    except aiohttp.ClientError:
+                        rest = b""
+                    assert b'"finish_reason":"length"' not in rest
+            rc = await asyncio.get_running_loop().run_in_executor(None, proc.wait, 15)
+            waited = time.monotonic() - t0
+            log.seek(0)
+            text = log.read().decode()
+            assert rc != 0, text[-3000:]
+            assert timeout < waited < timeout + 8, f"the daemon exited {waited:.1f}s after"
+            assert health is None or health > timeout
+            assert "engine process hung" in term.read_text(), term.read_text()
+        finally:
+            if engine_pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(engine_pid, signal.SIGKILL)
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
