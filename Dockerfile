@@ -19,6 +19,12 @@ ENV PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/${TORCH_VARIANT} \
     VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH
 
+# g++ builds the compiled CPU attention kernel on a daemon's first start (for that node's
+# CPU, cached under $PAGEFLEET_CACHE); without it a CPU daemon falls back to torch attention.
+RUN apt-get update -qq \
+ && apt-get install -y -qq --no-install-recommends g++ >/dev/null \
+ && rm -rf /var/lib/apt/lists/*
+
 WORKDIR /opt/pagefleet
 COPY pyproject.toml README.md ./
 COPY pagefleet ./pagefleet

@@ -1,7 +1,9 @@
 """Choosing an attention backend for a device.
 
-``triton`` is the GPU path; ``torch`` runs anywhere and is the CPU default. Triton is
-imported only when the triton backend is chosen, so CPU-only processes never load it.
+``triton`` is the GPU path; ``cpu`` (the compiled C++ kernel, ``cpu_attention.py``) is the
+CPU default; ``torch`` runs anywhere and is what ``cpu`` falls back to, with one warning,
+when the kernel cannot be built here (no g++, a failed compile). Triton is imported only
+when the triton backend is chosen, so CPU-only processes never load it.
 """
 
 from __future__ import annotations
@@ -16,12 +18,29 @@ from pagefleet.kernels.torch_ref import TorchAttentionBackend
 
 logger = logging.getLogger(__name__)
 
-BACKEND_NAMES = ("torch", "triton")
+BACKEND_NAMES = ("cpu", "torch", "triton")
 
 
 def default_backend_name(device: torch.device) -> str:
-    """``triton`` on CUDA, ``torch`` everywhere else."""
-    return "triton" if device.type == "cuda" else "torch"
+    """``triton`` on CUDA, ``cpu`` (compiled, torch if it cannot be built) everywhere else."""
+    return "triton" if device.type == "cuda" else "cpu"
+
+
+def cpu_backend() -> AttentionBackend:
+    """The compiled CPU kernel's backend, or the torch backend (after one warning that says
+    why and how to fix it) when the kernel cannot be built or loaded on this machine."""
+    from pagefleet.kernels.cpu_attention import LIBRARY, CpuAttentionBackend
+    from pagefleet.kernels.cpu_build import KernelBuildError, load_library
+
+    try:
+        return CpuAttentionBackend(load_library(LIBRARY))
+    except KernelBuildError as exc:
+        logger.warning(
+            "compiled CPU attention unavailable, using the slower torch attention instead "
+            "(pass --attention-backend torch to choose it and silence this): %s",
+            exc,
+        )
+        return TorchAttentionBackend()
 
 
 def get_backend(name: str | None, device: torch.device | str) -> AttentionBackend:
@@ -34,10 +53,17 @@ def get_backend(name: str | None, device: torch.device | str) -> AttentionBacken
     chosen = default_backend_name(device) if name in (None, "", "auto") else name
     if chosen == "torch":
         return TorchAttentionBackend()
+    if chosen == "cpu":
+        if device.type != "cpu":
+            raise ValueError(
+                f"attention backend 'cpu' runs on the CPU, but the engine runs on "
+                f"{device.type!r}; use --attention-backend triton (or torch) there"
+            )
+        return cpu_backend()
     if chosen != "triton":
         raise ValueError(
             f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)} "
-            "(or leave it unset: triton on CUDA, torch on CPU)"
+            "(or leave it unset: triton on CUDA, cpu on CPU)"
         )
     interpret = os.environ.get("TRITON_INTERPRET", "") == "1"
     if device.type != "cuda" and not interpret:

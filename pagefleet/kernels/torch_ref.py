@@ -3,6 +3,8 @@ every Triton kernel is tested against (same contract as ``metadata.AttentionMeta
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 
@@ -65,17 +67,30 @@ def paged_attention(
 
     Accumulates in fp32 whatever the cache dtype; returns q's dtype.
     """
-    num_q_heads = q.shape[1]
-    num_kv_heads = k_cache.shape[2]
-    group = num_q_heads // num_kv_heads
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd > 0:
         _decode(q, k_cache, v_cache, _decode_plan(meta), scale, out)
     if nd == meta.num_seqs:
         return out
+    prefill_rows(q, k_cache, v_cache, meta, scale, out, range(nd, meta.num_seqs))
+    return out
+
+
+def prefill_rows(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+    seqs: Iterable[int],
+) -> None:
+    """Write ``out``'s rows of each sequence in ``seqs``: one causal SDPA call per sequence
+    over its gathered context (any query length; a matmul-backed SDPA suits long chunks)."""
+    group = q.shape[1] // k_cache.shape[2]
     qsl = meta.query_start_loc.tolist()
-    for i in range(nd, meta.num_seqs):
+    for i in seqs:
         start, end = qsl[i], qsl[i + 1]
         seq_len = meta.seq_lens_cpu[i]
         qlen = end - start
@@ -92,7 +107,6 @@ def paged_attention(
             qi, kc, vc, attn_mask=mask, scale=scale, enable_gqa=group > 1
         )
         out[start:end] = o.transpose(0, 1).to(q.dtype)
-    return out
 
 
 # One decode row's context: (its first slot, None) when its blocks are consecutive ids,

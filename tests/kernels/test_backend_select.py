@@ -10,17 +10,37 @@ import pytest
 import torch
 
 from pagefleet.kernels import TorchAttentionBackend, default_backend_name, get_backend
+from pagefleet.kernels.cpu_attention import CpuAttentionBackend
 
 
 def test_defaults_per_device():
     assert default_backend_name(torch.device("cuda")) == "triton"
-    assert default_backend_name(torch.device("cpu")) == "torch"
-    assert isinstance(get_backend(None, "cpu"), TorchAttentionBackend)
-    assert isinstance(get_backend("auto", torch.device("cpu")), TorchAttentionBackend)
+    assert default_backend_name(torch.device("cpu")) == "cpu"
+    # g++ is part of the test setup (.ci/run), so the compiled kernel must build here.
+    assert isinstance(get_backend(None, "cpu"), CpuAttentionBackend)
+    assert isinstance(get_backend("auto", torch.device("cpu")), CpuAttentionBackend)
+
+
+def test_cpu_backend_without_a_compiler_warns_once_and_runs_torch(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("PAGEFLEET_KERNEL_CACHE", str(tmp_path))  # nothing built there
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
+    with caplog.at_level("WARNING", logger="pagefleet.kernels.backend"):
+        backend = get_backend("cpu", "cpu")
+    assert isinstance(backend, TorchAttentionBackend)
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1
+    assert "using the slower torch attention" in warnings[0].getMessage()
+    assert "no-such-g++" in warnings[0].getMessage()
+
+
+def test_cpu_backend_refuses_cuda():
+    with pytest.raises(ValueError, match="'cpu' runs on the CPU"):
+        get_backend("cpu", "cuda")
 
 
 def test_explicit_name_is_honoured():
     assert get_backend("torch", "cpu").name == "torch"
+    assert get_backend("cpu", "cpu").name == "cpu"
     if torch.cuda.is_available():
         assert get_backend(None, "cuda").name == "triton"
     else:
@@ -30,7 +50,7 @@ def test_explicit_name_is_honoured():
 
 
 def test_unknown_name_lists_the_choices():
-    with pytest.raises(ValueError, match=r"unknown attention backend 'flash'.*torch, triton"):
+    with pytest.raises(ValueError, match=r"unknown attention backend 'flash'.*cpu, torch, triton"):
         get_backend("flash", "cpu")
 
 

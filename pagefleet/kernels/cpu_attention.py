@@ -1,0 +1,167 @@
+"""The compiled CPU attention backend: one C++ call per layer attends every query row of
+the step (decodes and prefill/extend chunks) over its sequence's blocks, read in place.
+
+The torch backend calls SDPA once per decode row and gathers each non-consecutive context
+first; this one reads the pool through the block table directly, with OpenMP over
+(sequence, KV head, query tile) work items and online softmax over blocks
+(``csrc/paged_attention_cpu.cpp``). K/V are stored with the torch backend's ``store_kv``.
+A shape or dtype the kernel does not cover (fp16 caches, blocks over 64 tokens, head_dim
+over 256, a non-CPU tensor) goes to the torch path for that call, so results never depend
+on what the kernel covers, only their rounding.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from pagefleet.kernels.metadata import AttentionMetadata
+from pagefleet.kernels.torch_ref import copy_blocks, paged_attention, prefill_rows, store_kv
+
+LIBRARY = "paged_attention_cpu"
+# Chunks longer than this go to torch's SDPA, which multiplies q and K as matrices: measured
+# on the bench model (8 heads, head_dim 64, one thread) the kernel is 3-7x faster up to 16
+# new rows, even at 32, and 1.6x slower at 64 (its dot products do not reuse q across keys).
+MAX_KERNEL_QUERY_LEN = 32
+_KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_c_ptr, _c_int, _c_i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the C signatures of ``lib`` (ctypes then converts ints/floats correctly)."""
+    fn = lib.pf_paged_attention
+    fn.restype = _c_int
+    fn.argtypes = [
+        _c_ptr, _c_i64, _c_ptr, _c_ptr, _c_int, _c_ptr, _c_int, _c_ptr, _c_ptr, _c_int,
+        _c_ptr, _c_i64, _c_int, _c_int, _c_int, _c_int, ctypes.c_float, _c_int, _c_int,
+    ]  # fmt: skip
+    for name in ("pf_max_block_size", "pf_max_group", "pf_max_head_dim"):
+        getattr(lib, name).restype = _c_int
+        getattr(lib, name).argtypes = []
+    return lib
+
+
+@dataclass(slots=True, frozen=True)
+class _StepArgs:
+    """The step's metadata as int32 contiguous CPU tensors (kept alive for their pointers)."""
+
+    tables: torch.Tensor
+    qsl: torch.Tensor
+    seq_lens: torch.Tensor
+    long_seqs: tuple[int, ...]  # sequences whose chunk is left to torch's SDPA
+
+
+def _step_args(meta: AttentionMetadata) -> _StepArgs:
+    args = meta.scratch.get("cpu_attention_args")
+    if args is None:
+        args = _StepArgs(
+            tables=meta.block_tables.to(torch.int32).contiguous(),
+            qsl=meta.query_start_loc.to(torch.int32).contiguous(),
+            seq_lens=meta.seq_lens.to(torch.int32).contiguous(),
+            long_seqs=tuple(
+                i for i, n in enumerate(meta.query_lens_cpu) if n > MAX_KERNEL_QUERY_LEN
+            ),
+        )
+        meta.scratch["cpu_attention_args"] = args
+    return args  # type: ignore[return-value]
+
+
+class CpuAttentionBackend:
+    """Paged attention through the compiled kernel in ``lib`` (``cpu_build.load_library``)."""
+
+    name = "cpu"
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = bind(lib)
+        self._max_block = lib.pf_max_block_size()
+        self._max_group = lib.pf_max_group()
+        self._max_head_dim = lib.pf_max_head_dim()
+
+    def covers(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        """Whether the kernel handles these tensors (else the torch path runs)."""
+        _, bs, hkv, d = k_cache.shape
+        return (
+            k_cache.device.type == "cpu"
+            and q.device.type == "cpu"
+            and k_cache.dtype in _KV_DTYPES
+            and q.dtype in (torch.float32, torch.bfloat16)
+            and k_cache.is_contiguous()
+            and bs <= self._max_block
+            and d <= self._max_head_dim
+            and q.shape[1] % hkv == 0
+            and q.shape[1] // hkv <= self._max_group
+        )
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention of every packed row of q over the cached context (K/V already stored)."""
+        if not self.covers(q, k_cache) or v_cache.dtype != k_cache.dtype:
+            return paged_attention(q, k_cache, v_cache, meta, scale)
+        _, bs, hkv, d = k_cache.shape
+        t, hq = q.shape[0], q.shape[1]
+        qf = q if q.dtype == torch.float32 else q.float()
+        if qf.stride(2) != 1 or qf.stride(1) != d:
+            qf = qf.contiguous()
+        out = torch.empty((t, hq, d), dtype=torch.float32)
+        if t == 0:
+            return out.to(q.dtype)
+        args = _step_args(meta)
+        rc = self._lib.pf_paged_attention(
+            qf.data_ptr(),
+            qf.stride(0),
+            k_cache.data_ptr(),
+            v_cache.contiguous().data_ptr(),
+            _KV_DTYPES[k_cache.dtype],
+            args.tables.data_ptr(),
+            args.tables.shape[1],
+            args.qsl.data_ptr(),
+            args.seq_lens.data_ptr(),
+            meta.num_seqs,
+            out.data_ptr(),
+            out.stride(0),
+            hq,
+            hkv,
+            bs,
+            d,
+            scale,
+            MAX_KERNEL_QUERY_LEN,
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise RuntimeError(
+                f"pf_paged_attention rejected its arguments (code {rc}) after covers() "
+                "accepted them: a bug in pagefleet/kernels/cpu_attention.py"
+            )
+        if args.long_seqs:
+            prefill_rows(q, k_cache, v_cache, meta, scale, out, args.long_seqs)
+        return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.attend(q, k_cache, v_cache, meta, scale)
+
+    def copy_blocks(
+        self,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+        src: torch.Tensor,
+        dst: torch.Tensor,
+    ) -> None:
+        copy_blocks(k_caches, v_caches, src, dst)

@@ -1,0 +1,267 @@
+// Paged attention on CPU: every query row of a step (decodes and prefill/extend chunks) in
+// one call, reading each sequence's K/V blocks in place through its block table.
+//
+// Plain C++ with a C ABI, no torch headers: it builds in about a second with g++ and is
+// called through ctypes with raw pointers (see pagefleet/kernels/cpu_attention.py).
+//
+// Layout (pagefleet/kernels/metadata.py): q/out [T, Hq, D] fp32, contiguous; K/V cache
+// [num_blocks, block_size, Hkv, D] (fp32, or bf16 as uint16); block_tables [S, W] int32;
+// query_start_loc [S + 1] int32; seq_lens [S] int32. Row r of sequence s sits at position
+// seq_lens[s] - qlen(s) + (r - query_start_loc[s]) and attends to positions 0..that.
+//
+// One work item is (sequence, KV head, a tile of up to kTile query rows): the tile's rows
+// times the `group` query heads sharing the KV head are M query vectors that share every
+// K/V row loaded. Softmax is online over blocks (running max, running sum, rescaled
+// accumulator), all in fp32; the causal mask is a per-vector count of valid tokens in the
+// block, so no -inf arithmetic is needed.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kTile = 8;       // most query rows of one sequence per work item (prefill)
+constexpr int kMaxBlock = 64;  // largest block_size the kernel handles
+constexpr int kMaxVecs = 64;   // query vectors per work item: tile rows x group <= this
+
+inline float bf16_to_f32(uint16_t x) {
+  uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+template <typename T>
+inline float load(const T* p, int i);
+template <>
+inline float load<float>(const float* p, int i) { return p[i]; }
+template <>
+inline float load<uint16_t>(const uint16_t* p, int i) { return bf16_to_f32(p[i]); }
+
+// exp(x) for x <= 0 (scores minus their running max), vectorisable: 2^n * p(r) with
+// r in [-ln2/2, ln2/2]; relative error ~2e-7, below fp32 SDPA's own rounding.
+inline float exp_nonpos(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+struct Item {
+  int32_t seq, row0, rows, head0, heads;  // query rows [row0, row0+rows), KV heads [head0, +heads)
+};
+
+// Row strides (in elements) of q and out: q is usually a view into the fused qk tensor.
+struct Strides {
+  int64_t q_row, out_row;
+};
+
+template <typename T, int D>
+void attend_item(const Item& it, const float* q, const T* kc, const T* vc,
+                 const int32_t* tables, int table_w, const int32_t* qsl,
+                 const int32_t* seq_lens, float* out, Strides st, int hq, int hkv, int bs,
+                 int d_rt, float scale) {
+  constexpr int kD = D > 0 ? D : 256;
+  const int d = D > 0 ? D : d_rt;
+  const int group = hq / hkv;
+  const int per_row = it.heads * group;  // query vectors per row
+  const int m_count = it.rows * per_row;
+  const int32_t seq_len = seq_lens[it.seq];
+  const int32_t qlen = qsl[it.seq + 1] - qsl[it.seq];
+  const int32_t first_pos = seq_len - qlen + (it.row0 - qsl[it.seq]);
+  const int32_t* table = tables + static_cast<int64_t>(it.seq) * table_w;
+  const int64_t tok_stride = static_cast<int64_t>(hkv) * d;
+
+  // Query vector m = row it.row0 + m / per_row, query head it.head0 * group + m % per_row,
+  // reading KV head it.head0 + (m % per_row) / group (offset koff[m] within a token's row);
+  // its context ends at position first_pos + m / per_row (inclusive), ctx[m] tokens.
+  alignas(64) float qv[kMaxVecs][kD];
+  alignas(64) float acc[kMaxVecs][kD];
+  float mx[kMaxVecs], sum[kMaxVecs];
+  int32_t ctx[kMaxVecs];
+  int64_t koff[kMaxVecs];
+  for (int m = 0; m < m_count; ++m) {
+    const int row = it.row0 + m / per_row;
+    const int qh = it.head0 * group + m % per_row;
+    const float* src = q + row * st.q_row + static_cast<int64_t>(qh) * d;
+    for (int i = 0; i < d; ++i) qv[m][i] = src[i] * scale;
+    for (int i = 0; i < d; ++i) acc[m][i] = 0.0f;
+    mx[m] = -INFINITY;
+    sum[m] = 0.0f;
+    ctx[m] = first_pos + m / per_row + 1;
+    koff[m] = static_cast<int64_t>(qh / group) * d;
+  }
+  const int32_t ctx_max = first_pos + it.rows;  // the last row's context length
+  const int n_blocks = (ctx_max + bs - 1) / bs;
+  alignas(64) float s[kMaxVecs][kMaxBlock];
+  for (int b = 0; b < n_blocks; ++b) {
+    const int64_t base = static_cast<int64_t>(table[b]) * bs * tok_stride;
+    const T* kb = kc + base;
+    const T* vb = vc + base;
+    const int tok0 = b * bs;
+    const int n_tok = ctx_max - tok0 < bs ? ctx_max - tok0 : bs;
+    for (int t = 0; t < n_tok; ++t) {
+      const T* kt = kb + t * tok_stride;
+      for (int m = 0; m < m_count; ++m) {
+        const T* km = kt + koff[m];
+        const float* qm = qv[m];
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int i = 0; i < d; ++i) dot += qm[i] * load(km, i);
+        s[m][t] = dot;
+      }
+    }
+    for (int m = 0; m < m_count; ++m) {
+      int valid = ctx[m] - tok0;
+      if (valid <= 0) continue;
+      if (valid > n_tok) valid = n_tok;
+      float bmax = s[m][0];
+      for (int t = 1; t < valid; ++t) bmax = s[m][t] > bmax ? s[m][t] : bmax;
+      const float new_max = bmax > mx[m] ? bmax : mx[m];
+      const float alpha = exp_nonpos(mx[m] - new_max);  // mx = -inf at first: exp -> 0
+      mx[m] = new_max;
+      float bsum = 0.0f;
+#pragma omp simd reduction(+ : bsum)
+      for (int t = 0; t < valid; ++t) {
+        const float p = exp_nonpos(s[m][t] - new_max);
+        s[m][t] = p;
+        bsum += p;
+      }
+      for (int t = valid; t < n_tok; ++t) s[m][t] = 0.0f;  // masked: weight 0
+      sum[m] = sum[m] * alpha + bsum;
+      if (alpha != 1.0f) {
+        for (int i = 0; i < d; ++i) acc[m][i] *= alpha;
+      }
+    }
+    for (int t = 0; t < n_tok; ++t) {
+      const T* vt = vb + t * tok_stride;
+      for (int m = 0; m < m_count; ++m) {
+        if (ctx[m] - tok0 <= t) continue;
+        const T* vm = vt + koff[m];
+        const float p = s[m][t];
+        float* am = acc[m];
+#pragma omp simd
+        for (int i = 0; i < d; ++i) am[i] += p * load(vm, i);
+      }
+    }
+  }
+  for (int m = 0; m < m_count; ++m) {
+    const int row = it.row0 + m / per_row;
+    const int qh = it.head0 * group + m % per_row;
+    float* dst = out + row * st.out_row + static_cast<int64_t>(qh) * d;
+    const float inv = 1.0f / sum[m];
+    for (int i = 0; i < d; ++i) dst[i] = acc[m][i] * inv;
+  }
+}
+
+template <typename T, int D>
+void run(const std::vector<Item>& items, const float* q, const T* kc, const T* vc,
+         const int32_t* tables, int table_w, const int32_t* qsl, const int32_t* seq_lens,
+         float* out, Strides st, int hq, int hkv, int bs, int d, float scale, int threads) {
+  const int64_t n = static_cast<int64_t>(items.size());
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
+  for (int64_t i = 0; i < n; ++i) {
+    attend_item<T, D>(items[i], q, kc, vc, tables, table_w, qsl, seq_lens, out, st, hq, hkv,
+                      bs, d, scale);
+  }
+}
+
+template <typename T>
+int dispatch(const std::vector<Item>& items, const float* q, const T* kc, const T* vc,
+             const int32_t* tables, int table_w, const int32_t* qsl, const int32_t* seq_lens,
+             float* out, Strides st, int hq, int hkv, int bs, int d, float scale,
+             int threads) {
+#define PF_CASE(DIM)                                                                      \
+  case DIM:                                                                               \
+    run<T, DIM>(items, q, kc, vc, tables, table_w, qsl, seq_lens, out, st, hq, hkv, bs, d,\
+                scale, threads);                                                          \
+    return 0;
+  switch (d) {
+    PF_CASE(16)
+    PF_CASE(32)
+    PF_CASE(64)
+    PF_CASE(80)
+    PF_CASE(96)
+    PF_CASE(128)
+    default:
+      if (d > 256) return 3;
+      run<T, 0>(items, q, kc, vc, tables, table_w, qsl, seq_lens, out, st, hq, hkv, bs, d,
+                scale, threads);
+      return 0;
+  }
+#undef PF_CASE
+}
+
+}  // namespace
+
+extern "C" {
+
+// The limits a caller must respect (else pf_paged_attention returns non-zero).
+int pf_max_block_size() { return kMaxBlock; }
+int pf_max_group() { return kMaxVecs; }
+int pf_max_head_dim() { return 256; }
+
+// Attention of all T packed query rows (see the file comment). kv_dtype: 0 fp32, 1 bf16.
+// q_row_stride / out_row_stride: elements between consecutive rows (heads x D contiguous
+// within a row). Sequences with more than max_query_len new rows are skipped (their out rows
+// are left as they are: the caller attends them another way). Returns 0 on success, 1-3 for a shape the kernel does not cover (nothing
+// written then).
+int pf_paged_attention(const float* q, int64_t q_row_stride, const void* k_cache,
+                       const void* v_cache, int kv_dtype, const int32_t* block_tables,
+                       int table_w, const int32_t* query_start_loc, const int32_t* seq_lens,
+                       int num_seqs, float* out, int64_t out_row_stride, int hq, int hkv,
+                       int block_size, int head_dim, float scale, int max_query_len,
+                       int threads) {
+  if (block_size < 1 || block_size > kMaxBlock) return 1;
+  if (hkv < 1 || hq % hkv != 0 || hq / hkv > kMaxVecs) return 2;
+  const Strides st{q_row_stride, out_row_stride};
+  // A work item takes as many KV heads as fit kMaxVecs query vectors (all of them for
+  // a decode row of most models: each token's K/V row is then streamed once), and as
+  // many of a prefill chunk's rows as fit beside them; with several threads and few
+  // sequences, heads are split further so every thread gets work.
+  const int group = hq / hkv;
+  int heads = hkv < kMaxVecs / group ? hkv : kMaxVecs / group;
+  if (threads > 1) {
+    while (heads > 1 && static_cast<int64_t>(num_seqs) * ((hkv + heads - 1) / heads) < 4 * threads)
+      heads = (heads + 1) / 2;
+  }
+  int32_t tile = kMaxVecs / (heads * group);
+  tile = tile < kTile ? tile : kTile;
+  std::vector<Item> items;
+  items.reserve(static_cast<size_t>(num_seqs) * ((hkv + heads - 1) / heads));
+  for (int s = 0; s < num_seqs; ++s) {
+    if (query_start_loc[s + 1] - query_start_loc[s] > max_query_len) continue;
+    for (int32_t r = query_start_loc[s]; r < query_start_loc[s + 1]; r += tile) {
+      const int32_t left = query_start_loc[s + 1] - r;
+      for (int h = 0; h < hkv; h += heads) {
+        items.push_back({s, r, left < tile ? left : tile, h, hkv - h < heads ? hkv - h : heads});
+      }
+    }
+  }
+  if (kv_dtype == 0) {
+    return dispatch<float>(items, q, static_cast<const float*>(k_cache),
+                           static_cast<const float*>(v_cache), block_tables, table_w,
+                           query_start_loc, seq_lens, out, st, hq, hkv, block_size, head_dim,
+                           scale, threads);
+  }
+  if (kv_dtype == 1) {
+    return dispatch<uint16_t>(items, q, static_cast<const uint16_t*>(k_cache),
+                              static_cast<const uint16_t*>(v_cache), block_tables, table_w,
+                              query_start_loc, seq_lens, out, st, hq, hkv, block_size,
+                              head_dim, scale, threads);
+  }
+  return 1;
+}
+
+}  // extern "C"

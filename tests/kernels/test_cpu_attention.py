@@ -1,0 +1,156 @@
+"""The compiled CPU attention kernel (``kernels/csrc/paged_attention_cpu.cpp``) against the
+torch backend and against attention written out in float64, on tiny shapes: random
+(scattered) block tables, GQA, odd context lengths and lengths on block boundaries,
+decodes, short chunks (the kernel) and long chunks (torch's SDPA) in one step."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pagefleet.kernels.cpu_attention import (
+    LIBRARY,
+    MAX_KERNEL_QUERY_LEN,
+    CpuAttentionBackend,
+)
+from pagefleet.kernels.cpu_build import load_library
+from pagefleet.kernels.metadata import AttentionMetadata
+from pagefleet.kernels.torch_ref import TorchAttentionBackend, paged_attention
+
+
+@pytest.fixture(scope="module")
+def backend() -> CpuAttentionBackend:
+    return CpuAttentionBackend(load_library(LIBRARY))
+
+
+def _step(
+    query_lens: list[int], seq_lens: list[int], bs: int, num_blocks: int, seed: int
+) -> AttentionMetadata:
+    """Metadata of one step whose sequences own random, non-consecutive blocks."""
+    rng = random.Random(seed)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = []
+    for s in seq_lens:
+        n = (s + bs - 1) // bs
+        tables.append([free.pop() for _ in range(n)])
+    width = max(len(t) for t in tables)
+    slots = []
+    for t, s, ql in zip(tables, seq_lens, query_lens, strict=True):
+        slots += [t[p // bs] * bs + p % bs for p in range(s - ql, s)]
+    qsl = [0]
+    for ql in query_lens:
+        qsl.append(qsl[-1] + ql)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]).int(),
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens,
+        num_decodes=sum(1 for q in query_lens if q == 1),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        block_size=bs,
+    )
+
+
+def _dense(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """float64 softmax(q k^T * scale) v, position by position through the block table."""
+    hq, hkv, d = q.shape[1], k_cache.shape[2], k_cache.shape[3]
+    bs = meta.block_size
+    kf = k_cache.reshape(-1, hkv, d).double().repeat_interleave(hq // hkv, dim=1)
+    vf = v_cache.reshape(-1, hkv, d).double().repeat_interleave(hq // hkv, dim=1)
+    out = torch.empty(q.shape, dtype=torch.float64)
+    tables = meta.block_tables.tolist()
+    starts = meta.query_start_loc.tolist()
+    for i, (ql, s) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
+        ctx = torch.tensor([tables[i][p // bs] * bs + p % bs for p in range(s)])
+        for r in range(ql):
+            pos = s - ql + r
+            row = starts[i] + r
+            scores = torch.einsum("hd,shd->hs", q[row].double(), kf[ctx[: pos + 1]]) * scale
+            out[row] = torch.einsum("hs,shd->hd", scores.softmax(-1), vf[ctx[: pos + 1]])
+    return out
+
+
+# (hq, hkv, head_dim, block_size): MHA, GQA groups 3 and 7, MQA with 32 heads (over the
+# 8-row tile: fewer rows per work item), a head_dim without a compiled specialisation.
+SHAPES = [(8, 8, 64, 16), (6, 2, 16, 4), (14, 2, 32, 8), (32, 1, 16, 16), (4, 4, 40, 5)]
+
+
+@pytest.mark.parametrize(("hq", "hkv", "d", "bs"), SHAPES)
+def test_kernel_matches_dense_attention_on_scattered_blocks(backend, hq, hkv, d, bs):
+    rng = random.Random(hq * 100 + d)
+    # Decodes with odd lengths and lengths on/next to block boundaries, short chunks that
+    # the kernel takes (2, 7, the threshold itself) and one longer chunk left to SDPA.
+    seq_lens = [1, bs, bs + 1, 2 * bs - 1, 3 * bs, rng.randint(1, 9 * bs), rng.randint(1, 9 * bs)]
+    query_lens = [1] * len(seq_lens)
+    for ql, extra in ((2, 3), (7, 0), (MAX_KERNEL_QUERY_LEN, 2 * bs + 1), (41, 5)):
+        query_lens.append(ql)
+        seq_lens.append(ql + extra)
+    meta = _step(query_lens, seq_lens, bs, num_blocks=128, seed=hq + d)
+    gen = torch.Generator().manual_seed(d)
+    k_cache = torch.randn(128, bs, hkv, d, generator=gen)
+    v_cache = torch.randn(128, bs, hkv, d, generator=gen)
+    q = torch.randn(sum(query_lens), hq, d, generator=gen)
+    assert backend.covers(q, k_cache)
+    scale = d**-0.5
+    out = backend.attend(q, k_cache, v_cache, meta, scale)
+    want = _dense(q, k_cache, v_cache, meta, scale)
+    torch.testing.assert_close(out.double(), want, atol=2e-6, rtol=2e-5)
+    # The torch backend agrees to fp32 rounding too: same contract, other summation order.
+    ref = paged_attention(q, k_cache, v_cache, meta, scale)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-5)
+
+
+def test_forward_stores_kv_reads_strided_q_and_handles_bf16(backend):
+    """The model hands q as a view into the fused qk tensor (row stride > heads x D) and
+    new K/V to store first; a bf16 pool is read as bf16 and accumulated in fp32."""
+    hq, hkv, d, bs = 6, 2, 16, 4
+    query_lens, seq_lens = [1, 1, 1, 3, 40], [5, 8, 13, 10, 40]
+    meta = _step(query_lens, seq_lens, bs, num_blocks=64, seed=7)
+    gen = torch.Generator().manual_seed(11)
+    t = sum(query_lens)
+    for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 2e-2)):
+        qk = torch.randn(t, hq + hkv, d, generator=gen).to(dtype)
+        q = qk[:, :hq]
+        assert not q.is_contiguous()
+        k_new, v_new = (torch.randn(t, hkv, d, generator=gen).to(dtype) for _ in range(2))
+        k_pool, v_pool = (torch.randn(64, bs, hkv, d, generator=gen).to(dtype) for _ in range(2))
+        caches = [k_pool, v_pool, k_pool.clone(), v_pool.clone()]
+        out = backend.forward(q, k_new, v_new, caches[0], caches[1], meta, d**-0.5)
+        ref = TorchAttentionBackend().forward(q, k_new, v_new, caches[2], caches[3], meta, d**-0.5)
+        assert out.dtype == dtype and out.shape == (t, hq, d)
+        torch.testing.assert_close(caches[0], caches[2], atol=0, rtol=0)  # same K/V stored
+        torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_threads_split_work_without_changing_results(backend):
+    """With several threads heads are split across work items; each query vector's
+    arithmetic is the same, so the output is bit-identical to one thread's."""
+    meta = _step([1, 1, 1, 5], [33, 7, 64, 20], bs=8, num_blocks=64, seed=3)
+    gen = torch.Generator().manual_seed(5)
+    k_cache, v_cache = torch.randn(2, 64, 8, 4, 16, generator=gen)
+    q = torch.randn(8, 8, 16, generator=gen)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = backend.attend(q, k_cache, v_cache, meta, 0.25)
+        torch.set_num_threads(4)
+        many = backend.attend(q, k_cache, v_cache, meta, 0.25)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, many)
+
+
+def test_uncovered_dtype_goes_to_the_torch_path(backend):
+    meta = _step([1, 2], [9, 6], bs=4, num_blocks=16, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    k_cache, v_cache = (torch.randn(16, 4, 2, 16, generator=gen).half() for _ in range(2))
+    q = torch.randn(3, 2, 16, generator=gen).half()
+    assert not backend.covers(q, k_cache)
+    out = backend.attend(q, k_cache, v_cache, meta, 0.25)
+    assert torch.equal(out, paged_attention(q, k_cache, v_cache, meta, 0.25))
