@@ -99,6 +99,14 @@ async def serve(config: DaemonConfig) -> None:
     help="Seconds a decode pod waits for one KV pull before prefilling locally.",
 )
 @click.option(
+    "--kv-stage-dir",
+    default="/dev/shm",
+    show_default=True,
+    help="tmpfs directory where P/D KV bytes are staged between the HTTP process and the "
+    "engine process (shared memory, no copies through the engine pipe); '' to use the pipe. "
+    "In Kubernetes give it an emptyDir with medium Memory when /dev/shm is small.",
+)
+@click.option(
     "--kv-advertise-host",
     default=None,
     help="Address decode pods pull this pod's KV from (default: $POD_IP, else --host).",

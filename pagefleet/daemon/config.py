@@ -55,6 +55,9 @@ class DaemonConfig(BaseModel):
     kv_transfer_timeout_s: float = Field(default=30.0, gt=0)
     kv_pull_timeout_s: float = Field(default=10.0, gt=0)
     kv_advertise_host: str | None = None  # default: $POD_IP, else --host unless a wildcard
+    # Where pulled/exported KV is staged in shared memory between the HTTP process and the
+    # engine process (a tmpfs); "" sends the bytes through the engine pipe instead.
+    kv_stage_dir: str = "/dev/shm"
     # Run the engine in its own process (engine_core.py), so the HTTP layer never takes
     # the GIL from the model; off: an engine thread in the HTTP process.
     engine_process: bool = True

@@ -34,6 +34,7 @@ from typing import Any
 from pagefleet.daemon import engine_core, ipc
 from pagefleet.daemon.engine_loop import EngineDeadError, EngineLoop, RequestStream, StreamItem
 from pagefleet.daemon.engine_protocol import EngineStatsLike
+from pagefleet.daemon.kv_stage import KVStage, stage_bytes
 from pagefleet.daemon.kv_transfer import KVSource
 from pagefleet.daemon.liveness import SilenceClock, check_period
 from pagefleet.engine.sampling_params import SamplingParams
@@ -266,10 +267,19 @@ class EngineClient:
         kv: Any,
         params: SamplingParams,
         queue: asyncio.Queue[StreamItem | BaseException],
+        stage: KVStage | None = None,
     ) -> RequestStream:
-        return await self._admit(
-            request_id, queue, "commit_import", (plan.key, _kv_bytes(kv), params)
+        """Commit a pulled reservation; with ``stage`` (the pull landed in shared memory,
+        ``new_stage``) only its path crosses the pipe, else the bytes of ``kv`` do."""
+        payload = (
+            ("stage", stage.path, plan.num_pull_blocks) if stage is not None else _kv_bytes(kv)
         )
+        return await self._admit(request_id, queue, "commit_import", (plan.key, payload, params))
+
+    def new_stage(self, nbytes: int) -> KVStage | None:
+        """A shared-memory stage for ``nbytes`` of pulled KV (None: use the pipe)."""
+        where = getattr(self._config, "kv_stage_dir", "")
+        return KVStage.create(nbytes, where) if where else None
 
     def post_cancel_import(self, plan: Any) -> None:
         self._post("cancel_import", (plan.key,))
@@ -442,6 +452,20 @@ class ClientKVSource(KVSource):
 
     async def read_layer(self, block_ids: list[int], layer: int) -> tuple[Any, Any]:
         return await self._client.side("read_layer", block_ids, layer)
+
+    async def read_stage(self, block_ids: list[int]) -> KVStage | None:
+        """Every layer's K and V of ``block_ids`` in one shared-memory stage, filled by the
+        engine process in one call (None: no shared memory here; use ``read_layer``). The
+        caller closes it."""
+        stage = self._client.new_stage(stage_bytes(self.layout(), len(block_ids)))
+        if stage is None:
+            return None
+        try:
+            await self._client.side("export_to_stage", block_ids, stage.path)
+        except BaseException:
+            stage.close()
+            raise
+        return stage
 
     def release(self, handle: str, consumed: bool) -> None:
         # Side calls run in arrival order of their threads; a release needs no answer.

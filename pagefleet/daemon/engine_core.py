@@ -130,6 +130,17 @@ class EngineCore:
             t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for t in (k, v)
         )
 
+    def side_export_to_stage(self, block_ids: list[int], path: str) -> int:
+        """K and V of ``block_ids``, every layer, gathered straight into the HTTP process's
+        shared-memory stage at ``path`` (kv_stage.py); returns the bytes written."""
+        from pagefleet.daemon.kv_stage import stage_bytes, stage_tensors
+
+        runner = self.engine.runner
+        layout = runner.kv_layout()
+        views = stage_tensors(path, layout, len(block_ids))
+        runner.read_kv_blocks(block_ids, range(layout.num_layers), out=views)
+        return stage_bytes(layout, len(block_ids))
+
     def side_export_handles(self) -> list[str]:
         exports = getattr(self.engine, "exports", None)
         return [] if exports is None else exports.handles()
@@ -165,7 +176,7 @@ class EngineCore:
             plan = self._plans.pop(key, None)
             if plan is None:
                 raise ValueError("the KV reservation is unknown or already ended")
-            return eng.commit_import(plan, _tensors(kv), params)
+            return eng.commit_import(plan, _tensors(kv, getattr(eng, "runner", None)), params)
         if method == "cancel_import":
             plan = self._plans.pop(args[0], None)
             if plan is not None:
@@ -208,11 +219,18 @@ class EngineCore:
             self.send(("step", ipc.pack_outputs(outputs), now, stats))
 
 
-def _tensors(kv: Any) -> Any:
-    """Pulled KV arrives as (dtype, shape, [(k bytes, v bytes)]); the engine wants tensors."""
+def _tensors(kv: Any, runner: Any) -> Any:
+    """Pulled KV arrives as (dtype, shape, [(k bytes, v bytes)]), or as ("stage", path,
+    num_blocks) for a shared-memory stage (kv_stage.py); the engine wants tensors."""
     if kv is None:
         return None
     import torch
+
+    if kv[0] == "stage":
+        from pagefleet.daemon.kv_stage import stage_tensors
+
+        _, path, num_blocks = kv
+        return stage_tensors(path, runner.kv_layout(), num_blocks)
 
     dtype, shape, layers = kv
     dt = getattr(torch, dtype)

@@ -196,8 +196,10 @@ class EngineLoop:
         kv: Any,
         params: SamplingParams,
         queue: asyncio.Queue[StreamItem | BaseException],
+        stage: Any = None,
     ) -> RequestStream:
-        """Commit a pulled KV reservation and start its request (P/D decode)."""
+        """Commit a pulled KV reservation and start its request (P/D decode). ``stage`` is
+        for an engine in another process; this one reads the tensors of ``kv`` directly."""
         return await self.add_request(
             request_id, plan.token_ids, params, queue=queue,
             admit=lambda eng: eng.commit_import(plan, kv, params),
@@ -205,6 +207,10 @@ class EngineLoop:
 
     def post_cancel_import(self, plan: Any) -> None:
         self.post(lambda eng: eng.cancel_import(plan))
+
+    def new_stage(self, nbytes: int) -> None:
+        """No shared-memory stage: the engine is in this process and reads the tensors."""
+        return None
 
     def post_collect_transfers(self) -> None:
         if self.engine is not None and hasattr(self.engine, "collect_transfers"):

@@ -250,10 +250,16 @@ class KVTransfer(ABC):
         handle's deadline frees it otherwise)."""
 
     @abstractmethod
-    async def pull(self, params: KVTransferParams, plan: Any, layout: Any) -> list[tuple[Any, Any]]:
+    async def pull(
+        self, params: KVTransferParams, plan: Any, layout: Any, into: Any = None
+    ) -> list[tuple[Any, Any]]:
         """Fetch blocks ``plan.first_block .. plan.num_blocks - 1`` of the handle in
         ``params``: per layer (K, V) tensors of ``[plan.num_pull_blocks, block_size,
-        num_kv_heads, head_dim]``, verified against ``plan``. Raises KVPullError."""
+        num_kv_heads, head_dim]``, verified against ``plan``. Raises KVPullError.
+
+        ``into``: a ``KVStage`` (kv_stage.py) of the payload's size to land the bytes in
+        (the returned tensors are views of it), so an engine in another process reads
+        them from shared memory."""
 
     @abstractmethod
     async def close(self) -> None:
@@ -300,7 +306,9 @@ class TcpKVTransfer(KVTransfer):
             logger.debug("releasing KV handle %s failed: %s", params.remote_request_id, exc)
             return False
 
-    async def pull(self, params: KVTransferParams, plan: Any, layout: Any) -> list[tuple[Any, Any]]:
+    async def pull(
+        self, params: KVTransferParams, plan: Any, layout: Any, into: Any = None
+    ) -> list[tuple[Any, Any]]:
         import torch
 
         url = self._url(params, PULL_PATH)
@@ -332,13 +340,21 @@ class TcpKVTransfer(KVTransfer):
                 shape = (plan.num_pull_blocks, layout.block_size, layout.num_kv_heads,
                          layout.head_dim)  # fmt: skip
                 nbytes = plan.num_pull_blocks * layout.block_bytes_per_layer
-                out: list[tuple[Any, Any]] = []
-                for _ in range(lo, hi):
-                    kv = []
-                    for _kv in range(2):
-                        buf = bytearray(await resp.content.readexactly(nbytes))
-                        kv.append(torch.frombuffer(buf, dtype=dtype).view(shape))
-                    out.append((kv[0], kv[1]))
+                total = 2 * nbytes * (hi - lo)
+                # One buffer for the whole payload, filled chunk by chunk as the socket
+                # delivers them (one copy per byte; a stage is shared memory).
+                if into is not None and into.nbytes != total:
+                    raise ValueError(f"a stage of {into.nbytes} bytes for {total}")
+                buf = into.view() if into is not None else memoryview(bytearray(total))
+                await _read_into(resp.content, buf, total)
+                out: list[tuple[Any, Any]] = [
+                    tuple(
+                        torch.frombuffer(buf[(2 * i + j) * nbytes : (2 * i + j + 1) * nbytes],
+                                         dtype=dtype).view(shape)
+                        for j in (0, 1)
+                    )  # type: ignore[misc]
+                    for i in range(hi - lo)
+                ]  # fmt: skip
         except KVPullError:
             raise
         except asyncio.IncompleteReadError as exc:
@@ -475,6 +491,7 @@ class KVExportServer:
                 "never created here; prefill locally"
             )  # fmt: skip
         consumed = False
+        stage = None
         try:
             end = req.first_block + req.num_blocks
             if end > len(entry.block_ids):
@@ -498,23 +515,59 @@ class KVExportServer:
             }
             ids = entry.block_ids[req.first_block : end]
             data = json.dumps(header, separators=(",", ":")).encode()
+            # An engine in another process fills one shared-memory stage with every layer.
+            read_stage = getattr(src, "read_stage", None)
+            stage = None if read_stage is None else await read_stage(ids)
             resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+            # A known length: the client reads a plain body, not chunked encoding.
+            payload = 2 * layout.num_layers * len(ids) * layout.block_bytes_per_layer
+            resp.content_length = _HEADER_LEN.size + len(data) + payload
             await resp.prepare(request)
             await resp.write(_HEADER_LEN.pack(len(data)) + data)
             sent = 0
-            for layer in range(layout.num_layers):
-                for buf in await src.read_layer(ids, layer):
-                    await resp.write(buf)
-                    sent += len(buf)
+            if stage is not None:  # written in a few big pieces
+                view = stage.view()
+                for off in range(0, stage.nbytes, _WRITE_CHUNK):
+                    await resp.write(view[off : off + _WRITE_CHUNK])
+                sent = stage.nbytes
+                del view
+            else:
+                for layer in range(layout.num_layers):
+                    for buf in await src.read_layer(ids, layer):
+                        await resp.write(buf)
+                        sent += len(buf)
             await resp.write_eof()
             consumed = True
             if self.metrics is not None:
                 self.metrics.moved("sent", sent, len(ids))
             return resp
         finally:
+            if stage is not None:
+                stage.close()  # unlinks its file whatever happened
             src.release(req.handle, consumed=consumed)
             if consumed:
                 self._release()
+
+
+async def _read_into(content: Any, buf: memoryview, total: int) -> None:
+    """Fill ``buf[:total]`` from an aiohttp stream; IncompleteReadError if it ends early,
+    KVPullError if it carries more."""
+    off = 0
+    while off < total:
+        chunk = await content.readany()
+        if not chunk:
+            raise asyncio.IncompleteReadError(b"", total - off)
+        if off + len(chunk) > total:
+            raise KVPullError("protocol", "the KV stream is longer than its header says")
+        buf[off : off + len(chunk)] = chunk
+        off += len(chunk)
+    if not content.at_eof() and await content.read(1):
+        raise KVPullError("protocol", "the KV stream is longer than its header says")
+
+
+# Bytes per write of a staged payload: large enough that a pull is a few writes, small
+# enough that the transport's buffer (a copy) stays bounded.
+_WRITE_CHUNK = 4 << 20
 
 
 def _bytes_view(t: Any) -> memoryview:

@@ -31,6 +31,7 @@ from pydantic import ValidationError
 from pagefleet.daemon.config import DaemonConfig
 from pagefleet.daemon.engine_client import EngineHandle
 from pagefleet.daemon.engine_loop import RequestStream, StreamItem
+from pagefleet.daemon.kv_stage import stage_bytes
 from pagefleet.daemon.kv_transfer import (
     KVExportServer,
     KVPullError,
@@ -199,18 +200,21 @@ class PDSide:
             self._fallback(rid, "no_reservation", "no blocks free for the pull now", tp)
             return None
         committed = False
+        stage = None
         try:
             kv = None
             if plan.num_pull_blocks:
                 layout = loop.kv_layout()
+                # An engine in another process reads the pulled bytes from shared memory.
+                stage = loop.new_stage(stage_bytes(layout, plan.num_pull_blocks))
                 try:
-                    kv = await self.transfer.pull(tp, plan, layout)
+                    kv = await self.transfer.pull(tp, plan, layout, into=stage)
                 except KVPullError as exc:
                     self._fallback(rid, exc.reason, str(exc), tp)
                     return None
             else:
                 self._release_remote(tp)  # every block is in this pod's own cache
-            stream = await loop.add_import(rid, plan, kv, params, queue)
+            stream = await loop.add_import(rid, plan, kv, params, queue, stage=stage)
             committed = True
             self.metrics.outcome("pulled" if plan.num_pull_blocks else "local_hit")
             return stream
@@ -218,6 +222,9 @@ class PDSide:
             self._fallback(rid, "reservation_expired", str(exc), tp)
             return None
         finally:
+            if stage is not None:
+                del kv  # views of the stage
+                stage.close()
             if not committed:
                 loop.post_cancel_import(plan)
 

@@ -57,7 +57,10 @@ class KVPort(Protocol):
     def kv_layout(self) -> KVLayout: ...
 
     def read_kv_blocks(
-        self, block_ids: list[int], layers: range
+        self,
+        block_ids: list[int],
+        layers: range,
+        out: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
 
     def write_kv_blocks(
@@ -115,15 +118,30 @@ class ModelRunner:
         )
 
     def read_kv_blocks(
-        self, block_ids: list[int], layers: range
+        self,
+        block_ids: list[int],
+        layers: range,
+        out: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of K and V of ``block_ids`` for each layer in ``layers``, on the host,
-        each ``[len(block_ids), block_size, num_kv_heads, head_dim]``, contiguous.
+        each ``[len(block_ids), block_size, num_kv_heads, head_dim]``, contiguous; written
+        into ``out`` (host tensors of those shapes, one pair per layer) when given, so a
+        caller with a shared-memory stage gets one copy, not two.
 
         Safe from another thread while the engine steps as long as the blocks are pinned:
         nothing writes into a referenced block that no sequence holds.
         """
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        if out is not None:
+            for (ok, ov), layer in zip(out, layers, strict=True):
+                k, v = self.kv_caches[layer]
+                if k.device.type == "cpu":
+                    torch.index_select(k, 0, idx, out=ok)
+                    torch.index_select(v, 0, idx, out=ov)
+                else:
+                    ok.copy_(k.index_select(0, idx))
+                    ov.copy_(v.index_select(0, idx))
+            return out
         out = []
         for layer in layers:
             k, v = self.kv_caches[layer]

@@ -145,3 +145,44 @@ def test_pull_over_tcp_matches_unified_and_fails_cleanly() -> None:
             await server.cleanup()
 
     asyncio.run(main())
+
+
+def test_pull_into_a_shared_memory_stage_and_stage_lifetime(tmp_path) -> None:
+    """A pull landed in a KVStage gives the same tokens; the engine-process side maps the
+    same file by path and sees the same bytes; close unlinks it; no tmpfs means None."""
+    import torch
+
+    from pagefleet.daemon.kv_stage import KVStage, stage_bytes, stage_tensors
+
+    prompt = [(i * 11) % 200 + 5 for i in range(43)]
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    unified = _engine()
+    unified.add_request("u", prompt, params)
+    want = drain(unified)["u"]
+
+    async def main() -> None:
+        prefill, decode = _engine(), _engine()
+        server, port = await _serve(prefill, _metrics()[1])
+        client = TcpKVTransfer(timeout_s=5.0)
+        try:
+            run_prefill(prefill, "h1", prompt)
+            plan = decode.reserve_import("r1", prompt)
+            layout = decode.runner.kv_layout()
+            stage = KVStage.create(stage_bytes(layout, plan.num_pull_blocks), str(tmp_path))
+            assert stage is not None
+            kv = await client.pull(_params(port, "h1"), plan, layout, into=stage)
+            mapped = stage_tensors(stage.path, layout, plan.num_pull_blocks)
+            for (k, v), (mk, mv) in zip(kv, mapped, strict=True):
+                assert torch.equal(k, mk) and torch.equal(v, mv)
+            decode.commit_import(plan, mapped, params)
+            del kv, mapped
+            stage.close()
+            assert list(tmp_path.iterdir()) == [], "a closed stage leaves no file"
+            assert drain(decode)["r1"] == want
+        finally:
+            await client.close()
+            await server.cleanup()
+
+    asyncio.run(main())
+    assert KVStage.create(1024, str(tmp_path / "missing")) is None
+    assert KVStage.create(0, str(tmp_path)) is None

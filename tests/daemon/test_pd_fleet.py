@@ -10,6 +10,7 @@ prefill with the same answer; malformed params are a clear 400.
 from __future__ import annotations
 
 import asyncio
+import os
 import uuid
 
 import aiohttp
@@ -19,6 +20,7 @@ import pytest_asyncio
 from aiohttp import web
 
 from pagefleet.daemon.config import DaemonConfig
+from pagefleet.daemon.kv_stage import KVStage
 from pagefleet.dev.process import free_port
 from pagefleet.dev.redis_server import LocalRedis
 from pagefleet.engine.tiny import ensure_tiny_checkpoint
@@ -101,7 +103,18 @@ def _client(url: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
 
 
-async def test_completions_and_streaming_chat_equal_unified(fleet) -> None:
+async def test_completions_and_streaming_chat_equal_unified(fleet, monkeypatch) -> None:
+    # The daemons run their engines in processes: the KV crosses in shared-memory stages
+    # (kv_stage.py) on both sides, and every stage file is gone afterwards.
+    stages: list[str] = []
+    create = KVStage.create.__func__
+
+    def counted(cls, *a, **kw):
+        stage = create(cls, *a, **kw)
+        stages.append(stage.path)
+        return stage
+
+    monkeypatch.setattr(KVStage, "create", classmethod(counted))
     gw, uni = _client(fleet["gateway"]), _client(fleet["unified"].url)
     dec = fleet["decode"].url
     pulled0 = await _metric(dec, "pagefleet:kv_transfer_requests_total", outcome="pulled")
@@ -132,6 +145,8 @@ async def test_completions_and_streaming_chat_equal_unified(fleet) -> None:
     assert await _metric(fleet["gateway"], "pagefleet_gateway_pd_requests_total", path="remote")
     for c in (gw, uni):
         await c.close()
+    assert len(stages) >= 2 * 2, "the pulls did not go through shared-memory stages"
+    assert not [p for p in stages if os.path.exists(p)], "a KV stage file was left behind"
 
 
 async def _post(url: str, body: dict) -> tuple[int, dict]:
