@@ -74,12 +74,15 @@ class LocalRedis:
         startup_timeout_s: float = 10.0,
         acl: list[str] | None = None,
         port: int | None = None,
+        requirepass: str | None = None,
     ) -> None:
         """``acl``: ACL file lines (``user NAME on >password ~pattern +@category``); when
         given, they replace the open default user, so ``url`` then needs credentials.
-        ``port``: listen there (e.g. a restart at the same address) instead of a free one."""
+        ``port``: listen there (e.g. a restart at the same address) instead of a free one.
+        ``requirepass``: the classic single password of the default user (``AUTH pw``)."""
         self.executable = executable or find_redis_server()
         self.acl = acl
+        self.requirepass = requirepass
         self.tuning = INDEX_TUNING if tuning is None else tuning
         self.maxmemory = maxmemory
         self.startup_timeout_s = startup_timeout_s
@@ -160,6 +163,14 @@ class LocalRedis:
             argv += ["--aclfile", str(acl_file)]
         if self.maxmemory:
             argv += ["--maxmemory", self.maxmemory]
+        if self.requirepass is not None:
+            assert self._dir is not None
+            # A config file (its path first on the command line), not --requirepass: the
+            # password stays out of the process list.
+            conf = self._dir / "auth.conf"
+            conf.write_text(f"requirepass {self.requirepass}\n")
+            conf.chmod(0o600)
+            argv.insert(1, str(conf))
         return argv
 
     def stop(self) -> None:

@@ -21,6 +21,7 @@ API error is logged and retried at the next tick; nothing here raises into kopf.
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import time
 from collections.abc import Callable
@@ -39,7 +40,14 @@ from pagefleet.operator.builders import (
     resolve_redis_url,
 )
 from pagefleet.operator.collect import PodTarget, gather_inputs
-from pagefleet.operator.kube import DEPLOYMENT, INFERENCE_SERVICE, POD, KubeAPI, KubeError
+from pagefleet.operator.kube import (
+    DEPLOYMENT,
+    INFERENCE_SERVICE,
+    POD,
+    SECRET,
+    KubeAPI,
+    KubeError,
+)
 from pagefleet.operator.metrics import OperatorMetrics
 from pagefleet.operator.naming import DAEMON_PORT, LABEL_ROLE, LABEL_SERVICE, Names
 from pagefleet.operator.planner import Decision, PlannerConfig, PlannerState, Reason, decide
@@ -80,7 +88,8 @@ class AutoscalerSettings:
     prometheus_url: str | None = None
     metrics_port: int = DAEMON_PORT
     # Password of the bundled Redis' read-only user (pf-gateway), for services on it; the
-    # chart passes it from its Secret (the operator itself reads no Secrets).
+    # chart passes it from its Secret (a service on its own Redis: the operator gets the Secret
+    # its spec names, see _redis_credentials).
     default_redis_password: str | None = field(default=None, repr=False)
 
 
@@ -201,7 +210,7 @@ class Autoscaler:
             redis_url: str | None = resolve_redis_url(spec, self.build)
         except SpecError:
             redis_url = None
-        credentials, redis_note = self._redis_credentials(spec)
+        credentials, redis_note = self._redis_credentials(namespace, spec)
         if redis_note is not None:
             redis_url = None
 
@@ -283,25 +292,17 @@ class Autoscaler:
     # ------------------------------------------------------------------------------------
 
     def _redis_credentials(
-        self, spec: InferenceServiceSpec
+        self, namespace: str, spec: InferenceServiceSpec
     ) -> tuple[RedisCredentials | None, str | None]:
         """(credentials for reading the heartbeats, or why they cannot be read).
 
         A service on the bundled Redis (no redisURL of its own) is read as its read-only
-        ACL user with the password the operator was started with. A service whose own Redis
-        needs the password in ``passwordSecretRef`` cannot be: the operator holds no RBAC
-        for Secrets (reading every namespace's Secrets is more than an autoscaler should
-        hold), so the message says what works instead."""
+        ACL user with the password the operator was started with. A service on its own
+        Redis is read as the user its gateway uses (``index.gatewayUser`` when set: the
+        read-only one; else ``index.username``), with the password from the Secret the spec
+        names (``passwordSecretRef {name, key}`` in the service's namespace): the operator
+        gets that one Secret by name and keeps the password in memory only."""
         index = spec.index
-        if index.password_secret_ref is not None:
-            ref = index.password_secret_ref
-            return None, (
-                f"spec.index.passwordSecretRef ({ref.name}/{ref.key}): the operator reads no "
-                "Secrets, so it cannot read the load heartbeats from this Redis and holds the "
-                "replica count; run the operator with --prometheus-url (inputs from "
-                "Prometheus; heartbeats then only rank pods for scale-down), or put the "
-                "service on the operator's bundled Redis (no spec.index.redisURL)"
-            )
         if index.redis_url is None and self.build.default_redis_secret:
             if self.settings.default_redis_password is None:
                 return None, (
@@ -312,9 +313,45 @@ class Autoscaler:
             return RedisCredentials(
                 username=BUNDLED_GATEWAY_USER, password=self.settings.default_redis_password
             ), None
-        if index.username:
-            return RedisCredentials(username=index.username), None
-        return None, None
+        user = index.gateway_user
+        username, ref = (
+            (user.username, user.password_secret_ref)
+            if user is not None
+            else (index.username, index.password_secret_ref)
+        )
+        if ref is None:
+            return (RedisCredentials(username=username) if username else None), None
+        password, problem = self._secret_value(namespace, ref.name, ref.key)
+        if problem is not None:
+            field_ = "gatewayUser.passwordSecretRef" if user is not None else "passwordSecretRef"
+            return None, (
+                f"spec.index.{field_} ({ref.name}/{ref.key}): {problem}; the load heartbeats "
+                "cannot be read from this Redis, so the replica count is held"
+            )
+        return RedisCredentials(username=username, password=password), None
+
+    def _secret_value(self, namespace: str, name: str, key: str) -> tuple[str, str | None]:
+        """(the decoded value of ``key`` in Secret ``namespace/name``, or what is wrong:
+        missing, no such key, not readable). Never puts the value into a message."""
+        try:
+            secret = self.kube.get(SECRET, namespace, name)
+        except KubeError as exc:
+            return "", (
+                f"cannot read Secret {namespace}/{name} (HTTP {exc.status}); the operator "
+                "needs RBAC get on secrets in this namespace (deploy/rbac.yaml, the chart)"
+            )
+        if secret is None:
+            return "", f"Secret {namespace}/{name} does not exist"
+        data = secret.get("data") or {}
+        if key in data:
+            try:
+                return base64.b64decode(data[key], validate=True).decode(), None
+            except (ValueError, UnicodeDecodeError):
+                return "", f"key {key!r} of Secret {namespace}/{name} is not base64 UTF-8"
+        string_data = secret.get("stringData") or {}
+        if key in string_data:
+            return str(string_data[key]), None
+        return "", f"Secret {namespace}/{name} has no key {key!r}"
 
     def _list(self, kind: Any, namespace: str, name: str) -> list[Manifest]:
         return self.kube.list(kind, namespace, {LABEL_SERVICE: name})

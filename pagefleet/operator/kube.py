@@ -44,6 +44,9 @@ POD = Kind("v1", "Pod", "pods")
 NETWORK_POLICY = Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies")
 INFERENCE_SERVICE = Kind(f"{GROUP}/{VERSION}", "InferenceService", PLURAL)
 POD = Kind("v1", "Pod", "pods")  # read and annotated by the autoscaler, never applied
+# Get only (never listed, applied or pruned): the autoscaler reads the password of a
+# service's own Redis from the Secret its spec names, to read the load heartbeats.
+SECRET = Kind("v1", "Secret", "secrets")
 
 CHILD_KINDS: tuple[Kind, ...] = (
     CONFIG_MAP,

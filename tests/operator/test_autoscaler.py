@@ -614,8 +614,7 @@ def test_bundled_redis_with_acl_passwords_is_read_as_the_read_only_user(
 ) -> None:
     """The chart's bundled Redis: default user off, pf-daemon writes, pf-gateway reads. The
     operator reads the heartbeats as pf-gateway with the password the chart gives it; with
-    none, or for a service whose own Redis password sits in a Secret, it holds the count
-    and says why and what to do."""
+    none it holds the count and says why and what to do."""
     from pagefleet.kvindex.redis_auth import (
         DAEMON_ACL_RULES,
         GATEWAY_ACL_RULES,
@@ -680,15 +679,78 @@ def test_bundled_redis_with_acl_passwords_is_read_as_the_read_only_user(
         assert out.decision.reason.value == "ScaledUp" and replicas(kube) == 3
         assert scaling_active(kube)["status"] == "True"
 
-        # Its own Redis, password in a Secret: no Secret reads; a condition with the way out.
+
+def test_own_redis_with_requirepass_is_read_with_the_secret_the_spec_names(
+    servers: MetricsServers,
+) -> None:
+    """A service on its own Redis (a real redis-server with requirepass): the operator gets
+    the Secret that spec.index.passwordSecretRef names, by name, and reads the heartbeats
+    with that password. A missing Secret, a missing key or a wrong password hold the count
+    with a condition naming the Secret and the key, never the password."""
+    import base64
+
+    from pagefleet.kvindex.redis_auth import RedisCredentials
+
+    password = "own-redis-pw-7"
+    with LocalRedis(requirepass=password) as server:
+        url = server.url
+
+        async def beat(pod: str, running: int) -> None:
+            creds = RedisCredentials(password=password)
+            index = RedisKVIndex.from_url(url, namespace=f"{NS}/{NAME}", credentials=creds)
+            try:
+                await index.heartbeat(pod, PodLoad(running=running), ttl_s=60)
+            finally:
+                await index.close()
+
+        def secret(data: dict[str, str]) -> None:
+            encoded = {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}
+            kube.add(
+                {
+                    "kind": "Secret",
+                    "metadata": {"name": "chat-redis", "namespace": NS},
+                    "data": encoded,
+                }
+            )
+
+        kube, clock, events = FakeKube(), Clock(), []
+        world(kube, url, 1, [("chat-a", "127.0.0.2")])
+        obj = kube.obj("InferenceService", NS, NAME)
+        assert obj is not None
         obj["spec"]["index"] = {
             "redisURL": url,
-            "username": "pf-gateway",
             "passwordSecretRef": {"name": "chat-redis", "key": "password"},
         }
-        clock.t += 1
-        (out,) = tick(scaler, kube, events)
-        assert replicas(kube) == 3 and out.decision.reason.value == "InputsUnknown"
-        msg = scaling_active(kube)["message"]
-        assert "passwordSecretRef (chat-redis/password)" in msg and "--prometheus-url" in msg
-        assert "gateway-pw" not in msg
+        a = servers.add("chat-a", "127.0.0.2")
+        asyncio.run(beat("chat-a", 2))
+        scaler = make(kube, clock)
+        tick(scaler, kube, events)  # first scrape
+
+        def decide_once() -> Any:
+            a.serve_requests(n=50, prompt=120, cached=20, out=8, ttft=0.9)
+            clock.t += 1
+            (out,) = tick(scaler, kube, events)
+            return out
+
+        for setup, expected in [
+            (None, f"Secret {NS}/chat-redis does not exist"),
+            ({"pw": password}, f"Secret {NS}/chat-redis has no key 'password'"),
+            ({"password": "not-" + password}, "AuthenticationError"),
+        ]:
+            if setup is not None:
+                secret(setup)
+            out = decide_once()
+            assert replicas(kube) == 1 and out.decision.reason.value == "InputsUnknown"
+            cond = scaling_active(kube)
+            assert cond["status"] == "False" and expected in cond["message"], cond["message"]
+            assert "passwordSecretRef (chat-redis/password)" in cond["message"] or (
+                expected == "AuthenticationError"
+            )
+            assert password not in cond["message"]
+
+        secret({"password": password})
+        out = decide_once()
+        assert out.inputs.observation.known_pods == 1, [p.error for p in out.inputs.pods]
+        assert out.inputs.observation.running == 2  # the heartbeat, read with the password
+        assert out.decision.reason.value == "ScaledUp" and replicas(kube) >= 2
+        assert scaling_active(kube)["status"] == "True"
