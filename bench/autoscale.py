@@ -48,6 +48,8 @@ from pagefleet.operator.planner import (
     PlannerState,
     RoleObservation,
     decide,
+    forecast,
+    replicas_needed,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -155,9 +157,12 @@ class Request:
     finish: float | None = None
 
 
-def make_trace(duration: float, peak_rate: float, seed: int) -> tuple[list[Request], Callable]:
+def make_trace(
+    duration: float, peak_rate: float, seed: int
+) -> tuple[list[Request], Callable[[float], float], list[tuple[float, float]]]:
     """Arrivals of a compressed day (trough 15% of peak at the ends, peak at midday) plus
-    bursts (x2 for 30-60 s), as a thinned Poisson process; returns (requests, rate(t))."""
+    bursts (x2 for 30-60 s), as a thinned Poisson process; returns (requests, rate(t),
+    the bursts' (start, end))."""
     rng = random.Random(seed)
     trough = 0.15
     bursts = []
@@ -180,7 +185,7 @@ def make_trace(duration: float, peak_rate: float, seed: int) -> tuple[list[Reque
             prompt = int(min(1536, max(32, rng.lognormvariate(math.log(320), 0.6))))
             output = rng.randint(16, 96)
             out.append(Request(t, prompt, output))
-    return out, rate
+    return out, rate, bursts
 
 
 def steady_trace(duration: float, rate: float, seed: int) -> list[Request]:
@@ -367,6 +372,90 @@ class Fleet:
         )
 
 
+# --------------------------------------------------------------------------- ledger
+
+
+@dataclass(slots=True)
+class Plan:
+    """The planner's latest view, whole replicas: what the measured load needs, what the
+    load forecast ``startup_s`` ahead needs, and the recommendation (with the scale-down
+    tolerance and the one-more-replica-on-a-miss rule)."""
+
+    need_now: int = 0
+    need_ahead: int = 0
+    recommendation: int = 0
+
+
+class Ledger:
+    """Where a policy's replica-seconds go against the oracle, integrated every slice.
+
+    Starting and draining replicas are their own items. For the serving ones, at each
+    slice with S serving and the oracle's count O at that second: if S < O the shortfall is
+    counted (that is where SLO misses come from); otherwise S - O is split by clamped levels
+    of the planner's latest view: ``model`` (the measured load at the learned capacity needs
+    more than the oracle's count), ``forecast`` (the start-up-ahead trend asks more),
+    ``margin`` (the recommendation's tolerance and SLO-miss bump), ``hold`` (the planner
+    would go lower but its windows and step keep the replicas)."""
+
+    ITEMS = ("startup", "drain", "model", "forecast", "margin", "hold")
+
+    def __init__(self, oracle_count: Callable[[float], int]) -> None:
+        self.oracle_count = oracle_count
+        self.seconds = dict.fromkeys((*self.ITEMS, "shortfall", "oracle", "total"), 0.0)
+        self.short_at: dict[int, bool] = {}  # whole second -> serving below the oracle
+        self.plan = Plan()
+
+    def tick(self, fleet: Fleet, now: float, dt: float) -> None:
+        starting = draining = serving = 0
+        for r in fleet.replicas:
+            if r.draining:
+                draining += 1
+            elif r.ready_at > now:
+                starting += 1
+            else:
+                serving += 1
+        sec = self.seconds
+        oracle = self.oracle_count(now)
+        sec["startup"] += starting * dt
+        sec["drain"] += draining * dt
+        sec["oracle"] += oracle * dt
+        sec["total"] += (starting + draining + serving) * dt
+        self.short_at[int(now)] = serving < oracle
+        if serving < oracle:
+            sec["shortfall"] += (oracle - serving) * dt
+            return
+        plan = self.plan
+        lv1 = max(oracle, min(serving, plan.need_now))
+        lv2 = max(lv1, min(serving, plan.need_ahead))
+        lv3 = max(lv2, min(serving, plan.recommendation))
+        sec["model"] += (lv1 - oracle) * dt
+        sec["forecast"] += (lv2 - lv1) * dt
+        sec["margin"] += (lv3 - lv2) * dt
+        sec["hold"] += (serving - lv3) * dt
+
+    def misses(
+        self, reqs: list[Request], ok: Callable[[Request], bool], bursts: list[tuple[float, float]]
+    ) -> dict[str, int]:
+        """Missed requests by what the fleet looked like when they arrived."""
+        out = {"burst_fleet_short": 0, "fleet_short": 0, "burst_fleet_sized": 0, "other": 0}
+        for r in reqs:
+            if ok(r):
+                continue
+            burst = any(a <= r.arrival < b for a, b in bursts)
+            short = self.short_at.get(int(r.arrival), False)
+            key = ("burst_" if burst else "") + ("fleet_short" if short else "fleet_sized")
+            out[key if key in out else "other"] += 1
+        return out
+
+    def summary(self) -> dict[str, float]:
+        """Replica-hours per item; ``unexplained`` closes the sum (total - oracle =
+        items - shortfall + unexplained: sampling, the oracle's per-second rounding)."""
+        h = {k: v / 3600 for k, v in self.seconds.items()}
+        explained = sum(h[k] for k in self.ITEMS) - h["shortfall"]
+        h["unexplained"] = h["total"] - h["oracle"] - explained
+        return {k: round(v, 4) for k, v in h.items()}
+
+
 # ---------------------------------------------------------------------------- policies
 
 
@@ -377,12 +466,22 @@ def static_policy(_: Fleet, __: float) -> None:
     return None
 
 
-def planner_policy(cfg: PlannerConfig) -> Policy:
+def planner_policy(cfg: PlannerConfig, ledger: Ledger | None = None) -> Policy:
     state = PlannerState()
 
     def step(fleet: Fleet, now: float) -> None:
         nonlocal state
-        d = decide(cfg, fleet.observe(now), state, now)
+        obs = fleet.observe(now)
+        if ledger is not None:
+            ahead, _ = forecast(cfg, obs, state, now)
+            ledger.plan = Plan(
+                math.ceil(replicas_needed(cfg, obs, state)[0] - 1e-9),
+                math.ceil(replicas_needed(cfg, ahead, state)[0] - 1e-9),
+                0,
+            )
+        d = decide(cfg, obs, state, now)
+        if ledger is not None:
+            ledger.plan.recommendation = d.recommendation or d.desired
         state = d.state
         if d.desired != fleet.target():
             fleet.scale_to(d.desired, now)
@@ -427,6 +526,8 @@ class Result:
     timeline: list[tuple[float, int, float]]  # (t, replicas, arrival rate)
     ttft_p95: float
     tpot_p95: float
+    requests: list[Request] = field(default_factory=list)  # as served
+    met: Callable[[Request], bool] | None = None  # the SLO test
 
 
 def simulate(
@@ -437,6 +538,7 @@ def simulate(
     cfg: SimConfig,
     initial: int,
     policy: Policy,
+    ledger: Ledger | None = None,
 ) -> Result:
     reqs = [Request(r.arrival, r.prompt, r.output) for r in trace]
     fleet = Fleet(cost, cfg, initial)
@@ -448,20 +550,24 @@ def simulate(
         while i < len(reqs) and reqs[i].arrival < now + cfg.dt:
             fleet.route(reqs[i], now)
             i += 1
+        if ledger is not None:
+            ledger.tick(fleet, now, cfg.dt)
         fleet.advance(now)
         now += cfg.dt
         if now >= next_decision:
             policy(fleet, now)
             next_decision += cfg.interval_s
             timeline.append((now, len(fleet.replicas), rate(now) if now < duration else 0.0))
-    ok = sum(
-        1
-        for r in reqs
-        if r.first_token is not None
-        and r.finish is not None
-        and r.first_token - r.arrival <= cfg.ttft_s
-        and (r.output <= 1 or (r.finish - r.first_token) / (r.output - 1) <= cfg.tpot_s)
-    )
+
+    def met(r: Request) -> bool:
+        return (
+            r.first_token is not None
+            and r.finish is not None
+            and r.first_token - r.arrival <= cfg.ttft_s
+            and (r.output <= 1 or (r.finish - r.first_token) / (r.output - 1) <= cfg.tpot_s)
+        )
+
+    ok = sum(1 for r in reqs if met(r))
     ttft = sorted(r.first_token - r.arrival for r in reqs if r.first_token is not None)
     tpot = sorted(
         (r.finish - r.first_token) / (r.output - 1)
@@ -472,7 +578,15 @@ def simulate(
     def p95(v: list[float]) -> float:
         return v[int(0.95 * (len(v) - 1))] if v else math.inf
 
-    return Result(ok / len(reqs), fleet.replica_seconds / 3600, timeline, p95(ttft), p95(tpot))
+    return Result(
+        ok / len(reqs),
+        fleet.replica_seconds / 3600,
+        timeline,
+        p95(ttft),
+        p95(tpot),
+        reqs,
+        met,
+    )
 
 
 def capacity_at_slo(
@@ -577,12 +691,12 @@ def main() -> None:
     sizing_batch = 16
     # SLO: TPOT of a replica running `sizing_batch` plus a prefill chunk's share; TTFT a
     # few mean prompts' prefill time (both from the measurement, so the machine cancels).
-    probe, _ = make_trace(600.0, 1.0, args.seed)
+    probe, _, _ = make_trace(600.0, 1.0, args.seed)
     tpot_s = 1.6 * cost.step(sizing_batch, 128)
     long_prompt = sorted(r.prompt for r in probe)[int(0.95 * (len(probe) - 1))]
     ttft_s = 2.5 * (long_prompt / cost.prefill_tok_s + cost.step(sizing_batch))
     peak_rate = args.peak_replicas * per_replica_rate(cost, probe, sizing_batch)
-    trace, rate = make_trace(duration, peak_rate, args.seed)
+    trace, rate, bursts = make_trace(duration, peak_rate, args.seed)
     # Slices short against a step, decisions every 10 s, 30 s start-up (all simulated time).
     dt = min(0.5, max(0.05, cost.step(sizing_batch) / 2))
     cfg = SimConfig(ttft_s=ttft_s, tpot_s=tpot_s, dt=dt)
@@ -642,12 +756,30 @@ def main() -> None:
         prefill_capacity_hint=cost.prefill_tok_s,
         decode_capacity_hint=decode_batch / cost.step(decode_batch),
     )
+    # The bound: a perfect oracle at the capacity n_peak replicas have at the SLO with the
+    # target's attainment (per replica; smaller fleets pool less, so this is optimistic).
+    end = duration + max(120.0, 3 * (ttft_s + 100 * tpot_s))
+    fleet_cap = capacity_at_slo(cost, cfg, peak_n, 0.95, peak_rate, args.quick)
+    per_replica = fleet_cap / peak_n
+    oracle_h = oracle_replica_hours(rate, duration, end, per_replica, 1)
+
+    def oracle_count(t: float) -> int:
+        s = int(t)
+        return max(1, math.ceil(rate(s + 0.5) / per_replica - 1e-9) if s < duration else 1)
+
+    ledger = Ledger(oracle_count)
+    planner_run = simulate(
+        trace, rate, duration, cost, cfg, mean_n, planner_policy(planner_cfg, ledger), ledger
+    )
     results = {
         f"static-peak ({peak_n})": static[peak_n],
         f"static-mean ({mean_n})": static_mean,
         "hpa": run(hpa_policy(1, hi, cfg.max_num_seqs, cfg.down_window_s), mean_n),
-        "planner": run(planner_policy(planner_cfg), mean_n),
+        "planner": planner_run,
     }
+    assert planner_run.met is not None
+    breakdown = ledger.summary()
+    misses = ledger.misses(planner_run.requests, planner_run.met, bursts)
     unhinted = run(
         planner_policy(
             PlannerConfig(
@@ -662,11 +794,6 @@ def main() -> None:
     )
     peak_h = static[peak_n].replica_hours
     planner, hpa = results["planner"], results["hpa"]
-    # The bound: a perfect oracle at the capacity n_peak replicas have at the SLO with the
-    # target's attainment (per replica; smaller fleets pool less, so this is optimistic).
-    end = duration + max(120.0, 3 * (ttft_s + 100 * tpot_s))
-    fleet_cap = capacity_at_slo(cost, cfg, peak_n, 0.95, peak_rate, args.quick)
-    oracle_h = oracle_replica_hours(rate, duration, end, fleet_cap / peak_n, 1)
     load = os.getloadavg()[0]
     plot(
         results,
@@ -692,6 +819,11 @@ def main() -> None:
         f"{peak_n} replicas at 95% attainment; no start-up, no forecast error): "
         f"{oracle_h:.3f} replica-h = {oracle_h / peak_h:.2f} of static-peak"
     )
+    print(
+        "planner's replica-hours against the oracle's (h): "
+        + ", ".join(f"{k} {v:.3f}" for k, v in breakdown.items())
+    )
+    print(f"planner's missed requests by the fleet at their arrival: {misses}")
     print(f"plot: {args.plot}")
     out = {
         "planner_slo_attainment": round(planner.attainment, 4),
@@ -708,6 +840,8 @@ def main() -> None:
         "oracle_replica_hours_frac_of_peak": round(oracle_h / peak_h, 4),
         "capacity_at_slo_req_s_per_replica": round(fleet_cap / peak_n, 3),
         "planner_replica_hours_frac_of_oracle": round(planner.replica_hours / oracle_h, 4),
+        "planner_breakdown_replica_hours": breakdown,
+        "planner_misses_by_fleet": misses,
         "engine": measured,
         "ttft_slo_ms": round(ttft_s * 1000, 1),
         "tpot_slo_ms": round(tpot_s * 1000, 2),
