@@ -49,7 +49,7 @@ from pagefleet.daemon.job import Job
 from pagefleet.daemon.metrics import DaemonMetrics
 from pagefleet.daemon.pd import PDSide, TransferParamsError
 from pagefleet.daemon.responses import ChatShape, CompletionShape, ResponseShape
-from pagefleet.engine.guided import GuidedSpec
+from pagefleet.engine.guided_spec import GuidedSpec
 from pagefleet.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

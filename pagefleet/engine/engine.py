@@ -20,7 +20,6 @@ import logging
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, cast, overload
 
 import torch
@@ -35,6 +34,7 @@ from pagefleet.engine.kv_export import ExportedKV, ExportRegistry, ImportPlan
 from pagefleet.engine.outputs import (
     CompletionDelta,
     CompletionOutput,
+    EngineStats,
     GenerateResult,
     RequestMetrics,
     RequestOutput,
@@ -54,26 +54,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 EventSink = Callable[[KVEventBatch], None]
-
-
-@dataclass(slots=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_preempted_total: int
-    kv_usage: float  # fraction of blocks referenced by live requests
-    num_blocks: int
-    num_free_blocks: int
-    prefix_queries_tokens: int  # cumulative
-    prefix_hits_tokens: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    evictions_total: int
-    steps_total: int
-    num_cached_blocks: int = 0  # blocks holding a prefix-cache key (what the index shows)
-    kv_exports_live: int = 0  # P/D: prefill handles waiting to be pulled
-    kv_exports_expired_total: int = 0  # P/D: handles freed by their deadline, never pulled
-    kv_imports_live: int = 0  # P/D: block reservations for pulls in flight
 
 
 class LLMEngine(Generic[TokenizerT]):

@@ -16,28 +16,15 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-GuidedKind = Literal["json", "json_object", "regex", "choice", "grammar"]
+from pagefleet.engine.guided_spec import GuidedKind, GuidedSpec
+
+__all__ = ["GrammarBackend", "GrammarError", "GuidedKind", "GuidedSpec"]
+
 _CACHE_SIZE = 64
-
-
-@dataclass(slots=True, frozen=True)
-class GuidedSpec:
-    """``spec`` is the JSON schema text (json), the regex (regex), a JSON list of strings
-    (choice), EBNF (grammar), or empty (json_object). Frozen: it keys the grammar cache."""
-
-    kind: GuidedKind
-    spec: str = ""
-
-    @staticmethod
-    def choice(options: list[str]) -> GuidedSpec:
-        if not options:
-            raise ValueError("guided_choice must list at least one string")
-        return GuidedSpec("choice", json.dumps(options))
 
 
 class GrammarError(ValueError):

@@ -14,12 +14,12 @@ sampled token; a prefill chunk short of the prompt's end samples nothing.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from pagefleet.engine.kv_cache_manager import KVCacheManager
+from pagefleet.engine.kv_layout import KVLayout
 from pagefleet.engine.request import Sequence
 from pagefleet.engine.sampler import Sampler, SampleResult
 from pagefleet.engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -32,23 +32,6 @@ class Runner(Protocol):
     """What the engine needs from a runner (tests substitute a model-free one)."""
 
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> StepResult: ...
-
-
-@dataclass(slots=True, frozen=True)
-class KVLayout:
-    """Shape of one engine's KV pool: what a transfer peer must match block for block."""
-
-    num_layers: int
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str  # torch dtype name without the "torch." prefix
-
-    @property
-    def block_bytes_per_layer(self) -> int:
-        """Bytes of K (or of V) of one block in one layer."""
-        elem = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-        return self.block_size * self.num_kv_heads * self.head_dim * elem
 
 
 class KVPort(Protocol):

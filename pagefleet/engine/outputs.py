@@ -69,3 +69,26 @@ class GenerateResult:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     metrics: RequestMetrics
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """The engine's counters after a step (``LLMEngine.stats``); it crosses the engine
+    process's pipe every step, so it lives here, free of torch."""
+
+    num_running: int
+    num_waiting: int
+    num_preempted_total: int
+    kv_usage: float  # fraction of blocks referenced by live requests
+    num_blocks: int
+    num_free_blocks: int
+    prefix_queries_tokens: int  # cumulative
+    prefix_hits_tokens: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    evictions_total: int
+    steps_total: int
+    num_cached_blocks: int = 0  # blocks holding a prefix-cache key (what the index shows)
+    kv_exports_live: int = 0  # P/D: prefill handles waiting to be pulled
+    kv_exports_expired_total: int = 0  # P/D: handles freed by their deadline, never pulled
+    kv_imports_live: int = 0  # P/D: block reservations for pulls in flight

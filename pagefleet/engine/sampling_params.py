@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagefleet.engine.guided import GuidedSpec
+from pagefleet.engine.guided_spec import GuidedSpec
 
 
 @dataclass(slots=True)

@@ -160,6 +160,10 @@ async def test_hung_engine_process_fails_health_and_the_daemon_exits_nonzero(tmp
                 await wait_daemon_ready(s, base, proc)
                 async with s.get(f"{base}/server_info") as r:
                     engine_pid = (await r.json())["engine_pid"]
+                # The HTTP process serves without torch (1.4 s and ~500 MB it does not need):
+                # nothing it imports or unpickles from the engine process loads it.
+                with open(f"/proc/{proc.pid}/maps") as maps:
+                    assert "libtorch" not in maps.read()
                 # Idle and stopped for longer than the timeout: nothing is owed, no hang.
                 os.kill(engine_pid, signal.SIGSTOP)
                 await asyncio.sleep(2 * timeout)
