@@ -46,6 +46,10 @@ from pathlib import Path
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
+from ttft_breakdown import PARTS as TTFT_PARTS
+from ttft_breakdown import join as join_trace
+from ttft_breakdown import read_trace
+from ttft_breakdown import summarize as summarize_trace
 
 from pagefleet.api.openai import ChatCompletionRequest
 from pagefleet.dev.loadgen import RequestResult, run_workload, summarize, trim
@@ -267,13 +271,17 @@ def write_dump(
     results: list[RequestResult],
     ids: dict[tuple[int, int], list[int]],
     namespace: str,
+    trace_rows: list[dict[str, Any]] | None = None,
 ) -> None:
     """One JSON line per request (appended): where it went, what it hit, what it could
-    have hit, its TTFT; the raw material of the per-request analysis in docs."""
+    have hit, its TTFT and where the TTFT went (bench/ttft_breakdown.py); the raw material
+    of the per-request analysis in docs."""
     rows = reachable(results, ids, namespace)
     t0 = min((r.start for r, _, _ in rows), default=0.0)
+    parts = {(t["conv"], t["turn"]): t for t in trace_rows or []}
     with path.open("a") as f:
         for r, ideal, done in rows:
+            t = parts.get((r.conversation, r.turn), {})
             f.write(
                 json.dumps(
                     {
@@ -291,6 +299,12 @@ def write_dump(
                         "predicted": r.predicted_hit,
                         "ideal": min(ideal * BLOCK, max(r.prompt_tokens - 1, 0)),
                         "done": min(done * BLOCK, max(r.prompt_tokens - 1, 0)),
+                        "daemon_pod": t.get("pod"),
+                        **{
+                            k: round(t[k], 1)
+                            for k in (*TTFT_PARTS, "ahead", "co_prefill")
+                            if k in t
+                        },
                     }
                 )
                 + "\n"
@@ -304,6 +318,9 @@ class Bench:
         self.children: list[Child] = []
         self._ours: list[Child] = []
         self._last: list[dict[str, float]] | None = None
+        # Every daemon's --request-log (one file), read from where the last run left it.
+        self.trace_path = fleet.log_dir / "requests.jsonl"
+        self._trace_pos = 0
 
     def spawn_doors(self, shapes: list[str]) -> dict[str, dict[str, list[Child]]]:
         """Fresh processes for every door of every shape, all started at once (no router
@@ -384,6 +401,7 @@ class Bench:
     ) -> tuple[dict[str, Any], list[RequestResult]]:
         self.reset_caches()
         before = self._last or [scrape(u) for u in self.fleet.daemon_urls]
+        _, self._trace_pos = read_trace(self.trace_path, self._trace_pos)
         n = len(door)
 
         async def drive() -> tuple[list[RequestResult], float]:
@@ -414,6 +432,10 @@ class Bench:
         report["evictions_per_pod"] = [int(d["evictions"]) for d in delta]
         if ids is not None:
             report.update(miss_breakdown(results, ids, self.fleet.namespace))
+            trace, self._trace_pos = read_trace(self.trace_path, self._trace_pos)
+            rows = join_trace(results, ids, trace)
+            report["ttft_breakdown"] = summarize_trace(rows)
+            report["_trace_rows"] = rows
         report["moved_turns"] = moved_turns(results)
         if any(d in self._ours for d in door):
             total: Counter[str] = Counter()
@@ -469,6 +491,7 @@ def shape_keys(reports: dict[str, dict[str, Any]], ideal: float, suffix: str) ->
         ),
         "max_pod_share": {d: r["max_pod_share"] for d, r in reports.items()},
         "evictions": {d: sum(r["evictions_per_pod"]) for d, r in reports.items()},
+        "ttft_breakdown": {d: r.get("ttft_breakdown") for d, r in reports.items()},
         "lost_frac_inflight": {d: r.get("lost_frac_inflight") for d, r in reports.items()},
         "lost_frac_done": {d: r.get("lost_frac_done") for d, r in reports.items()},
         "blind_requests_cache_aware": get("cache_aware", "blind_requests"),
@@ -642,6 +665,8 @@ def main() -> None:
         )
     )
     assert fleet.namespace == served, (fleet.namespace, served)
+    # Every daemon appends its per-request timings to one file (O_APPEND, one write a line).
+    fleet.spec.daemon_args += ["--request-log", str(fleet.log_dir / "requests.jsonl")]
     bench = Bench(fleet, args)
     reports: dict[str, dict[str, dict[str, Any]]] = {}
     overhead: dict[str, dict[float, float | None]] = {}
@@ -682,9 +707,10 @@ def main() -> None:
             think = args.think_ms / 1000.0 if shape == "agentic" else 0.0
             for name, door in doors.items():
                 r, results = bench.run(door, traces[shape], think, ids[shape])
+                trace_rows = r.pop("_trace_rows", [])
                 reports[shape][name] = r
                 if dump is not None:
-                    write_dump(dump, shape, name, results, ids[shape], fleet.namespace)
+                    write_dump(dump, shape, name, results, ids[shape], fleet.namespace, trace_rows)
                 print(
                     f"{shape:8s} {name:14s} hit {r['prefix_hit_rate']:.3f}  ttft p50 "
                     f"{r['ttft_ms_p50']} p99 {r['ttft_ms_p99']} ms  wall {r['wall_s']} s  "
@@ -695,6 +721,12 @@ def main() -> None:
                     f"{r.get('placements', '')}",
                     flush=True,
                 )
+                for cls, med in r["ttft_breakdown"].items():
+                    print(
+                        f"{'':8s} {'':14s} {cls} medians: "
+                        + " ".join(f"{k} {v}" for k, v in med.items()),
+                        flush=True,
+                    )
             if "cache_aware" in doors:
                 url = doors["cache_aware"][0].url
                 loaded[shape] = quantiles(histogram_buckets(url, OVERHEAD), (0.5, 0.99))

@@ -201,6 +201,14 @@ async def serve(config: DaemonConfig) -> None:
     "work before it counts as hung, is killed, and the daemon exits non-zero (0: never).",
 )
 @click.option(
+    "--request-log",
+    default=None,
+    help="Append one JSON line per finished prompt to this file: its fingerprint, "
+    "prompt and cached tokens, and when it reached the HTTP handler, the engine, the "
+    "batch and its first token (monotonic clock); for benchmarks joining their requests "
+    "to the daemon's view.",
+)
+@click.option(
     "--log-level",
     default="warning",
     show_default=True,

@@ -66,6 +66,8 @@ class DaemonConfig(BaseModel):
     # exits non-zero. 0: never. Generous by default: a long prefill on a CPU can take
     # seconds, and a false positive restarts the pod.
     engine_hang_timeout_s: float = Field(default=60.0, ge=0)
+    # One JSON line per finished prompt with its timings (request_log.py); None: off.
+    request_log: str | None = None
 
     @property
     def model_name(self) -> str:

@@ -14,6 +14,7 @@ from pagefleet.api.openai import PromptTokensDetails, Usage
 from pagefleet.daemon.engine_loop import StreamItem
 from pagefleet.daemon.kv_transfer import KVTransferParams
 from pagefleet.daemon.metrics import DaemonMetrics
+from pagefleet.daemon.request_log import RequestLog
 from pagefleet.engine.outputs import CompletionDelta, RequestOutput, TokenLogprob
 from pagefleet.engine.sampling_params import SamplingParams
 
@@ -50,6 +51,9 @@ class Job:
     forced_tool_call: bool = False  # chat: the output is a constrained {"name", "arguments"}
     # P/D: the request's kv_transfer_params (pagefleet/daemon/pd.py), None without any
     transfer: KVTransferParams | None = None
+    # --request-log: when the HTTP handler started (monotonic), and where to record it
+    t_http: float = 0.0
+    trace: RequestLog | None = None
 
     def rid(self, i: int) -> str:
         return f"{self.base_id}-{i}"
@@ -114,4 +118,11 @@ class Job:
         if out.finished:
             self.live.discard(out.request_id)
             metrics.observe_request(out.metrics, out.num_generated_tokens // self.params.n)
+            if self.trace is not None:
+                self.trace.record(
+                    self.t_http,
+                    self.prompts[self.prompt_index(out.request_id)],
+                    out.metrics,
+                    out.num_generated_tokens // self.params.n,
+                )
         return touched

@@ -48,6 +48,7 @@ from pagefleet.daemon.errors import APIError, json_model
 from pagefleet.daemon.job import Job
 from pagefleet.daemon.metrics import DaemonMetrics
 from pagefleet.daemon.pd import PDSide, TransferParamsError
+from pagefleet.daemon.request_log import RequestLog
 from pagefleet.daemon.responses import ChatShape, CompletionShape, ResponseShape
 from pagefleet.engine.guided_spec import GuidedSpec
 from pagefleet.engine.sampling_params import SamplingParams
@@ -60,6 +61,8 @@ _CHAT = ChatShape()
 # Up to this many characters a prompt is tokenized on the event loop; longer ones on a
 # worker thread: a megabyte prompt takes long enough to stall every other stream.
 _INLINE_TOKENIZE_CHARS = 16_384
+# Where a generation handler stamps its start (monotonic) on the request, for --request-log.
+_T_HTTP: web.RequestKey[float] = web.RequestKey("pagefleet_t_http", float)
 
 
 class OpenAIServing:
@@ -84,6 +87,9 @@ class OpenAIServing:
         self._started_at = started_at
         # P/D (pd.py): honours kv_transfer_params; set by the daemon (app.py)
         self.pd: PDSide | None = None
+        self.request_log = (
+            RequestLog(config.request_log, config.pod) if config.request_log else None
+        )
 
     def add_routes(self, router: web.UrlDispatcher) -> None:
         router.add_post("/v1/completions", self.completions)
@@ -168,6 +174,7 @@ class OpenAIServing:
     # -- generation: the two endpoints build prompts, then share one path -----------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        request[_T_HTTP] = time.monotonic()
         req = parse_body(CompletionRequest, await request.read())
         self._reject_unsupported(req)
         self._check_model(req.model)
@@ -184,6 +191,7 @@ class OpenAIServing:
         )
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        request[_T_HTTP] = time.monotonic()
         req = parse_body(ChatCompletionRequest, await request.read())
         self._reject_unsupported(req)
         self._check_model(req.model)
@@ -268,6 +276,8 @@ class OpenAIServing:
             params,
             echo=texts,
             forced_tool_call=tool_schema is not None,
+            t_http=request.get(_T_HTTP, 0.0),
+            trace=self.request_log,
         )
         if self.pd is not None:
             try:

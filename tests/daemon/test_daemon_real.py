@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
+from pathlib import Path
 
 import aiohttp
 import openai
@@ -34,8 +36,9 @@ def config(**kw) -> DaemonConfig:
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def live():
-    async with live_daemon(config()) as d:
+async def live(tmp_path_factory):
+    log = tmp_path_factory.mktemp("reqlog") / "requests.jsonl"
+    async with live_daemon(config(request_log=str(log))) as d:
         yield d
 
 
@@ -544,3 +547,30 @@ async def test_beam_search_through_the_openai_client(client):
     with pytest.raises(openai.BadRequestError) as e:  # width above max_num_seqs (8)
         await client.completions.create(**{**beam, "best_of": 9}, extra_body=extra)
     assert e.value.body["param"] == "best_of"
+
+
+async def test_request_log_names_each_prompt_and_orders_its_times(client, live):
+    """--request-log: one line per finished prompt, named by its token ids' fingerprint,
+    with monotonic times in causal order and the cached tokens the usage reported."""
+    from pagefleet.daemon.request_log import prompt_fingerprint
+
+    path = live.daemon.config.request_log
+    assert path is not None
+    prompt = PROMPT + " a request-log probe"
+    t0 = time.monotonic()
+    await client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
+    again = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(f"{live.url}/tokenize", json={"model": MODEL, "prompt": prompt}) as r,
+    ):
+        ids = (await r.json())["tokens"]
+    fp = prompt_fingerprint(ids)
+    lines = [json.loads(x) for x in Path(path).read_text().splitlines()]
+    mine = [x for x in lines if x["fp"] == fp]
+    assert len(mine) == 2, lines[-3:]
+    for x in mine:
+        assert x["pod"] == "pod-r" and x["prompt"] == len(ids) and x["output"] == 3
+        assert t0 <= x["http"] <= x["arrival"] <= x["scheduled"] <= x["first_token"]
+        assert x["first_token"] <= x["finished"] <= time.monotonic()
+    assert mine[1]["cached"] == again.usage.prompt_tokens_details.cached_tokens > 0
