@@ -11,7 +11,8 @@ is prefill work in tokens, divided by ``L``: one unit is one full prefill of thi
 
     uncached  = L - m_p * B                                # this prompt's work on p
     work_p    = prefill_work_p + others_waiting_p * mean_work
-    excess    = max(0, work_p - min over pods of work - slack * L)
+    excess    = max(0, work_p - min over pods of work - slack_p * L)
+    slack_p   = slack if m_p > the longest match among the least-loaded pods, else 0
     new       = N - m_p                                    # blocks p would have to add
     evicts    = min(new, max(0, footprint_p + new - capacity_p))
     full      = 1 if new > capacity_p * (1 - kv_usage_p) else 0
@@ -28,6 +29,12 @@ replicas'; ``others_waiting``), each at the mean work of our recent requests. Re
 already decoding do not count: continuous batching runs a new prefill beside them. And
 ``work_p`` costs nothing while it is within ``slack`` prefills of this prompt (default 1)
 of the least-loaded pod's: when every pod is nearly idle there is nothing to balance.
+The slack protects cached work only: it applies to a pod that holds more of this prompt
+than the least-loaded pods do. Between pods that offer the same hit (a new prefix, a
+prompt no pod holds more of) nothing is traded, so all work ahead counts: a miss placed
+behind another miss's prefill waits for it, and every request that reaches that pod
+meanwhile waits too (bench/routing.py's per-request breakdown, session 5: hits that
+arrived at a pod mid-prefill waited up to 1.8 s in the daemon before their first step).
 Beyond it, each token ahead costs ``w_queue`` (default 0.5) of a token of own prefill:
 a token computed elsewhere costs this request's TTFT once and the fleet's capacity once,
 a token waited for only the former. ``queue`` (all requests in flight) drives the
@@ -93,7 +100,8 @@ class RoutingWeights(BaseModel):
         1.0,
         ge=0,
         description="prefill work (in prefills of this prompt) more than the least-loaded "
-        "pod's that costs nothing",
+        "pod's that costs nothing on a pod holding more of the prompt than the least-loaded "
+        "pods (it protects cached work, not equal choices)",
     )
     kv: float = Field(
         0.5, ge=0, description="cost of a pod whose free KV cannot hold this request's new blocks"
@@ -258,12 +266,17 @@ class CacheAwarePolicy:
     def __init__(self, weights: RoutingWeights | None = None) -> None:
         self.weights = weights or RoutingWeights()
 
-    def cost(self, c: Candidate, req: RouteRequest, min_work: float = 0.0) -> float:
-        """The module docstring's cost; ``min_work``: the least-loaded pod's work ahead."""
+    def cost(
+        self, c: Candidate, req: RouteRequest, min_work: float = 0.0, idle_match: int = 0
+    ) -> float:
+        """The module docstring's cost; ``min_work``: the least-loaded pod's work ahead;
+        ``idle_match``: the most blocks of this prompt a least-loaded pod holds (the slack
+        applies only to a pod holding more)."""
         w = self.weights
         length = max(1, req.prompt_tokens)
         uncached = req.prompt_tokens - _matched_tokens(c, req)
-        excess = max(0.0, c.work_ahead - min_work - w.slack * length)
+        slack = w.slack if c.matched_blocks > idle_match else 0.0
+        excess = max(0.0, c.work_ahead - min_work - slack * length)
         evicts = full = fill = 0.0
         if c.capacity_blocks > 0:
             new = max(0, req.num_blocks - c.matched_blocks)
@@ -300,11 +313,12 @@ class CacheAwarePolicy:
                 ],
                 rng,
             )
+        idle_match = max(c.matched_blocks for c in candidates if c.work_ahead <= min_work)
         ranked = _order(
             [
                 Scored(
                     c.endpoint,
-                    self.cost(c, req, min_work),
+                    self.cost(c, req, min_work, idle_match),
                     _matched_tokens(c, req),
                     c.queue,
                     "cache_aware",

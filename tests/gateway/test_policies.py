@@ -435,3 +435,28 @@ async def test_a_popular_tenant_keeps_affinity_a_single_hot_prompt_spreads() -> 
         assert d.ranked[0].reason == "hot_prefix" and d.ranked[0].endpoint != holder
     finally:
         await router.close()
+
+
+def test_slack_protects_cached_work_not_equal_choices() -> None:
+    """A prompt no pod holds more of than the least-loaded pod does goes to the pod with
+    less prefill work ahead, even within the slack (nothing cached is traded: a miss sent
+    behind another miss's prefill waits for it); a partial hit keeps its slack."""
+    ep = [Endpoint(p, u) for p, u in zip(PODS, URLS, strict=True)]
+    n = 40 * BS
+    req = RouteRequest(prompt_tokens=n, block_size=BS, num_blocks=40)
+    policy = CacheAwarePolicy()
+    # A new prefix: one pod prefilling a miss with more room, one idle with a bit less.
+    busy = Candidate(ep[0], prefilling=1, prefill_work=n, footprint_blocks=0, capacity_blocks=200)
+    idle = Candidate(ep[1], footprint_blocks=60, capacity_blocks=200)
+    for seed in range(5):
+        assert policy.rank([busy, idle], req, random.Random(seed))[0].endpoint == ep[1]
+    # The shared sliver (a template's first block) on both: still nothing to protect.
+    busy1 = Candidate(ep[0], 1, prefilling=1, prefill_work=n, capacity_blocks=200)
+    idle1 = Candidate(ep[1], 1, footprint_blocks=60, capacity_blocks=200)
+    assert policy.rank([busy1, idle1], req, random.Random(0))[0].endpoint == ep[1]
+    # Two holders of the same prefix: the one with nothing ahead.
+    h_busy = Candidate(ep[2], 30, prefilling=1, prefill_work=n // 2, capacity_blocks=200)
+    h_idle = Candidate(ep[3], 30, footprint_blocks=100, capacity_blocks=200)
+    assert policy.rank([h_busy, h_idle, idle], req, random.Random(0))[0].endpoint == ep[3]
+    # The only holder keeps its hit with one prefill ahead (the slack protects it).
+    assert policy.rank([h_busy, idle], req, random.Random(0))[0].endpoint == ep[2]
