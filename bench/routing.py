@@ -6,8 +6,9 @@ A real fleet: 4 daemons + real Redis, all started by pagefleet's LocalFleet, on 
 Llama of bench/throughput.py (`--model bench`, the default): a model whose prefill, not the
 fixed per-request path, sets TTFT, as on a real model and GPU.
 
-Front doors, each over the same daemons and the same trace (`--quick`: cache_aware and both
-peers on chat, cache_aware and sglang-router on agentic, 32 requests each): pagefleet's gateway
+Front doors, each over the same daemons and the same trace (`--quick`: cache_aware and
+sglang-router on both shapes, 32 requests each; every door starts beside the daemons'
+start-up): pagefleet's gateway
 (cache_aware, round_robin, least_load) and the peer routers from PyPI, sglang-router and
 vllm-router, each with its cache-aware policy at its defaults (`pip install '.[bench]'`; a
 peer that is not installed is skipped and its keys are null). Before every run every
@@ -28,8 +29,11 @@ replaying the trace in order. A last run sends one identical prompt many times t
 cache_aware gateway (`max_pod_share_single_prompt`). `gateway_overhead_ms_*` is the
 gateway's own time per request (parse, tokenize, index lookup, rank, and relaying the first
 chunk), from its `pagefleet_gateway_overhead_seconds` histogram, with the trace's prompts
-sent one at a time after the runs (`_under_load`: during the 8-conversation run, where it
-includes waiting for the CPU and the event loop). Last line: one JSON object.
+sent one at a time after the runs (`--quick`: after the chat run only). Where each
+request's TTFT went (`ttft_breakdown`: the front door's hop in and out, the daemon's
+HTTP layer, queue and prefill, per door, hits and misses) comes from the daemons'
+`--request-log` joined to the client's stamps (bench/ttft_breakdown.py; `--dump` writes
+every request's parts). Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -518,8 +522,8 @@ def main() -> None:
         default=None,
         help="front doors on the chat shape: "
         + ", ".join((*DOORS, REPLICATED, BASE))
-        + " (default: all but the last; with "
-        "--quick, cache_aware and the peers)",
+        + " (default: all but the last two; with "
+        "--quick, cache_aware and sglang-router)",
     )
     ap.add_argument(
         "--agentic-doors",
@@ -536,7 +540,7 @@ def main() -> None:
         type=int,
         default=None,
         help="requests sent one at a time to measure the gateway's own time (default 12 "
-        "with --quick, 24)",
+        "with --quick, on the chat shape only; 24 per shape)",
     )
     ap.add_argument(
         "--kv-blocks-per-daemon",
@@ -582,7 +586,8 @@ def main() -> None:
         "checkpoint dir or a .gguf file",
     )
     args = ap.parse_args()
-    quick_chat = "cache_aware,sglang,vllm_router"
+    # --quick: the two routers that reach the ceiling (vllm-router: the full run).
+    quick_chat = "cache_aware,sglang"
     chat_doors = args.doors or (quick_chat if args.quick else ",".join(DOORS))
     args.doors = [d for d in chat_doors.split(",") if d]
     quick_agentic = "cache_aware,sglang"
@@ -672,8 +677,11 @@ def main() -> None:
     overhead: dict[str, dict[float, float | None]] = {}
     loaded: dict[str, dict[float, float | None]] = {}
     single_report: dict[str, Any] = {}
+    all_doors: dict[str, dict[str, list[Child]]] = {}
     try:
-        fleet.start()
+        # Every door of every shape starts as soon as the daemons' URLs are known, beside
+        # their start-up (each door waits for its workers itself).
+        fleet.start(on_spawned=lambda: all_doors.update(bench.spawn_doors(shapes)))
         t_ready = time.perf_counter() - t_start
         blocks_per_daemon = int(_get_json(fleet.daemon_urls[0] + "/get_server_info")["num_blocks"])
         print(
@@ -683,8 +691,6 @@ def main() -> None:
             f"{len(ordered['agentic'])}; peers "
             + ", ".join(f"{p} {peer_version(p)}" for p in PEERS)
         )
-        # Every door of every shape starts now, while the warm-up runs beside it.
-        all_doors = bench.spawn_doors(shapes)
         # Warm every daemon's first-forward costs so no door pays them.
         warm = trim(
             build_conversations(
@@ -727,7 +733,8 @@ def main() -> None:
                         + " ".join(f"{k} {v}" for k, v in med.items()),
                         flush=True,
                     )
-            if "cache_aware" in doors:
+            if "cache_aware" in doors and (shape == "chat" or not args.quick):
+                # --quick: the chat shape's probe only (a sequential probe is slow).
                 url = doors["cache_aware"][0].url
                 loaded[shape] = quantiles(histogram_buckets(url, OVERHEAD), (0.5, 0.99))
                 overhead[shape] = overhead_probe(

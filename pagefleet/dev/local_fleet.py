@@ -23,6 +23,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -210,7 +211,12 @@ class LocalFleet:
 
     # -- lifecycle ------------------------------------------------------------------------
 
-    def start(self) -> LocalFleet:
+    def start(self, on_spawned: Callable[[], None] | None = None) -> LocalFleet:
+        """Start Redis, the daemons and the gateway; block until all are ready.
+
+        ``on_spawned`` runs once every daemon process is started (``daemon_urls`` known)
+        and before waiting for them to load: a benchmark starts its own front doors there,
+        beside the daemons' start-up instead of after it."""
         try:
             self._start_redis()
             if self.disaggregated:
@@ -222,6 +228,8 @@ class LocalFleet:
                 self.daemons = [self._daemon(i) for i in range(self.spec.num_daemons)]
             for d in self.daemons:
                 d.start()
+            if on_spawned is not None:
+                on_spawned()
             # The gateway needs the checkpoint directory for its tokenizer; resolving a tiny
             # preset imports torch in a child, so do it while the daemons load.
             self._resolve_model()

@@ -96,24 +96,33 @@ class PlacementMemory:
                 del self._until[k]
 
     def lookup(self, keys: Sequence[int]) -> dict[str, int]:
-        """Pod -> number of leading ``keys`` sent to it (in flight or within ``ttl_s``)."""
+        """Pod -> number of leading ``keys`` sent to it (in flight or within ``ttl_s``).
+
+        Keys are chain hashes: every request that carried key ``i`` carried keys ``0..i``
+        to the same pod, and recorded them with the same times, so a pod's keys along one
+        prompt form a prefix; a binary search per pod finds its end (a handful of dict
+        probes instead of a set operation per block)."""
         if not keys:
             return {}
         self._prune()
-        alive = self._holders(keys[0])
         matched: dict[str, int] = {}
-        if not alive:
-            return matched
-        for i in range(1, len(keys)):
-            still = alive & self._holders(keys[i])
-            for pod in alive - still:
-                matched[pod] = i
-            alive = still
-            if not alive:
-                break
-        for pod in alive:
-            matched[pod] = len(keys)
+        for pod in self._holders(keys[0]):
+            lo, hi = 1, len(keys)  # keys[:lo] held; keys[hi:] not
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if self._holds(keys[mid - 1], pod):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            matched[pod] = lo
         return matched
+
+    def _holds(self, key: int, pod: str) -> bool:
+        live = self._live.get(key)
+        if live is not None and pod in live:
+            return True
+        until = self._until.get(key)
+        return until is not None and pod in until
 
     def __len__(self) -> int:
         return len(self._live) + len(self._until)

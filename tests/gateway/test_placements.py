@@ -276,3 +276,41 @@ def test_cached_block_keys_equal_the_hash_function() -> None:
         assert len(r._key_cache) <= 8
     finally:
         router_mod._KEY_CACHE_MAX = old
+
+
+def test_lookup_by_binary_search_equals_a_walk_of_every_block() -> None:
+    """Random traffic of chain-hashed prompts sharing prefixes (begin, end, time passing,
+    a failed pod forgotten): the binary-search lookup always equals a block-by-block walk."""
+    rng = random.Random(7)
+    clock = FakeClock()
+    mem = PlacementMemory(ttl_s=2.0, footprint_window_s=10.0, clock=clock)
+    bases = [_prompt(s, 40 * BS) for s in range(4)]
+    open_: list[tuple[list[int], str]] = []
+
+    def walk(keys: list[int]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for pod in PODS:
+            n = 0
+            while n < len(keys) and mem._holds(keys[n], pod):
+                n += 1
+            if n:
+                out[pod] = n
+        return out
+
+    for _ in range(400):
+        base = rng.choice(bases)
+        cut = rng.randrange(1, 41) * BS
+        keys = block_hashes(base[:cut] + _prompt(rng.randrange(10**6), rng.choice([0, 20])), BS, NS)
+        op = rng.random()
+        if op < 0.45:
+            pod = rng.choice(PODS)
+            mem.begin(keys, pod)
+            open_.append((keys, pod))
+        elif op < 0.85 and open_:
+            k, pod = open_.pop(rng.randrange(len(open_)))
+            mem.end(k, pod)
+        elif op < 0.9:
+            mem.forget_pod(rng.choice(PODS))
+        else:
+            clock.t += rng.choice([0.5, 1.5, 2.5])
+        assert mem.lookup(keys) == walk(keys)
