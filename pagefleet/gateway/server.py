@@ -186,6 +186,7 @@ class Gateway:
         )
         assert self.intake is not None and self._auth is not None
         self.intake.start()
+        self.intake.warm()
         self._auth.warn_if_open()
         await self.router.start()
         if self.pd is not None:
