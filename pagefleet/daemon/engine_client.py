@@ -37,6 +37,7 @@ from pagefleet.daemon.engine_protocol import EngineStatsLike
 from pagefleet.daemon.kv_stage import KVStage, stage_bytes
 from pagefleet.daemon.kv_transfer import KVSource
 from pagefleet.daemon.liveness import SilenceClock, check_period
+from pagefleet.daemon.text_outputs import RequestText, decodable_here, engine_params
 from pagefleet.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,8 @@ class EngineClient:
         self.engine = None  # no engine object in this process
         self.latest_stats: Any = None
         self._silence = SilenceClock()
+        # Requests whose text this process makes (text_outputs.py), by request id.
+        self._texts: dict[str, RequestText] = {}
         self.hung_reason: str | None = None  # set when the watchdog found it hung
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -202,8 +205,13 @@ class EngineClient:
             return await self._admit(
                 request_id, queue, "add_export", (request_id, prompt, params, lora_id)
             )
+        text = None
+        if self.info is not None and decodable_here(prompt, params):
+            # Decoded in this process: the engine's core never spends a step on text.
+            text = RequestText(self.info.tokenizer, prompt, params)  # type: ignore[arg-type]
+            params = engine_params(params)
         return await self._admit(
-            request_id, queue, "add_request", (request_id, prompt, params, None, lora_id)
+            request_id, queue, "add_request", (request_id, prompt, params, None, lora_id), text
         )
 
     async def _admit(
@@ -212,20 +220,25 @@ class EngineClient:
         queue: asyncio.Queue[StreamItem | BaseException] | None,
         method: str,
         args: tuple[Any, ...],
+        text: RequestText | None = None,
     ) -> RequestStream:
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
         stream = RequestStream(request_id) if queue is None else RequestStream(request_id, queue)
         self._note_work()
         self._streams[request_id] = stream  # before the engine can emit: nothing orphaned
+        if text is not None:
+            self._texts[request_id] = text
         try:
             await self._call(method, args)
         except BaseException:
             self._streams.pop(request_id, None)
+            self._texts.pop(request_id, None)
             raise
         return stream
 
     def abort(self, request_id: str) -> None:
+        self._texts.pop(request_id, None)
         if self._streams.pop(request_id, None) is None:
             return
         self._post("abort", (request_id,))
@@ -375,14 +388,19 @@ class EngineClient:
         if kind == "step":
             _, outputs, t, stats = msg
             self.latest_stats = stats
-            streams = self._streams
+            streams, texts = self._streams, self._texts
             for out in ipc.unpack_outputs(outputs):
                 stream = streams.get(out.request_id)
                 if stream is None:
                     continue  # aborted by the caller; late outputs are dropped
+                text = texts.get(out.request_id)
+                if text is not None:
+                    text.fill(out)
                 stream.queue.put_nowait(StreamItem(out, t))
                 if out.finished:
                     del streams[out.request_id]
+                    if text is not None:
+                        del texts[out.request_id]
             if self._on_step is not None:
                 try:
                     self._on_step(stats)
@@ -424,6 +442,7 @@ class EngineClient:
         for stream in self._streams.values():
             stream.queue.put_nowait(err)
         self._streams.clear()
+        self._texts.clear()
         for fut, _cb in self._pending.values():
             if not fut.done():
                 fut.set_exception(err)

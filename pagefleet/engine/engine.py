@@ -301,7 +301,9 @@ class LLMEngine(Generic[TokenizerT]):
             token_ids=token_ids,
             num_prompt_tokens=len(req.prompt_token_ids),
             generator=gen,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p)
+            if p.detokenize
+            else None,
             logprobs=[] if p.logprobs is not None else None,
             arrival_order=self._arrivals,
         )
@@ -469,14 +471,14 @@ class LLMEngine(Generic[TokenizerT]):
                 return
         n_out = seq.num_output_tokens
         can_stop = n_out >= p.min_tokens
-        assert seq.detokenizer is not None
         if can_stop and not p.ignore_eos and tok in self.eos_token_ids:
             self._finish(seq, "stop", None)
             return
         if can_stop and tok in p.stop_token_ids:
             self._finish(seq, "stop", tok)
             return
-        stop_str = seq.detokenizer.add_token(tok, check_stop=can_stop)
+        detok = seq.detokenizer  # None: the caller decodes (params.detokenize)
+        stop_str = None if detok is None else detok.add_token(tok, check_stop=can_stop)
         if stop_str is not None:
             self._finish(seq, "stop", stop_str)
         elif (
@@ -646,11 +648,11 @@ class LLMEngine(Generic[TokenizerT]):
         return self.tokenizer.decode([tok], False)
 
     def _delta(self, seq: Sequence, finished: bool) -> CompletionDelta:
-        assert seq.detokenizer is not None
+        detok = seq.detokenizer
         delta = CompletionDelta(
             index=seq.index,
             new_token_ids=seq.pending_token_ids,
-            new_text=seq.detokenizer.take_delta(finished),
+            new_text="" if detok is None else detok.take_delta(finished),
             logprobs=seq.pending_logprobs if seq.logprobs is not None else None,
             finish_reason=seq.finish_reason if finished else None,
             stop_reason=seq.stop_reason if finished else None,

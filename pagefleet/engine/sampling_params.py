@@ -45,10 +45,19 @@ class SamplingParams:
     best_of: int | None = None
     length_penalty: float = 1.0
     early_stopping: bool | str = False  # True, False or "never" (transformers' meanings)
+    # False: the engine leaves ``new_text`` empty and its caller decodes the tokens (the
+    # daemon's HTTP process does, off the engine's core). Stop strings need the text in the
+    # engine, so they require True.
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if not self.detokenize and (self.stop or self.use_beam_search):
+            raise ValueError(
+                "detokenize=False cannot be combined with stop strings or beam search (the "
+                "engine needs the text for them)"
+            )
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
         if self.temperature < 0:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -206,3 +207,64 @@ async def test_hung_engine_process_fails_health_and_the_daemon_exits_nonzero(tmp
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
+
+
+async def test_text_made_in_the_http_process_matches_the_engines_own(monkeypatch):
+    """With the engine in its own process, requests without stop strings are decoded in the
+    HTTP process (text_outputs.py): the text must equal the engine's own detokenizer's, for
+    greedy and seeded sampling, n > 1, EOS and stop-token-id endings, special tokens kept,
+    streamed or not; stop strings still end in the engine."""
+    from pagefleet.engine.engine import LLMEngine
+    from pagefleet.engine.sampling_params import SamplingParams
+
+    cfg = DaemonConfig(model="tiny", served_model_name="m", port=free_port(), block_size=8,
+                       num_gpu_blocks=256, max_model_len=256, max_num_seqs=8,
+                       engine_process=True)  # fmt: skip
+    from pagefleet.daemon import text_outputs
+
+    engine = LLMEngine(cfg.engine_config())
+    prompt = engine.tokenizer.encode(PROMPT)
+    filled = {"requests": 0}
+    real_init = text_outputs.RequestText.__init__
+
+    def counting_init(self, *args):  # type: ignore[no-untyped-def]
+        filled["requests"] += 1
+        real_init(self, *args)
+
+    monkeypatch.setattr(text_outputs.RequestText, "__init__", counting_init)
+    cases = [
+        {"max_tokens": 40, "temperature": 0, "ignore_eos": True},
+        {"max_tokens": 40, "temperature": 1.0, "seed": 7, "n": 2},
+        {"max_tokens": 60, "temperature": 1.2, "seed": 3, "skip_special_tokens": False},
+        {"max_tokens": 40, "temperature": 1.0, "seed": 11, "stop_token_ids": []},
+        {"max_tokens": 40, "temperature": 0, "ignore_eos": True, "stop": ["e"]},
+    ]
+    # A stop token id the greedy run really meets, so one case ends on it.
+    greedy = engine.generate([prompt], SamplingParams(max_tokens=40, temperature=0,
+                                                      ignore_eos=True))[0]  # fmt: skip
+    cases[3]["stop_token_ids"] = [greedy.outputs[0].token_ids[5]]
+    cases[3]["temperature"] = 0
+    async with live_daemon(cfg) as d:
+        assert isinstance(d.daemon.engine_loop, EngineClient)
+        async with aiohttp.ClientSession() as s:
+            for case in cases:
+                (want,) = engine.generate([prompt], SamplingParams(**case))
+                want_texts = [o.text for o in want.outputs]
+                want_reasons = [o.finish_reason for o in want.outputs]
+                body = {"prompt": prompt, **case}
+                async with s.post(f"{d.base_url}/completions", json=body) as r:
+                    assert r.status == 200, await r.text()
+                    got = sorted((await r.json())["choices"], key=lambda c: c["index"])
+                assert [c["text"] for c in got] == want_texts, case
+                assert [c["finish_reason"] for c in got] == want_reasons, case
+                streamed = [""] * len(want_texts)
+                async with s.post(f"{d.base_url}/completions", json={**body, "stream": True}) as r:
+                    async for line in r.content:
+                        if line.startswith(b"data: {"):
+                            for c in json.loads(line[6:])["choices"]:
+                                streamed[c["index"]] += c["text"]
+                assert streamed == want_texts, case
+                if case.get("stop_token_ids"):
+                    assert want_reasons == ["stop"]  # the case really ends on its token
+    # Every case but the stop-string one was decoded here, not in the engine.
+    assert filled["requests"] >= 2 * (len(cases) - 1)

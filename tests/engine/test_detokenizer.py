@@ -83,3 +83,18 @@ def test_stop_strings_are_ignored_when_not_checked() -> None:
     assert detok.add_token(ord("b")) is None
     assert detok.add_token(ord("a")) == "a"
     assert detok.take_delta(True) == "ab"
+
+
+def test_detokenize_false_leaves_the_text_to_the_caller(fake_engine) -> None:
+    """``detokenize=False`` (the daemon decodes in its HTTP process): the same tokens and
+    finish reasons, no text; stop strings, which need the text, are refused."""
+    prompts = [[72, 105, 33], [104, 101, 108, 108, 111]]
+    on = fake_engine().generate(prompts, SamplingParams(max_tokens=12, seed=1))
+    off = fake_engine().generate(prompts, SamplingParams(max_tokens=12, seed=1, detokenize=False))
+    for a, b in zip(on, off, strict=True):
+        assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+        assert [o.finish_reason for o in a.outputs] == [o.finish_reason for o in b.outputs]
+        assert [o.text for o in b.outputs] == [""] * len(b.outputs)
+    assert any(o.text for r in on for o in r.outputs)
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(stop=["x"], detokenize=False)
