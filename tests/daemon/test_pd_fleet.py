@@ -10,6 +10,7 @@ prefill with the same answer; malformed params are a clear 400.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import uuid
 
@@ -65,25 +66,35 @@ async def _gateway(prefill_urls: list[str], decode_urls: list[str], **kw):
     return gw, runner, f"http://127.0.0.1:{cfg.port}"
 
 
+# Teardown of the whole fleet (gateway, three daemons and their engine processes, Redis):
+# normally a few seconds; past this it fails loudly instead of hanging the session.
+_TEARDOWN_BOUND_S = 90.0
+
+
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def fleet():
     # The P/D daemons heartbeat into a real Redis; only gateways given --redis-url read it.
-    # Teardown is bounded: a stuck shutdown fails loudly instead of hanging the session
-    # (seen once in a combined tests/daemon + tests/engine run, not reproduced since).
-    async with asyncio.timeout(None) as bound:
-        async with (
-            LocalRedis() as redis,
-            live_daemon(_config("prefill", redis.url)) as p,
-            live_daemon(_config("decode", redis.url)) as d,
-            live_daemon(_config("unified")) as u,
-        ):
-            gw, runner, url = await _gateway([p.url], [d.url])
-            try:
-                yield {"prefill": p, "decode": d, "unified": u, "gateway": url, "gw": gw,
-                       "redis": redis.url}  # fmt: skip
-            finally:
-                bound.reschedule(asyncio.get_running_loop().time() + 90)
-                await runner.cleanup()
+    # The bound must be entered in the teardown's own task: pytest-asyncio runs a fixture's
+    # setup and teardown in two different tasks, so an asyncio.timeout entered at setup
+    # would, at teardown, cancel the finished setup task -- nothing (an earlier version of
+    # this fixture did exactly that, so its "bounded teardown" never bounded anything).
+    stack = contextlib.AsyncExitStack()
+    try:
+        redis = await stack.enter_async_context(LocalRedis())
+        p = await stack.enter_async_context(live_daemon(_config("prefill", redis.url)))
+        d = await stack.enter_async_context(live_daemon(_config("decode", redis.url)))
+        u = await stack.enter_async_context(live_daemon(_config("unified")))
+        gw, runner, url = await _gateway([p.url], [d.url])
+        stack.push_async_callback(runner.cleanup)
+        fleet = {"prefill": p, "decode": d, "unified": u, "gateway": url, "gw": gw,
+                 "redis": redis.url}  # fmt: skip
+    except BaseException:
+        async with asyncio.timeout(_TEARDOWN_BOUND_S):
+            await stack.aclose()
+        raise
+    yield fleet
+    async with asyncio.timeout(_TEARDOWN_BOUND_S):
+        await stack.aclose()
 
 
 async def _metric(url: str, name: str, **labels: str) -> float:
