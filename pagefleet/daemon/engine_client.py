@@ -493,19 +493,10 @@ class ClientKVSource(KVSource):
 
 
 def _kv_bytes(kv: Any) -> Any:
-    """Pulled KV (per layer K, V tensors) as bytes for the pipe; engine_core rebuilds it."""
+    """A PulledKV as bytes for the pipe (no torch here); engine_core rebuilds tensors."""
     if kv is None:
         return None
-    k0 = kv[0][0]
-    dtype = str(k0.dtype).removeprefix("torch.")
-    layers = [tuple(_raw(t) for t in pair) for pair in kv]
-    return dtype, tuple(k0.shape), layers
-
-
-def _raw(t: Any) -> bytes:
-    import torch
-
-    return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    return kv.dtype, kv.shape, [(bytes(k), bytes(v)) for k, v in kv.parts()]
 
 
 # What the daemon drives: an engine thread in this process, or an engine process.

@@ -198,11 +198,13 @@ class EngineLoop:
         queue: asyncio.Queue[StreamItem | BaseException],
         stage: Any = None,
     ) -> RequestStream:
-        """Commit a pulled KV reservation and start its request (P/D decode). ``stage`` is
-        for an engine in another process; this one reads the tensors of ``kv`` directly."""
+        """Commit a pulled KV reservation (``kv``: a PulledKV, None when nothing was pulled)
+        and start its request (P/D decode). ``stage`` is for an engine in another process;
+        this one reads ``kv``'s buffer directly."""
+        tensors = None if kv is None else kv.tensors()
         return await self.add_request(
             request_id, plan.token_ids, params, queue=queue,
-            admit=lambda eng: eng.commit_import(plan, kv, params),
+            admit=lambda eng: eng.commit_import(plan, tensors, params),
         )  # fmt: skip
 
     def post_cancel_import(self, plan: Any) -> None:

@@ -38,6 +38,7 @@ import struct
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
@@ -72,6 +73,44 @@ class KVTransferParams(BaseModel):
     remote_port: int | None = Field(default=None, ge=1, le=65535)
     remote_request_id: str | None = None  # the transfer handle
     remote_num_tokens: int | None = Field(default=None, ge=0)  # the prompt the handle holds
+
+
+@dataclass(slots=True)
+class PulledKV:
+    """A pull's payload as received: for each layer K then V of the blocks, each
+    ``shape`` in C order, back to back in ``buf`` (torch-free: the daemon's HTTP process
+    hands it on to an engine process as bytes or as a shared-memory stage)."""
+
+    buf: memoryview
+    dtype: str  # torch dtype name without the "torch." prefix
+    shape: tuple[int, int, int, int]  # [num_blocks, block_size, num_kv_heads, head_dim]
+    num_layers: int
+
+    @property
+    def part_bytes(self) -> int:
+        """Bytes of K (or of V) of one layer."""
+        return len(self.buf) // (2 * self.num_layers)
+
+    def parts(self) -> list[tuple[memoryview, memoryview]]:
+        """Per layer (K, V) views of ``buf``."""
+        n = self.part_bytes
+        b = self.buf
+        return [
+            (b[2 * i * n : (2 * i + 1) * n], b[(2 * i + 1) * n : (2 * i + 2) * n])
+            for i in range(self.num_layers)
+        ]
+
+    def tensors(self) -> list[tuple[Any, Any]]:
+        """Per layer (K, V) tensor views of ``buf``, what ``commit_import`` takes (imports
+        torch: call it where the engine runs)."""
+        import torch
+
+        dt = getattr(torch, self.dtype)
+        return [
+            (torch.frombuffer(k, dtype=dt).view(self.shape),
+             torch.frombuffer(v, dtype=dt).view(self.shape))
+            for k, v in self.parts()
+        ]  # fmt: skip
 
 
 class KVPullError(Exception):
@@ -252,13 +291,13 @@ class KVTransfer(ABC):
     @abstractmethod
     async def pull(
         self, params: KVTransferParams, plan: Any, layout: Any, into: Any = None
-    ) -> list[tuple[Any, Any]]:
+    ) -> PulledKV:
         """Fetch blocks ``plan.first_block .. plan.num_blocks - 1`` of the handle in
-        ``params``: per layer (K, V) tensors of ``[plan.num_pull_blocks, block_size,
+        ``params``: per layer K and V of ``[plan.num_pull_blocks, block_size,
         num_kv_heads, head_dim]``, verified against ``plan``. Raises KVPullError.
 
         ``into``: a ``KVStage`` (kv_stage.py) of the payload's size to land the bytes in
-        (the returned tensors are views of it), so an engine in another process reads
+        (the result's ``buf`` is a view of it), so an engine in another process reads
         them from shared memory."""
 
     @abstractmethod
@@ -308,9 +347,7 @@ class TcpKVTransfer(KVTransfer):
 
     async def pull(
         self, params: KVTransferParams, plan: Any, layout: Any, into: Any = None
-    ) -> list[tuple[Any, Any]]:
-        import torch
-
+    ) -> PulledKV:
         url = self._url(params, PULL_PATH)
         body = PullRequest(
             handle=params.remote_request_id,
@@ -336,7 +373,6 @@ class TcpKVTransfer(KVTransfer):
                 lo, hi = header["layers"]
                 if (lo, hi) != (0, layout.num_layers):
                     raise KVPullError("protocol", "partial layer ranges are not supported")
-                dtype = getattr(torch, layout.dtype)
                 shape = (plan.num_pull_blocks, layout.block_size, layout.num_kv_heads,
                          layout.head_dim)  # fmt: skip
                 nbytes = plan.num_pull_blocks * layout.block_bytes_per_layer
@@ -347,14 +383,7 @@ class TcpKVTransfer(KVTransfer):
                     raise ValueError(f"a stage of {into.nbytes} bytes for {total}")
                 buf = into.view() if into is not None else memoryview(bytearray(total))
                 await _read_into(resp.content, buf, total)
-                out: list[tuple[Any, Any]] = [
-                    tuple(
-                        torch.frombuffer(buf[(2 * i + j) * nbytes : (2 * i + j + 1) * nbytes],
-                                         dtype=dtype).view(shape)
-                        for j in (0, 1)
-                    )  # type: ignore[misc]
-                    for i in range(hi - lo)
-                ]  # fmt: skip
+                out = PulledKV(buf, layout.dtype, shape, hi - lo)
         except KVPullError:
             raise
         except asyncio.IncompleteReadError as exc:

@@ -84,7 +84,7 @@ def test_pull_over_tcp_matches_unified_and_fails_cleanly() -> None:
             plan = decode.reserve_import("r1", prompt)
             assert plan is not None and plan.num_pull_blocks == 6  # positions 0..41
             kv = await client.pull(_params(port, "h1"), plan, decode.runner.kv_layout())
-            decode.commit_import(plan, kv, params)
+            decode.commit_import(plan, kv.tensors(), params)
             assert drain(decode)["r1"] == want
             assert prefill.exports.handles() == [], "a pulled handle must be freed"
             text = generate_latest(dreg).decode()
@@ -171,8 +171,9 @@ def test_pull_into_a_shared_memory_stage_and_stage_lifetime(tmp_path) -> None:
             stage = KVStage.create(stage_bytes(layout, plan.num_pull_blocks), str(tmp_path))
             assert stage is not None
             kv = await client.pull(_params(port, "h1"), plan, layout, into=stage)
+            assert kv.buf.obj is not None and len(kv.buf) == stage.nbytes
             mapped = stage_tensors(stage.path, layout, plan.num_pull_blocks)
-            for (k, v), (mk, mv) in zip(kv, mapped, strict=True):
+            for (k, v), (mk, mv) in zip(kv.tensors(), mapped, strict=True):
                 assert torch.equal(k, mk) and torch.equal(v, mv)
             decode.commit_import(plan, mapped, params)
             del kv, mapped
