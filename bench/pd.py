@@ -21,10 +21,16 @@ the client's clock on streamed tokens:
   decode pod's own step for the last prompt token);
 - ``transfer_mb_per_s``, ``transfer_ms_p50``: the decode daemon's KV pulls (its metrics);
 - ``pd_token_exact``: the same seeded, sampled long-prompt requests give identical text
-  through the unified and the P/D fleet.
+  through the unified and the P/D fleet;
+- ``busy``: each daemon's CPU seconds per wall second over its fleet's run (its core's
+  utilisation; on a shared machine, what it got, not what it wanted).
+
+Every fleet starts each run with empty prefix caches (``POST /reset_prefix_cache``): the
+runs repeat the same seeded prompts, and ``--quick`` reuses the unified pair for P/D.
 
     python bench/pd.py --quick      # 3 long prompts per fleet, P/D on the unified pair
     python bench/pd.py              # 24 long prompts per fleet, 6 idle ones
+    python bench/pd.py --sweep --long-prompts 8   # unified vs P/D, 4-32 chats x 2 rates
 
 The last line is one JSON object.
 """
@@ -50,6 +56,9 @@ import aiohttp
 from bench_models import bench_model
 
 MODEL = "bench-pd"
+# Every chat of the largest sweep cell fits in one decode batch (a P/D decode pod serves
+# them all; vLLM's default is 256).
+MAX_NUM_SEQS = 64
 
 
 def _free_port() -> int:
@@ -80,7 +89,7 @@ def _spawn(name: str, args: list[str], cpu: int | None, logdir: Path) -> Proc:
 
 def _daemon(name: str, model: str, cpu: int, role: str, logdir: Path, extra=()) -> Proc:
     args = ["daemon", "--model", model, "--served-model-name", MODEL, "--role", role,
-            "--pod-name", name, "--block-size", "16", "--max-num-seqs", "16",
+            "--pod-name", name, "--block-size", "16", "--max-num-seqs", str(MAX_NUM_SEQS),
             "--max-model-len", "4096", "--kv-cache-memory-mb", "256", *extra]  # fmt: skip
     return _spawn(name, args, cpu, logdir)
 
@@ -111,11 +120,54 @@ async def _wait_ready(procs: list[Proc], timeout: float = 300.0) -> None:
                 await asyncio.sleep(0.2)
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and all its descendants (a daemon, its fork
+    server, its engine process), from /proc; 0 where /proc is missing."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    total, todo, seen = 0.0, [pid], set()
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
+async def _reset_caches(procs: list[Proc]) -> None:
+    """Empty every daemon's prefix cache: a fleet never starts with another run's prompts
+    cached (quick mode reuses the unified pair for P/D; the idle prompts repeat)."""
+    async with aiohttp.ClientSession() as s:
+        for p in procs:
+            async with s.post(p.url + "/reset_prefix_cache") as r:
+                if r.status != 200:
+                    raise RuntimeError(f"{p.name}: reset_prefix_cache answered {r.status}")
+
+
 @dataclass
 class Result:
     itl: list[float] = field(default_factory=list)
     long_ttft: list[float] = field(default_factory=list)
     errors: int = 0
+    wall_s: float = 0.0
+    busy: list[float] = field(default_factory=list)  # each daemon's CPU s / wall s
+
+    def cell(self) -> dict:
+        return {
+            "chat_tokens": len(self.itl),
+            "itl_p50_ms": round(_pct(self.itl, 0.5) * 1e3, 1),
+            "itl_p99_ms": round(_pct(self.itl, 0.99) * 1e3, 1),
+            "itl_p999_ms": round(_pct(self.itl, 0.999) * 1e3, 1),
+            "ttft_p50_ms": round(_pct(self.long_ttft, 0.5) * 1e3, 1),
+            "busy": [round(b, 2) for b in self.busy],
+            "errors": self.errors,
+        }
 
 
 async def _stream(s: aiohttp.ClientSession, url: str, body: dict) -> tuple[float, list[float]]:
@@ -138,7 +190,14 @@ async def _stream(s: aiohttp.ClientSession, url: str, body: dict) -> tuple[float
     return (times[0] - t0 if times else float("nan")), times
 
 
-async def _run_fleet(url: str, args: argparse.Namespace, vocab: int) -> Result:
+async def _run_fleet(
+    url: str, args: argparse.Namespace, vocab: int, daemons: list[Proc] | None = None
+) -> Result:
+    """The chat + long-prompt workload through the gateway at ``url``; ``daemons``' CPU
+    use over the run (busy fraction of their one core each) goes into the result."""
+    daemons = daemons or []
+    cpu0 = [_cpu_seconds(p.popen.pid) for p in daemons]
+    t0 = time.perf_counter()
     res = Result()
     rng = random.Random(args.seed)
     done = asyncio.Event()  # the last long prompt was answered: the chats stop
@@ -180,6 +239,10 @@ async def _run_fleet(url: str, args: argparse.Namespace, vocab: int) -> Result:
         done.set()
 
     await asyncio.gather(*(chat(i) for i in range(args.chats)), long_prompts())
+    res.wall_s = time.perf_counter() - t0
+    res.busy = [
+        (_cpu_seconds(p.popen.pid) - c) / res.wall_s for p, c in zip(daemons, cpu0, strict=True)
+    ]
     return res
 
 
@@ -217,8 +280,8 @@ async def _exact(urls: list[str], vocab: int, n: int) -> bool:
     return all(t == texts[0] for t in texts[1:])
 
 
-async def _transfer_stats(decode_url: str) -> tuple[float, float, float]:
-    """(MB/s, p50 ms, pulls) of the decode daemon's KV pulls, from its /metrics."""
+async def _transfer_stats(decode_url: str) -> tuple[float, float, float, float]:
+    """(MB/s, p50 ms, pulls, mean ms) of the decode daemon's KV pulls, from its /metrics."""
     async with aiohttp.ClientSession() as s, s.get(decode_url + "/metrics") as r:
         text = await r.text()
     nbytes = secs = count = 0.0
@@ -244,7 +307,82 @@ async def _transfer_stats(decode_url: str) -> tuple[float, float, float]:
             p50 = (prev_le + frac * ((le if le != float("inf") else prev_le) - prev_le)) * 1000
             break
         prev_le, prev_c = le, c
-    return (nbytes / secs / 1e6 if secs else 0.0), p50, count
+    mean = secs / count * 1000 if count else float("nan")
+    return (nbytes / secs / 1e6 if secs else 0.0), p50, count, mean
+
+
+def procs_of(daemons: dict[str, list[Proc]]) -> list[Proc]:
+    return list({id(p): p for ps in daemons.values() for p in ps}.values())
+
+
+def _report(name: str, r: Result) -> None:
+    print(
+        f"{name:16s} chat tokens {len(r.itl):5d}  itl p50 {_pct(r.itl, 0.5) * 1e3:7.1f} ms"
+        f"  p99 {_pct(r.itl, 0.99) * 1e3:7.1f} ms  p99.9 {_pct(r.itl, 0.999) * 1e3:7.1f} ms"
+        f"  long prompts {len(r.long_ttft):3d}  ttft p50 {_pct(r.long_ttft, 0.5) * 1e3:7.1f} ms"
+        f"  busy {[round(b, 2) for b in r.busy]}  errors {r.errors}",
+        file=sys.stderr,
+    )
+
+
+async def sweep(args: argparse.Namespace) -> dict:
+    """ITL p99 of unified vs P/D over chat sessions x long-prompt gaps, one pair of fleets
+    (no chunked fleet: its start-up and runs would double the time). Each cell runs both
+    fleets with empty prefix caches; ``busy`` is each daemon's core utilisation."""
+    t_start = time.perf_counter()
+    model = str(bench_model(args.model))
+    vocab = json.loads((Path(model) / "config.json").read_text()).get("vocab_size", 1000)
+    logdir = Path(tempfile.mkdtemp(prefix="pagefleet-bench-pd-sweep-"))
+    daemons = {
+        "unified": [_daemon(f"u{i}", model, i, "unified", logdir) for i in range(2)],
+        "pd": [_daemon("p0", model, 0, "prefill", logdir),
+               _daemon("d0", model, 1, "decode", logdir)],
+    }  # fmt: skip
+    procs = procs_of(daemons)
+    cells = []
+    try:
+        gws = {
+            "unified": _gateway("g-unified", model, [p.url for p in daemons["unified"]], [],
+                                logdir),
+            "pd": _gateway("g-pd", model, [daemons["pd"][1].url], [daemons["pd"][0].url],
+                           logdir),
+        }  # fmt: skip
+        procs += list(gws.values())
+        await _wait_ready(procs)
+        for gap in args.sweep_gaps:
+            for chats in args.sweep_chats:
+                cell_args = argparse.Namespace(**{**vars(args), "chats": chats,
+                                                  "long_gap_s": gap})  # fmt: skip
+                cell: dict = {"chats": chats, "long_gap_s": gap}
+                for name in ("unified", "pd"):
+                    await _reset_caches(daemons[name])
+                    r = await _run_fleet(gws[name].url, cell_args, vocab, daemons[name])
+                    _report(f"{name} c={chats} gap={gap}", r)
+                    cell[name] = r.cell()
+                cell["itl_p99_ratio_unified_over_pd"] = round(
+                    cell["unified"]["itl_p99_ms"] / cell["pd"]["itl_p99_ms"], 2
+                )
+                cell["itl_p999_ratio_unified_over_pd"] = round(
+                    cell["unified"]["itl_p999_ms"] / cell["pd"]["itl_p999_ms"], 2
+                )
+                cell["prefill_busy"] = cell["pd"]["busy"][0]
+                print(json.dumps(cell), file=sys.stderr)
+                cells.append(cell)
+    finally:
+        for p in procs:
+            p.popen.terminate()
+        for p in procs:
+            try:
+                p.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+    return {
+        "bench": "pd_sweep",
+        "long_prompts_per_cell": args.long_prompts,
+        "cells": cells,
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+        "wall_s": round(time.perf_counter() - t_start, 1),
+    }
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -292,18 +430,20 @@ async def main(args: argparse.Namespace) -> dict:
         phase("all daemons and gateways ready")
         results: dict[str, Result] = {}
         for name in ("unified", "unified_chunked", "pd"):
-            results[name] = await _run_fleet(gws[name].url, args, vocab)
-            r = results[name]
-            print(
-                f"{name:16s} chat tokens {len(r.itl):5d}  itl p50 {_pct(r.itl, 0.5) * 1e3:7.1f} ms"
-                f"  p99 {_pct(r.itl, 0.99) * 1e3:7.1f} ms   long prompts {len(r.long_ttft):3d}"
-                f"  ttft p50 {_pct(r.long_ttft, 0.5) * 1e3:7.1f} ms  errors {r.errors}",
-                file=sys.stderr,
-            )
+            await _reset_caches(daemons[name])
+            results[name] = await _run_fleet(gws[name].url, args, vocab, daemons[name])
+            _report(name, results[name])
         phase("fleets measured")
-        mbps, p50_ms, pulls = await _transfer_stats(daemons["pd"][1].url)
-        idle = {k: await _idle_ttft(gws[k].url, vocab, args.idle_prompts)
-                for k in ("unified", "pd")}  # fmt: skip
+        mbps, p50_ms, pulls, mean_ms = await _transfer_stats(daemons["pd"][1].url)
+        idle = {}
+        for k in ("unified", "pd"):
+            await _reset_caches(daemons[k])
+            idle[k] = await _idle_ttft(gws[k].url, vocab, args.idle_prompts)
+        # The pulls of the idle prompts alone (the P/D fleet ran them one at a time).
+        _, _, pulls2, mean2 = await _transfer_stats(daemons["pd"][1].url)
+        n_idle = pulls2 - pulls
+        idle_pull_ms = (mean2 * pulls2 - mean_ms * pulls) / n_idle if n_idle else float("nan")
+        await _reset_caches(procs_of(daemons))
         print(
             f"idle long-prompt TTFT p50: unified {_pct(idle['unified'], 0.5) * 1e3:.1f} ms, "
             f"P/D {_pct(idle['pd'], 0.5) * 1e3:.1f} ms (n={args.idle_prompts} each)",
@@ -323,6 +463,11 @@ async def main(args: argparse.Namespace) -> dict:
     return {
         "bench": "pd",
         "quick": args.quick,
+        "chats": args.chats,
+        "long_gap_s": args.long_gap_s,
+        # Each daemon's CPU seconds per wall second over its fleet's run (one core each):
+        # [unified u0, u1], [chunked c0, c1], [P/D prefill, decode].
+        "busy": [[round(b, 2) for b in r.busy] for r in (u, c, d)],
         "itl_p99_ms_unified": round(_pct(u.itl, 0.99) * 1e3, 1),
         "itl_p99_ms_unified_chunked": round(_pct(c.itl, 0.99) * 1e3, 1),
         "itl_p99_ms_pd": round(_pct(d.itl, 0.99) * 1e3, 1),
@@ -345,6 +490,8 @@ async def main(args: argparse.Namespace) -> dict:
         "ttft_cost_ms_pd": round((_pct(idle["pd"], 0.5) - _pct(idle["unified"], 0.5)) * 1e3, 1),
         "transfer_mb_per_s": round(mbps, 1),
         "transfer_ms_p50": round(p50_ms, 2),
+        "transfer_ms_mean": round(mean_ms, 1),
+        "transfer_ms_mean_idle": round(idle_pull_ms, 1),
         "kv_pulls": int(pulls),
         "long_prompts": [len(u.long_ttft), len(c.long_ttft), len(d.long_ttft)],
         "errors": u.errors + c.errors + d.errors,
@@ -360,17 +507,35 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--model", default=None, help="default: the 4x512 bench Llama")
     ap.add_argument("--long-prompts", type=int, default=None, help="per fleet (24; quick 3)")
     ap.add_argument("--idle-prompts", type=int, default=None, help="idle TTFT (6; quick 2)")
-    ap.add_argument("--chats", type=int, default=3)
+    # 32 concurrent chat streams per fleet: 16 in each unified daemon's batch, all 32 in
+    # the P/D decode pod's -- decode batches of tens of streams are what continuous
+    # batching serves (a decode pool exists to run them). With 3 chats (the default until
+    # session 5) the long prompts' stalls were under 1% of the gaps and p99 never saw them;
+    # `--sweep` measures 4-32 chats at two long-prompt rates (docs/benchmarks.md).
+    ap.add_argument("--chats", type=int, default=32)
     ap.add_argument("--chat-tokens", type=int, default=128)
-    ap.add_argument("--long-gap-s", type=float, default=None, help="mean; 2.0 (quick 1.5)")
+    ap.add_argument("--long-gap-s", type=float, default=None, help="mean; 4.0 (quick 1.5)")
     ap.add_argument("--chunk", type=int, default=256, help="long_prefill_token_threshold")
     ap.add_argument("--exact-requests", type=int, default=None)
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument(
+        "--sweep",
+        action="store_true",
+        help="unified vs P/D over --sweep-chats x --sweep-gaps (no chunked fleet)",
+    )
+    ap.add_argument(
+        "--sweep-chats", type=lambda v: [int(x) for x in v.split(",")], default=[4, 8, 16, 32]
+    )
+    ap.add_argument(
+        "--sweep-gaps", type=lambda v: [float(x) for x in v.split(",")], default=[4.0, 2.0]
+    )
     args = ap.parse_args()
     if args.long_prompts is None:
         args.long_prompts = 3 if args.quick else 24
     if args.long_gap_s is None:
-        args.long_gap_s = 1.5 if args.quick else 2.0
+        # One long prompt per 4 s: the prefill pod's core ~25% busy when idle-fast (about
+        # 1 s a prompt), the lower of the sweep's two rates.
+        args.long_gap_s = 1.5 if args.quick else 4.0
     if args.idle_prompts is None:
         args.idle_prompts = 2 if args.quick else 6
     if args.exact_requests is None:
@@ -379,5 +544,6 @@ def parse_args() -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    out = asyncio.run(main(parse_args()))
+    a = parse_args()
+    out = asyncio.run(sweep(a) if a.sweep else main(a))
     print(json.dumps(out))
