@@ -76,6 +76,8 @@ OURS = ("cache_aware", "round_robin", "least_load")
 # Two cache_aware gateway replicas, conversations alternating between them: what a replica
 # loses by remembering only its own recent placements (docs/gateway.md).
 REPLICATED = "cache_aware_x2"
+# The same two replicas, each with only its own placements (--no-shared-placements).
+REPLICATED_OWN = "cache_aware_x2_own"
 # The cache_aware gateway of another checkout (``--base-pythonpath``): an A/B of two
 # versions of the gateway on the same daemons, trace and load, in one process.
 BASE = "cache_aware_base"
@@ -352,9 +354,12 @@ class Bench:
                             },
                         )
                     ]
-                elif name == REPLICATED:
+                elif name in (REPLICATED, REPLICATED_OWN):
+                    own = ["--no-shared-placements"] if name == REPLICATED_OWN else []
                     doors[shape][name] = [
-                        self.fleet.spawn_gateway("cache_aware", name=f"gateway-replica{i}-{shape}")
+                        self.fleet.spawn_gateway(
+                            "cache_aware", name=f"gateway-{name}-{i}-{shape}", args=own
+                        )
                         for i in range(2)
                     ]
                 elif peer_version(name) is not None:
@@ -502,6 +507,8 @@ def shape_keys(reports: dict[str, dict[str, Any]], ideal: float, suffix: str) ->
         "moved_turns_cache_aware": get("cache_aware", "moved_turns"),
         "placements_cache_aware": reports.get("cache_aware", {}).get("placements"),
         "cache_aware_x2_hit_rate": get(REPLICATED, "prefix_hit_rate"),
+        "cache_aware_x2_own_hit_rate": get(REPLICATED_OWN, "prefix_hit_rate"),
+        "ttft_p50_ms_cache_aware_x2_own": get(REPLICATED_OWN, "ttft_ms_p50"),
         "cache_aware_base_hit_rate": get(BASE, "prefix_hit_rate"),
         "ttft_p50_ms_cache_aware_base": get(BASE, "ttft_ms_p50"),
         "ttft_p50_ms_cache_aware_x2": get(REPLICATED, "ttft_ms_p50"),
@@ -521,8 +528,8 @@ def main() -> None:
         "--doors",
         default=None,
         help="front doors on the chat shape: "
-        + ", ".join((*DOORS, REPLICATED, BASE))
-        + " (default: all but the last two; with "
+        + ", ".join((*DOORS, REPLICATED, REPLICATED_OWN, BASE))
+        + " (default: all but the last three; with "
         "--quick, cache_aware and sglang-router)",
     )
     ap.add_argument(

@@ -311,10 +311,12 @@ class LocalFleet:
         name: str = "gateway",
         port: int | None = None,
         env: dict[str, str] | None = None,
+        args: list[str] | None = None,
     ) -> Child:
         """Start one more gateway over the same daemons and index, without waiting for it
         (several replicas, or one per policy in a benchmark; ``env`` on top of ours, e.g.
-        another PYTHONPATH to run another version of the code). The caller stops it."""
+        another PYTHONPATH to run another version of the code; ``args``: more flags for this
+        one). The caller stops it."""
         port = port or (self.spec.gateway_port if name == "gateway" else 0) or free_port()
         host = self.spec.host
         argv = [
@@ -335,7 +337,7 @@ class LocalFleet:
             argv += ["--weights", weights or self.spec.weights or ""]
         if self.spec.seed is not None:
             argv += ["--seed", str(self.spec.seed)]
-        argv += self.spec.gateway_args
+        argv += self.spec.gateway_args + (args or [])
         child = Child(
             name, argv, f"http://{host}:{port}", self.log_dir / f"{name}.log", env=dict(env or {})
         )

@@ -66,6 +66,8 @@ class GatewayConfig(BaseModel):
     probe_timeout_s: float = Field(1.0, gt=0)
     probe_failures: int = Field(2, ge=1)
     intake_workers: int = Field(2, ge=0)
+    # Replicas share recent placements over Redis pub/sub (shared_placements.py).
+    shared_placements: bool = True
 
     @model_validator(mode="after")
     def _check(self) -> GatewayConfig:
@@ -154,9 +156,10 @@ def build_gateway(config: GatewayConfig):  # -> Gateway (imports kept local for 
     else:
         assert config.service is not None
         discovery = KubernetesDiscovery(config.namespace, config.service, config.target_port_value)
+    from pagefleet.kvindex.redis_index import RedisKVIndex
+
     if config.redis_url:
         from pagefleet.kvindex.redis_auth import warn_if_password_in_url
-        from pagefleet.kvindex.redis_index import RedisKVIndex
 
         warn_if_password_in_url(config.redis_url)
         # Read-only: the gateway only looks up, so it runs no gc (the daemons do) and works
@@ -190,6 +193,12 @@ def build_gateway(config: GatewayConfig):  # -> Gateway (imports kept local for 
         lookup_timeout_s=config.index_timeout_ms / 1000.0,
         seed=config.seed,
     )
+    if isinstance(index, RedisKVIndex) and config.shared_placements and router.policy.uses_index:
+        from pagefleet.gateway.shared_placements import SharedPlacements
+
+        router.shared = SharedPlacements(
+            index.client, index.prefix + "placements", router.placements
+        )
     gateway = Gateway(
         router=router,
         tokenizer=tokenizer,
@@ -433,6 +442,15 @@ def _split(value: str | None) -> list[str]:
     show_default=True,
     type=int,
     help="Processes that parse and tokenize large bodies off the event loop (0: inline).",
+)
+@click.option(
+    "--shared-placements/--no-shared-placements",
+    default=True,
+    show_default=True,
+    help="With --redis-url: share where this replica sent each prompt with the other "
+    "gateway replicas (Redis pub/sub), so a burst split over replicas lands together "
+    "before the index learns its blocks. Needs publish/subscribe rights on the channel "
+    "'pf:{ns=NAMESPACE}:placements'.",
 )
 @click.option("--seed", default=None, type=int, help="Seed the tie-break RNG (tests, benchmarks).")
 @click.option(

@@ -15,10 +15,10 @@ forgotten and the index alone decides. The router takes, per pod, the larger of 
 index's match and this one, so the index overrules whenever it knows more, and a record
 whose blocks the pod did not keep (eviction) lapses ``ttl_s`` after the request ended.
 
-Per gateway replica, not shared through Redis: a replica's own traffic is what it cannot
-see in the index yet; sharing would cost a Redis write per request on the hot path to
-cover only what other replicas sent in the last ``ttl_s``, which the measurement in
-docs/gateway.md shows is rare once the index catches up within that time.
+Several gateway replicas share their placements through Redis pub/sub
+(shared_placements.py): the other replicas' records arrive through ``remember`` and hold
+for a fixed horizon (their end is not published); the lookup treats them as this
+replica's own.
 """
 
 from __future__ import annotations
@@ -49,6 +49,10 @@ class PlacementMemory:
     # key -> pod -> time after which a finished placement is forgotten
     _until: dict[int, dict[str, float]] = field(default_factory=dict)
     _expiry: deque[tuple[float, int, str]] = field(default_factory=deque)
+    # Other replicas' placements (shared_placements.py): key -> pod -> until; its own
+    # queue, since their horizon differs from ``ttl_s`` (a queue is pruned from the front)
+    _remote: dict[int, dict[str, float]] = field(default_factory=dict)
+    _remote_q: deque[tuple[float, int, str]] = field(default_factory=deque)
 
     def begin(self, keys: Sequence[int], pod: str) -> None:
         """A request carrying ``keys`` was sent to ``pod``."""
@@ -77,6 +81,15 @@ class PlacementMemory:
             self._expiry.append((until, k, pod))
         self._prune()
 
+    def remember(self, keys: Sequence[int], pod: str, until: float) -> None:
+        """Another replica sent ``keys`` to ``pod``: count it as sent until ``until``
+        (the latest such time wins, so a pod's keys along a prompt stay a prefix)."""
+        for k in keys:
+            pods = self._remote.setdefault(k, {})
+            if until > pods.get(pod, 0.0):
+                pods[pod] = until
+                self._remote_q.append((until, k, pod))
+
     def inflight_with(self, key: int) -> int:
         """Requests in flight (any pod) whose prompt carries block ``key``."""
         return sum(self._live.get(key, {}).values())
@@ -89,11 +102,12 @@ class PlacementMemory:
     def forget_pod(self, pod: str) -> None:
         """Drop every finished record of ``pod`` (it failed, or cleared its cache)."""
         self._seen.pop(pod, None)
-        for k in list(self._until):
-            pods = self._until[k]
-            pods.pop(pod, None)
-            if not pods:
-                del self._until[k]
+        for table in (self._until, self._remote):
+            for k in list(table):
+                pods = table[k]
+                pods.pop(pod, None)
+                if not pods:
+                    del table[k]
 
     def lookup(self, keys: Sequence[int]) -> dict[str, int]:
         """Pod -> number of leading ``keys`` sent to it (in flight or within ``ttl_s``).
@@ -122,14 +136,18 @@ class PlacementMemory:
         if live is not None and pod in live:
             return True
         until = self._until.get(key)
-        return until is not None and pod in until
+        if until is not None and pod in until:
+            return True
+        remote = self._remote.get(key)
+        return remote is not None and pod in remote
 
     def __len__(self) -> int:
-        return len(self._live) + len(self._until)
+        return len(self._live) + len(self._until) + len(self._remote)
 
     def _holders(self, key: int) -> set[str]:
         pods = set(self._live.get(key, ()))
         pods.update(self._until.get(key, ()))
+        pods.update(self._remote.get(key, ()))
         return pods
 
     def _prune(self) -> None:
@@ -151,3 +169,11 @@ class PlacementMemory:
                 del pods[pod]
                 if not pods:
                     del self._until[k]
+        rq = self._remote_q
+        while rq and rq[0][0] <= now:
+            until, k, pod = rq.popleft()
+            pods = self._remote.get(k)
+            if pods is not None and pods.get(pod) == until:
+                del pods[pod]
+                if not pods:
+                    del self._remote[k]

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 from pagefleet.gateway.discovery import Discovery, Endpoint
 from pagefleet.gateway.placements import PlacementMemory
 from pagefleet.gateway.policies import Candidate, Policy, RouteRequest, Scored
+from pagefleet.gateway.shared_placements import SharedPlacements
 from pagefleet.kvindex.hashing import chain_hash, root_hash
 from pagefleet.kvindex.index import KVIndex, PodLoad
 
@@ -132,6 +133,8 @@ class Router:
     # seen only as a count in a heartbeat (another replica's) is taken to carry.
     mean_work: float = 0.0
     placements: PlacementMemory = field(default_factory=PlacementMemory)
+    # Other replicas' placements folded into ``placements``, ours published (None: alone)
+    shared: SharedPlacements | None = None
     _ejected: dict[str, float] = field(default_factory=dict)
     _history: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)
     _loads: dict[str, PodLoad] = field(default_factory=dict)
@@ -154,6 +157,8 @@ class Router:
         if subscribe is not None:
             subscribe(self._pod_unreachable)
         await self.discovery.start()
+        if self.shared is not None:
+            await self.shared.start()
         if self.index is not None:
             await self.refresh_loads()
             self._load_task = asyncio.create_task(self._load_loop(), name="gateway-load-refresh")
@@ -164,6 +169,8 @@ class Router:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._load_task
         await self.discovery.close()
+        if self.shared is not None:
+            await self.shared.close()
         if self.index is not None:
             with contextlib.suppress(Exception):
                 await self.index.close()
@@ -209,6 +216,8 @@ class Router:
         self.mean_work += (work - self.mean_work) * _WORK_EWMA
         if keys and self.placement_ttl_s > 0:
             self.placements.begin(keys, ep.pod)
+            if self.shared is not None:
+                self.shared.sent(keys, ep.pod)
         return Ticket(ep.pod, work=work)
 
     def first_token(self, ticket: Ticket) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 import uuid
 from collections import Counter
@@ -314,3 +315,94 @@ def test_lookup_by_binary_search_equals_a_walk_of_every_block() -> None:
         else:
             clock.t += rng.choice([0.5, 1.5, 2.5])
         assert mem.lookup(keys) == walk(keys)
+
+
+def test_placement_messages_round_trip_and_refuse_garbage() -> None:
+    from pagefleet.gateway.shared_placements import decode, encode
+
+    keys = [0, 1, 2**64 - 1, 12345678901234567890]
+    assert decode(encode(b"r" * 16, "pod-a:8000", keys)) == (b"r" * 16, "pod-a:8000", keys)
+    for bad in (b"", b"x" * 10, encode(b"r" * 16, "p", [1]) + b"xyz"):
+        with pytest.raises(ValueError):
+            decode(bad)
+
+
+async def test_replicas_share_a_burst_split_between_them(redis_url: str) -> None:
+    """Two gateway replicas on one real Redis, a new prefix's burst alternating between
+    them: with shared placements every request lands on the first one's pod before the
+    index knows anything; each alone (``--no-shared-placements``) spreads them. A replica
+    never folds in its own messages, and other replicas' records lapse after the horizon."""
+    from pagefleet.gateway.shared_placements import SharedPlacements
+    from pagefleet.kvindex.redis_index import RedisKVIndex
+
+    async def replicas(shared: bool, seed: int) -> list[Router]:
+        out = []
+        for i in range(2):
+            index = RedisKVIndex.from_url(redis_url, namespace=ns)
+            r = Router(
+                discovery=StaticDiscovery(URLS),
+                policy=make_policy("cache_aware"),
+                index=index,
+                block_size=BS,
+                kv_namespace=NS,
+                seed=seed * 2 + i,
+            )
+            if shared:
+                r.shared = SharedPlacements(
+                    index.client, index.prefix + "placements", r.placements, horizon_s=0.5
+                )
+            await r.start()
+            out.append(r)
+        return out
+
+    async def burst(rs: list[Router], system: list[int]) -> list[str]:
+        pods = []
+        for user in range(4):
+            r = rs[user % 2]
+            d = await r.route(system + _prompt(200 + user, 20))
+            r.acquire(d.ranked[0].endpoint, d.keys)
+            pods.append(d.ranked[0].endpoint.pod)
+            # The other replica hears of it within a few ms (a local pub/sub hop).
+            other = rs[(user + 1) % 2]
+            assert other.shared is None or await _heard(other, d.keys[-1], user // 2 + 1)
+        return pods
+
+    async def _heard(r: Router, key: int, n: int) -> bool:
+        for _ in range(200):
+            if r.shared is not None and r.shared.received >= n:
+                return True
+            await asyncio.sleep(0.005)
+        return False
+
+    spread_alone = 0
+    for seed in range(4):
+        ns = NS + uuid.uuid4().hex[:8]
+        system = _prompt(300 + seed, 40 * BS)
+        rs = await replicas(True, seed)
+        try:
+            await _beat(rs[0].index)  # type: ignore[arg-type]
+            pods = await burst(rs, system)
+            assert len(set(pods)) == 1, pods
+            assert all(r.shared is not None and r.shared.received == 2 for r in rs)
+            # Heard by the other replica, then forgotten past the horizon (the sender,
+            # whose request is still in flight, keeps it).
+            d = await rs[0].route(_prompt(400 + seed, 10 * BS))
+            rs[0].acquire(d.ranked[0].endpoint, d.keys)
+            assert await _heard(rs[1], d.keys[-1], 3)
+            pod = d.ranked[0].endpoint.pod
+            assert rs[1].placements.lookup(d.keys) == {pod: 10}
+            await asyncio.sleep(0.6)
+            assert rs[1].placements.lookup(d.keys) == {}
+            assert rs[0].placements.lookup(d.keys) == {pod: 10}
+        finally:
+            for r in rs:
+                await r.close()
+        ns = NS + uuid.uuid4().hex[:8]
+        alone = await replicas(False, seed)
+        try:
+            await _beat(alone[0].index)  # type: ignore[arg-type]
+            spread_alone += len(set(await burst(alone, system))) > 1
+        finally:
+            for r in alone:
+                await r.close()
+    assert spread_alone >= 2  # the measured failure sharing fixes

@@ -1,0 +1,165 @@
+"""Recent placements shared between gateway replicas over one Redis pub/sub channel.
+
+Why: each replica remembers where it sent each prompt's blocks until the index learns them
+(placements.py). With several replicas, a new tenant's burst split over them was placed by
+each replica blind to the others' in-flight twins: measured on bench/routing.py's agentic
+shape with two replicas (docs/benchmarks.md, sessions 4 and 5), the hit rate fell several
+points, nearly all of it prompt tokens lost to twins the other replica had placed.
+
+How: a replica publishes every placement (its id, the pod, the prompt's block keys) on the
+channel ``<index prefix>placements``, batched in one pipeline per event-loop turn and off
+the request path (nothing waits for it); every replica folds the other replicas' messages
+into its own ``PlacementMemory`` as records that hold for ``horizon_s`` (how long a request
+may stay in flight before the index knows its blocks; the sender's end is not published:
+one message per request). So the lookup stays one Redis round trip, and sharing costs one
+PUBLISH per request in a background pipeline.
+
+Invariant: sharing never fails a request. A Redis error (down, or an ACL user without
+pub/sub rights) logs once and the replica routes on its own memory, as without sharing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import struct
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from pagefleet.gateway.placements import PlacementMemory
+
+logger = logging.getLogger(__name__)
+
+# A placement message: replica id (16 bytes), pod name length (2), pod, keys (8 each).
+_HEAD = struct.Struct("<16sH")
+
+
+def encode(replica: bytes, pod: str, keys: Sequence[int]) -> bytes:
+    """One placement as bytes (keys are 64-bit unsigned block hashes)."""
+    p = pod.encode()
+    return _HEAD.pack(replica, len(p)) + p + struct.pack(f"<{len(keys)}Q", *keys)
+
+
+def decode(data: bytes) -> tuple[bytes, str, list[int]]:
+    """``encode``'s inverse; raises ValueError on a malformed message."""
+    if len(data) < _HEAD.size:
+        raise ValueError("placement message too short")
+    replica, n = _HEAD.unpack_from(data)
+    start = _HEAD.size + n
+    body = data[start:]
+    if len(body) % 8:
+        raise ValueError("placement message keys not a multiple of 8 bytes")
+    keys = list(struct.unpack(f"<{len(body) // 8}Q", body))
+    return replica, data[_HEAD.size : start].decode(), keys
+
+
+class SharedPlacements:
+    """Publishes this replica's placements; folds the other replicas' into ``memory``."""
+
+    def __init__(
+        self,
+        client: Any,  # redis.asyncio.Redis
+        channel: str,
+        memory: PlacementMemory,
+        horizon_s: float = 10.0,
+    ) -> None:
+        self.client = client
+        self.channel = channel
+        self.memory = memory
+        self.horizon_s = horizon_s
+        self.replica = uuid.uuid4().bytes
+        self.received = 0  # other replicas' placements folded in
+        self._out: list[bytes] = []
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._subscribed = asyncio.Event()
+        self._broken = False
+
+    def sent(self, keys: Sequence[int], pod: str) -> None:
+        """This replica sent a prompt with ``keys`` to ``pod`` (never blocks)."""
+        if self._broken or not keys:
+            return
+        self._out.append(encode(self.replica, pod, keys))
+        self._wake.set()
+
+    async def start(self, wait_s: float = 2.0) -> None:
+        """Subscribe (waiting up to ``wait_s`` for the subscription) and start publishing."""
+        self._tasks = [
+            asyncio.create_task(self._listen(), name="gateway-placements-listen"),
+            asyncio.create_task(self._publish(), name="gateway-placements-publish"),
+        ]
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._subscribed.wait(), wait_s)
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks = []
+
+    def _give_up(self, what: str, exc: BaseException) -> None:
+        if not self._broken:
+            logger.warning(
+                "sharing placements with other gateway replicas stopped (%s failed: %s: %s); "
+                "this replica routes on its own placements and the index",
+                what,
+                type(exc).__name__,
+                exc,
+            )
+        self._broken = True
+        self._out.clear()
+
+    async def _publish(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            batch, self._out = self._out, []
+            if not batch:
+                continue
+            try:
+                async with self.client.pipeline(transaction=False) as pipe:
+                    for msg in batch:
+                        pipe.publish(self.channel, msg)
+                    await pipe.execute()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._give_up("publish", exc)
+                return
+
+    async def _listen(self) -> None:
+        try:
+            pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+            await pubsub.subscribe(self.channel)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._give_up("subscribe", exc)
+            self._subscribed.set()
+            return
+        self._subscribed.set()
+        try:
+            while True:
+                msg = await pubsub.get_message(timeout=1.0)
+                if msg is None or msg.get("type") != "message":
+                    continue
+                try:
+                    replica, pod, keys = decode(msg["data"])
+                except (ValueError, UnicodeDecodeError, struct.error) as exc:
+                    logger.debug("ignoring a malformed placement message: %s", exc)
+                    continue
+                if replica == self.replica:
+                    continue
+                self.memory.remember(keys, pod, self.memory.clock() + self.horizon_s)
+                self.received += 1
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._give_up("listen", exc)
+        finally:
+            with contextlib.suppress(Exception):
+                await pubsub.aclose()
