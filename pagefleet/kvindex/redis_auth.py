@@ -26,14 +26,16 @@ logger = logging.getLogger(__name__)
 
 # Redis ACL rules of the two users (after `user NAME on >PASSWORD`): keys under pf:* only,
 # nothing dangerous (FLUSHALL, CONFIG, KEYS, DEBUG...); the gateway's user only reads and
-# runs scripts, whose writes Redis then refuses. The chart's bundled Redis ships exactly
-# these (a test compares), docs/operator.md shows them.
+# runs scripts, whose writes Redis then refuses, and shares placements with the other
+# gateway replicas on pf:* pub/sub channels (gateway/shared_placements.py). The chart's
+# bundled Redis ships exactly these (a test compares), docs/operator.md shows them.
 DAEMON_ACL_RULES = (
     "~pf:* resetchannels -@all +@read +@write +@connection +evalsha +eval +script|load +time "
     "-@dangerous"
 )
 GATEWAY_ACL_RULES = (
-    "~pf:* resetchannels -@all +@read +@connection +evalsha +script|load +time -@dangerous"
+    "~pf:* resetchannels &pf:* -@all +@read +@connection +evalsha +script|load +time "
+    "+publish +subscribe +unsubscribe -@dangerous"
 )
 
 USERNAME_ENV = "PAGEFLEET_REDIS_USERNAME"

@@ -76,6 +76,15 @@ async def test_daemon_writes_gateway_reads_and_cannot_write(acl_redis: LocalRedi
             await daemon.client.set("other:key", b"1")
         assert await gateway.lookup(hashes) == {"pod-a": len(hashes)}
         assert set(await gateway.pods()) == {"pod-a"}
+        # Gateway replicas share placements on pf:* channels (shared_placements.py), and
+        # on no other channel.
+        channel = gateway.prefix + "placements"
+        pubsub = gateway.client.pubsub(ignore_subscribe_messages=True)
+        await pubsub.subscribe(channel)
+        assert await gateway.client.publish(channel, b"x") == 1
+        with pytest.raises(NoPermissionError):
+            await gateway.client.publish("other-channel", b"x")
+        await pubsub.aclose()
     finally:
         await daemon.close()
         await gateway.close()
