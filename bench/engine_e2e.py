@@ -61,7 +61,13 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 
 def build_engine(
-    shape: str, device: str, dtype: str, backend: str | None, max_batch: int, seq_len: int
+    shape: str,
+    device: str,
+    dtype: str,
+    backend: str | None,
+    max_batch: int,
+    seq_len: int,
+    cuda_graphs: bool = False,
 ):
     """An LLMEngine over a random-weight model of ``shape`` (see the module docstring)."""
     import torch
@@ -124,6 +130,15 @@ def build_engine(
         max_num_batched_tokens=4096,
         enable_prefix_caching=False,
     )
+    if cuda_graphs:
+        from pagefleet.engine.cuda_graphs import build_decode_graphs
+
+        bound = min(mc.max_position_embeddings, num_blocks * block_size)
+        runner.decode_graphs = build_decode_graphs(
+            True, model, runner.kv_caches, runner.backend, target, block_size, bound, max_batch
+        )
+        if runner.decode_graphs is None:
+            raise SystemExit("--cuda-graphs: graphs are unavailable here (see the warning)")
     engine = LLMEngine(
         config,
         parts=EngineParts(
@@ -183,6 +198,10 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--max-tokens", type=int, default=None)
     ap.add_argument("--baseline", action="store_true", help="also run the torch attention backend")
+    ap.add_argument(
+        "--cuda-graphs", action="store_true",
+        help="also run the primary backend with decode steps replayed from CUDA graphs",
+    )  # fmt: skip
     args = ap.parse_args()
 
     import torch
@@ -197,7 +216,9 @@ def main() -> None:
     prompt_len = args.prompt_len or (32 if quick else 128)
     max_tokens = args.max_tokens or (8 if quick else 128)
     primary = args.backend or ("triton" if device == "cuda" else "torch")
-    backends = [primary] + (["torch"] if args.baseline and primary != "torch" else [])
+    # (backend, CUDA graphs): eager first, then the same backend with graphs, then torch.
+    runs = [(primary, False)] + ([(primary, True)] if args.cuda_graphs else [])
+    runs += [("torch", False)] if args.baseline and primary != "torch" else []
 
     figures: dict[str, Any] = {
         "bench": "engine_e2e",
@@ -207,11 +228,12 @@ def main() -> None:
         "prompt_len": prompt_len,
         "max_tokens": max_tokens,
     }
-    for backend in backends:
+    for backend, graphs in runs:
         t0 = time.perf_counter()
         engine, name, mc = build_engine(
-            shape, device, dtype, backend, max(batches), prompt_len + max_tokens
+            shape, device, dtype, backend, max(batches), prompt_len + max_tokens, graphs
         )
+        name += "_graphs" if graphs else ""
         print(
             f"[{name}] built {shape} ({mc.num_hidden_layers} layers) in "
             f"{time.perf_counter() - t0:.1f}s",

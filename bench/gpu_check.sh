@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU readiness check for the Triton attention path: one command, no network, < 8 min on
+# GPU readiness check for the Triton attention path: one command, no network, < 9 min on
 # one H200. Run from anywhere inside a checkout that has its venv at .venv (or a system
 # python with torch + triton):
 #
@@ -11,7 +11,9 @@
 #   2. bench/kernel_bench.py: copy bandwidth, decode bandwidth % of copy over batch x
 #      context, a decode launch-config sweep at 64 x 4096, prefill TFLOP/s;
 #   3. bench/engine_e2e.py: engine output tokens/s, random Llama-3-8B-shaped model,
-#      batch 1 / 32 / 128, triton backend and the torch backend as baseline.
+#      batch 1 / 32 / 128, triton backend eager, triton with decode CUDA graphs
+#      (tests/kernels/test_cuda_graphs.py in part 1 checks their replay against eager),
+#      and the torch backend as baseline.
 # Last line: one JSON object merging every part's figures.
 set -euo pipefail
 
@@ -64,14 +66,15 @@ part() {
 }
 
 if [ "$DRYRUN" = 1 ]; then
-  part tests 130 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_backend_select.py
+  part tests 130 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_backend_select.py \
+    tests/kernels/test_cuda_graphs.py
   part kernel_bench 190 "$PY" bench/kernel_bench.py --quick
   part engine_e2e 160 "$PY" bench/engine_e2e.py --quick --batches 1 2 --max-tokens 3
 else
   part tests 150 "$PY" -m pytest -q -p no:cacheprovider --timeout 120 tests/kernels
   part kernel_bench 170 "$PY" bench/kernel_bench.py
-  part engine_e2e 150 "$PY" bench/engine_e2e.py --device cuda --shape llama3-8b \
-    --batches 1 32 128 --baseline
+  part engine_e2e 210 "$PY" bench/engine_e2e.py --device cuda --shape llama3-8b \
+    --batches 1 32 128 --baseline --cuda-graphs
 fi
 
 echo
@@ -123,6 +126,8 @@ summary = {
     "engine_triton_output_tok_per_s": e2e.get("triton_output_tok_per_s"),
     "engine_torch_output_tok_per_s": e2e.get("torch_output_tok_per_s"),
     "engine_triton_decode_step_ms": e2e.get("triton_decode_step_ms"),
+    "engine_triton_graphs_output_tok_per_s": e2e.get("triton_graphs_output_tok_per_s"),
+    "engine_triton_graphs_decode_step_ms": e2e.get("triton_graphs_decode_step_ms"),
 }
 print(json.dumps(summary))
 PYEOF

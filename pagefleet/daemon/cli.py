@@ -155,6 +155,14 @@ async def serve(config: DaemonConfig) -> None:
 )
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True)
 @click.option(
+    "--cuda-graphs/--no-cuda-graphs",
+    default=False,
+    show_default=True,
+    help="Replay decode steps from CUDA graphs captured at batch sizes 1, 2, 4, 8, 16, ... "
+    "up to --max-num-seqs (--device cuda with the triton backend; elsewhere ignored with a "
+    "warning).",
+)
+@click.option(
     "--dtype",
     type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
     default="auto",

@@ -66,6 +66,8 @@ class DaemonConfig(BaseModel):
     # exits non-zero. 0: never. Generous by default: a long prefill on a CPU can take
     # seconds, and a false positive restarts the pod.
     engine_hang_timeout_s: float = Field(default=60.0, ge=0)
+    # Decode steps replayed from CUDA graphs (EngineConfig.cuda_graphs; CUDA + Triton only).
+    cuda_graphs: bool = False
     # One JSON line per finished prompt with its timings (request_log.py); None: off.
     request_log: str | None = None
 
@@ -112,4 +114,5 @@ class DaemonConfig(BaseModel):
             enable_prefix_caching=self.enable_prefix_caching,
             kv_namespace=self.namespace,
             kv_transfer_timeout_s=self.kv_transfer_timeout_s,
+            cuda_graphs=self.cuda_graphs,
         )

@@ -40,6 +40,10 @@ class EngineConfig:
     # P/D: how long a finished prefill's KV stays pinned for a decode pod to pull it, and
     # how long a decode engine keeps blocks reserved for a pull in flight.
     kv_transfer_timeout_s: float = 30.0
+    # Replay pure-decode steps from CUDA graphs captured at a set of batch sizes
+    # (cuda_graphs.py). Only with the Triton backend on CUDA; elsewhere a warning and eager
+    # steps. Opt-in until a GPU run has checked it (bench/gpu_check.sh).
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         self.validate()

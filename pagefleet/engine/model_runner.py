@@ -14,7 +14,7 @@ sampled token; a prefill chunk short of the prompt's end samples nothing.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -24,6 +24,9 @@ from pagefleet.engine.request import Sequence
 from pagefleet.engine.sampler import Sampler, SampleResult
 from pagefleet.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pagefleet.kernels.metadata import AttentionBackend, AttentionMetadata
+
+if TYPE_CHECKING:
+    from pagefleet.engine.cuda_graphs import DecodeGraphs
 
 StepResult = list[tuple[Sequence, SampleResult]]
 
@@ -89,6 +92,8 @@ class ModelRunner:
         ]
         # Tests hook in here to compare logits with a reference model.
         self.logits_hook: Callable[[list[Sequence], torch.Tensor], None] | None = None
+        # Captured decode graphs (cuda_graphs.py), set by load_parts when enabled.
+        self.decode_graphs: DecodeGraphs | None = None
 
     def kv_layout(self) -> KVLayout:
         k = self.kv_caches[0][0]
@@ -206,7 +211,11 @@ class ModelRunner:
             return []
         items = sorted(sched.scheduled, key=lambda it: not it.is_decode)  # stable
         input_ids, positions, meta = self.build_batch(items, kv)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        hidden = None
+        if self.decode_graphs is not None:  # None: not a step a captured graph can replay
+            hidden = self.decode_graphs.forward(input_ids, positions, meta)
+        if hidden is None:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
         rows: list[int] = []
         samplers: list[Sequence] = []
         end = 0

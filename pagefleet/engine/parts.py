@@ -109,6 +109,15 @@ def load_parts(
         device=device,
         dtype=mc.dtype,
     )
+    if config.cuda_graphs:
+        from pagefleet.engine.cuda_graphs import build_decode_graphs
+
+        # The engine caps max_model_len at what the KV pool holds; graphs use the same bound.
+        bound = min(config.max_model_len or mc.max_exact_len, num_blocks * config.block_size)
+        runner.decode_graphs = build_decode_graphs(
+            True, model, runner.kv_caches, runner.backend, device, config.block_size, bound,
+            config.max_num_seqs,
+        )  # fmt: skip
     return EngineParts(
         runner=runner,
         tokenizer=tokenizer,
