@@ -188,8 +188,13 @@ def make_trace(
     return out, rate, bursts
 
 
-def steady_trace(duration: float, rate: float, seed: int) -> list[Request]:
-    """Poisson arrivals at a constant rate with the day's request mix (capacity probes)."""
+def steady_trace(
+    duration: float, rate: float, seed: int, trace: str = "synthetic"
+) -> list[Request]:
+    """Arrivals at a constant rate with the day's arrival process and request mix (the
+    capacity probes of the oracle)."""
+    if trace == AZURE_CONV:
+        return _gamma_arrivals(duration, lambda _: rate, seed, AZURE_CONV_GAMMA_SHAPE)
     rng = random.Random(seed)
     out: list[Request] = []
     t = 0.0
@@ -199,6 +204,76 @@ def steady_trace(duration: float, rate: float, seed: int) -> list[Request]:
             return out
         prompt = int(min(1536, max(32, rng.lognormvariate(math.log(320), 0.6))))
         out.append(Request(t, prompt, rng.randint(16, 96)))
+
+
+# The second trace: the shape of a published production trace. Source of every number:
+# the Azure LLM inference trace 2023, conversation service (Patel et al., "Splitwise:
+# Efficient generative LLM inference using phase splitting", ISCA 2024; data in
+# github.com/Azure/AzurePublicDataset, data/AzureLLMInferenceTrace_conv.csv, CC-BY 4.0).
+# Measured this session on its first 216 requests (64 s from 2023-11-16 18:15:46; the
+# whole file covers one hour, so it says nothing about a daily curve):
+AZURE_CONV = "azure-conv"
+# inter-arrival times: CV 1.48, i.e. a Gamma renewal process of shape 1/CV^2 = 0.46
+# (burstier than Poisson, CV 1; BurstGPT and ServeGen also model LLM arrivals as Gamma)
+AZURE_CONV_GAMMA_SHAPE = 0.46
+# prompt (context) tokens: ln-mean 6.34, ln-std 1.10 (median 898, mean 895, p99 4085, max
+# 4107: the 2023 models' 4k context); lognormal, cut to [2, 4096]
+AZURE_CONV_PROMPT_LN = (6.34, 1.10)
+AZURE_CONV_PROMPT_MAX = 4096
+# output tokens: mean 242 (median 202, p99 520); exponential as ServeGen (Xiang et al.,
+# arXiv 2505.09999) models outputs, cut to [1, 1024]; prompt/output correlation 0.03
+AZURE_CONV_OUTPUT_MEAN = 242.0
+AZURE_CONV_OUTPUT_MAX = 1024
+# NOT from a publication: the daily curve (trough 15% of peak, as the synthetic day). No
+# peak-to-trough figure of an LLM service's day was found (docs/benchmarks.md says where
+# it was looked for); this trace has no added bursts, its burstiness is the Gamma process.
+
+
+def _azure_conv_request(rng: random.Random) -> tuple[int, int]:
+    mu, sigma = AZURE_CONV_PROMPT_LN
+    prompt = int(min(AZURE_CONV_PROMPT_MAX, max(2, rng.lognormvariate(mu, sigma))))
+    output = int(min(AZURE_CONV_OUTPUT_MAX, max(1, rng.expovariate(1 / AZURE_CONV_OUTPUT_MEAN))))
+    return prompt, output
+
+
+def _gamma_arrivals(
+    duration: float, rate: Callable[[float], float], seed: int, shape: float
+) -> list[Request]:
+    """A Gamma renewal process (mean gap 1, shape ``shape``) in operational time, mapped
+    through the cumulative rate (time rescaling): the rate follows ``rate(t)`` and the
+    gaps keep the process's burstiness at every rate."""
+    rng = random.Random(seed)
+    cum = [0.0]
+    for sec in range(int(duration)):
+        cum.append(cum[-1] + rate(sec + 0.5))
+    out: list[Request] = []
+    u, i = 0.0, 0
+    while True:
+        u += rng.gammavariate(shape, 1 / shape)
+        while i < len(cum) - 1 and cum[i + 1] < u:
+            i += 1
+        if i >= len(cum) - 1:
+            return out
+        t = i + (u - cum[i]) / max(cum[i + 1] - cum[i], 1e-12)
+        out.append(Request(t, *_azure_conv_request(rng)))
+
+
+def make_azure_conv_trace(
+    duration: float, peak_rate: float, seed: int
+) -> tuple[list[Request], Callable[[float], float], list[tuple[float, float]]]:
+    """The published-shape day (see AZURE_CONV_*): the synthetic day's curve without its
+    bursts, Gamma arrivals, the conversation trace's prompt and output lengths."""
+    trough = 0.15
+
+    def rate(t: float) -> float:
+        return peak_rate * (
+            trough + (1 - trough) * 0.5 * (1 - math.cos(2 * math.pi * t / duration))
+        )
+
+    return _gamma_arrivals(duration, rate, seed, AZURE_CONV_GAMMA_SHAPE), rate, []
+
+
+TRACES = {"synthetic": make_trace, AZURE_CONV: make_azure_conv_trace}
 
 
 # ------------------------------------------------------------------------------ fleet
@@ -590,7 +665,13 @@ def simulate(
 
 
 def capacity_at_slo(
-    cost: EngineCost, cfg: SimConfig, replicas: int, attainment: float, guess: float, quick: bool
+    cost: EngineCost,
+    cfg: SimConfig,
+    replicas: int,
+    attainment: float,
+    guess: float,
+    quick: bool,
+    trace_name: str = "synthetic",
 ) -> float:
     """The highest steady arrival rate (requests/s) that ``replicas`` fixed replicas serve
     with at least ``attainment`` of requests within the SLO: bisection over simulated
@@ -598,7 +679,7 @@ def capacity_at_slo(
     span = 240.0 if quick else 600.0
 
     def holds(rate: float) -> bool:
-        trace = steady_trace(span, rate, seed=1)
+        trace = steady_trace(span, rate, seed=1, trace=trace_name)
         res = simulate(trace, lambda _: rate, span, cost, cfg, replicas, static_policy)
         return res.attainment >= attainment
 
@@ -670,6 +751,20 @@ def main() -> None:
         "--target-utilization", type=float, default=1.0, help="the planner's (spec) setting"
     )
     ap.add_argument("--peak-replicas", type=float, default=8.0, help="peak load in replicas")
+    ap.add_argument(
+        "--trace",
+        choices=sorted(TRACES),
+        default="synthetic",
+        help="the day: synthetic (Poisson, 2x bursts) or azure-conv (a published trace's "
+        "arrival burstiness and lengths); JSON keys of a non-default trace get its suffix",
+    )
+    ap.add_argument(
+        "--day-seconds",
+        type=float,
+        default=None,
+        help="simulated length of the day (default 1800 --quick, 5400); start-up, windows "
+        "and bursts keep their length (a time-compression sensitivity)",
+    )
     ap.add_argument("--plot", type=Path, default=ROOT / "docs" / "autoscale.png")
     ap.add_argument(
         "--engine-cost",
@@ -687,16 +782,17 @@ def main() -> None:
     else:
         cost, measured = measure_engine(args.quick)
     t_measure = time.perf_counter() - t_start
-    duration = 1800.0 if args.quick else 5400.0
+    duration = args.day_seconds or (1800.0 if args.quick else 5400.0)
+    make_day = TRACES[args.trace]
     sizing_batch = 16
     # SLO: TPOT of a replica running `sizing_batch` plus a prefill chunk's share; TTFT a
     # few mean prompts' prefill time (both from the measurement, so the machine cancels).
-    probe, _, _ = make_trace(600.0, 1.0, args.seed)
+    probe, _, _ = make_day(600.0, 1.0, args.seed)
     tpot_s = 1.6 * cost.step(sizing_batch, 128)
     long_prompt = sorted(r.prompt for r in probe)[int(0.95 * (len(probe) - 1))]
     ttft_s = 2.5 * (long_prompt / cost.prefill_tok_s + cost.step(sizing_batch))
     peak_rate = args.peak_replicas * per_replica_rate(cost, probe, sizing_batch)
-    trace, rate, bursts = make_trace(duration, peak_rate, args.seed)
+    trace, rate, bursts = make_day(duration, peak_rate, args.seed)
     # Slices short against a step, decisions every 10 s, 30 s start-up (all simulated time).
     dt = min(0.5, max(0.05, cost.step(sizing_batch) / 2))
     cfg = SimConfig(ttft_s=ttft_s, tpot_s=tpot_s, dt=dt)
@@ -759,7 +855,7 @@ def main() -> None:
     # The bound: a perfect oracle at the capacity n_peak replicas have at the SLO with the
     # target's attainment (per replica; smaller fleets pool less, so this is optimistic).
     end = duration + max(120.0, 3 * (ttft_s + 100 * tpot_s))
-    fleet_cap = capacity_at_slo(cost, cfg, peak_n, 0.95, peak_rate, args.quick)
+    fleet_cap = capacity_at_slo(cost, cfg, peak_n, 0.95, peak_rate, args.quick, args.trace)
     per_replica = fleet_cap / peak_n
     oracle_h = oracle_replica_hours(rate, duration, end, per_replica, 1)
 
@@ -798,7 +894,7 @@ def main() -> None:
     plot(
         results,
         args.plot,
-        f"bench/autoscale.py{' --quick' if args.quick else ''}: bench model on this CPU "
+        f"bench/autoscale.py{' --quick' if args.quick else ''} --trace {args.trace}: bench model "
         f"(load avg {load:.1f})",
     )
     print(f"engine: {measured} (measured in {t_measure:.1f}s)")
@@ -849,6 +945,12 @@ def main() -> None:
         "load_avg_1m": round(load, 2),
         "wall_s": round(time.perf_counter() - t_start, 1),
     }
+    out["trace"] = args.trace
+    out["day_seconds"] = duration
+    if args.trace != "synthetic":
+        suffix = "_" + args.trace.replace("-", "_")
+        keep = {"engine", "load_avg_1m", "wall_s", "trace", "day_seconds"}
+        out = {(k if k in keep else k + suffix): v for k, v in out.items()}
     print(json.dumps(out))
 
 
