@@ -38,6 +38,11 @@ _MIN_SAMPLE_RATE = 1e-6
 _BUSY_LATENCY_FRACTION = 0.5
 # Most a single missed interval may cut the learned capacity (noise guard).
 _MAX_CUT = 0.5
+# Most one interval's lesson may cut the learned capacity, whatever the load figure says:
+# one window of a small fleet (a handful of queued requests, a p95 of a few dozen) is a
+# noisy sample, and a cut sticks (the estimate climbs back 3% at a time). A real shortage
+# misses again and cuts again, and the missed SLO adds a replica meanwhile.
+_MAX_STEP_CUT = 0.8
 # Probe the capacity up by this factor per interval that ran at least _AT_PLAN of the
 # planned utilisation with every latency under _COMFORTABLE of its target.
 _PROBE = 0.03
@@ -179,14 +184,15 @@ def _learn_scale(
     ``utilization``: this interval's load per replica in units of the current estimates
     (1.0 = exactly the estimated capacity). A miss while requests queue: the replicas ran
     flat out, so the estimate shrinks to what they did. A miss without a queue: each
-    request was slow, so also scale by target/observed (at most halving). A pass while busy
-    (a queue, or latency past half the target) proves at least the load seen (move half way
-    there). A pass with every latency far below its target while the replicas run at the
-    planned utilisation says the estimate is conservative: probe a few percent up (a later
-    miss cuts it back)."""
+    request was slow, so also scale by target/observed (at most halving). Either cut is at
+    most 20% per interval (one window is a noisy sample; a real shortage misses again). A
+    pass while busy (a queue, or latency past half the target) proves at least the load seen
+    (move half way there). A pass with every latency far below its target while the
+    replicas run at the planned utilisation says the estimate is conservative: probe a few
+    percent up (a later miss cuts it back)."""
     if missed_ratio is not None:
         cut = utilization if queueing else utilization * max(_MAX_CUT, missed_ratio)
-        return min(1.0, cut)
+        return max(_MAX_STEP_CUT, min(1.0, cut))
     if busy and utilization > 1.0:
         return 1.0 + 0.5 * (utilization - 1.0)
     if comfortable and utilization >= _AT_PLAN * target_utilization:
