@@ -98,12 +98,14 @@ class EngineCore:
             with self._cv:
                 if kind == "call":
                     self._calls.append(msg[1:])
+                elif kind == "calls":  # one event-loop turn's calls, in order
+                    self._calls.extend(msg[1])
                 elif kind == "stop":
                     self._stopping = True
                 else:  # "gone"
                     self._gone = True
                 self._cv.notify()
-            if kind != "call":
+            if kind not in ("call", "calls"):
                 return
 
     def _side(self, call_id: int, method: str, args: tuple[Any, ...]) -> None:

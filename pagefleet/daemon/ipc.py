@@ -11,6 +11,8 @@ Messages are plain tuples; the first element says what it is:
 HTTP -> engine
     ("call", call_id | None, method, args)   run on the engine thread between steps;
                                             call_id None: fire and forget
+    ("calls", [(call_id | None, method, args)])  several calls made in one turn of the
+                                            HTTP process's event loop, run in order
     ("side", call_id, method, args)          run off the engine thread at once (reads of
                                             exported KV blocks: a pull never waits a step)
     ("stop",)                                finish the current step and exit 0

@@ -80,6 +80,14 @@ async def test_engine_runs_in_another_process_and_errors_cross_the_wire():
         stats = await loop.stats()
         assert stats.num_free_blocks == stats.num_blocks
         assert stats.generation_tokens_total >= 5
+        # Calls made in one event-loop turn cross the pipe as one message, answered in full.
+        sent: list[tuple] = []
+        real_send = loop._send
+        loop._send = lambda msg: (sent.append(msg), real_send(msg))[1]  # type: ignore[method-assign]
+        many = await asyncio.gather(*(loop.stats() for _ in range(8)))
+        loop._send = real_send  # type: ignore[method-assign]
+        assert [m[0] for m in sent] == ["calls"] and len(sent[0][1]) == 8
+        assert all(m.num_blocks == stats.num_blocks for m in many)
 
 
 async def test_killed_engine_process_ends_streams_and_the_daemon_exits_nonzero(tmp_path):
