@@ -170,10 +170,13 @@ class Result:
         }
 
 
-async def _stream(s: aiohttp.ClientSession, url: str, body: dict) -> tuple[float, list[float]]:
-    """POST a streaming completion; (ttft, token arrival times)."""
+async def _stream(
+    s: aiohttp.ClientSession, url: str, body: dict, times: list[float] | None = None
+) -> tuple[float, list[float]]:
+    """POST a streaming completion; (ttft, token arrival times). Arrival times are
+    appended to ``times`` as they come (kept when the caller cancels mid-stream)."""
     t0 = time.perf_counter()
-    times: list[float] = []
+    times = [] if times is None else times
     async with s.post(url + "/v1/completions", json={**body, "stream": True}) as r:
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
@@ -200,7 +203,7 @@ async def _run_fleet(
     t0 = time.perf_counter()
     res = Result()
     rng = random.Random(args.seed)
-    done = asyncio.Event()  # the last long prompt was answered: the chats stop
+    done = asyncio.Event()  # the last long prompt was answered: no new chat requests
     timeout = aiohttp.ClientTimeout(total=600)
 
     async def chat(i: int) -> None:
@@ -210,12 +213,14 @@ async def _run_fleet(
                 prompt = [crng.randrange(5, vocab) for _ in range(32)]
                 body = {"model": MODEL, "prompt": prompt, "max_tokens": args.chat_tokens,
                         "temperature": 0.0, "ignore_eos": True, "logprobs": 0}  # fmt: skip
+                times: list[float] = []
                 try:
-                    _, times = await _stream(s, url, body)
+                    await _stream(s, url, body, times)
                 except Exception:
                     res.errors += 1
                     continue
-                res.itl.extend(b - a for a, b in itertools.pairwise(times))
+                finally:  # cancelled mid-stream at the end: its gaps so far count too
+                    res.itl.extend(b - a for a, b in itertools.pairwise(times))
 
     async def long_prompts() -> None:
         async with aiohttp.ClientSession(timeout=timeout) as s:
@@ -238,7 +243,15 @@ async def _run_fleet(
             await asyncio.gather(*tasks)
         done.set()
 
-    await asyncio.gather(*(chat(i) for i in range(args.chats)), long_prompts())
+    # The chats stop when the last long prompt is answered, mid-stream: a chat request
+    # still running then would add seconds of gaps that no long prompt overlaps.
+    chats = [asyncio.create_task(chat(i)) for i in range(args.chats)]
+    try:
+        await long_prompts()
+    finally:
+        for t in chats:
+            t.cancel()
+        await asyncio.gather(*chats, return_exceptions=True)
     res.wall_s = time.perf_counter() - t0
     res.busy = [
         (_cpu_seconds(p.popen.pid) - c) / res.wall_s for p, c in zip(daemons, cpu0, strict=True)
