@@ -39,6 +39,7 @@ from pagefleet.operator.hardening import (
     container_security_context,
     cpu_thread_env,
     default_resources,
+    kv_stage_volume,
     pod_security_context,
     writable_volumes,
 )
@@ -390,6 +391,9 @@ def build_role(
     """Deployment + headless Service of one daemon role."""
     names = Names(owner.name, owner.namespace)
     volumes, mounts = _volumes(spec, names)
+    if role in ("prefill", "decode"):
+        stage_volume, stage_mount = kv_stage_volume()
+        volumes, mounts = [*volumes, stage_volume], [*mounts, stage_mount]
     env = (
         _common_env(spec)
         + _daemon_secret_env(spec)

@@ -70,6 +70,22 @@ def writable_volumes() -> tuple[list[Manifest], list[Manifest]]:
     return volumes, mounts
 
 
+# P/D daemons stage a prompt's KV in shared memory between their HTTP and engine processes
+# (daemon --kv-stage-dir, default /dev/shm; pagefleet/daemon/kv_stage.py). A container's
+# own /dev/shm is 64 MB, less than one long prompt's KV on most models, which would send
+# every transfer through the engine pipe instead. Memory-backed: it counts against the
+# pod's memory limit, so it is capped.
+KV_STAGE_MOUNT = "/dev/shm"
+KV_STAGE_SIZE_LIMIT = "1Gi"
+
+
+def kv_stage_volume() -> tuple[Manifest, Manifest]:
+    """The memory-backed emptyDir and its mount at /dev/shm for a prefill or decode pod."""
+    limit = KV_STAGE_SIZE_LIMIT
+    volume = {"name": "kv-stage", "emptyDir": {"medium": "Memory", "sizeLimit": limit}}
+    return volume, {"name": "kv-stage", "mountPath": KV_STAGE_MOUNT}
+
+
 def cache_env() -> list[Manifest]:
     """Point every cache the processes may write (tiny presets, Hugging Face, Triton and
     torch compile caches) into the writable cache volume instead of $HOME."""

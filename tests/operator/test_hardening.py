@@ -49,9 +49,15 @@ def test_every_pod_runs_non_root_read_only_without_capabilities_or_token(pd_spec
         env = {e["name"]: e.get("value") for e in c["env"]}
         assert env["PAGEFLEET_CACHE"] == env["XDG_CACHE_HOME"] == "/var/cache/pagefleet"
         assert env["TRITON_CACHE_DIR"].startswith("/var/cache/pagefleet/")
+        # P/D daemons stage KV in a memory-backed, capped /dev/shm; the gateway does not.
+        if name == "llama-gateway":
+            assert "/dev/shm" not in mounts
+        else:
+            shm = vols[mounts["/dev/shm"]]["emptyDir"]
+            assert shm["medium"] == "Memory" and shm["sizeLimit"], name
         # Every other mount is read-only.
         for m in c["volumeMounts"]:
-            if m["mountPath"] not in ("/tmp", "/var/cache/pagefleet"):
+            if m["mountPath"] not in ("/tmp", "/var/cache/pagefleet", "/dev/shm"):
                 assert m["readOnly"] is True, (name, m)
 
 
