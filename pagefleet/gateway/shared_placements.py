@@ -15,7 +15,8 @@ one message per request). So the lookup stays one Redis round trip, and sharing 
 PUBLISH per request in a background pipeline.
 
 Invariant: sharing never fails a request. A Redis error (down, or an ACL user without
-pub/sub rights) logs once and the replica routes on its own memory, as without sharing.
+pub/sub rights) pauses it with one warning per outage, the replica routes on its own
+memory as without sharing, and it retries every ``retry_s`` (a restarted Redis resumes it).
 """
 
 from __future__ import annotations
@@ -64,11 +65,13 @@ class SharedPlacements:
         channel: str,
         memory: PlacementMemory,
         horizon_s: float = 10.0,
+        retry_s: float = 5.0,
     ) -> None:
         self.client = client
         self.channel = channel
         self.memory = memory
         self.horizon_s = horizon_s
+        self.retry_s = retry_s
         self.replica = uuid.uuid4().bytes
         self.received = 0  # other replicas' placements folded in
         self._out: list[bytes] = []
@@ -101,17 +104,25 @@ class SharedPlacements:
                 await t
         self._tasks = []
 
-    def _give_up(self, what: str, exc: BaseException) -> None:
+    def _failed(self, what: str, exc: BaseException) -> None:
+        """Stop sharing until the next success (one warning per outage)."""
         if not self._broken:
             logger.warning(
-                "sharing placements with other gateway replicas stopped (%s failed: %s: %s); "
-                "this replica routes on its own placements and the index",
+                "sharing placements with other gateway replicas paused (%s failed: %s: %s); "
+                "this replica routes on its own placements and the index, retrying every "
+                "%.0f s",
                 what,
                 type(exc).__name__,
                 exc,
+                self.retry_s,
             )
         self._broken = True
         self._out.clear()
+
+    def _recovered(self) -> None:
+        if self._broken:
+            logger.info("sharing placements with other gateway replicas resumed")
+        self._broken = False
 
     async def _publish(self) -> None:
         while True:
@@ -128,38 +139,37 @@ class SharedPlacements:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                self._give_up("publish", exc)
-                return
+                self._failed("publish", exc)
+                await asyncio.sleep(self.retry_s)
+                self._broken = False  # publish again; the next failure warns again
+                continue
 
     async def _listen(self) -> None:
-        try:
+        while True:
             pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-            await pubsub.subscribe(self.channel)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            self._give_up("subscribe", exc)
-            self._subscribed.set()
-            return
-        self._subscribed.set()
-        try:
-            while True:
-                msg = await pubsub.get_message(timeout=1.0)
-                if msg is None or msg.get("type") != "message":
-                    continue
-                try:
-                    replica, pod, keys = decode(msg["data"])
-                except (ValueError, UnicodeDecodeError, struct.error) as exc:
-                    logger.debug("ignoring a malformed placement message: %s", exc)
-                    continue
-                if replica == self.replica:
-                    continue
-                self.memory.remember(keys, pod, self.memory.clock() + self.horizon_s)
-                self.received += 1
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            self._give_up("listen", exc)
-        finally:
-            with contextlib.suppress(Exception):
-                await pubsub.aclose()
+            try:
+                await pubsub.subscribe(self.channel)
+                self._recovered()
+                self._subscribed.set()
+                while True:
+                    msg = await pubsub.get_message(timeout=1.0)
+                    if msg is None or msg.get("type") != "message":
+                        continue
+                    try:
+                        replica, pod, keys = decode(msg["data"])
+                    except (ValueError, UnicodeDecodeError, struct.error) as exc:
+                        logger.debug("ignoring a malformed placement message: %s", exc)
+                        continue
+                    if replica == self.replica:
+                        continue
+                    self.memory.remember(keys, pod, self.memory.clock() + self.horizon_s)
+                    self.received += 1
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._failed("subscribe", exc)
+                self._subscribed.set()  # start() waits no longer
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+            await asyncio.sleep(self.retry_s)

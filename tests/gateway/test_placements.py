@@ -406,3 +406,55 @@ async def test_replicas_share_a_burst_split_between_them(redis_url: str) -> None
             for r in alone:
                 await r.close()
     assert spread_alone >= 2  # the measured failure sharing fixes
+
+
+async def test_sharing_pauses_while_redis_is_down_and_resumes_after() -> None:
+    """Redis stops: placements keep being taken (never an error on the request path), the
+    replica routes alone; Redis comes back at the same address: sharing resumes."""
+    from pagefleet.gateway.shared_placements import SharedPlacements
+    from pagefleet.kvindex.redis_index import RedisKVIndex
+
+    server = LocalRedis()
+    url = server.start()
+    port = server.port
+    ns = NS + uuid.uuid4().hex[:8]
+    rs: list[Router] = []
+    try:
+        for i in range(2):
+            index = RedisKVIndex.from_url(url, namespace=ns)
+            r = Router(
+                discovery=StaticDiscovery(URLS), policy=make_policy("cache_aware"),
+                index=index, block_size=BS, kv_namespace=NS, seed=i,
+            )  # fmt: skip
+            r.shared = SharedPlacements(
+                index.client, index.prefix + "placements", r.placements, retry_s=0.2
+            )
+            await r.start()
+            rs.append(r)
+
+        async def heard(n: int) -> bool:
+            for _ in range(300):
+                if rs[1].shared is not None and rs[1].shared.received >= n:
+                    return True
+                await asyncio.sleep(0.01)
+            return False
+
+        keys = block_hashes(_prompt(500, 8 * BS), BS, NS)
+        rs[0].acquire(EPS[0], keys)
+        assert await heard(1)
+        server.stop()
+        rs[0].acquire(EPS[1], keys)  # Redis down: no error, nothing shared
+        d = await rs[1].route(_prompt(501, 8 * BS))  # routing goes on (load only)
+        assert d.ranked and not d.index_ok
+        server = LocalRedis(port=port)
+        server.start()
+        await asyncio.sleep(0.5)  # past a retry
+        for _ in range(50):  # until both loops are back (subscribe, then publish)
+            rs[0].acquire(EPS[2], keys)
+            if await heard(2):
+                break
+        assert rs[1].placements.lookup(keys).get(EPS[2].pod) == 8
+    finally:
+        for r in rs:
+            await r.close()
+        server.stop()
