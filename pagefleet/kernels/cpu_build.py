@@ -33,6 +33,9 @@ FLAGS = (
     "-shared",
     "-fPIC",
     "-std=c++17",
+) + (
+    # 512-bit vectors where the CPU has them (gcc defaults to 256 on AVX-512 parts): ~5%.
+    ("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()
 )
 BUILD_TIMEOUT_S = 300
 

@@ -111,8 +111,20 @@ void attend_item(const Item& it, const float* q, const T* kc, const T* vc,
     const T* vb = vc + base;
     const int tok0 = b * bs;
     const int n_tok = ctx_max - tok0 < bs ? ctx_max - tok0 : bs;
+    // Prefetch the next block while this one is scored: blocks are scattered in the pool,
+    // so the hardware prefetcher loses the stream at every block edge (~15% measured).
+    const bool more = b + 1 < n_blocks;
+    const int64_t next = more ? static_cast<int64_t>(table[b + 1]) * bs * tok_stride : 0;
     for (int t = 0; t < n_tok; ++t) {
       const T* kt = kb + t * tok_stride;
+      if (more) {
+        const char* pk = reinterpret_cast<const char*>(kc + next + t * tok_stride);
+        const char* pv = reinterpret_cast<const char*>(vc + next + t * tok_stride);
+        for (int64_t off = 0; off < tok_stride * static_cast<int64_t>(sizeof(T)); off += 64) {
+          __builtin_prefetch(pk + off);
+          __builtin_prefetch(pv + off);
+        }
+      }
       for (int m = 0; m < m_count; ++m) {
         const T* km = kt + koff[m];
         const float* qm = qv[m];
@@ -144,16 +156,22 @@ void attend_item(const Item& it, const float* q, const T* kc, const T* vc,
         for (int i = 0; i < d; ++i) acc[m][i] *= alpha;
       }
     }
-    for (int t = 0; t < n_tok; ++t) {
-      const T* vt = vb + t * tok_stride;
-      for (int m = 0; m < m_count; ++m) {
-        if (ctx[m] - tok0 <= t) continue;
-        const T* vm = vt + koff[m];
+    for (int m = 0; m < m_count; ++m) {
+      int valid = ctx[m] - tok0;
+      if (valid <= 0) continue;
+      if (valid > n_tok) valid = n_tok;
+      // V rows of this vector's head, accumulated in a local copy the compiler keeps in
+      // registers across the block's tokens.
+      const T* vm = vb + koff[m];
+      alignas(64) float a[kD];
+      for (int i = 0; i < d; ++i) a[i] = acc[m][i];
+      for (int t = 0; t < valid; ++t) {
         const float p = s[m][t];
-        float* am = acc[m];
+        const T* vt = vm + t * tok_stride;
 #pragma omp simd
-        for (int i = 0; i < d; ++i) am[i] += p * load(vm, i);
+        for (int i = 0; i < d; ++i) a[i] += p * load(vt, i);
       }
+      for (int i = 0; i < d; ++i) acc[m][i] = a[i];
     }
   }
   for (int m = 0; m < m_count; ++m) {
