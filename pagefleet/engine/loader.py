@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from pagefleet.engine.cpu_layout import column_major_linear_weights
 from pagefleet.engine.model_config import ModelConfig, resolve_dtype
 from pagefleet.engine.models import CausalLM, get_model_class
 from pagefleet.gguf_tokenizer import find_gguf_file
@@ -135,6 +136,8 @@ def load_model(
             "Is the download complete and does the config belong to these weights?"
         )
     model.eval()
+    if target.type == "cpu":
+        column_major_linear_weights(model)  # faster small-row GEMMs (cpu_layout.py)
     logger.info(
         "loaded %s (%d layers, hidden %d) from %s as %s on %s",
         config.architecture,
