@@ -9,7 +9,8 @@ ModelRunner, the backend from ``get_backend``, scheduler, sampler, LLMEngine.
 Workload per batch size B: B prompts of ``--prompt-len`` random token ids, all added at
 once, greedy, ``ignore_eos``, ``--max-tokens`` each. Figure: output tokens / wall seconds
 (prefill included), plus the mean decode-step time. Baseline in the same process: the
-torch attention backend on the same model and workload (``--baseline``).
+torch attention backend on the same model and workload (``--baseline``; on CPU the default
+backend is the compiled ``cpu`` kernel).
 
     python bench/engine_e2e.py --device cuda --shape llama3-8b --batches 1 32 128
     python bench/engine_e2e.py --quick          # CPU, tiny shape: exercises the harness
@@ -215,7 +216,7 @@ def main() -> None:
     batches = args.batches or ([1, 4] if quick else [1, 32, 128])
     prompt_len = args.prompt_len or (32 if quick else 128)
     max_tokens = args.max_tokens or (8 if quick else 128)
-    primary = args.backend or ("triton" if device == "cuda" else "torch")
+    primary = args.backend or ("triton" if device == "cuda" else "cpu")
     # (backend, CUDA graphs): eager first, then the same backend with graphs, then torch.
     runs = [(primary, False)] + ([(primary, True)] if args.cuda_graphs else [])
     runs += [("torch", False)] if args.baseline and primary != "torch" else []

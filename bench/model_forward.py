@@ -29,6 +29,8 @@ import torch
 # The shape bench/throughput.py uses: big enough that compute matters, small for 2 cores.
 from bench_models import LLAMA_4x512
 
+from pagefleet.kernels.torch_ref import rotate_half
+
 
 class NoAttention:
     """Stands in for the backend to measure everything but attention."""
@@ -37,6 +39,9 @@ class NoAttention:
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):  # type: ignore[no-untyped-def]
         return q.clone()
+
+    def rotate_half(self, x, cos, sin):  # type: ignore[no-untyped-def]
+        return rotate_half(x, cos, sin)  # RoPE is the model's work, not attention's
 
 
 def main() -> None:

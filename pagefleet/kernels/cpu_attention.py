@@ -18,7 +18,13 @@ from dataclasses import dataclass
 import torch
 
 from pagefleet.kernels.metadata import AttentionMetadata
-from pagefleet.kernels.torch_ref import copy_blocks, paged_attention, prefill_rows, store_kv
+from pagefleet.kernels.torch_ref import (
+    copy_blocks,
+    paged_attention,
+    prefill_rows,
+    rotate_half,
+    store_kv,
+)
 
 LIBRARY = "paged_attention_cpu"
 # Chunks longer than this go to torch's SDPA, which multiplies q and K as matrices: measured
@@ -36,6 +42,12 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     fn.argtypes = [
         _c_ptr, _c_i64, _c_ptr, _c_ptr, _c_int, _c_ptr, _c_int, _c_ptr, _c_ptr, _c_int,
         _c_ptr, _c_i64, _c_int, _c_int, _c_int, _c_int, ctypes.c_float, _c_int, _c_int,
+    ]  # fmt: skip
+    lib.pf_rope_neox.restype = None
+    lib.pf_rope_neox.argtypes = [_c_ptr, _c_i64, _c_i64, _c_int, _c_int, _c_ptr, _c_ptr]
+    lib.pf_store_kv.restype = None
+    lib.pf_store_kv.argtypes = [
+        _c_ptr, _c_i64, _c_ptr, _c_i64, _c_ptr, _c_i64, _c_i64, _c_int, _c_ptr, _c_ptr,
     ]  # fmt: skip
     for name in ("pf_max_block_size", "pf_max_group", "pf_max_head_dim"):
         getattr(lib, name).restype = _c_int
@@ -144,6 +156,64 @@ class CpuAttentionBackend:
             prefill_rows(q, k_cache, v_cache, meta, scale, out, args.long_seqs)
         return out if q.dtype == torch.float32 else out.to(q.dtype)
 
+    def rotate_half(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE in place for fp32 CPU heads (bit-identical to ``torch_ref.rotate_half``: no
+        fused multiply-add), else the torch ops. Replaces ~6 elementwise torch calls a layer."""
+        t, h, d = x.shape
+        if not (
+            x.device.type == "cpu"
+            and x.dtype == torch.float32 == cos.dtype == sin.dtype
+            and x.stride(2) == 1
+            and x.stride(1) == d
+            and d % 2 == 0
+            and cos.shape == sin.shape == (t, 1, d)
+            and cos.is_contiguous()
+            and sin.is_contiguous()
+        ):
+            return rotate_half(x, cos, sin)
+        if t:
+            self._lib.pf_rope_neox(
+                x.data_ptr(), x.stride(0), t, h, d, cos.data_ptr(), sin.data_ptr()
+            )
+        return x
+
+    def store(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """``torch_ref.store_kv`` as one C call when the rows already have the pool's dtype."""
+        t, hkv, d = k.shape
+        if not (
+            k_cache.device.type == "cpu"
+            and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
+            and k_cache.is_contiguous()
+            and v_cache.is_contiguous()
+            and k.stride(2) == v.stride(2) == 1
+            and k.stride(1) == v.stride(1) == d
+            and tuple(k_cache.shape[2:]) == (hkv, d)
+            and slot_mapping.dtype == torch.int64
+            and slot_mapping.is_contiguous()
+            and slot_mapping.device.type == "cpu"
+        ):
+            store_kv(k, v, k_cache, v_cache, slot_mapping)
+            return
+        self._lib.pf_store_kv(
+            k.data_ptr(),
+            k.stride(0),
+            v.data_ptr(),
+            v.stride(0),
+            slot_mapping.data_ptr(),
+            t,
+            hkv * d,
+            k.element_size(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+        )
+
     def forward(
         self,
         q: torch.Tensor,
@@ -154,7 +224,7 @@ class CpuAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        self.store(k, v, k_cache, v_cache, meta.slot_mapping)
         return self.attend(q, k_cache, v_cache, meta, scale)
 
     def copy_blocks(

@@ -56,9 +56,16 @@ class AttentionBackend(Protocol):
     ``forward`` shapes: q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` (Hq % Hkv == 0), caches as in
     the module docstring; returns ``[T, Hq, D]`` in q's dtype.
     ``copy_blocks`` copies whole blocks ``src[j] -> dst[j]`` in every layer (copy-on-write).
+    ``rotate_half`` applies RoPE (rotate-half layout) to heads ``x [T, H, D]`` with tables
+    ``[T, 1, D]``, bit-identical to ``torch_ref.rotate_half``; it may rotate ``x`` in place
+    and return it (the caller no longer needs the unrotated values).
     """
 
     name: str
+
+    def rotate_half(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor: ...
 
     def forward(
         self,

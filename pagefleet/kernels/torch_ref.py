@@ -32,6 +32,14 @@ def store_kv(
         vf[slots] = v[valid].to(v_cache.dtype)
 
 
+def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in the rotate-half (NeoX) layout: ``x * cos + rotate_half(x) * sin`` for heads
+    ``x [T, H, D]`` with per-token tables ``cos``/``sin`` ``[T, 1, D]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
 def copy_blocks(
     k_caches: list[torch.Tensor],
     v_caches: list[torch.Tensor],
@@ -181,6 +189,9 @@ class TorchAttentionBackend:
     """The reference backend: runs anywhere torch runs."""
 
     name = "torch"
+
+    def rotate_half(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return rotate_half(x, cos, sin)
 
     def forward(
         self,

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagefleet.kernels import torch_ref
 from pagefleet.kernels.metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
@@ -752,6 +753,9 @@ class TritonAttentionBackend:
         dst: torch.Tensor,
     ) -> None:
         copy_blocks(k_caches, v_caches, src, dst)
+
+    def rotate_half(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return torch_ref.rotate_half(x, cos, sin)
 
 
 def attention_flops(query_lens: list[int], seq_lens: list[int], num_q_heads: int, d: int) -> int:

@@ -17,7 +17,12 @@ from pagefleet.kernels.cpu_attention import (
 )
 from pagefleet.kernels.cpu_build import load_library
 from pagefleet.kernels.metadata import AttentionMetadata
-from pagefleet.kernels.torch_ref import TorchAttentionBackend, paged_attention
+from pagefleet.kernels.torch_ref import (
+    TorchAttentionBackend,
+    paged_attention,
+    rotate_half,
+    store_kv,
+)
 
 
 @pytest.fixture(scope="module")
@@ -154,3 +159,36 @@ def test_uncovered_dtype_goes_to_the_torch_path(backend):
     assert not backend.covers(q, k_cache)
     out = backend.attend(q, k_cache, v_cache, meta, 0.25)
     assert torch.equal(out, paged_attention(q, k_cache, v_cache, meta, 0.25))
+
+
+def test_rope_in_place_is_bit_identical_to_torch(backend):
+    """RoPE is computed without fused multiply-adds, so the C path equals torch's ops
+    exactly, on the model's strided q/k view into the fused qkv projection."""
+    gen = torch.Generator().manual_seed(9)
+    t, hq, hkv, d = 37, 6, 2, 16
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=gen) * 3
+    qk = qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d)
+    cos, sin = (torch.randn(t, d, generator=gen).unsqueeze(1) for _ in range(2))
+    want = rotate_half(qk.clone(), cos, sin)
+    v_before = qkv[:, (hq + hkv) * d :].clone()
+    got = backend.rotate_half(qk, cos, sin)
+    assert got.data_ptr() == qk.data_ptr()  # in place
+    assert torch.equal(got, want)
+    assert torch.equal(qkv[:, (hq + hkv) * d :], v_before)  # v untouched
+    # bf16 heads take the torch ops (and give their result).
+    xb = torch.randn(5, 2, 8, generator=gen).bfloat16()
+    cb, sb = (torch.randn(5, 1, 8, generator=gen).bfloat16() for _ in range(2))
+    assert torch.equal(backend.rotate_half(xb, cb, sb), rotate_half(xb, cb, sb))
+
+
+def test_store_writes_the_slots_torch_writes(backend):
+    gen = torch.Generator().manual_seed(4)
+    t, hkv, d, bs = 9, 2, 8, 4
+    kv = torch.randn(t, 3 * hkv * d, generator=gen)
+    k, v = kv[:, : hkv * d].view(t, hkv, d), kv[:, 2 * hkv * d :].view(t, hkv, d)
+    slots = torch.tensor([3, 17, -1, 0, 63, 8, -1, 40, 41])
+    pools = [torch.randn(16, bs, hkv, d, generator=gen) for _ in range(2)]
+    ref = [p.clone() for p in pools]
+    backend.store(k, v, pools[0], pools[1], slots)
+    store_kv(k, v, ref[0], ref[1], slots)
+    assert torch.equal(pools[0], ref[0]) and torch.equal(pools[1], ref[1])

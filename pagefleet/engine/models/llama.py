@@ -132,18 +132,6 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
 
-def rotate_half_rope(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
-    """Rotate heads ``x [T, H, D]`` by their tokens' positions (rotate-half layout)."""
-    cos, sin = rope
-    return _rotate(x, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -182,8 +170,9 @@ class LlamaAttention(nn.Module):
             qk = torch.cat([self.q_norm(q.view(t, hq, d)), self.k_norm(k.view(t, hkv, d))], 1)
         else:
             qk = qkv[:, : self.q_size + self.kv_size].view(t, hq + hkv, d)
-        # q and k heads rotate together: one pass of the elementwise ops instead of two.
-        qk = rotate_half_rope(qk, rope)
+        # q and k heads rotate together, through the backend (the CPU one does it in place
+        # in one C call; every backend matches torch_ref.rotate_half bit for bit).
+        qk = backend.rotate_half(qk, *rope)
         q, k = qk.split([hq, hkv], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(t, hkv, d)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)

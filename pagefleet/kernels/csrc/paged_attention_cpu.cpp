@@ -221,9 +221,56 @@ int dispatch(const std::vector<Item>& items, const float* q, const T* kc, const 
 #undef PF_CASE
 }
 
+// RoPE, rotate-half (NeoX) layout, in place: row r, head h of x becomes
+// x * cos[r] + rotate_half(x) * sin[r]. Products and sum are rounded separately (no fused
+// multiply-add), as torch's elementwise ops do, so results are bit-identical to them.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+void rope_neox(float* x, int64_t row_stride, int64_t rows, int heads, int d, const float* cos,
+               const float* sin) {
+  const int half = d / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* c = cos + r * d;
+    const float* s = sin + r * d;
+    for (int h = 0; h < heads; ++h) {
+      float* p = x + r * row_stride + static_cast<int64_t>(h) * d;
+      for (int i = 0; i < half; ++i) {
+        const float a = p[i], b = p[i + half];
+        const float lo_c = a * c[i], lo_s = -b * s[i];
+        const float hi_c = b * c[i + half], hi_s = a * s[i + half];
+        p[i] = lo_c + lo_s;
+        p[i + half] = hi_c + hi_s;
+      }
+    }
+  }
+}
+#pragma GCC pop_options
+
 }  // namespace
 
 extern "C" {
+
+// In-place RoPE of x [rows, heads, d] (heads x d contiguous within a row, rows row_stride
+// apart) with per-row tables cos/sin [rows, d], all fp32. d must be even.
+void pf_rope_neox(float* x, int64_t row_stride, int64_t rows, int heads, int d,
+                  const float* cos, const float* sin) {
+  rope_neox(x, row_stride, rows, heads, d, cos, sin);
+}
+
+// Copy row t of k and v (row_elems elements each, rows k_row_stride / v_row_stride apart)
+// into flat slot slots[t] of the caches (slot_stride = row_elems); slot -1 is skipped.
+// elem_bytes: 4 (fp32) or 2 (bf16/fp16), the same for the rows and the caches.
+void pf_store_kv(const char* k, int64_t k_row_stride, const char* v, int64_t v_row_stride,
+                 const int64_t* slots, int64_t rows, int64_t row_elems, int elem_bytes,
+                 char* k_cache, char* v_cache) {
+  const int64_t row_bytes = row_elems * elem_bytes;
+  for (int64_t t = 0; t < rows; ++t) {
+    const int64_t slot = slots[t];
+    if (slot < 0) continue;
+    std::memcpy(k_cache + slot * row_bytes, k + t * k_row_stride * elem_bytes, row_bytes);
+    std::memcpy(v_cache + slot * row_bytes, v + t * v_row_stride * elem_bytes, row_bytes);
+  }
+}
 
 // The limits a caller must respect (else pf_paged_attention returns non-zero).
 int pf_max_block_size() { return kMaxBlock; }
