@@ -9,6 +9,9 @@
    removed one drains (finishes what it holds) before it stops costing.
 3. The trace: a daily curve (night trough, midday peak) compressed to the run length, plus
    bursts, Poisson arrivals, mixed prompt/output lengths; the same trace for every policy.
+   ``--trace azure-conv``: a published shape instead (Gamma arrivals, prompt and output
+   lengths measured on the Azure LLM inference trace 2023, see AZURE_CONV_*).
+   ``--day-seconds``: a longer (less compressed) day, same start-up, windows and bursts.
 4. Policies: static at peak (fewest replicas that hold the SLO all day, found by search),
    static at mean, an HPA-like policy (utilisation = seated+queued / max_num_seqs, target
    70%, the HPA's ratio rule with its 10% tolerance and a scale-down stabilization window),
@@ -18,7 +21,10 @@
 
 SLO attainment = share of requests whose TTFT and TPOT both met the targets (a request
 still unserved when the run ends counts as a miss). Replica-hours include starting and
-draining replicas.
+draining replicas. An oracle (the fewest whole replicas at every second at the capacity
+the static-peak fleet has at the SLO) bounds them from below, and a ledger books where the
+planner's replica-hours above the oracle go and which fleet each missed request met
+(``planner_breakdown_replica_hours``, ``planner_misses_by_fleet``).
 
     python bench/autoscale.py --quick     # < 60 s
     python bench/autoscale.py             # a longer day
