@@ -455,7 +455,8 @@ async def main(args: argparse.Namespace) -> dict:
         # The pulls of the idle prompts alone (the P/D fleet ran them one at a time).
         _, _, pulls2, mean2 = await _transfer_stats(daemons["pd"][1].url)
         n_idle = pulls2 - pulls
-        idle_pull_ms = (mean2 * pulls2 - mean_ms * pulls) / n_idle if n_idle else float("nan")
+        secs_before = mean_ms * pulls if pulls else 0.0  # mean is NaN with no pulls yet
+        idle_pull_ms = (mean2 * pulls2 - secs_before) / n_idle if n_idle else float("nan")
         await _reset_caches(procs_of(daemons))
         print(
             f"idle long-prompt TTFT p50: unified {_pct(idle['unified'], 0.5) * 1e3:.1f} ms, "
