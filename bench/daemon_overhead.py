@@ -224,9 +224,10 @@ async def run_rounds(
     return out
 
 
-# Output tokens per request: enough for seconds-long runs on each model (tiny ~4k tok/s,
-# the 4x512 bench model ~0.5k tok/s on this VM), short enough for --quick under 60 s.
-TOKENS = {"tiny": (64, 256), "bench": (16, 64)}
+# Output tokens per request (--quick, full): enough for runs of seconds on each model (tiny
+# ~6-8k tok/s with the compiled CPU attention, the 4x512 bench model ~0.6k tok/s on this
+# VM), few enough for --quick under 60 s; prompts (<= 96) + outputs stay within 512.
+TOKENS = {"tiny": (192, 384), "bench": (32, 96)}
 
 
 def main() -> None:

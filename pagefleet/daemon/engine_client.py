@@ -85,6 +85,7 @@ class EngineClient:
         self._texts: dict[str, RequestText] = {}
         self._outbox: list[tuple[Any, ...]] = []  # calls of this event-loop turn, unsent
         self.hung_reason: str | None = None  # set when the watchdog found it hung
+        self.wire_error: str | None = None  # set when a message from it could not be read
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -395,6 +396,15 @@ class EngineClient:
                 msg = ipc.loads(self._conn.recv_bytes())
             except (EOFError, OSError):
                 break
+            except Exception as exc:
+                # A message this process cannot read (e.g. the engine process runs other
+                # code than this one, after a partial upgrade): without this thread nothing
+                # more arrives, so end the engine and take the death path, loudly.
+                logger.error("cannot read the engine process's message (%r); stopping it", exc)
+                self.wire_error = f"it sent a message this process cannot read: {exc!r}"
+                with contextlib.suppress(OSError, ValueError, AttributeError):
+                    self._proc.kill()
+                break
             self._silence.heard(time.monotonic())
             if not self._hand_over(self._dispatch, msg):
                 return
@@ -462,9 +472,10 @@ class EngineClient:
         """The pipe closed: the engine process exited (stopped, crashed, or was killed)."""
         was_dead = self.dead
         self.dead = True
+        why = f"; {self.wire_error}" if self.wire_error else ""
         err = EngineDeadError(
             "the engine stopped" if self._stopping
-            else f"the engine process died (exit code {self.exitcode})"
+            else f"the engine process died (exit code {self.exitcode}){why}"
         )  # fmt: skip
         for stream in self._streams.values():
             stream.queue.put_nowait(err)

@@ -21,6 +21,7 @@ import time
 from dataclasses import fields
 
 import aiohttp
+import pytest
 
 from pagefleet.daemon import ipc
 from pagefleet.daemon.config import DaemonConfig
@@ -276,3 +277,21 @@ async def test_text_made_in_the_http_process_matches_the_engines_own(monkeypatch
                     assert want_reasons == ["stop"]  # the case really ends on its token
     # Every case but the stop-string one was decoded here, not in the engine.
     assert filled["requests"] >= 2 * (len(cases) - 1)
+
+
+async def test_a_message_the_http_process_cannot_read_ends_the_engine_not_the_wait():
+    """The engine process sends what this process cannot unpickle (code skew): the reader
+    stops the engine and loading fails with the cause, instead of waiting forever."""
+    from pagefleet.testing.engine_factories import unreadable_engine_factory
+
+    cfg = DaemonConfig(model="tiny", port=free_port(), num_gpu_blocks=32, max_model_len=128)
+    client = EngineClient(cfg, asyncio.get_running_loop(), factory=unreadable_engine_factory)
+    client.start()
+    try:
+        with pytest.raises(Exception, match="cannot read"):
+            await asyncio.wait_for(client.wait_loaded(), 60)
+        assert client.dead
+        await asyncio.sleep(0.5)
+        assert not client._proc.is_alive()
+    finally:
+        await asyncio.get_running_loop().run_in_executor(None, client.stop, 5.0)
