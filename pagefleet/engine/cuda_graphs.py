@@ -162,6 +162,12 @@ class DecodeGraphs:
         buffers hold padding meanwhile, so capturing stores nothing into the KV pool."""
         self._pad_from(0)
         pool: object = None
+        # As the steps that replay them run (ModelRunner.execute): no autograd records.
+        with torch.inference_mode():
+            self._capture_all(capture, pool)
+        logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+
+    def _capture_all(self, capture: Capture, pool: object) -> None:
         for size in reversed(self.sizes):
             meta = self.capture_meta(size)
 
@@ -173,7 +179,6 @@ class DecodeGraphs:
 
             replay, hidden, pool = capture(fn, pool)
             self._graphs[size] = _Captured(replay, hidden)
-        logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
     @property
     def captured(self) -> list[int]:
