@@ -176,7 +176,11 @@ async def serve(config: DaemonConfig) -> None:
     type=int,
     help="Requests that may wait beyond the running batch; past it, 429.",
 )
-@click.option("--attention-backend", default=None, help="torch | triton (default: by device).")
+@click.option(
+    "--attention-backend",
+    default=None,
+    help="cpu (compiled, the CPU default) | torch | triton (the CUDA default); default: by device.",
+)
 @click.option(
     "--drain-timeout",
     "drain_timeout_s",

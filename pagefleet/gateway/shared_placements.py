@@ -79,6 +79,7 @@ class SharedPlacements:
         self._tasks: list[asyncio.Task[None]] = []
         self._subscribed = asyncio.Event()
         self._broken = False
+        self._closing = False
 
     def sent(self, keys: Sequence[int], pod: str) -> None:
         """This replica sent a prompt with ``keys`` to ``pod`` (never blocks)."""
@@ -96,12 +97,22 @@ class SharedPlacements:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._subscribed.wait(), wait_s)
 
-    async def close(self) -> None:
+    async def close(self, wait_s: float = 3.0) -> None:
+        """Stop both loops within ``wait_s``. A cancel alone is not enough: redis-py's
+        ``get_message`` can swallow the CancelledError (seen: a gateway's cleanup waited on
+        it for minutes), so the listener also checks ``_closing`` after every read."""
+        self._closing = True
         for t in self._tasks:
             t.cancel()
+        if self._tasks:
+            _, pending = await asyncio.wait(self._tasks, timeout=wait_s)
+            for t in pending:
+                logger.warning(
+                    "placement-sharing task %s did not stop in %.0f s", t.get_name(), wait_s
+                )
         for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+            if t.done() and not t.cancelled():
+                t.exception()  # retrieved: a failure at shutdown is not worth a warning
         self._tasks = []
 
     def _failed(self, what: str, exc: BaseException) -> None:
@@ -145,13 +156,13 @@ class SharedPlacements:
                 continue
 
     async def _listen(self) -> None:
-        while True:
+        while not self._closing:
             pubsub = self.client.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(self.channel)
                 self._recovered()
                 self._subscribed.set()
-                while True:
+                while not self._closing:
                     msg = await pubsub.get_message(timeout=1.0)
                     if msg is None or msg.get("type") != "message":
                         continue
@@ -172,4 +183,5 @@ class SharedPlacements:
             finally:
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()
-            await asyncio.sleep(self.retry_s)
+            if not self._closing:
+                await asyncio.sleep(self.retry_s)

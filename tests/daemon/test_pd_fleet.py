@@ -352,12 +352,17 @@ async def test_prefill_pool_busy_per_its_heartbeat_means_local_prefill(fleet) ->
     gw, uni, direct = _client(url), _client(u.url), _client(p.url)
     busy: list[asyncio.Task] = []
     try:
-        # Other clients keep the prefill pod busy: long decodes sent to it directly.
-        for i in range(6):
-            busy.append(asyncio.create_task(direct.completions.create(
-                model=MODEL, prompt=f"{PROMPT} {i}", max_tokens=190, temperature=0,
-                extra_body={"ignore_eos": True},
-            )))  # fmt: skip
+        # Other clients keep the prefill pod busy: long decodes sent to it directly, each
+        # client sending its next as soon as one ends (a single round is over in well under
+        # a second with the compiled CPU attention, before the gateway had read a heartbeat).
+        async def keep_busy(i: int) -> None:
+            while True:
+                await direct.completions.create(
+                    model=MODEL, prompt=f"{PROMPT} {i}", max_tokens=190, temperature=0,
+                    extra_body={"ignore_eos": True},
+                )  # fmt: skip
+
+        busy.extend(asyncio.create_task(keep_busy(i)) for i in range(6))
         await _until(lambda: _loaded(fleet["redis"], p.daemon.config.pod, at_least=2))
         await asyncio.sleep(0.6)  # the gateway re-reads heartbeats every 0.25 s
         exported0 = await _metric(p.url, _OUTCOME, outcome="exported")
