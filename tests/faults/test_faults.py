@@ -254,7 +254,9 @@ async def test_sigkill_mid_stream_then_restart(fleet, references) -> None:
     back = Counter()
     async with aiohttp.ClientSession() as s:
         for i in range(30):
-            p = PROMPTS[2 + i % 6]
+            # Prompts new to both daemons: a repeated one is a cache hit on the survivor and
+            # rightly stays there, which says nothing about the restarted pod's re-admission.
+            p = f"After the restart, request {i}: " + PROMPTS[2 + i % 6]
             ref = await _reference(fleet, references, p, 4)
             o = await _one(s, fleet.gateway_url, p, 4, ref, False, 30)
             back[(o.kind, o.pod == victim_pod)] += 1
