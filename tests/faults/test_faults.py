@@ -251,6 +251,9 @@ async def test_sigkill_mid_stream_then_restart(fleet, references) -> None:
     others = [o for o in outs if o.pod != victim_pod]
     detect = max((o.t_end - t_kill for o in on_victim), default=0.0)
     recovery = _wait_healthy(fleet)  # the supervisor restarts it; the probes re-admit it
+    # A pod that failed requests is ranked last for the router's eject_s (5 s by default)
+    # after its last failure; 30 requests now take ~1 s, so wait that window out first.
+    await asyncio.sleep(6.0)
     back = Counter()
     async with aiohttp.ClientSession() as s:
         for i in range(30):
