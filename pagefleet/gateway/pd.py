@@ -127,51 +127,52 @@ class PDOrchestrator:
         """The body to send to the decode pool: with ``kv_transfer_params`` after a
         successful remote prefill (``params`` set: the caller must ``release_later`` it if
         no decode pod serves the request), else unchanged (local prefill)."""
-        body = await self._prepare(session, path, body, token_ids, decision, headers)
-        return body if isinstance(body, PDPrepared) else PDPrepared(body)
+        original, reason = self._eligible(body, token_ids, decision)
+        if original is not None and token_ids:
+            params, reason = await self._remote_prefill(session, path, original, token_ids, headers)
+            if params is not None:
+                original["kv_transfer_params"] = params
+                self._count("remote", "ok")
+                return PDPrepared(json.dumps(original, separators=(",", ":")).encode(), params)
+        self._count("local", reason)
+        return PDPrepared(body)
 
-    async def _prepare(
-        self,
-        session: aiohttp.ClientSession,
-        path: str,
-        body: bytes,
-        token_ids: list[int] | None,
-        decision: RoutingDecision,
-        headers: dict[str, str],
-    ) -> bytes | PDPrepared:
+    def _eligible(
+        self, body: bytes, token_ids: list[int] | None, decision: RoutingDecision
+    ) -> tuple[dict[str, Any] | None, str]:
+        """The parsed body when a remote prefill is worth trying, else None and why not."""
         if not token_ids:
-            self._count("local", "prompt_unknown")
-            return body
+            return None, "prompt_unknown"
         cached = decision.ranked[0].matched_tokens if decision.ranked else 0
         if len(token_ids) - cached < self.settings.min_uncached_tokens:
-            self._count("local", "short_uncached")
-            return body
+            return None, "short_uncached"
         try:
             original = json.loads(body)
         except ValueError:
-            self._count("local", "bad_body")
-            return body
+            return None, "bad_body"
         if not isinstance(original, dict) or "kv_transfer_params" in original:
-            self._count("local", "caller_params")
-            return body
+            return None, "caller_params"
+        return original, ""
+
+    async def _remote_prefill(
+        self,
+        session: aiohttp.ClientSession,
+        path: str,
+        original: dict[str, Any],
+        token_ids: list[int],
+        headers: dict[str, str],
+    ) -> tuple[dict[str, Any] | None, str]:
+        """The prefill pod's transfer params, or None and why the decode pod prefills."""
         pre = await self.prefill_router.route(token_ids)
         if not pre.ranked:
-            self._count("local", "no_prefill_pods")
-            return body
+            return None, "no_prefill_pods"
         ep = next(
             (s.endpoint for s in pre.ranked if s.queue < self.settings.max_prefill_inflight),
             None,
         )
         if ep is None:
-            self._count("local", "prefill_saturated")
-            return body
-        params = await self._prefill(session, ep, path, original, headers)
-        if params is None:
-            self._count("local", "prefill_failed")
-            return body
-        original["kv_transfer_params"] = params
-        self._count("remote", "ok")
-        return PDPrepared(json.dumps(original, separators=(",", ":")).encode(), params)
+            return None, "prefill_saturated"
+        return await self._prefill(session, ep, path, original, headers), "prefill_failed"
 
     def release_later(self, session: aiohttp.ClientSession, params: dict[str, Any]) -> None:
         """Free ``params``' handle on its prefill pod in the background: no decode pod will

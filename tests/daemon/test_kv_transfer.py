@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 from aiohttp import web
@@ -66,20 +68,38 @@ def _params(port: int, handle: str) -> KVTransferParams:
     )  # fmt: skip
 
 
+def _unified_tokens(prompt: list[int], params: SamplingParams) -> list[int]:
+    """What a unified engine generates for ``prompt``: the oracle for a pulled request."""
+    unified = _engine()
+    unified.add_request("u", prompt, params)
+    return drain(unified)["u"]
+
+
+@asynccontextmanager
+async def _pair(
+    prefill_metrics: KVTransferMetrics, decode_metrics: KVTransferMetrics | None = None
+) -> AsyncIterator[tuple[LLMEngine, LLMEngine, TcpKVTransfer, int]]:
+    """A prefill engine served on loopback, a decode engine and its pull client (closed,
+    the server stopped, on the way out)."""
+    prefill, decode = _engine(), _engine()
+    server, port = await _serve(prefill, prefill_metrics)
+    client = TcpKVTransfer(timeout_s=5.0, metrics=decode_metrics)
+    try:
+        yield prefill, decode, client, port
+    finally:
+        await client.close()
+        await server.cleanup()
+
+
 def test_pull_over_tcp_matches_unified_and_fails_cleanly() -> None:
     prompt = [(i * 7) % 200 + 5 for i in range(43)]
     params = SamplingParams(temperature=0.0, max_tokens=6)
-    unified = _engine()
-    unified.add_request("u", prompt, params)
-    want = drain(unified)["u"]
+    want = _unified_tokens(prompt, params)
 
     async def main() -> None:
-        prefill, decode = _engine(), _engine()
         preg, pm = _metrics()
         dreg, dm = _metrics()
-        server, port = await _serve(prefill, pm)
-        client = TcpKVTransfer(timeout_s=5.0, metrics=dm)
-        try:
+        async with _pair(pm, dm) as (prefill, decode, client, port):
             run_prefill(prefill, "h1", prompt)
             plan = decode.reserve_import("r1", prompt)
             assert plan is not None and plan.num_pull_blocks == 6  # positions 0..41
@@ -140,9 +160,6 @@ def test_pull_over_tcp_matches_unified_and_fails_cleanly() -> None:
             for e in (prefill, decode, qwen):
                 e.check_integrity()
                 assert e.kv.pool.num_referenced_blocks == 0
-        finally:
-            await client.close()
-            await server.cleanup()
 
     asyncio.run(main())
 
@@ -156,15 +173,10 @@ def test_pull_into_a_shared_memory_stage_and_stage_lifetime(tmp_path) -> None:
 
     prompt = [(i * 11) % 200 + 5 for i in range(43)]
     params = SamplingParams(temperature=0.0, max_tokens=6)
-    unified = _engine()
-    unified.add_request("u", prompt, params)
-    want = drain(unified)["u"]
+    want = _unified_tokens(prompt, params)
 
     async def main() -> None:
-        prefill, decode = _engine(), _engine()
-        server, port = await _serve(prefill, _metrics()[1])
-        client = TcpKVTransfer(timeout_s=5.0)
-        try:
+        async with _pair(_metrics()[1]) as (prefill, decode, client, port):
             run_prefill(prefill, "h1", prompt)
             plan = decode.reserve_import("r1", prompt)
             layout = decode.runner.kv_layout()
@@ -180,9 +192,6 @@ def test_pull_into_a_shared_memory_stage_and_stage_lifetime(tmp_path) -> None:
             stage.close()
             assert list(tmp_path.iterdir()) == [], "a closed stage leaves no file"
             assert drain(decode)["r1"] == want
-        finally:
-            await client.close()
-            await server.cleanup()
 
     asyncio.run(main())
     assert KVStage.create(1024, str(tmp_path / "missing")) is None
