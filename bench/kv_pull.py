@@ -35,7 +35,7 @@ from pathlib import Path
 
 import aiohttp
 from bench_models import bench_model
-from pd import MODEL, _daemon, _wait_ready
+from pd import MODEL, _daemon, _wait_ready, stop
 
 
 async def _post(s: aiohttp.ClientSession, url: str, body: dict) -> dict:
@@ -92,13 +92,7 @@ async def main(args: argparse.Namespace) -> dict:
                 walls[name].append(time.perf_counter() - t)
             stats = {k: await _pull_stats(s, pair[1].url) for k, pair in pairs.items()}
     finally:
-        for p in procs:
-            p.popen.terminate()
-        for p in procs:
-            try:
-                p.popen.wait(10)
-            except Exception:
-                p.popen.kill()
+        stop(procs)
     out: dict = {"bench": "kv_pull", "quick": args.quick, "prompts_per_path": args.prompts}
     for k in pairs:
         secs, count, nbytes = stats[k]

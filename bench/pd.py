@@ -102,6 +102,17 @@ def _gateway(name: str, model: str, decode: list[str], prefill: list[str], logdi
     return _spawn(name, args, None, logdir)
 
 
+def stop(procs: list[Proc]) -> None:
+    """Terminate every process, then wait for each (killed after 10 s)."""
+    for p in procs:
+        p.popen.terminate()
+    for p in procs:
+        try:
+            p.popen.wait(10)
+        except subprocess.TimeoutExpired:
+            p.popen.kill()
+
+
 async def _wait_ready(procs: list[Proc], timeout: float = 300.0) -> None:
     deadline = time.monotonic() + timeout
     async with aiohttp.ClientSession() as s:
@@ -153,6 +164,9 @@ async def _reset_caches(procs: list[Proc]) -> None:
 @dataclass
 class Result:
     itl: list[float] = field(default_factory=list)
+    # Time to first token of the chat requests: what a decode pod's per-step token budget
+    # (``--decode-max-batched-tokens``) trades for smoother ITL.
+    chat_ttft: list[float] = field(default_factory=list)
     long_ttft: list[float] = field(default_factory=list)
     errors: int = 0
     wall_s: float = 0.0
@@ -165,6 +179,8 @@ class Result:
             "itl_p99_ms": round(_pct(self.itl, 0.99) * 1e3, 1),
             "itl_p999_ms": round(_pct(self.itl, 0.999) * 1e3, 1),
             "ttft_p50_ms": round(_pct(self.long_ttft, 0.5) * 1e3, 1),
+            "chat_ttft_p50_ms": round(_pct(self.chat_ttft, 0.5) * 1e3, 1),
+            "chat_ttft_p99_ms": round(_pct(self.chat_ttft, 0.99) * 1e3, 1),
             "busy": [round(b, 2) for b in self.busy],
             "errors": self.errors,
         }
@@ -214,6 +230,7 @@ async def _run_fleet(
                 body = {"model": MODEL, "prompt": prompt, "max_tokens": args.chat_tokens,
                         "temperature": 0.0, "ignore_eos": True, "logprobs": 0}  # fmt: skip
                 times: list[float] = []
+                t0 = time.perf_counter()
                 try:
                     await _stream(s, url, body, times)
                 except Exception:
@@ -221,6 +238,8 @@ async def _run_fleet(
                     continue
                 finally:  # cancelled mid-stream at the end: its gaps so far count too
                     res.itl.extend(b - a for a, b in itertools.pairwise(times))
+                    if times:
+                        res.chat_ttft.append(times[0] - t0)
 
     async def long_prompts() -> None:
         async with aiohttp.ClientSession(timeout=timeout) as s:
@@ -382,13 +401,7 @@ async def sweep(args: argparse.Namespace) -> dict:
                 print(json.dumps(cell), file=sys.stderr)
                 cells.append(cell)
     finally:
-        for p in procs:
-            p.popen.terminate()
-        for p in procs:
-            try:
-                p.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                p.popen.kill()
+        stop(procs)
     return {
         "bench": "pd_sweep",
         "long_prompts_per_cell": args.long_prompts,
@@ -465,13 +478,7 @@ async def main(args: argparse.Namespace) -> dict:
         )
         exact = await _exact([gws["unified"].url, gws["pd"].url], vocab, args.exact_requests)
     finally:
-        for p in procs:
-            p.popen.terminate()
-        for p in procs:
-            try:
-                p.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                p.popen.kill()
+        stop(procs)
     u, c, d = results["unified"], results["unified_chunked"], results["pd"]
     load = os.getloadavg()[0]
     return {
@@ -493,6 +500,8 @@ async def main(args: argparse.Namespace) -> dict:
         "itl_p999_ms_unified_chunked": round(_pct(c.itl, 0.999) * 1e3, 1),
         "itl_p999_ms_pd": round(_pct(d.itl, 0.999) * 1e3, 1),
         "chat_tokens": [len(u.itl), len(c.itl), len(d.itl)],
+        "chat_ttft_p50_ms": [round(_pct(r.chat_ttft, 0.5) * 1e3, 1) for r in (u, c, d)],
+        "chat_ttft_p99_ms": [round(_pct(r.chat_ttft, 0.99) * 1e3, 1) for r in (u, c, d)],
         "ttft_p50_ms_unified": round(_pct(u.long_ttft, 0.5) * 1e3, 1),
         "ttft_p50_ms_unified_chunked": round(_pct(c.long_ttft, 0.5) * 1e3, 1),
         "ttft_p50_ms_pd": round(_pct(d.long_ttft, 0.5) * 1e3, 1),
