@@ -154,8 +154,9 @@ class Scheduler:
             # A beam search takes its beam width once, whichever of its beams run.
             seats, beam_reqs = self._seats()
             seats += len(forked)
+            pending = self._pending_prefill_blocks()
             while self.waiting and budget > 0:
-                seq = self._next_waiting()
+                seq = self._next_waiting(pending)
                 if seq is None:
                     break
                 req = seq.request
@@ -201,6 +202,8 @@ class Scheduler:
                     beam_reqs.add(id(req))
                 scheduled.append(self._schedule_one(seq, num_new, forked))
                 budget -= num_new
+                if pending is not None:
+                    self._add_pending(seq, pending)
 
         self.running.extend(forked)
         for seq in self.waiting:
@@ -228,12 +231,39 @@ class Scheduler:
                 seats += req.fanout if s.index == 0 else 1
         return seats, beam_reqs
 
-    def _next_waiting(self) -> Sequence | None:
+    def _next_waiting(self, pending: set[int] | None = None) -> Sequence | None:
         """The first waiting sequence that is not a held beam (held beams need nothing
-        until their siblings catch up, so they must not block the queue)."""
-        if not self.waiting[0].held:
-            return self.waiting[0]
-        return next((s for s in self.waiting if not s.held), None)
+        until their siblings catch up, so they must not block the queue) and whose prompt
+        shares no block a running prefill has yet to compute (``pending``)."""
+        head = self.waiting[0]
+        if not head.held and not self._defers(head, pending):
+            return head
+        return next((s for s in self.waiting if not s.held and not self._defers(s, pending)), None)
+
+    def _pending_prefill_blocks(self) -> set[int] | None:
+        """Hashes of the full prompt blocks that running chunked prefills compute in later
+        steps (None: prefix caching off). A waiting prompt that shares one would compute
+        the same blocks again beside them (admitted mid-prefill, it finds only the chunks
+        done so far cached); it waits instead and then hits them all. With one-step
+        prefills nothing is pending: a prompt's blocks are cached in the step that
+        computes them, and a twin admitted in that step attends to them."""
+        if not self.kv.enable_caching:
+            return None
+        pending: set[int] = set()
+        for seq in self.running:
+            self._add_pending(seq, pending)
+        return pending
+
+    def _add_pending(self, seq: Sequence, pending: set[int]) -> None:
+        done = seq.num_computed_tokens
+        if done < seq.num_prompt_tokens and seq.block_hashes:
+            pending.update(seq.block_hashes[done // self.kv.block_size :])
+
+    def _defers(self, seq: Sequence, pending: set[int] | None) -> bool:
+        if not pending or self.kv.has_table(seq):  # imported KV (P/D) computes nothing
+            return False
+        hashes = seq.full_block_hashes(self.kv.block_size, self.kv.namespace)
+        return any(h in pending for h in hashes)
 
     def _preempt_held(self, preempted: list[Sequence]) -> bool:
         """Preempt the newest running held beam; False if none runs.

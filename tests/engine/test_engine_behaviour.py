@@ -234,3 +234,33 @@ def test_long_prefill_threshold_lets_a_short_request_into_the_same_step(fake_eng
     assert capped["long"] == 7  # ceil(100 / 16) steps
     with pytest.raises(ValueError, match="chunked prefill"):
         fake_engine(long_prefill_token_threshold=8, enable_chunked_prefill=False)
+
+
+def test_chunked_prefill_twin_waits_for_the_blocks_instead_of_computing_them(fake_engine) -> None:
+    """Two prompts sharing a long prefix, the second arriving while the first prefills in
+    chunks: it is admitted once the shared blocks exist and hits all of them (admitted
+    mid-prefill it would hit only the chunks done so far and compute the rest again)."""
+
+    def run(threshold: int) -> tuple[int, int]:
+        eng = fake_engine(
+            num_blocks=64,
+            block_size=4,
+            max_model_len=128,
+            max_num_batched_tokens=64,
+            long_prefill_token_threshold=threshold,
+        )
+        shared = list(range(1, 81))  # 20 full blocks
+        eng.add_request("a", [*shared, 90, 91], SamplingParams(max_tokens=2, **GREEDY))
+        eng.step()  # a's first chunk
+        eng.add_request("b", [*shared, 92, 93, 94], SamplingParams(max_tokens=2, **GREEDY))
+        while eng.has_unfinished():
+            eng.step()
+            eng.check_integrity()
+        s = eng.stats()
+        return s.prefix_hits_tokens, s.prompt_tokens_total - s.prefix_hits_tokens
+
+    hits, computed = run(16)
+    assert hits == 80  # b hit every shared block
+    assert computed == 82 + 3  # a's whole prompt, b's own 3 tokens: nothing twice
+    # One-step prefills: b arrives after a's single step, the same hits.
+    assert run(0) == (80, 85)
