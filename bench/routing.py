@@ -586,6 +586,12 @@ def main() -> None:
         "--gateway-args", default="", help="extra flags for pagefleet's gateways (space separated)"
     )
     ap.add_argument(
+        "--daemon-args",
+        default="",
+        help="extra flags for every daemon (space separated), e.g. "
+        "'--long-prefill-token-threshold 0' for one-step prefills",
+    )
+    ap.add_argument(
         "--model",
         default="bench",
         help="'bench' = the 4x512 Llama of bench/throughput.py, where prefill dominates a "
@@ -679,6 +685,7 @@ def main() -> None:
     assert fleet.namespace == served, (fleet.namespace, served)
     # Every daemon appends its per-request timings to one file (O_APPEND, one write a line).
     fleet.spec.daemon_args += ["--request-log", str(fleet.log_dir / "requests.jsonl")]
+    fleet.spec.daemon_args += args.daemon_args.split()
     bench = Bench(fleet, args)
     reports: dict[str, dict[str, dict[str, Any]]] = {}
     overhead: dict[str, dict[float, float | None]] = {}
