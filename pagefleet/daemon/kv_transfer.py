@@ -17,6 +17,8 @@ pod unpins the blocks at once instead of at the handle's deadline.
 
 The bytes come straight out of the KV tensors (one gather per layer, no per-element Python);
 on CUDA the gather is staged through pinned host memory (``ModelRunner.read_kv_blocks``).
+On the decode side they are received from the socket straight into the shared-memory stage
+the engine process reads (kv_wire.py): no intermediate chunk per read.
 
 Integrity: the decode side only uses a pull whose header matches its own view of the prompt
 -- every block key equals the key its own chain gives (same namespace, same tokens: a handle
@@ -46,6 +48,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pagefleet.daemon import kv_wire
 
 logger = logging.getLogger(__name__)
 
@@ -355,20 +359,27 @@ class TcpKVTransfer(KVTransfer):
             num_blocks=plan.num_pull_blocks,
             block_hashes=expected_hashes(plan),
             layout=layout_dict(layout),
-        ).model_dump()
+        ).model_dump_json()
         t0 = time.monotonic()
+        resp = None
         try:
-            async with self._client().post(url, json=body) as resp:
+            async with asyncio.timeout(self.timeout_s):
+                # The payload lands in ``into`` (or one buffer) straight from the socket.
+                resp = await kv_wire.post(
+                    params.remote_host or "", params.remote_port or 0, PULL_PATH,
+                    body.encode(), min(self.timeout_s, 3.0),
+                )  # fmt: skip
                 if resp.status != 200:
-                    text = (await resp.text())[:300]
+                    raw = await resp.read_exactly(min(resp.remaining, 4096))
+                    text = raw.decode(errors="replace")[:300]
                     reason = {404: "not_found", 409: "hash_mismatch", 400: "bad_params"}.get(
                         resp.status, f"http_{resp.status}"
                     )
                     raise KVPullError(reason, f"the prefill pod answered {resp.status}: {text}")
-                (hlen,) = _HEADER_LEN.unpack(await resp.content.readexactly(4))
+                (hlen,) = _HEADER_LEN.unpack(await resp.read_exactly(4))
                 if hlen > _MAX_HEADER:
                     raise KVPullError("protocol", f"KV pull header of {hlen} bytes is too big")
-                header = json.loads(await resp.content.readexactly(hlen))
+                header = json.loads(await resp.read_exactly(hlen))
                 check_header(header, plan, layout)
                 lo, hi = header["layers"]
                 if (lo, hi) != (0, layout.num_layers):
@@ -377,12 +388,15 @@ class TcpKVTransfer(KVTransfer):
                          layout.head_dim)  # fmt: skip
                 nbytes = plan.num_pull_blocks * layout.block_bytes_per_layer
                 total = 2 * nbytes * (hi - lo)
-                # One buffer for the whole payload, filled chunk by chunk as the socket
-                # delivers them (one copy per byte; a stage is shared memory).
+                if resp.remaining != total:
+                    raise KVPullError(
+                        "protocol", f"the KV stream carries {resp.remaining} payload bytes, "
+                        f"its header describes {total}"
+                    )  # fmt: skip
                 if into is not None and into.nbytes != total:
                     raise ValueError(f"a stage of {into.nbytes} bytes for {total}")
                 buf = into.view() if into is not None else memoryview(bytearray(total))
-                await _read_into(resp.content, buf, total)
+                await resp.read_into(buf)
                 out = PulledKV(buf, layout.dtype, shape, hi - lo)
         except KVPullError:
             raise
@@ -392,10 +406,13 @@ class TcpKVTransfer(KVTransfer):
             raise KVPullError(
                 "timeout", f"the KV pull from {url} took over {self.timeout_s}s"
             ) from None
-        except (ClientError, OSError) as exc:
+        except OSError as exc:
             raise KVPullError("unreachable", f"cannot pull KV from {url}: {exc}") from None
         except (ValueError, KeyError, TypeError) as exc:
             raise KVPullError("protocol", f"malformed KV pull response: {exc}") from None
+        finally:
+            if resp is not None:
+                resp.close()
         if self.metrics is not None:
             self.metrics.seconds.observe(time.monotonic() - t0)
             self.metrics.moved("received", 2 * nbytes * (hi - lo), plan.num_pull_blocks)
@@ -576,22 +593,6 @@ class KVExportServer:
             src.release(req.handle, consumed=consumed)
             if consumed:
                 self._release()
-
-
-async def _read_into(content: Any, buf: memoryview, total: int) -> None:
-    """Fill ``buf[:total]`` from an aiohttp stream; IncompleteReadError if it ends early,
-    KVPullError if it carries more."""
-    off = 0
-    while off < total:
-        chunk = await content.readany()
-        if not chunk:
-            raise asyncio.IncompleteReadError(b"", total - off)
-        if off + len(chunk) > total:
-            raise KVPullError("protocol", "the KV stream is longer than its header says")
-        buf[off : off + len(chunk)] = chunk
-        off += len(chunk)
-    if not content.at_eof() and await content.read(1):
-        raise KVPullError("protocol", "the KV stream is longer than its header says")
 
 
 # Bytes per write of a staged payload: large enough that a pull is a few writes, small
