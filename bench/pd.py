@@ -94,6 +94,17 @@ def _daemon(name: str, model: str, cpu: int, role: str, logdir: Path, extra=()) 
     return _spawn(name, args, cpu, logdir)
 
 
+def _pd_pair(model: str, logdir: Path, args: argparse.Namespace) -> list[Proc]:
+    """The P/D fleet's prefill (core 0) and decode (core 1) daemons. The decode pod gets
+    ``--decode-max-batched-tokens`` as its per-step token budget: new requests it prefills
+    itself (the short chats) then join its running streams a few at a time instead of
+    all in one long step that stalls every stream (docs/benchmarks.md, session 6)."""
+    budget = args.decode_max_batched_tokens
+    extra = ["--max-num-batched-tokens", str(budget)] if budget else []
+    return [_daemon("p0", model, 0, "prefill", logdir),
+            _daemon("d0", model, 1, "decode", logdir, extra)]  # fmt: skip
+
+
 def _gateway(name: str, model: str, decode: list[str], prefill: list[str], logdir: Path) -> Proc:
     args = ["gateway", "--model", model, "--served-model-name", MODEL, "--block-size", "16",
             "--policy", "least_load", "--endpoints", ",".join(decode), "--seed", "1"]  # fmt: skip
@@ -367,9 +378,8 @@ async def sweep(args: argparse.Namespace) -> dict:
     logdir = Path(tempfile.mkdtemp(prefix="pagefleet-bench-pd-sweep-"))
     daemons = {
         "unified": [_daemon(f"u{i}", model, i, "unified", logdir) for i in range(2)],
-        "pd": [_daemon("p0", model, 0, "prefill", logdir),
-               _daemon("d0", model, 1, "decode", logdir)],
-    }  # fmt: skip
+        "pd": _pd_pair(model, logdir, args),
+    }
     procs = procs_of(daemons)
     cells = []
     try:
@@ -405,6 +415,7 @@ async def sweep(args: argparse.Namespace) -> dict:
     return {
         "bench": "pd_sweep",
         "long_prompts_per_cell": args.long_prompts,
+        "decode_max_batched_tokens": args.decode_max_batched_tokens,
         "cells": cells,
         "loadavg_1m": round(os.getloadavg()[0], 2),
         "wall_s": round(time.perf_counter() - t_start, 1),
@@ -432,15 +443,14 @@ async def main(args: argparse.Namespace) -> dict:
         "unified": [_daemon(f"u{i}", model, i, "unified", logdir) for i in range(2)],
         "unified_chunked": [_daemon(f"c{i}", model, i, "unified", logdir, chunk) for i in range(2)],
     }
-    if args.quick:
+    if args.quick and not args.decode_max_batched_tokens:
         # Two daemon start-ups fewer: the unified pair serves as prefill (u0) + decode (u1)
         # behind the P/D gateway. A daemon's P/D behaviour does not depend on --role (it
         # only labels metrics and makes a decode pod refuse do_remote_decode).
         daemons["pd"] = list(daemons["unified"])
     else:
-        daemons["pd"] = [_daemon("p0", model, 0, "prefill", logdir),
-                         _daemon("d0", model, 1, "decode", logdir)]  # fmt: skip
-    procs = list({id(p): p for ps in daemons.values() for p in ps}.values())
+        daemons["pd"] = _pd_pair(model, logdir, args)
+    procs = procs_of(daemons)
     try:
         # The gateways start beside the daemons (they probe until the daemons are ready).
         gws = {
@@ -486,6 +496,7 @@ async def main(args: argparse.Namespace) -> dict:
         "quick": args.quick,
         "chats": args.chats,
         "long_gap_s": args.long_gap_s,
+        "decode_max_batched_tokens": args.decode_max_batched_tokens,
         # Each daemon's CPU seconds per wall second over its fleet's run (one core each):
         # [unified u0, u1], [chunked c0, c1], [P/D prefill, decode].
         "busy": [[round(b, 2) for b in r.busy] for r in (u, c, d)],
@@ -539,6 +550,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--chat-tokens", type=int, default=128)
     ap.add_argument("--long-gap-s", type=float, default=None, help="mean; 4.0 (quick 1.5)")
     ap.add_argument("--chunk", type=int, default=256, help="long_prefill_token_threshold")
+    ap.add_argument(
+        "--decode-max-batched-tokens",
+        type=int,
+        default=128,
+        help="the P/D decode pod's per-step token budget (0: the daemon default, 2048)",
+    )
     ap.add_argument("--exact-requests", type=int, default=None)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument(
