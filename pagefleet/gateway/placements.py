@@ -41,14 +41,15 @@ class PlacementMemory:
     ttl_s: float = 2.0
     footprint_window_s: float = 60.0
     clock: Callable[[], float] = time.monotonic
-    # pod -> key -> last time sent; deque of (time, pod, key) to age them out
+    # pod -> key -> last time sent; deque of (time, pod, keys): one entry per request,
+    # not per block (the request path pays one append, pruning the per-key work)
     _seen: dict[str, dict[int, float]] = field(default_factory=dict)
-    _seen_q: deque[tuple[float, str, int]] = field(default_factory=deque)
+    _seen_q: deque[tuple[float, str, Sequence[int]]] = field(default_factory=deque)
     # key -> pod -> requests in flight carrying that key to that pod
     _live: dict[int, dict[str, int]] = field(default_factory=dict)
     # key -> pod -> time after which a finished placement is forgotten
     _until: dict[int, dict[str, float]] = field(default_factory=dict)
-    _expiry: deque[tuple[float, int, str]] = field(default_factory=deque)
+    _expiry: deque[tuple[float, Sequence[int], str]] = field(default_factory=deque)
     # Other replicas' placements (shared_placements.py): key -> pod -> until; its own
     # queue, since their horizon differs from ``ttl_s`` (a queue is pruned from the front)
     _remote: dict[int, dict[str, float]] = field(default_factory=dict)
@@ -57,16 +58,20 @@ class PlacementMemory:
     def begin(self, keys: Sequence[int], pod: str) -> None:
         """A request carrying ``keys`` was sent to ``pod``."""
         now = self.clock()
-        seen = self._seen.setdefault(pod, {})
+        live = self._live
         for k in keys:
-            pods = self._live.setdefault(k, {})
-            pods[pod] = pods.get(pod, 0) + 1
-            seen[k] = now
-            self._seen_q.append((now, pod, k))
+            pods = live.get(k)
+            if pods is None:
+                live[k] = {pod: 1}
+            else:
+                pods[pod] = pods.get(pod, 0) + 1
+        self._seen.setdefault(pod, {}).update(dict.fromkeys(keys, now))
+        self._seen_q.append((now, pod, keys))
 
     def end(self, keys: Sequence[int], pod: str) -> None:
         """That request finished (or failed): remember it for ``ttl_s`` more."""
         until = self.clock() + self.ttl_s
+        ended: list[int] = []
         for k in keys:
             pods = self._live.get(k)
             if pods is None or pod not in pods:
@@ -78,7 +83,9 @@ class PlacementMemory:
             else:
                 pods[pod] -= 1
             self._until.setdefault(k, {})[pod] = until
-            self._expiry.append((until, k, pod))
+            ended.append(k)
+        if ended:
+            self._expiry.append((until, ended, pod))
         self._prune()
 
     def remember(self, keys: Sequence[int], pod: str, until: float) -> None:
@@ -155,20 +162,25 @@ class PlacementMemory:
         horizon = now - self.footprint_window_s
         sq = self._seen_q
         while sq and sq[0][0] <= horizon:
-            t, pod, k = sq.popleft()
+            t, pod, sent = sq.popleft()
             seen = self._seen.get(pod)
-            # Sent again since: the newer entry ages it out.
-            if seen is not None and seen.get(k) == t:
-                del seen[k]
+            if seen is None:
+                continue
+            for k in sent:
+                # Sent again since: the newer entry ages it out.
+                if seen.get(k) == t:
+                    del seen[k]
         q = self._expiry
         while q and q[0][0] <= now:
-            until, k, pod = q.popleft()
-            pods = self._until.get(k)
-            # Renewed since (a later request ended later): that record's own entry expires it.
-            if pods is not None and pods.get(pod) == until:
-                del pods[pod]
-                if not pods:
-                    del self._until[k]
+            until, ended, pod = q.popleft()
+            for k in ended:
+                pods = self._until.get(k)
+                # Renewed since (a later request ended later): that record's own entry
+                # expires it.
+                if pods is not None and pods.get(pod) == until:
+                    del pods[pod]
+                    if not pods:
+                        del self._until[k]
         rq = self._remote_q
         while rq and rq[0][0] <= now:
             until, k, pod = rq.popleft()
