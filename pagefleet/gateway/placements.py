@@ -45,6 +45,9 @@ class PlacementMemory:
     # not per block (the request path pays one append, pruning the per-key work)
     _seen: dict[str, dict[int, float]] = field(default_factory=dict)
     _seen_q: deque[tuple[float, str, Sequence[int]]] = field(default_factory=deque)
+    # the last block key of each prompt sent in that window -> when: a prompt that
+    # extends one of them is that conversation's next turn (``extends``)
+    _ends: dict[int, float] = field(default_factory=dict)
     # key -> pod -> requests in flight carrying that key to that pod
     _live: dict[int, dict[str, int]] = field(default_factory=dict)
     # key -> pod -> time after which a finished placement is forgotten
@@ -67,6 +70,8 @@ class PlacementMemory:
                 pods[pod] = pods.get(pod, 0) + 1
         self._seen.setdefault(pod, {}).update(dict.fromkeys(keys, now))
         self._seen_q.append((now, pod, keys))
+        if keys:
+            self._ends[keys[-1]] = now
 
     def end(self, keys: Sequence[int], pod: str) -> None:
         """That request finished (or failed): remember it for ``ttl_s`` more."""
@@ -96,6 +101,11 @@ class PlacementMemory:
             if until > pods.get(pod, 0.0):
                 pods[pod] = until
                 self._remote_q.append((until, k, pod))
+
+    def extends(self, key: int) -> bool:
+        """Block ``key`` ended a prompt sent recently: a prompt whose leading blocks end
+        there continues that prompt (a conversation's next turn)."""
+        return key in self._ends
 
     def inflight_with(self, key: int) -> int:
         """Requests in flight (any pod) whose prompt carries block ``key``."""
@@ -163,6 +173,8 @@ class PlacementMemory:
         sq = self._seen_q
         while sq and sq[0][0] <= horizon:
             t, pod, sent = sq.popleft()
+            if sent and self._ends.get(sent[-1]) == t:
+                del self._ends[sent[-1]]
             seen = self._seen.get(pod)
             if seen is None:
                 continue

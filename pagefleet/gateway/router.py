@@ -5,7 +5,9 @@ timeout counts as "no pod holds anything" (cache_aware degrades to load-only) an
 short circuit breaker so later requests do not each pay the timeout while Redis is down.
 Hit predictions come from the shared index, merged (per pod, the larger) with this
 replica's memory of where it sent each block in the last moments (``PlacementMemory``):
-what the index cannot know yet. Replicas differ only by their own recent traffic.
+what the index cannot know yet. When the memory holds a whole earlier prompt that this one
+extends by at most an eighth (a conversation's next turn), the index is not asked.
+Replicas differ only by their own recent traffic.
 
 Health: a pod that failed a request is ranked last for ``eject_s``; one that hung (timed
 out, or its discovery probe did) is also signalled to every request waiting on it, which
@@ -45,6 +47,9 @@ _KEY_CACHE_MAX = 131_072
 _HISTORY_LEN = 512
 # Weight of the newest request in the mean predicted work per request.
 _WORK_EWMA = 0.1
+# The index is not asked when this gateway's recent placements already match a prompt
+# up to its last 1/8 of blocks (a conversation's next turn, sent moments after the last).
+_SKIP_INDEX_NEW_BLOCKS = 8
 
 
 @dataclass(slots=True)
@@ -405,9 +410,26 @@ class Router:
         index_ok = self.index is not None
         if self.policy.uses_index and endpoints:
             keys = self.block_keys(tokens, extra)
-            matched, index_ok = await self.lookup(keys)
-            if self.placement_ttl_s > 0:
-                for pod, n in self.placements.lookup(keys).items():
+            recent = self.placements.lookup(keys) if self.placement_ttl_s > 0 else {}
+            known = max(recent.values(), default=0)
+            if (
+                0 < known < len(keys)
+                and known * _SKIP_INDEX_NEW_BLOCKS >= len(keys) * (_SKIP_INDEX_NEW_BLOCKS - 1)
+                and self.placements.extends(keys[known - 1])
+            ):
+                # The next turn of a conversation placed moments ago: the memory has
+                # the whole earlier prompt it extends, all but the new turn's blocks.
+                # The index could add at most those (only if a request older than the
+                # memory carried the very same turn) and pods holding less, and it never
+                # lowers what the memory says, so the Redis round trip (the request
+                # path's one wait) is skipped; once the record lapses the index decides
+                # again. Prompts that only share a prefix with recent ones (a popular
+                # system prompt, a template) and a prompt the memory has whole still ask:
+                # other pods may hold as much, and a popular prefix spreads over them.
+                matched = dict(recent)
+            else:
+                matched, index_ok = await self.lookup(keys)
+                for pod, n in recent.items():
                     if n > matched.get(pod, 0):
                         matched[pod] = n
         candidates = []
