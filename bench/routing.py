@@ -764,6 +764,8 @@ def main() -> None:
             )
         )
         single_report = summarize(results, wall)
+        if dump is not None:  # which pod served each copy, in send order
+            write_dump(dump, "single", "cache_aware", results, _token_ids(tok, single), served)
         print(
             f"single prompt via cache_aware: pod share {single_report['pod_share']} "
             f"hit {single_report['prefix_hit_rate']:.3f}"
