@@ -158,9 +158,10 @@ class EngineSpec(_Model):
     """Most sequences in one engine step (running batch size)."""
     max_num_batched_tokens: int = Field(default=2048, ge=1)
     """Token budget of one engine step (prefill chunks plus decodes)."""
-    long_prefill_token_threshold: int = Field(default=0, ge=0)
-    """Most prompt tokens one request prefills per step (0: no cap). Lets short requests
-    share steps with long prompts, lowering their TTFT."""
+    long_prefill_token_threshold: int = Field(default=256, ge=0)
+    """Most prompt tokens one request prefills per step (chunked prefill; 0: no cap, a
+    prompt up to the step budget in one step). Requests that arrive while a long prompt
+    prefills join at its next chunk instead of waiting out the whole prompt."""
     enable_prefix_caching: bool = True
     """Reuse cached KV blocks of identical prompt prefixes."""
 

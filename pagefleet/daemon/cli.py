@@ -15,7 +15,7 @@ from typing import cast
 import click
 from aiohttp import web
 
-from pagefleet.daemon.config import DaemonConfig
+from pagefleet.daemon.config import DEFAULT_LONG_PREFILL_TOKENS, DaemonConfig
 from pagefleet.daemon.termination import write_termination_message
 
 logger = logging.getLogger(__name__)
@@ -132,11 +132,12 @@ async def serve(config: DaemonConfig) -> None:
 @click.option("--max-num-batched-tokens", default=2048, show_default=True, type=int)
 @click.option(
     "--long-prefill-token-threshold",
-    default=0,
+    default=DEFAULT_LONG_PREFILL_TOKENS,
     show_default=True,
     type=int,
-    help="Most prompt tokens one request prefills per step (0: no cap); lowers TTFT of "
-    "short requests queued behind long prompts.",
+    help="Most prompt tokens one request prefills per step (chunked prefill; 0: no cap, a "
+    "prompt up to the step budget in one step); lowers TTFT of requests that arrive "
+    "while a long prompt prefills.",
 )
 @click.option("--max-model-len", default=None, type=int, help="Default: the model's maximum.")
 @click.option("--kv-cache-memory-mb", default=256, show_default=True, type=int)

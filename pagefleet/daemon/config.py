@@ -17,6 +17,9 @@ from pagefleet.engine.config import EngineConfig
 
 Role = Literal["unified", "prefill", "decode"]
 
+# The chunked-prefill default of daemons (the engine's own default stays 0 = one step).
+DEFAULT_LONG_PREFILL_TOKENS = 256
+
 
 class DaemonConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
@@ -32,7 +35,12 @@ class DaemonConfig(BaseModel):
     block_size: int = Field(default=16, ge=1)
     max_num_seqs: int = Field(default=64, ge=1)
     max_num_batched_tokens: int = Field(default=2048, ge=1)
-    long_prefill_token_threshold: int = Field(default=0, ge=0)
+    # Most prompt tokens one request prefills per step (0: the whole step budget). A
+    # one-step 1200-token prefill on a CPU holds every request that arrives meanwhile for
+    # up to ~1.8 s (bench/routing.py's per-request breakdown, docs/benchmarks.md session
+    # 5); chunks of 256 let them in at the next chunk, and the scheduler keeps a prompt
+    # that shares the blocks still being computed waiting for them (no double prefill).
+    long_prefill_token_threshold: int = Field(default=DEFAULT_LONG_PREFILL_TOKENS, ge=0)
     max_model_len: int | None = Field(default=None, ge=2)
     kv_cache_memory_mb: int = Field(default=256, ge=1)
     num_gpu_blocks: int | None = Field(default=None, ge=1)
