@@ -205,15 +205,20 @@ def test_stats_count_tokens_hits_and_usage(fake_engine) -> None:
     assert s.kv_usage == 0.0 and s.num_preempted_total == 0
 
 
+def _chunking(fake_engine, threshold: int):
+    """A small engine whose step budget is 64 tokens, at most ``threshold`` per prompt."""
+    return fake_engine(
+        num_blocks=64,
+        block_size=4,
+        max_model_len=128,
+        max_num_batched_tokens=64,
+        long_prefill_token_threshold=threshold,
+    )
+
+
 def test_long_prefill_threshold_lets_a_short_request_into_the_same_step(fake_engine) -> None:
     def first_token_steps(threshold: int) -> dict[str, int]:
-        eng = fake_engine(
-            num_blocks=64,
-            block_size=4,
-            max_model_len=128,
-            max_num_batched_tokens=64,
-            long_prefill_token_threshold=threshold,
-        )
+        eng = _chunking(fake_engine, threshold)
         eng.add_request("long", list(range(1, 101)), SamplingParams(max_tokens=2, **GREEDY))
         eng.add_request("short", [5, 6, 7], SamplingParams(max_tokens=2, **GREEDY))
         first: dict[str, int] = {}
@@ -242,13 +247,7 @@ def test_chunked_prefill_twin_waits_for_the_blocks_instead_of_computing_them(fak
     mid-prefill it would hit only the chunks done so far and compute the rest again)."""
 
     def run(threshold: int) -> tuple[int, int]:
-        eng = fake_engine(
-            num_blocks=64,
-            block_size=4,
-            max_model_len=128,
-            max_num_batched_tokens=64,
-            long_prefill_token_threshold=threshold,
-        )
+        eng = _chunking(fake_engine, threshold)
         shared = list(range(1, 81))  # 20 full blocks
         eng.add_request("a", [*shared, 90, 91], SamplingParams(max_tokens=2, **GREEDY))
         eng.step()  # a's first chunk

@@ -202,6 +202,24 @@ async def test_the_index_overrules_the_memory_once_the_record_lapses(any_index) 
         await router.close()
 
 
+async def _replica(url: str, ns: str, seed: int, shared: bool = True, **kw: float) -> Router:
+    """A started cache_aware router on the real Redis index at ``url`` (key namespace
+    ``ns``), sharing its placements unless ``shared`` is False (``kw``: the sharing's
+    settings)."""
+    from pagefleet.gateway.shared_placements import SharedPlacements
+    from pagefleet.kvindex.redis_index import RedisKVIndex
+
+    index = RedisKVIndex.from_url(url, namespace=ns)
+    r = Router(
+        discovery=StaticDiscovery(URLS), policy=make_policy("cache_aware"),
+        index=index, block_size=BS, kv_namespace=NS, seed=seed,
+    )  # fmt: skip
+    if shared:
+        r.shared = SharedPlacements(index.client, index.prefix + "placements", r.placements, **kw)
+    await r.start()
+    return r
+
+
 async def test_single_hot_prompt_spreads_with_the_memory_on() -> None:
     """Closed loop, 8 in flight, index events arriving only when a request ends: the
     memory must not pin a hot prompt to its first pod (busiest share <= 0.35)."""
@@ -371,28 +389,11 @@ async def test_replicas_share_a_burst_split_between_them(redis_url: str) -> None
     them: with shared placements every request lands on the first one's pod before the
     index knows anything; each alone (``--no-shared-placements``) spreads them. A replica
     never folds in its own messages, and other replicas' records lapse after the horizon."""
-    from pagefleet.gateway.shared_placements import SharedPlacements
-    from pagefleet.kvindex.redis_index import RedisKVIndex
 
     async def replicas(shared: bool, seed: int) -> list[Router]:
-        out = []
-        for i in range(2):
-            index = RedisKVIndex.from_url(redis_url, namespace=ns)
-            r = Router(
-                discovery=StaticDiscovery(URLS),
-                policy=make_policy("cache_aware"),
-                index=index,
-                block_size=BS,
-                kv_namespace=NS,
-                seed=seed * 2 + i,
-            )
-            if shared:
-                r.shared = SharedPlacements(
-                    index.client, index.prefix + "placements", r.placements, horizon_s=0.5
-                )
-            await r.start()
-            out.append(r)
-        return out
+        return [
+            await _replica(redis_url, ns, seed * 2 + i, shared, horizon_s=0.5) for i in range(2)
+        ]
 
     async def burst(rs: list[Router], system: list[int]) -> list[str]:
         pods = []
@@ -450,9 +451,6 @@ async def test_replicas_share_a_burst_split_between_them(redis_url: str) -> None
 async def test_sharing_pauses_while_redis_is_down_and_resumes_after() -> None:
     """Redis stops: placements keep being taken (never an error on the request path), the
     replica routes alone; Redis comes back at the same address: sharing resumes."""
-    from pagefleet.gateway.shared_placements import SharedPlacements
-    from pagefleet.kvindex.redis_index import RedisKVIndex
-
     server = LocalRedis()
     url = server.start()
     port = server.port
@@ -460,16 +458,7 @@ async def test_sharing_pauses_while_redis_is_down_and_resumes_after() -> None:
     rs: list[Router] = []
     try:
         for i in range(2):
-            index = RedisKVIndex.from_url(url, namespace=ns)
-            r = Router(
-                discovery=StaticDiscovery(URLS), policy=make_policy("cache_aware"),
-                index=index, block_size=BS, kv_namespace=NS, seed=i,
-            )  # fmt: skip
-            r.shared = SharedPlacements(
-                index.client, index.prefix + "placements", r.placements, retry_s=0.2
-            )
-            await r.start()
-            rs.append(r)
+            rs.append(await _replica(url, ns, i, retry_s=0.2))
 
         async def heard(n: int) -> bool:
             for _ in range(300):
@@ -503,24 +492,12 @@ async def test_a_lone_replica_stops_publishing_until_another_listens(redis_url: 
     """Alone on the channel, a replica publishes one placement, learns from PUBLISH that no
     other replica heard it, and then publishes nothing (no cost per request); a second
     replica that subscribes hears the first one's placements within ``alone_recheck_s``."""
-    from pagefleet.gateway.shared_placements import SharedPlacements
-    from pagefleet.kvindex.redis_index import RedisKVIndex
-
     ns = NS + uuid.uuid4().hex[:8]
     rs: list[Router] = []
 
     async def replica(seed: int) -> Router:
-        index = RedisKVIndex.from_url(redis_url, namespace=ns)
-        r = Router(
-            discovery=StaticDiscovery(URLS), policy=make_policy("cache_aware"),
-            index=index, block_size=BS, kv_namespace=NS, seed=seed,
-        )  # fmt: skip
-        r.shared = SharedPlacements(
-            index.client, index.prefix + "placements", r.placements, alone_recheck_s=0.3
-        )
-        await r.start()
-        rs.append(r)
-        return r
+        rs.append(await _replica(redis_url, ns, seed, alone_recheck_s=0.3))
+        return rs[-1]
 
     async def until(cond: Callable[[], bool]) -> bool:
         for _ in range(300):
