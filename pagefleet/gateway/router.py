@@ -429,6 +429,11 @@ class Router:
                 matched = dict(recent)
             else:
                 matched, index_ok = await self.lookup(keys)
+                # Read the memory again after the wait: a twin routed meanwhile (an
+                # opening burst's requests all wait on their lookups at once) has been
+                # placed since, and this request must see it.
+                if self.placement_ttl_s > 0:
+                    recent = self.placements.lookup(keys)
                 for pod, n in recent.items():
                     if n > matched.get(pod, 0):
                         matched[pod] = n
