@@ -51,6 +51,8 @@ class GatewayMetrics:
     broken_streams: Counter = field(init=False)
     unhealthy: Counter = field(init=False)
     placements: Counter = field(init=False)
+    arrivals: Counter = field(init=False)
+    arrival_prompt_tokens: Counter = field(init=False)
 
     def __post_init__(self) -> None:
         r = self.registry
@@ -151,6 +153,20 @@ class GatewayMetrics:
             "new_prefix (no pod holds any of it), no_index (a policy that does not look); and by "
             "the policy's reason.",
             ["placement", "reason"],
+            registry=r,
+        )
+
+        # The operator's autoscaler reads these two as its leading signal: a request counts
+        # here when it is routed, before it queues on a pod (pagefleet/operator/signals.py).
+        self.arrivals = Counter(
+            p + "arrivals",
+            "Requests routed to the model pods (counted when routed, before any queueing).",
+            registry=r,
+        )
+        self.arrival_prompt_tokens = Counter(
+            p + "arrival_prompt_tokens",
+            "Uncached prompt tokens of routed requests: prompt tokens minus the prefix the "
+            "index says the first-ranked pod holds.",
             registry=r,
         )
 

@@ -337,6 +337,9 @@ class Gateway:
             )
         if decision.prompt_tokens:
             self.metrics.prompt_tokens_total.inc(decision.prompt_tokens)
+        self.metrics.arrivals.inc()
+        uncached = decision.prompt_tokens - decision.predicted_hit_tokens
+        self.metrics.arrival_prompt_tokens.inc(max(0, uncached))
         if self.pd is not None:
             assert self._session is not None, "gateway used before startup"
             headers = {

@@ -18,6 +18,7 @@ import aiohttp
 import openai
 import pytest
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from pagefleet.dev.process import free_port
 from pagefleet.gateway.discovery import StaticDiscovery
@@ -341,6 +342,24 @@ async def test_plain_endpoints_and_metrics(make_fleet) -> None:
     assert f'pagefleet_gateway_requests_total{{pod="{pod}",policy="cache_aware"}} 1.0' in text
     assert "pagefleet_gateway_routing_decision_seconds_count" in text
     assert f'pagefleet_gateway_upstream_latency_seconds_count{{pod="{pod}"}} 1.0' in text
+
+
+async def test_arrival_counters_count_uncached_prompt_tokens_when_routed(make_fleet) -> None:
+    """The autoscaler's leading signal: every routed request, and its prompt tokens minus
+    the prefix the gateway expects the chosen pod to hold."""
+    fleet = await make_fleet(["ok"])
+    client = openai.AsyncOpenAI(base_url=fleet.url + "/v1", api_key="x", max_retries=0)
+    await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3)
+    # Shares its first three blocks with PROMPT, which the gateway placed on the only pod.
+    second = PROMPT[: 3 * BS] + list(range(900, 900 + BS))
+    await client.completions.create(model="tiny", prompt=second, max_tokens=3)
+    await client.close()
+    async with aiohttp.ClientSession() as s, s.get(fleet.url + "/metrics") as r:
+        text = await r.text()
+    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert values["pagefleet_gateway_arrivals_total"] == 2
+    uncached = len(PROMPT) + (len(PROMPT) - 3 * BS)
+    assert values["pagefleet_gateway_arrival_prompt_tokens_total"] == uncached
 
 
 def test_gateway_import_does_not_load_torch() -> None:
