@@ -8,6 +8,7 @@ cluster, using a kubeconfig of the gateway's own ServiceAccount (the Role the op
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 import time
@@ -20,7 +21,7 @@ import yaml
 from e2e.cluster import ControlPlane, ControlPlaneError, eventually
 from e2e.kube_client import KubeClient
 from e2e.kube_helpers import live_pods, pod_ready, ready_endpoints, tiny_checkpoint
-from e2e.operator_process import PAGEFLEET, OperatorProcess, install_prerequisites
+from e2e.operator_process import PAGEFLEET, ROOT, OperatorProcess, install_prerequisites
 
 pytestmark = pytest.mark.e2e
 
@@ -445,11 +446,36 @@ def test_operator_identity_is_least_privilege(cluster: ControlPlane, operator: O
 
     assert can("patch", "deployments.apps", "-n", "default")
     assert can("patch", "inferenceservices.pagefleet.io/status", "-n", "default")
-    # A service's own Redis password is read by name (the Secret its spec names, for the
-    # autoscaler's heartbeat reads); enumerating or watching Secrets stays forbidden.
-    assert not can("list", "secrets", "-n", "default")
-    assert not can("watch", "secrets", "-n", "default")
+    # No access to Secrets from the ClusterRole: not even get by name.
+    for verb in ("get", "list", "watch"):
+        assert not can(verb, "secrets", "-n", "default")
+    assert not can("get", "secrets/chat-redis", "-n", "default")
     assert not can("create", "pods", "-n", "default")
     assert not can("delete", "nodes")
     with pytest.raises(ControlPlaneError, match=r"[Ff]orbidden"):
         cluster.kubectl("get", "secrets", "-A", kubeconfig=kubeconfig)
+
+    # The per-Secret Role (a service's own Redis password, for the autoscaler) grants get on
+    # that one Secret in that one namespace, and nothing else. Read for real, not only asked.
+    role = (ROOT / "deploy" / "redis-secret-role.yaml").read_text()
+    role = role.replace("NAMESPACE", "default").replace("SECRET", "chat-redis")
+    cluster.kubectl("apply", "-f", "-", input=role)
+    for name in ("chat-redis", "other"):
+        cluster.kubectl(
+            "create", "secret", "generic", name, "-n", "default", f"--from-literal=pw={name}-pw"
+        )
+    try:
+        eventually(lambda: can("get", "secrets/chat-redis", "-n", "default"), 30, "Role")
+        got = cluster.kubectl(
+            "get", "secret", "chat-redis", "-n", "default", "-o", "jsonpath={.data.pw}",
+            kubeconfig=kubeconfig,
+        )  # fmt: skip
+        assert base64.b64decode(got.stdout).decode() == "chat-redis-pw"
+        assert not can("get", "secrets/other", "-n", "default")
+        assert not can("list", "secrets", "-n", "default")
+        assert not can("get", "secrets/chat-redis", "-n", "kube-system")
+        with pytest.raises(ControlPlaneError, match=r"[Ff]orbidden"):
+            cluster.kubectl("get", "secret", "other", "-n", "default", kubeconfig=kubeconfig)
+    finally:
+        cluster.kubectl("delete", "-f", "-", input=role, check=False)
+        cluster.kubectl("delete", "secret", "chat-redis", "other", "-n", "default", check=False)

@@ -82,8 +82,8 @@ def test_rbac_grants_what_the_reconciler_uses_and_no_wildcards():
         assert ("discovery.k8s.io", "endpointslices", verb) in rules
     # nothing the operator never does
     assert ("", "pods", "delete") not in rules
-    # Secrets: get by name (the autoscaler, a service's own Redis password), nothing more
-    assert {(g, r, v) for g, r, v in rules if r == "secrets"} == {("", "secrets", "get")}
+    # Secrets: none cluster-wide (one Secret at a time by a Role: redis-secret-role.yaml)
+    assert not [r for _, r, _ in rules if r == "secrets"]
     for verb in ("list", "patch"):  # the autoscaler: role pods, pod-deletion-cost
         assert ("", "pods", verb) in rules
 
@@ -301,3 +301,40 @@ def test_operator_cli_accepts_the_charts_command_line():
     assert [json.loads(p)["podSelector"] for p in params["metrics_peers"]][1] == {
         "matchLabels": {"app.kubernetes.io/name": "prometheus"}
     }
+
+
+def test_redis_secret_role_grants_get_on_one_secret_only():
+    docs = list(yaml.safe_load_all((ROOT / "deploy" / "redis-secret-role.yaml").read_text()))
+    role, binding = docs
+    assert role["kind"] == "Role" and binding["kind"] == "RoleBinding"
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["SECRET"], "verbs": ["get"]}
+    ]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    (sa,) = [d for d in yaml.safe_load_all((ROOT / "deploy" / "rbac.yaml").read_text())
+             if d["kind"] == "ServiceAccount"]  # fmt: skip
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": sa["metadata"]["name"],
+         "namespace": sa["metadata"]["namespace"]}
+    ]  # fmt: skip
+
+
+def test_helm_template_redis_password_secrets_are_one_role_each():
+    docs = _template(
+        "--set-json",
+        'operator.redisPasswordSecrets=[{"namespace":"ml","name":"chat-redis"},'
+        '{"namespace":"web","name":"r2"}]',
+    )
+    roles = {
+        (d["metadata"]["namespace"], d["metadata"]["name"]): d for d in docs if d["kind"] == "Role"
+    }
+    assert set(roles) == {("ml", "pf-pagefleet-operator-redis-chat-redis"),
+                          ("web", "pf-pagefleet-operator-redis-r2")}  # fmt: skip
+    for (_, name), role in roles.items():
+        (rule,) = role["rules"]
+        assert rule["verbs"] == ["get"] and rule["resourceNames"] == [name.rsplit("redis-", 1)[1]]
+    bindings = [d for d in docs if d["kind"] == "RoleBinding"]
+    assert {(b["metadata"]["namespace"], b["roleRef"]["name"]) for b in bindings} == set(roles)
+    (cluster_role,) = [d for d in docs if d["kind"] == "ClusterRole"
+                       and "helm.sh/hook" not in d["metadata"].get("annotations", {})]  # fmt: skip
+    assert not [r for r in cluster_role["rules"] if "secrets" in r["resources"]]
