@@ -48,6 +48,12 @@ _MAX_STEP_CUT = 0.8
 _PROBE = 0.03
 _AT_PLAN = 0.9
 _COMFORTABLE = 0.6
+# A miss teaches capacity only at this share of the estimate or above (_learn_scale).
+_MISS_TEACHES_AT = 0.0
+# Share of the way back to the hint a comfortable pass restores a cut capacity (learn).
+_RESTORE = 0.0
+# Standard deviations of a Poisson count the gateway's arrivals must clear (with_arrivals).
+_ARRIVAL_Z = 2.0
 
 
 class Reason(StrEnum):
@@ -94,6 +100,9 @@ class PlannerConfig:
     # this far ahead, extrapolating the rising trend of the last trend_window_s.
     startup_s: float = 0.0
     trend_window_s: float = 120.0
+    # Rises of the load within one start-up seen over this long size the headroom a quick
+    # scale-down keeps (burst_headroom); 0 (or startup_s 0) turns the quick scale-down off.
+    burst_window_s: float = 600.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas <= self.max_replicas:
@@ -107,6 +116,8 @@ class PlannerConfig:
             raise ValueError("max_step_up and max_step_down must be at least 1")
         if min(self.observation_window_s, self.startup_s, self.trend_window_s) < 0:
             raise ValueError("observation_window_s, startup_s and trend_window_s must be >= 0")
+        if self.burst_window_s < 0:
+            raise ValueError("burst_window_s must be >= 0")
 
     @property
     def uses_prefill(self) -> bool:
@@ -136,6 +147,13 @@ class RoleObservation:
     kv_usage: float = 0.0  # mean over known pods, 0..1
     ttft_s: float | None = None  # observed TTFT at the SLO percentile (None: no sample)
     tpot_s: float | None = None  # observed TPOT/ITL at the SLO percentile
+    # What the gateway saw arrive for this role over the last interval (None: no gateway
+    # figure). It leads the pods' figures: a request counts here before it queues, and
+    # while the pods run flat out their served rates stop at their capacity, the arrivals
+    # do not.
+    arrival_requests_per_s: float | None = None
+    arrival_prompt_tokens_per_s: float | None = None  # uncached prompt tokens per second
+    arrival_window_s: float = 0.0  # the span those rates were counted over
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +164,7 @@ class PlannerState:
     prefill_capacity: float | None = None  # learned tokens/s per replica at the TTFT target
     decode_capacity: float | None = None  # learned tokens/s per replica at the TPOT target
     mean_prompt_tokens: float | None = None  # uncached tokens per request (backlog estimate)
+    mean_output_tokens: float | None = None  # generated tokens per request (arrivals -> decode)
     # (time, recommendation) over the last scale-down window, oldest first.
     history: tuple[tuple[float, int], ...] = field(default_factory=tuple)
     # (time, uncached prompt tokens/s, generated tokens/s) over the trend window, oldest first.
@@ -191,6 +210,11 @@ def _learn_scale(
     replicas run at the planned utilisation says the estimate is conservative: probe a few
     percent up (a later miss cuts it back)."""
     if missed_ratio is not None:
+        if utilization < _MISS_TEACHES_AT:
+            # Far below the estimate a miss is a burst or a few long requests colliding,
+            # not the replicas' speed: the missed SLO asks for one more replica (decide),
+            # the estimate stays. A hint that is really too high shows as misses near it.
+            return 1.0
         cut = utilization if queueing else utilization * max(_MAX_CUT, missed_ratio)
         return max(_MAX_STEP_CUT, min(1.0, cut))
     if busy and utilization > 1.0:
@@ -249,15 +273,59 @@ def learn(cfg: PlannerConfig, obs: RoleObservation, state: PlannerState) -> Plan
             )
             scale = _learn_scale(util, missed, queueing, busy, comfortable, cfg.target_utilization)
             caps = {n: (c * scale if c is not None else None) for n, c in caps.items()}
-    mean_prompt = state.mean_prompt_tokens
-    if obs.requests_per_s > 0 and obs.prompt_tokens_per_s > 0:
-        sample = obs.prompt_tokens_per_s / obs.requests_per_s
-        mean_prompt = sample if mean_prompt is None else 0.7 * mean_prompt + 0.3 * sample
+            if missed is None and comfortable and _RESTORE > 0:
+                # A cut made on a noisy window heals while the SLO holds with room: part
+                # of the way back toward the spec's hint, never above it.
+                hints = {"prefill": cfg.prefill_capacity_hint, "decode": cfg.decode_capacity_hint}
+                for n, c in caps.items():
+                    h = hints.get(n)
+                    if c is not None and h is not None and c < h:
+                        caps[n] = c + _RESTORE * (h - c)
     return replace(
         state,
         prefill_capacity=caps.get("prefill", state.prefill_capacity),
         decode_capacity=caps.get("decode", state.decode_capacity),
-        mean_prompt_tokens=mean_prompt,
+        mean_prompt_tokens=_ewma(state.mean_prompt_tokens, obs.prompt_tokens_per_s, obs),
+        mean_output_tokens=_ewma(state.mean_output_tokens, obs.generation_tokens_per_s, obs),
+    )
+
+
+def _ewma(mean: float | None, tokens_per_s: float, obs: RoleObservation) -> float | None:
+    """Tokens per request, smoothed: this interval's ``tokens_per_s / requests_per_s``
+    folded into ``mean`` (kept when the interval served no request)."""
+    if obs.requests_per_s <= 0 or tokens_per_s <= 0:
+        return mean
+    sample = tokens_per_s / obs.requests_per_s
+    return sample if mean is None else 0.7 * mean + 0.3 * sample
+
+
+def with_arrivals(obs: RoleObservation, state: PlannerState) -> RoleObservation:
+    """The observation with its token rates raised to what the gateway saw arrive.
+
+    Uncached prompt tokens arriving count as prefill work at once; requests arriving count
+    as decode work at the learned generated tokens per request (none learned yet: not
+    counted). Never lowers a figure: the pods' served rates include work that arrived
+    before the gateway's interval (a queue draining). Non-decreasing in every figure."""
+    reqs = obs.arrival_requests_per_s
+    if reqs is None or reqs <= 0 or obs.arrival_window_s <= 0:
+        return obs
+    # A short window of arrivals is a noisy sample: plan for its lower confidence bound
+    # (count - z * sqrt(count)), so chance clusters of a steady load move nothing while a
+    # real surge (twice the load over one interval: hundreds of requests) passes at once.
+    count = reqs * obs.arrival_window_s
+    sure = max(0.0, 1.0 - _ARRIVAL_Z / math.sqrt(count))
+    prompt = None
+    if obs.arrival_prompt_tokens_per_s is not None:
+        prompt = obs.arrival_prompt_tokens_per_s * sure
+    gen = reqs * sure * state.mean_output_tokens if state.mean_output_tokens else None
+    if (prompt is None or prompt <= obs.prompt_tokens_per_s) and (
+        gen is None or gen <= obs.generation_tokens_per_s
+    ):
+        return obs
+    return replace(
+        obs,
+        prompt_tokens_per_s=max(obs.prompt_tokens_per_s, prompt or 0.0),
+        generation_tokens_per_s=max(obs.generation_tokens_per_s, gen or 0.0),
     )
 
 
@@ -315,14 +383,15 @@ def forecast(
     start-up, so scaling on today's rate is late by that much on a rising curve; a falling
     trend is not extrapolated (scale-down stays on measured load). Only observations of
     every pod are remembered (a partial sum would look like a dip, then a rise)."""
-    horizon = now - cfg.trend_window_s
+    horizon = now - max(cfg.trend_window_s, cfg.burst_window_s)
     rates = tuple(r for r in state.rates if horizon < r[0] < now)
     if obs.unknown_pods == 0 and obs.known_pods > 0:
         rates = (*rates, (now, obs.prompt_tokens_per_s, obs.generation_tokens_per_s))
     if cfg.startup_s <= 0 or not rates or rates[-1][0] != now:
         return obs, rates
-    lead_prompt = _rising([(t, p) for t, p, _ in rates]) * cfg.startup_s
-    lead_gen = _rising([(t, g) for t, _, g in rates]) * cfg.startup_s
+    trend = [r for r in rates if r[0] > now - cfg.trend_window_s]
+    lead_prompt = _rising([(t, p) for t, p, _ in trend]) * cfg.startup_s
+    lead_gen = _rising([(t, g) for t, _, g in trend]) * cfg.startup_s
     if lead_prompt <= 0 and lead_gen <= 0:
         return obs, rates
     ahead = replace(
@@ -331,6 +400,35 @@ def forecast(
         generation_tokens_per_s=obs.generation_tokens_per_s + lead_gen,
     )
     return ahead, rates
+
+
+def burst_headroom(
+    cfg: PlannerConfig, rates: tuple[tuple[float, float, float], ...], state: PlannerState
+) -> float | None:
+    """The largest relative rise of the load within one start-up over the burst window
+    (0.5: the load once grew by half of itself faster than a new replica starts), in units
+    of replicas' work at the current capacity estimates; None when a dimension in use has
+    no estimate (the rise cannot be weighed). What a quick scale-down keeps in reserve: a
+    surge like the ones seen arrives before a replica asked for then could serve.
+    Non-decreasing in the newest sample (it only ends rises)."""
+    pcap = state.prefill_capacity or cfg.prefill_capacity_hint
+    dcap = state.decode_capacity or cfg.decode_capacity_hint
+    if (cfg.uses_prefill and not pcap) or (cfg.uses_decode and not dcap):
+        return None
+    work = [
+        (
+            t,
+            (p / pcap if cfg.uses_prefill and pcap else 0.0)
+            + (g / dcap if cfg.uses_decode and dcap else 0.0),
+        )
+        for t, p, g in rates
+    ]
+    rise = 0.0
+    for j, (tj, wj) in enumerate(work):
+        low = min((w for t, w in work[:j] if t >= tj - cfg.startup_s), default=wj)
+        if wj > low:
+            rise = max(rise, (wj - low) / max(low, _MIN_SAMPLE_RATE))
+    return rise
 
 
 def slo_missed(cfg: PlannerConfig, obs: RoleObservation) -> list[str]:
@@ -400,6 +498,7 @@ def decide(
         )
 
     ahead, rates = forecast(cfg, obs, state, now)
+    ahead = with_arrivals(ahead, state)
     need, exact = replicas_needed(cfg, ahead, state)
     missed = slo_missed(cfg, obs)
     up_rec = math.ceil(need - 1e-9)
@@ -485,6 +584,18 @@ def decide(
         # recommendation from a burst that is over is weaker evidence, so hold half as long.
         hold = cfg.scale_down_window_s * (0.5 if _slack(cfg, obs) else 1.0)
         target = max(r for t, r in history if t > now - hold or t == now)
+        # Quicker, on a forecast: go below the window's highest recommendation as far as
+        # the load, raised by the largest surge seen within one start-up (burst window),
+        # still fits with the tolerance to spare, once the recommendation stayed there for
+        # a start-up (hysteresis; never on a lower bound).
+        quick_on = cfg.burst_window_s > 0 and cfg.startup_s > 0
+        headroom = burst_headroom(cfg, rates, state) if quick_on else None
+        if exact and headroom is not None and target > rec:
+            reserve = math.ceil(need * (1 + headroom) * (1 + cfg.tolerance) - 1e-9)
+            recent = max(r for t, r in history if t > now - cfg.startup_s or t == now)
+            quick = min(max(reserve, recent, cfg.min_replicas), cfg.max_replicas)
+            if quick < target:
+                hold, target = cfg.startup_s, quick
         desired = max(target, current - cfg.max_step_down)
         if desired >= current:
             return Decision(

@@ -43,6 +43,7 @@ def configs(draw: st.DrawFn) -> PlannerConfig:
         observation_window_s=draw(st.floats(0, 60)),
         startup_s=draw(st.floats(0, 120)),
         trend_window_s=draw(st.floats(0, 300)),
+        burst_window_s=draw(st.floats(0, 900)),
     )
 
 
@@ -64,6 +65,9 @@ def observations(draw: st.DrawFn, current: int | None = None) -> RoleObservation
         kv_usage=draw(st.floats(0, 1)),
         ttft_s=draw(LAT),
         tpot_s=draw(LAT),
+        arrival_requests_per_s=draw(st.one_of(st.none(), st.floats(0, 1000))),
+        arrival_prompt_tokens_per_s=draw(st.one_of(st.none(), RATES)),
+        arrival_window_s=draw(st.floats(0, 60)),
     )
 
 
@@ -75,6 +79,7 @@ def states(draw: st.DrawFn, now: float) -> PlannerState:
         prefill_capacity=draw(CAP),
         decode_capacity=draw(CAP),
         mean_prompt_tokens=draw(st.one_of(st.none(), st.floats(1, 4000))),
+        mean_output_tokens=draw(st.one_of(st.none(), st.floats(1, 2000))),
         history=tuple(sorted(hist)),
         rates=tuple(sorted(draw(st.lists(st.tuples(st.floats(now - 300, now), RATES, RATES))))),
         ready=draw(st.one_of(st.none(), st.integers(0, 14))),
@@ -109,7 +114,15 @@ def test_no_change_inside_the_stabilization_window(
         assert d.desired == obs.current, d
 
 
-LOAD_FIELDS = ("prompt_tokens_per_s", "generation_tokens_per_s", "running", "waiting", "kv_usage")
+LOAD_FIELDS = (
+    "prompt_tokens_per_s",
+    "generation_tokens_per_s",
+    "running",
+    "waiting",
+    "kv_usage",
+    "arrival_requests_per_s",
+    "arrival_prompt_tokens_per_s",
+)
 
 
 @settings(max_examples=300, deadline=None)
@@ -124,6 +137,8 @@ def test_monotone_in_load(
     cfg: PlannerConfig, obs: RoleObservation, state: PlannerState, which: str, more: float
 ) -> None:
     before = getattr(obs, which)
+    if before is None:
+        return  # the gateway's figure unknown: nothing to raise
     if which == "kv_usage":
         bigger = min(1.0, before + more / 1e4)
     elif isinstance(before, int):
@@ -324,3 +339,55 @@ def test_slack_halves_the_scale_down_hold() -> None:
     assert tight.desired == 3 and tight.reason == Reason.DOWN_WINDOW
     slack = decide(cfg, _obs(3, 100.0, ttft_s=0.1, tpot_s=0.01), high, 1000.0)
     assert slack.desired == 2 and slack.reason == Reason.SCALED_DOWN
+
+
+def test_gateway_arrivals_lead_a_fleet_running_flat_out() -> None:
+    # Two replicas serve 1600 tok/s (800 each at the 80% plan: enough for the served load),
+    # while the gateway routed 4000 tok/s in 400 requests over its last 10 s.
+    cfg = _cfg(max_replicas=8)
+    served = decide(cfg, _obs(2, 1600.0), PlannerState(), 0.0)
+    assert served.recommendation == 2
+    surge = _obs(2, 1600.0, arrival_requests_per_s=40.0, arrival_prompt_tokens_per_s=4000.0,
+                 arrival_window_s=10.0)  # fmt: skip
+    led = decide(cfg, surge, PlannerState(), 0.0)
+    assert led.recommendation == 5  # 4000 at its lower bound (1 - 2/sqrt(400)): 3600 / 800
+    # A chance cluster of a steady load (1800 tok/s in 200 requests) is inside the bound.
+    noise = replace(surge, arrival_requests_per_s=20.0, arrival_prompt_tokens_per_s=1800.0)
+    assert decide(cfg, noise, PlannerState(), 0.0).recommendation == 2
+    # Fewer arrivals than served (a queue draining) never lower the figure.
+    quiet = replace(surge, arrival_requests_per_s=1.0, arrival_prompt_tokens_per_s=10.0)
+    assert decide(cfg, quiet, PlannerState(), 0.0).recommendation == 2
+    # Decode work of arrivals: requests x the learned generated tokens per request.
+    dec = _cfg(role="decode", max_replicas=8)
+    obs = RoleObservation(current=1, ready=1, known_pods=1, generation_tokens_per_s=100.0,
+                          arrival_requests_per_s=10.0, arrival_window_s=10.0)  # fmt: skip
+    assert decide(dec, obs, PlannerState(), 0.0).recommendation == 1  # nothing learned yet
+    learned = PlannerState(mean_output_tokens=100.0)
+    # 10 req/s x 0.8 (1 - 2/sqrt(100)) x 100 tokens = 800 tok/s at 160 per replica -> 5
+    assert decide(dec, obs, learned, 0.0).recommendation == 5
+
+
+def _first_down(cfg: PlannerConfig, loads: list[float], dt: float = 5.0) -> int | None:
+    counts = [d.desired for d in _run(cfg, loads, dt)]
+    return next((i for i in range(1, len(counts)) if counts[i] < counts[i - 1]), None)
+
+
+def test_quick_scale_down_after_a_start_up_keeps_the_largest_surge_in_reserve() -> None:
+    cfg = _cfg(max_replicas=8, scale_up_window_s=0.0, scale_down_window_s=300.0,
+               startup_s=30.0)  # fmt: skip
+    # A steady 4000 tok/s (5 replicas), then 800: no surge was ever seen, so the fleet
+    # goes down once the low recommendation held for a start-up (30 s), not 300 s.
+    drop = 24
+    steady = [4000.0] * drop + [800.0] * 60
+    first = _first_down(cfg, steady)
+    assert first is not None and drop + 6 <= first <= drop + 8, first
+    slow = _first_down(replace(cfg, burst_window_s=0.0), steady)
+    assert slow is not None and slow >= drop + 300 / 5 - 1
+    # The same, but the load once jumped 5x within 10 s: that surge stays in reserve, so
+    # the quick path never goes below 800 x 5 -> the window's hold decides (300 s).
+    surged = [800.0] * 6 + [4000.0] * (drop - 6) + [800.0] * 70
+    first = _first_down(cfg, surged)
+    assert first is None or first >= drop + 300 / 5 - 1, first
+    # No flapping on a steady load with the quick path on.
+    counts = [d.desired for d in _run(cfg, [1700.0] * 60)]
+    assert sum(a != b for a, b in itertools.pairwise(counts)) <= 2
