@@ -49,16 +49,27 @@ from pagefleet.operator.kube import (
     KubeError,
 )
 from pagefleet.operator.metrics import OperatorMetrics
-from pagefleet.operator.naming import DAEMON_PORT, LABEL_ROLE, LABEL_SERVICE, Names
+from pagefleet.operator.naming import (
+    DAEMON_PORT,
+    GATEWAY,
+    GATEWAY_PORT,
+    LABEL_COMPONENT,
+    LABEL_ROLE,
+    LABEL_SERVICE,
+    Names,
+)
 from pagefleet.operator.planner import Decision, PlannerConfig, PlannerState, Reason, decide
 from pagefleet.operator.promql import role_inputs
 from pagefleet.operator.signals import (
+    Arrivals,
     PodReport,
     PodSnapshot,
     RoleInputs,
     cheapest_pod,
     delta,
+    gateway_arrivals,
     observe_role,
+    parse_gateway_metrics,
 )
 from pagefleet.operator.status import condition
 
@@ -87,6 +98,7 @@ class AutoscalerSettings:
     # Query this Prometheus for the inputs instead of scraping every pod (promql.py).
     prometheus_url: str | None = None
     metrics_port: int = DAEMON_PORT
+    gateway_metrics_port: int = GATEWAY_PORT  # the gateways' /metrics (arrival counters)
     # Password of the bundled Redis' read-only user (pf-gateway), for services on it; the
     # chart passes it from its Secret (a service on its own Redis: the operator gets the Secret
     # its spec names, see _redis_credentials).
@@ -175,11 +187,14 @@ class Autoscaler:
         self.metrics = metrics
         self.clock = clock
         self.memory: dict[tuple[str, str, str], RoleMemory] = {}
+        # (namespace, service) -> gateway pod uid -> its latest scrape
+        self.gateway_scrapes: dict[tuple[str, str], dict[str, PodSnapshot]] = {}
 
     def forget(self, namespace: str, name: str) -> None:
         """Drop the memory of a deleted InferenceService."""
         for key in [k for k in self.memory if k[:2] == (namespace, name)]:
             del self.memory[key]
+        self.gateway_scrapes.pop((namespace, name), None)
 
     # ------------------------------------------------------------------------------------
 
@@ -223,10 +238,15 @@ class Autoscaler:
             return []
         deploys = {d["metadata"]["name"]: d for d in deploy_list}
         pods_by_role: dict[str, list[Manifest]] = {}
+        gateways: list[Manifest] = []
         for pod in pod_list:
             if pod["metadata"].get("deletionTimestamp"):
                 continue  # already leaving: neither capacity nor a candidate
-            role = (pod["metadata"].get("labels") or {}).get(LABEL_ROLE, "")
+            pod_labels = pod["metadata"].get("labels") or {}
+            if pod_labels.get(LABEL_COMPONENT) == GATEWAY:
+                gateways.append(pod)
+                continue
+            role = pod_labels.get(LABEL_ROLE, "")
             pods_by_role.setdefault(role, []).append(pod)
 
         prom = self.settings.prometheus_url
@@ -234,6 +254,15 @@ class Autoscaler:
             PodTarget(p["metadata"]["name"], f"http://{ip}:{self.settings.metrics_port}/metrics")
             for r, _ in due
             for p in pods_by_role.get(r, [])
+            if not prom and _pod_ready(p) and (ip := (p.get("status") or {}).get("podIP"))
+        ]
+        targets += [
+            PodTarget(
+                p["metadata"]["name"],
+                f"http://{ip}:{self.settings.gateway_metrics_port}/metrics",
+                parse_gateway_metrics,
+            )
+            for p in gateways
             if not prom and _pod_ready(p) and (ip := (p.get("status") or {}).get("podIP"))
         ]
         scrapes, loads, redis_err = asyncio.run(
@@ -246,6 +275,7 @@ class Autoscaler:
             )
         )
         redis_err = redis_note or redis_err
+        arrivals = None if prom else self._arrivals(namespace, name, gateways, scrapes)
         from_prometheus: dict[str, RoleInputs] = {}
         if prom:
             # Heartbeats only rank pods for scale-down here; the load comes from Prometheus.
@@ -282,6 +312,7 @@ class Autoscaler:
                 loads,
                 redis_err,
                 now,
+                arrivals,
             )
             self._act(namespace, name, names, deploy, pods_by_role.get(role, []), outcome, record)
             outcomes.append(outcome)
@@ -337,8 +368,9 @@ class Autoscaler:
             secret = self.kube.get(SECRET, namespace, name)
         except KubeError as exc:
             return "", (
-                f"cannot read Secret {namespace}/{name} (HTTP {exc.status}); the operator "
-                "needs RBAC get on secrets in this namespace (deploy/rbac.yaml, the chart)"
+                f"cannot read Secret {namespace}/{name} (HTTP {exc.status}); grant the operator "
+                "get on this one Secret: deploy/redis-secret-role.yaml, or the chart's "
+                "operator.redisPasswordSecrets"
             )
         if secret is None:
             return "", f"Secret {namespace}/{name} does not exist"
@@ -370,6 +402,7 @@ class Autoscaler:
         loads: dict[str, Any] | None,
         redis_err: str | None,
         now: float,
+        arrivals: Arrivals | None = None,
     ) -> RoleOutcome:
         mem = self.memory.setdefault((namespace, name, role), RoleMemory())
         reports: list[PodReport] = []
@@ -405,8 +438,34 @@ class Autoscaler:
         mem.snapshots = seen
         current = int((deploy.get("spec") or {}).get("replicas", 1))
         ready = sum(1 for p in pods if _pod_ready(p))
-        inputs = observe_role(current, ready, reports, spec.slo.percentile)
+        inputs = observe_role(current, ready, reports, spec.slo.percentile, arrivals, role)
         return self._decide(namespace, name, role, spec, has_slo, inputs, now)
+
+    def _arrivals(
+        self, namespace: str, name: str, gateways: list[Manifest], scrapes: dict[str, Any]
+    ) -> Arrivals | None:
+        """The gateways' arrival rates since the previous tick (the leading signal), or None
+        when any Ready gateway pod is not known at both scrapes (no partial sums: a missing
+        gateway would read as a drop)."""
+        before = self.gateway_scrapes.get((namespace, name), {})
+        latest: dict[str, PodSnapshot] = {}
+        pairs: list[tuple[PodSnapshot, PodSnapshot]] = []
+        complete = True
+        for pod in gateways:
+            if not _pod_ready(pod):
+                continue
+            uid = pod["metadata"].get("uid", pod["metadata"]["name"])
+            scrape = scrapes.get(pod["metadata"]["name"])
+            if scrape is None or scrape.snapshot is None:
+                complete = False
+                continue
+            latest[uid] = scrape.snapshot
+            if uid in before:
+                pairs.append((before[uid], scrape.snapshot))
+            else:
+                complete = False
+        self.gateway_scrapes[(namespace, name)] = latest
+        return gateway_arrivals(pairs) if complete else None
 
     def _decide(
         self,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -23,6 +24,7 @@ from pagefleet.operator.signals import MetricsError, PodSnapshot, parse_metrics
 class PodTarget:
     name: str
     url: str  # http://<pod ip>:<port>/metrics
+    parse: Callable[[str, float], PodSnapshot] = parse_metrics  # a daemon's, or a gateway's
 
 
 @dataclass(slots=True)
@@ -37,7 +39,7 @@ async def _scrape_one(session: aiohttp.ClientSession, target: PodTarget) -> Scra
             if resp.status != 200:
                 return Scrape(None, f"GET {target.url}: HTTP {resp.status}")
             text = await resp.text()
-        return Scrape(parse_metrics(text, time.monotonic()))
+        return Scrape(target.parse(text, time.monotonic()))
     except MetricsError as exc:
         return Scrape(None, f"{target.url}: {exc}")
     except (TimeoutError, aiohttp.ClientError, OSError) as exc:

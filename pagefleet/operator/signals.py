@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -25,6 +25,10 @@ TTFT = "vllm:time_to_first_token_seconds"
 TPOT = "vllm:request_time_per_output_token_seconds"
 _COUNTERS = (PROMPT_TOKENS, GENERATION_TOKENS, PREFIX_HITS)
 _HISTOGRAMS = (TTFT, TPOT)
+# The gateway's arrival counters (pagefleet/gateway/metrics.py): the leading signal.
+GATEWAY_ARRIVALS = "pagefleet_gateway_arrivals"
+GATEWAY_ARRIVAL_PROMPT_TOKENS = "pagefleet_gateway_arrival_prompt_tokens"
+_GATEWAY_COUNTERS = (GATEWAY_ARRIVALS, GATEWAY_ARRIVAL_PROMPT_TOKENS)
 
 
 class MetricsError(ValueError):
@@ -42,14 +46,26 @@ class PodSnapshot:
 
 
 def parse_metrics(text: str, t: float) -> PodSnapshot:
-    """Read the series the autoscaler needs from Prometheus text; raises MetricsError when
-    one is missing or not a finite non-negative number."""
+    """Read the series the autoscaler needs from a daemon's Prometheus text; raises
+    MetricsError when one is missing or not a finite non-negative number."""
+    return _parse(text, t, _COUNTERS, _HISTOGRAMS, "a pagefleet daemon")
+
+
+def parse_gateway_metrics(text: str, t: float) -> PodSnapshot:
+    """The gateway's arrival counters from its Prometheus text (MetricsError as
+    parse_metrics)."""
+    return _parse(text, t, _GATEWAY_COUNTERS, (), "a pagefleet gateway of this version")
+
+
+def _parse(
+    text: str, t: float, names: tuple[str, ...], histograms: tuple[str, ...], what: str
+) -> PodSnapshot:
     counters: dict[str, float] = {}
-    buckets: dict[str, dict[float, float]] = {h: {} for h in _HISTOGRAMS}
+    buckets: dict[str, dict[float, float]] = {h: {} for h in histograms}
     try:
         for family in text_string_to_metric_families(text):
             for s in family.samples:
-                if s.name.endswith("_total") and s.name[: -len("_total")] in _COUNTERS:
+                if s.name.endswith("_total") and s.name[: -len("_total")] in names:
                     key = s.name[: -len("_total")]
                     counters[key] = counters.get(key, 0.0) + float(s.value)
                 elif s.name.endswith("_bucket") and s.name[: -len("_bucket")] in buckets:
@@ -58,10 +74,10 @@ def parse_metrics(text: str, t: float) -> PodSnapshot:
                     hist[le] = hist.get(le, 0.0) + float(s.value)
     except (ValueError, KeyError, TypeError) as exc:
         raise MetricsError(f"unparsable Prometheus text: {exc}") from exc
-    missing = [n for n in _COUNTERS if n not in counters]
+    missing = [n for n in names if n not in counters]
     missing += [n for n, b in buckets.items() if math.inf not in b]
     if missing:
-        raise MetricsError(f"missing series {', '.join(missing)} (is this a pagefleet daemon?)")
+        raise MetricsError(f"missing series {', '.join(missing)} (is this {what}?)")
     values = [*counters.values(), *(v for b in buckets.values() for v in b.values())]
     if any(not math.isfinite(v) or v < 0 for v in values):
         raise MetricsError("a counter or bucket is negative or not finite")
@@ -126,6 +142,33 @@ def delta(old: PodSnapshot, new: PodSnapshot) -> PodDelta | None:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class Arrivals:
+    """What the gateways routed per second over their last interval (all of them summed)."""
+
+    requests_per_s: float
+    prompt_tokens_per_s: float  # uncached
+    window_s: float
+
+
+def gateway_arrivals(pairs: Iterable[tuple[PodSnapshot, PodSnapshot]]) -> Arrivals | None:
+    """The summed arrival rates of every gateway pod from its (previous, latest) scrape;
+    None when there is no pair or any counter went backwards (a restart: unknown, and the
+    planner then plans on the pods' own figures alone)."""
+    reqs = prompt = span = 0.0
+    n = 0
+    for old, new in pairs:
+        dt = new.t - old.t
+        d = {k: new.counters[k] - old.counters.get(k, 0.0) for k in _GATEWAY_COUNTERS}
+        if dt <= 0 or any(v < 0 for v in d.values()):
+            return None
+        reqs += d[GATEWAY_ARRIVALS] / dt
+        prompt += d[GATEWAY_ARRIVAL_PROMPT_TOKENS] / dt
+        span = max(span, dt)
+        n += 1
+    return Arrivals(reqs, prompt, span) if n else None
+
+
 @dataclass(slots=True)
 class PodReport:
     """Everything known about one Ready pod this interval (None fields: not known)."""
@@ -154,10 +197,19 @@ class RoleInputs:
 
 
 def observe_role(
-    current: int, ready: int, reports: list[PodReport], percentile: float
+    current: int,
+    ready: int,
+    reports: list[PodReport],
+    percentile: float,
+    arrivals: Arrivals | None = None,
+    role: str = "unified",
 ) -> RoleInputs:
     """Sum the known pods' rates, merge their histograms into percentiles. Pods without a
-    heartbeat or a metrics delta count as unknown (``unknown_pods``), never as idle."""
+    heartbeat or a metrics delta count as unknown (``unknown_pods``), never as idle.
+
+    The gateways' ``arrivals`` lead a unified or decode role's figures (every routed
+    request reaches it). A prefill role gets none: in P/D the gateway prefills remotely
+    only some requests, so its totals would overstate the prefill pool's work."""
     known = [p for p in reports if p.known]
     q = percentile / 100.0
     prompt = gen = reqs = 0.0
@@ -190,6 +242,13 @@ def observe_role(
         ttft_s=quantile(q, merged[TTFT].items()),
         tpot_s=quantile(q, merged[TPOT].items()),
     )
+    if arrivals is not None and role != "prefill":
+        obs = replace(
+            obs,
+            arrival_requests_per_s=arrivals.requests_per_s,
+            arrival_prompt_tokens_per_s=arrivals.prompt_tokens_per_s if role == "unified" else None,
+            arrival_window_s=arrivals.window_s,
+        )
     return RoleInputs(observation=obs, pods=reports)
 
 

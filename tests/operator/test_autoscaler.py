@@ -10,7 +10,8 @@ import asyncio
 import math
 import socket
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -20,6 +21,7 @@ from fake_kube import FakeKube
 from pagefleet.daemon.metrics import DaemonMetrics
 from pagefleet.dev.redis_server import LocalRedis
 from pagefleet.engine.outputs import RequestMetrics
+from pagefleet.gateway.metrics import GatewayMetrics
 from pagefleet.kvindex.index import PodLoad
 from pagefleet.kvindex.redis_index import RedisKVIndex
 from pagefleet.operator.autoscaler import DELETION_COST, VICTIM_COST, Autoscaler
@@ -53,6 +55,7 @@ def _free_port() -> int:
 
 
 PORT = _free_port()
+GATEWAY_PORT = _free_port()
 
 
 # ------------------------------------------------------------------------------ signals
@@ -158,20 +161,28 @@ class MetricsServers:
 
     def add(self, pod: str, ip: str) -> Daemon:
         daemon = self.daemons[pod] = Daemon(pod)
+        self._serve(ip, PORT, lambda: daemon.text().encode())
+        return daemon
 
+    def add_gateway(self, ip: str) -> GatewayMetrics:
+        """A gateway pod's /metrics: the gateway's own metrics code, on GATEWAY_PORT."""
+        metrics = GatewayMetrics()
+        self._serve(ip, GATEWAY_PORT, metrics.render)
+        return metrics
+
+    def _serve(self, ip: str, port: int, body: Callable[[], bytes]) -> None:
         async def handler(_: web.Request) -> web.Response:
-            return web.Response(text=daemon.text(), content_type="text/plain")
+            return web.Response(body=body(), content_type="text/plain")
 
         async def start() -> web.AppRunner:
             app = web.Application()
             app.router.add_get("/metrics", handler)
             runner = web.AppRunner(app)
             await runner.setup()
-            await web.TCPSite(runner, ip, PORT).start()
+            await web.TCPSite(runner, ip, port).start()
             return runner
 
         self.runners.append(asyncio.run_coroutine_threadsafe(start(), self.loop).result(10))
-        return daemon
 
     def close(self) -> None:
         for r in self.runners:
@@ -283,7 +294,12 @@ def make(kube: FakeKube, clock: Clock) -> Autoscaler:
     return Autoscaler(
         kube,
         BuildSettings(),
-        AutoscalerSettings(scrape_timeout_s=1.0, metrics_port=PORT, rate_window_s=0.0),
+        AutoscalerSettings(
+            scrape_timeout_s=1.0,
+            metrics_port=PORT,
+            gateway_metrics_port=GATEWAY_PORT,
+            rate_window_s=0.0,
+        ),
         OperatorMetrics(),
         clock=clock,
     )
@@ -353,6 +369,66 @@ def test_load_step_scales_up_and_idle_scales_down_the_cheapest_pod(
     others = [kube.obj("Pod", NS, p) for p in ("chat-a", "chat-c")]
     assert all(DELETION_COST not in (o or {})["metadata"].get("annotations", {}) for o in others)
     assert any(r == "ScaledDown" and "chat-b" in m for _, r, m in events)
+
+
+def test_the_gateways_arrivals_lead_the_pods_served_rate(
+    redis: str, servers: MetricsServers
+) -> None:
+    """A pod running flat out serves no more than its capacity, whatever arrives; the
+    gateway counts every request it routes. The planner scales on the arrivals: to what
+    they need, not one replica at a time. A gateway that stops answering is not zero
+    arrivals: the decision falls back to the pods' figures."""
+    kube, clock, events = FakeKube(), Clock(), []
+    world(kube, redis, 1, [("chat-a", "127.0.0.2")], maxReplicas=6, maxScaleUpStep=6)
+    kube.add(
+        {
+            "kind": "Pod",
+            "metadata": {
+                "name": "chat-gateway-x",
+                "namespace": NS,
+                "labels": {
+                    "pagefleet.io/service": NAME,
+                    "app.kubernetes.io/component": "gateway",
+                },
+            },
+            "status": {"podIP": "127.0.0.5", "conditions": [{"type": "Ready", "status": "True"}]},
+        }
+    )
+    a = servers.add("chat-a", "127.0.0.2")
+    gateway = servers.add_gateway("127.0.0.5")
+    heartbeat(redis, "chat-a", running=4, num_cached_blocks=50)
+    scaler = make(kube, clock)
+    tick(scaler, kube, events)  # first scrapes: no rates yet
+    # Over about a second (the scrapes' clock is the real one): the pod served 900 uncached
+    # tokens (within the SLO, under the 1000/s it is rated for), while 500 requests of 10
+    # uncached tokens each arrived at the gateway.
+    a.serve_requests(n=9, prompt=100, cached=0, out=8, ttft=0.2)
+    gateway.arrivals.inc(500)
+    gateway.arrival_prompt_tokens.inc(5000)
+    time.sleep(1.0)
+    clock.t += 1
+    (out,) = tick(scaler, kube, events)
+    obs = out.inputs.observation
+    assert obs.prompt_tokens_per_s <= 900
+    assert obs.arrival_requests_per_s is not None and obs.arrival_prompt_tokens_per_s is not None
+    assert obs.arrival_prompt_tokens_per_s / obs.arrival_requests_per_s == pytest.approx(10)
+    assert 3000 < obs.arrival_prompt_tokens_per_s <= 5000
+    # The pods alone ask for 1 replica; the arrivals (at their lower bound, 1 - 2/sqrt(500))
+    # for 3-5 at once.
+    assert out.decision.reason.value == "ScaledUp", out.decision.message
+    assert 3 <= replicas(kube) == out.decision.recommendation
+
+    # The gateway pod stops answering (nothing listens at its new address): the arrivals
+    # are unknown, not zero, and the same pod figures ask for one replica.
+    gw_pod = kube.obj("Pod", NS, "chat-gateway-x")
+    assert gw_pod is not None
+    gw_pod["status"]["podIP"] = "127.0.0.6"
+    a.serve_requests(n=9, prompt=100, cached=0, out=8, ttft=0.2)
+    time.sleep(1.0)
+    clock.t += 1
+    (out,) = tick(scaler, kube, events)
+    assert out.inputs.observation.arrival_requests_per_s is None
+    assert out.decision.recommendation == 1, out.decision.message
 
 
 def test_garbage_pod_and_unreachable_redis_hold_with_a_condition(
