@@ -17,7 +17,10 @@
    70%, the HPA's ratio rule with its 10% tolerance and a scale-down stabilization window),
    and the planner: pagefleet.operator.planner.decide, the function the operator runs,
    fed the same inputs the operator scrapes (rates and latency percentiles over a window,
-   running, waiting, KV usage).
+   running, waiting, KV usage, and the gateway's arrivals over the last interval: the
+   router counts each request as it routes it, as the gateway's counters do); the
+   planner again without the gateway's arrivals (the A/B of that signal); and a
+   clairvoyant rate-follower (knows the trace's rate a start-up ahead) at a few headrooms.
 
 SLO attainment = share of requests whose TTFT and TPOT both met the targets (a request
 still unserved when the run ends counts as a miss). Replica-hours include starting and
@@ -43,7 +46,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -327,6 +330,7 @@ class SimConfig:
     rate_window_s: float = 30.0
     down_window_s: float = 120.0
     percentile: float = 95.0
+    gateway_signal: bool = True  # the planner sees the gateway's arrival rate
 
 
 class Fleet:
@@ -339,6 +343,9 @@ class Fleet:
         self.windows: deque[Window] = deque()
         self.ttfts: deque[tuple[float, float]] = deque()  # (time, ttft)
         self.tpots: deque[tuple[float, float]] = deque()
+        # The gateway's view: (arrival time, prompt tokens) of every request it routed
+        # within the last decision interval (its counters' rate over one tick).
+        self.arrivals: deque[tuple[float, int]] = deque()
 
     # -- policy actions ------------------------------------------------------------------
 
@@ -361,6 +368,7 @@ class Fleet:
     # -- simulation ------------------------------------------------------------------------
 
     def route(self, req: Request, now: float) -> None:
+        self.arrivals.append((req.arrival, req.prompt))
         ready = self.serving(now) or [r for r in self.replicas if not r.draining]
         min(ready, key=lambda r: r.load()).waiting.append(req)
 
@@ -438,6 +446,10 @@ class Fleet:
             return vals[min(len(vals) - 1, int(q * len(vals)))]
 
         kv = [min(1.0, r.active_prompt / self.cfg.kv_tokens) for r in ready]
+        gate = min(self.cfg.interval_s, now) or 1.0
+        while self.arrivals and self.arrivals[0][0] < now - gate:
+            self.arrivals.popleft()
+        gateway = self.cfg.gateway_signal
         return RoleObservation(
             current=self.target(),
             ready=len(ready),
@@ -450,6 +462,11 @@ class Fleet:
             kv_usage=statistics.fmean(kv) if kv else 0.0,
             ttft_s=pct([v for _, v in self.ttfts]),
             tpot_s=pct([v for _, v in self.tpots]),
+            arrival_requests_per_s=len(self.arrivals) / gate if gateway else None,
+            arrival_prompt_tokens_per_s=(
+                sum(p for _, p in self.arrivals) / gate if gateway else None
+            ),
+            arrival_window_s=gate,
         )
 
 
@@ -566,6 +583,22 @@ def planner_policy(cfg: PlannerConfig, ledger: Ledger | None = None) -> Policy:
         state = d.state
         if d.desired != fleet.target():
             fleet.scale_to(d.desired, now)
+
+    return step
+
+
+def clairvoyant_policy(
+    rate: Callable[[float], float], duration: float, per_replica: float, cfg: SimConfig
+) -> Policy:
+    """Replicas for the highest arrival rate between one start-up and one start-up plus one
+    interval ahead, at ``per_replica`` requests/s each (knows the future rate, not sizes)."""
+
+    def step(fleet: Fleet, now: float) -> None:
+        ahead = [now + cfg.startup_s + k for k in range(int(cfg.interval_s) + 1)]
+        peak = max(rate(t) if t < duration else 0.0 for t in ahead)
+        n = max(1, math.ceil(peak / per_replica - 1e-9))
+        if n != fleet.target():
+            fleet.scale_to(n, now)
 
     return step
 
@@ -883,17 +916,31 @@ def main() -> None:
     breakdown = ledger.summary()
     misses = ledger.misses(planner_run.requests, planner_run.met, bursts)
     unhinted = run(
-        planner_policy(
-            PlannerConfig(
-                **{
-                    **{f: getattr(planner_cfg, f) for f in planner_cfg.__slots__},
-                    "prefill_capacity_hint": None,
-                    "decode_capacity_hint": None,
-                }
-            )
-        ),
+        planner_policy(replace(planner_cfg, prefill_capacity_hint=None, decode_capacity_hint=None)),
         mean_n,
     )
+    # The same planner blind to the gateway's arrivals (the A/B of the leading signal).
+    no_gateway = simulate(
+        trace,
+        rate,
+        duration,
+        cost,
+        replace(cfg, gateway_signal=False),
+        mean_n,
+        planner_policy(planner_cfg),
+    )
+    # A clairvoyant rate-follower: the fleet the oracle's capacity asks for at the rate
+    # one start-up ahead (the most over the next interval), times a headroom, simulated
+    # like any policy (start-up, drain, queues). It knows the trace's rate function,
+    # bursts included, and no request's size: the lowest headroom at which it reaches
+    # 0.95 shows what replica-hours the attainment target costs on this trace.
+    clairvoyant: dict[float, Result] = {}
+    for head in (1.0, 1.1, 1.2, 1.3):
+        clairvoyant[head] = run(
+            clairvoyant_policy(rate, duration, per_replica / head, cfg), mean_n
+        )
+        if clairvoyant[head].attainment >= 0.95:
+            break
     peak_h = static[peak_n].replica_hours
     planner, hpa = results["planner"], results["hpa"]
     load = os.getloadavg()[0]
@@ -910,7 +957,12 @@ def main() -> None:
     )
     print(f"{'policy':<18} {'SLO attain':>10} {'replica-h':>10} {'frac of peak':>12} "
           f"{'TTFT p95':>9} {'TPOT p95':>9}")  # fmt: skip
-    for name, res in [*results.items(), ("planner (no hint)", unhinted)]:
+    extra = [
+        ("planner (no hint)", unhinted),
+        ("planner (no gw)", no_gateway),
+        *((f"clairvoyant x{h:.1f}", r) for h, r in clairvoyant.items()),
+    ]
+    for name, res in [*results.items(), *extra]:
         print(
             f"{name:<18} {res.attainment:>10.3f} {res.replica_hours:>10.3f} "
             f"{res.replica_hours / peak_h:>12.2f} {res.ttft_p95 * 1000:>8.0f}ms "
@@ -938,6 +990,14 @@ def main() -> None:
         "static_mean_replicas": mean_n,
         "planner_unhinted_slo_attainment": round(unhinted.attainment, 4),
         "planner_unhinted_replica_hours_frac_of_peak": round(unhinted.replica_hours / peak_h, 4),
+        "planner_no_gateway_slo_attainment": round(no_gateway.attainment, 4),
+        "planner_no_gateway_replica_hours_frac_of_peak": round(
+            no_gateway.replica_hours / peak_h, 4
+        ),
+        "clairvoyant": {
+            f"x{h:.1f}": [round(r.attainment, 4), round(r.replica_hours / peak_h, 4)]
+            for h, r in clairvoyant.items()
+        },
         "ratio_planner_vs_static_peak_replica_hours": round(planner.replica_hours / peak_h, 4),
         "oracle_replica_hours_frac_of_peak": round(oracle_h / peak_h, 4),
         "capacity_at_slo_req_s_per_replica": round(fleet_cap / peak_n, 3),
