@@ -48,10 +48,6 @@ _MAX_STEP_CUT = 0.8
 _PROBE = 0.03
 _AT_PLAN = 0.9
 _COMFORTABLE = 0.6
-# A miss teaches capacity only at this share of the estimate or above (_learn_scale).
-_MISS_TEACHES_AT = 0.0
-# Share of the way back to the hint a comfortable pass restores a cut capacity (learn).
-_RESTORE = 0.0
 # Standard deviations of a Poisson count the gateway's arrivals must clear (with_arrivals).
 _ARRIVAL_Z = 2.0
 
@@ -210,11 +206,6 @@ def _learn_scale(
     replicas run at the planned utilisation says the estimate is conservative: probe a few
     percent up (a later miss cuts it back)."""
     if missed_ratio is not None:
-        if utilization < _MISS_TEACHES_AT:
-            # Far below the estimate a miss is a burst or a few long requests colliding,
-            # not the replicas' speed: the missed SLO asks for one more replica (decide),
-            # the estimate stays. A hint that is really too high shows as misses near it.
-            return 1.0
         cut = utilization if queueing else utilization * max(_MAX_CUT, missed_ratio)
         return max(_MAX_STEP_CUT, min(1.0, cut))
     if busy and utilization > 1.0:
@@ -273,14 +264,6 @@ def learn(cfg: PlannerConfig, obs: RoleObservation, state: PlannerState) -> Plan
             )
             scale = _learn_scale(util, missed, queueing, busy, comfortable, cfg.target_utilization)
             caps = {n: (c * scale if c is not None else None) for n, c in caps.items()}
-            if missed is None and comfortable and _RESTORE > 0:
-                # A cut made on a noisy window heals while the SLO holds with room: part
-                # of the way back toward the spec's hint, never above it.
-                hints = {"prefill": cfg.prefill_capacity_hint, "decode": cfg.decode_capacity_hint}
-                for n, c in caps.items():
-                    h = hints.get(n)
-                    if c is not None and h is not None and c < h:
-                        caps[n] = c + _RESTORE * (h - c)
     return replace(
         state,
         prefill_capacity=caps.get("prefill", state.prefill_capacity),

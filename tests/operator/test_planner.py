@@ -342,17 +342,17 @@ def test_slack_halves_the_scale_down_hold() -> None:
 
 
 def test_gateway_arrivals_lead_a_fleet_running_flat_out() -> None:
-    # Two replicas serve 1600 tok/s (800 each at the 80% plan: enough for the served load),
-    # while the gateway routed 4000 tok/s in 400 requests over its last 10 s.
+    # Two replicas serve 1400 tok/s (at 800 each for the 80% plan: enough for the served
+    # load), while the gateway routed 4000 tok/s in 400 requests over its last 10 s.
     cfg = _cfg(max_replicas=8)
-    served = decide(cfg, _obs(2, 1600.0), PlannerState(), 0.0)
+    served = decide(cfg, _obs(2, 1400.0), PlannerState(), 0.0)
     assert served.recommendation == 2
-    surge = _obs(2, 1600.0, arrival_requests_per_s=40.0, arrival_prompt_tokens_per_s=4000.0,
+    surge = _obs(2, 1400.0, arrival_requests_per_s=40.0, arrival_prompt_tokens_per_s=4000.0,
                  arrival_window_s=10.0)  # fmt: skip
     led = decide(cfg, surge, PlannerState(), 0.0)
     assert led.recommendation == 5  # 4000 at its lower bound (1 - 2/sqrt(400)): 3600 / 800
-    # A chance cluster of a steady load (1800 tok/s in 200 requests) is inside the bound.
-    noise = replace(surge, arrival_requests_per_s=20.0, arrival_prompt_tokens_per_s=1800.0)
+    # A chance cluster of a steady load (1600 tok/s in 200 requests) is inside the bound.
+    noise = replace(surge, arrival_requests_per_s=20.0, arrival_prompt_tokens_per_s=1600.0)
     assert decide(cfg, noise, PlannerState(), 0.0).recommendation == 2
     # Fewer arrivals than served (a queue draining) never lower the figure.
     quiet = replace(surge, arrival_requests_per_s=1.0, arrival_prompt_tokens_per_s=10.0)
