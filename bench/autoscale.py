@@ -936,9 +936,7 @@ def main() -> None:
     # 0.95 shows what replica-hours the attainment target costs on this trace.
     clairvoyant: dict[float, Result] = {}
     for head in (1.0, 1.1, 1.2, 1.3):
-        clairvoyant[head] = run(
-            clairvoyant_policy(rate, duration, per_replica / head, cfg), mean_n
-        )
+        clairvoyant[head] = run(clairvoyant_policy(rate, duration, per_replica / head, cfg), mean_n)
         if clairvoyant[head].attainment >= 0.95:
             break
     peak_h = static[peak_n].replica_hours
