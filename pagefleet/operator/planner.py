@@ -296,7 +296,9 @@ def with_arrivals(obs: RoleObservation, state: PlannerState) -> RoleObservation:
     # (count - z * sqrt(count)), so chance clusters of a steady load move nothing while a
     # real surge (twice the load over one interval: hundreds of requests) passes at once.
     count = reqs * obs.arrival_window_s
-    sure = max(0.0, 1.0 - _ARRIVAL_Z / math.sqrt(count))
+    if count <= _ARRIVAL_Z**2:
+        return obs  # the bound is 0: too few requests to say anything
+    sure = 1.0 - _ARRIVAL_Z / math.sqrt(count)
     prompt = None
     if obs.arrival_prompt_tokens_per_s is not None:
         prompt = obs.arrival_prompt_tokens_per_s * sure
