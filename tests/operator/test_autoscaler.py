@@ -379,7 +379,10 @@ def test_the_gateways_arrivals_lead_the_pods_served_rate(
     they need, not one replica at a time. A gateway that stops answering is not zero
     arrivals: the decision falls back to the pods' figures."""
     kube, clock, events = FakeKube(), Clock(), []
-    world(kube, redis, 1, [("chat-a", "127.0.0.2")], maxReplicas=6, maxScaleUpStep=6)
+    world(
+        kube, redis, 1, [("chat-a", "127.0.0.2")],
+        maxReplicas=6, maxScaleUpStep=6, decodeTokensPerSecond=10_000,
+    )  # fmt: skip
     kube.add(
         {
             "kind": "Pod",
