@@ -29,7 +29,8 @@ from pagefleet.api.openapi import daemon_openapi
 from pagefleet.daemon import quiet_preface
 from pagefleet.daemon.admission import Admission
 from pagefleet.daemon.config import DaemonConfig
-from pagefleet.daemon.engine_client import EngineClient, EngineHandle
+from pagefleet.daemon.engine_client import EngineClient
+from pagefleet.daemon.engine_handle import EngineHandle
 from pagefleet.daemon.engine_loop import EngineLoop
 from pagefleet.daemon.engine_protocol import EngineLike
 from pagefleet.daemon.errors import APIError, http_error
@@ -76,9 +77,8 @@ class Daemon:
         if engine_process is None:
             engine_process = config.engine_process and engine_factory is None
         self.engine_process = engine_process
-        self._engine_factory = engine_factory or default_engine_factory
-        self._custom_factory = engine_factory
-        # Set when the engine process dies: `pagefleet daemon` then exits non-zero.
+        self._engine_factory = engine_factory  # None: default_engine_factory
+        # Set when the engine dies or hangs: `pagefleet daemon` then exits non-zero.
         self.engine_died = asyncio.Event()
         self._index = index
         self.metrics = DaemonMetrics(
@@ -137,15 +137,13 @@ class Daemon:
             )
             sink = self.publisher.sink
         cfg = self.config
-        if self.engine_process:
-            self.engine_loop = EngineClient(
-                cfg, loop, on_step=self.metrics.update_stats, on_events=sink,
-                on_death=lambda code: self.engine_died.set(), factory=self._custom_factory,
-            )  # fmt: skip
-        else:
-            self.engine_loop = EngineLoop(
-                lambda: self._engine_factory(cfg, sink), loop, on_step=self.metrics.update_stats
-            )
+        hooks: dict[str, Any] = dict(
+            on_step=self.metrics.update_stats, on_events=sink,
+            on_death=lambda code: self.engine_died.set(),
+        )  # fmt: skip
+        # A factory for a process is pickled by reference (a module-level function).
+        kind = EngineClient if self.engine_process else EngineLoop
+        self.engine_loop = kind(cfg, loop, factory=self._engine_factory, **hooks)
         self.engine_loop.start()
         await self.engine_loop.wait_loaded()
         self.metrics.update_stats(await self.engine_loop.stats())

@@ -48,13 +48,11 @@ async def serve(config: DaemonConfig) -> None:
     if died.done() and not stop.is_set():
         # A daemon without its engine only fails requests: exit non-zero and let
         # Kubernetes restart the pod (its liveness probe would take much longer).
-        code = getattr(daemon.engine_loop, "exitcode", None)
-        hung = getattr(daemon.engine_loop, "hung_reason", None)
+        handle = daemon.engine_loop
+        why = handle.end_reason() if handle is not None else "the engine ended"
         await daemon.stop()
         await runner.cleanup()
-        if hung is not None:
-            raise click.ClickException(f"the engine process hung ({hung}); exiting")
-        raise click.ClickException(f"the engine process died (exit code {code}); exiting")
+        raise click.ClickException(f"{why}; exiting")
     died.cancel()
     logger.warning("stop signal: draining (up to %.0fs)", config.drain_timeout_s)
     if not start.done():
@@ -210,8 +208,8 @@ async def serve(config: DaemonConfig) -> None:
     default=60.0,
     show_default=True,
     type=float,
-    help="With --engine-process: seconds the engine process may go silent while it has "
-    "work before it counts as hung, is killed, and the daemon exits non-zero (0: never).",
+    help="Seconds the engine (process or thread) may go silent while it has work before it "
+    "counts as hung: /health fails and the daemon exits non-zero (0: never).",
 )
 @click.option(
     "--request-log",

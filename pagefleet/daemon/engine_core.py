@@ -1,20 +1,26 @@
-"""The engine process: owns the LLMEngine, steps it, and talks to the HTTP process (ipc.py).
+"""The engine's side of the daemon: owns the LLMEngine, steps it, answers the HTTP side.
 
 As vLLM v1's EngineCore: the model, the scheduler, structured-output bitmasks (computed by
-the engine's sampler), detokenization of outputs (the engine's incremental detokenizer,
-needed for stop strings) and the KV pool live here; HTTP, JSON, SSE, tokenization of
-prompts, metrics and the Redis publisher live in the daemon's HTTP process. So a busy web
-layer never holds the GIL this process's model needs.
+the engine's sampler), detokenization of outputs that need it (stop strings) and the KV
+pool live here; HTTP, JSON, SSE, tokenization of prompts, metrics and the Redis publisher
+live on the HTTP side (engine_handle.py). The same core serves both ways the daemon runs
+its engine:
+- in a process of its own (``run``, the default): messages cross a pipe (ipc.py), so a
+  busy web layer never holds the GIL this process's model needs;
+- on a thread of the HTTP process (``--no-engine-process``): the same messages are handed
+  over in memory (engine_loop.py).
 
 Threads here:
-- the main thread runs the engine: drains queued calls, steps, sends one message per step;
-- a receiver thread reads the pipe: "call"s are queued for the main thread, "side" calls
-  (reads of exported KV blocks, thread-safe by design: kv_export.py) run at once;
-sends from both go through one lock, so each message is written whole.
+- the engine thread (the process's main thread, or the daemon's engine thread) drains
+  queued calls, steps, and sends one message per step;
+- ``receive`` queues "call"s for it and runs "side" calls (reads of exported KV blocks,
+  thread-safe by design: kv_export.py) at once on a thread of their own;
+sends go through one lock in the channel, so each message leaves whole.
 
-Lifetime: the process exits 0 on "stop", 1 when the engine fails to load or crashes, and on
-its own when the HTTP process goes away (the pipe closes): it never outlives its daemon.
-SIGINT/SIGTERM are ignored: the HTTP process drains first and then stops the engine.
+Lifetime of the process: it exits 0 on "stop", 1 when the engine fails to load or
+crashes, and on its own when the HTTP process goes away (the pipe closes): it never
+outlives its daemon. SIGINT/SIGTERM are ignored: the HTTP process drains first and then
+stops the engine.
 """
 
 from __future__ import annotations
@@ -28,13 +34,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Protocol
 
 from pagefleet.daemon import ipc
 
 logger = logging.getLogger(__name__)
 
-# Engine methods the HTTP process may call on the engine thread (by name: nothing else).
+# Engine methods the HTTP side may call on the engine thread (by name: nothing else).
 _CALLS = frozenset(
     {
         "add_request", "abort", "stats", "reset_prefix_cache", "cached_block_hashes",
@@ -43,29 +49,54 @@ _CALLS = frozenset(
 )  # fmt: skip
 
 
-class EngineCore:
-    """One engine behind one pipe. ``serve`` returns the process's exit status."""
+class Channel(Protocol):
+    """Where the core's messages go: the pipe, or the event loop of its own process."""
 
-    def __init__(self, engine: Any, conn: Connection) -> None:
-        self.engine = engine
+    # True when messages are pickled: outputs go packed (ipc.pack_outputs), errors as data.
+    remote: bool
+
+    def send(self, msg: tuple[Any, ...]) -> bool:
+        """Hand ``msg`` over whole (thread-safe); False when nobody listens any more."""
+        ...
+
+
+class PipeChannel:
+    """The engine process's end of the pipe to its HTTP process."""
+
+    remote = True
+
+    def __init__(self, conn: Connection) -> None:
         self.conn = conn
-        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()
+
+    def send(self, msg: tuple[Any, ...]) -> bool:
+        data = ipc.dumps(msg)
+        with self._lock:
+            try:
+                self.conn.send_bytes(data)
+            except OSError:
+                return False  # the daemon is gone; the core's loop exits
+        return True
+
+
+class EngineCore:
+    """One engine behind one channel. ``serve`` returns the exit status."""
+
+    def __init__(self, engine: Any, channel: Channel) -> None:
+        self.engine = engine
+        self.channel = channel
         self._cv = threading.Condition()
         self._calls: deque[tuple[Any, ...]] = deque()
         self._stopping = False
-        self._gone = False  # the HTTP process closed the pipe
+        self._gone = False  # the HTTP side went away
         self._events: list[Any] = []  # KV event batches not sent yet (engine thread only)
         self._plans: dict[str, Any] = {}  # P/D import reservations by key (engine thread)
 
     # -- sending ---------------------------------------------------------------------------
 
     def send(self, msg: tuple[Any, ...]) -> None:
-        data = ipc.dumps(msg)
-        with self._send_lock:
-            try:
-                self.conn.send_bytes(data)
-            except OSError:
-                self._gone = True  # the daemon is gone; the main loop exits
+        if not self.channel.send(msg):
+            self._gone = True
 
     def event_sink(self, batch: Any) -> None:
         """The engine's event_sink (engine thread): batches leave with the next message."""
@@ -83,36 +114,45 @@ class EngineCore:
         if call_id is not None:
             self.send(("reply", call_id, ok, value))
 
+    def _error(self, exc: BaseException) -> Any:
+        """An exception as the reply carries it: as data across a pipe, else itself."""
+        return ipc.RemoteError.of(exc) if self.channel.remote else exc
+
     # -- receiving -------------------------------------------------------------------------
 
-    def _receive(self) -> None:
+    def receive(self, msg: tuple[Any, ...]) -> bool:
+        """Take one message from the HTTP side (any thread); False after the last one."""
+        kind = msg[0]
+        if kind == "side":
+            threading.Thread(target=self._side, args=msg[1:], daemon=True).start()
+            return True
+        with self._cv:
+            if kind == "call":
+                self._calls.append(msg[1:])
+            elif kind == "calls":  # one event-loop turn's calls, in order
+                self._calls.extend(msg[1])
+            elif kind == "stop":
+                self._stopping = True
+            else:  # "gone"
+                self._gone = True
+            self._cv.notify()
+        return kind in ("call", "calls")
+
+    def receive_from(self, conn: Connection) -> None:
+        """Receiver thread of the engine process: the pipe's messages until it closes."""
         while True:
             try:
-                msg = ipc.loads(self.conn.recv_bytes())
+                msg = ipc.loads(conn.recv_bytes())
             except (EOFError, OSError):
                 msg = ("gone",)
-            kind = msg[0]
-            if kind == "side":
-                threading.Thread(target=self._side, args=msg[1:], daemon=True).start()
-                continue
-            with self._cv:
-                if kind == "call":
-                    self._calls.append(msg[1:])
-                elif kind == "calls":  # one event-loop turn's calls, in order
-                    self._calls.extend(msg[1])
-                elif kind == "stop":
-                    self._stopping = True
-                else:  # "gone"
-                    self._gone = True
-                self._cv.notify()
-            if kind not in ("call", "calls"):
+            if not self.receive(msg):
                 return
 
     def _side(self, call_id: int, method: str, args: tuple[Any, ...]) -> None:
         try:
             value = getattr(self, "side_" + method)(*args)
         except Exception as exc:
-            self.send(("reply", call_id, False, ipc.RemoteError.of(exc)))
+            self.send(("reply", call_id, False, self._error(exc)))
         else:
             self.send(("reply", call_id, True, value))
 
@@ -148,13 +188,14 @@ class EngineCore:
         return [] if exports is None else exports.handles()
 
     def side_export_block_ids(self, handle: str) -> list[int]:
-        entry = self.engine.exports.acquire(handle, float("-inf"))
+        exports = getattr(self.engine, "exports", None)
+        entry = None if exports is None else exports.acquire(handle, float("-inf"))
         if entry is None:
             return []
         try:
             return list(entry.block_ids)
         finally:
-            self.engine.exports.release(handle, consumed=False)
+            exports.release(handle, consumed=False)
 
     # -- engine-thread calls beyond the engine's own methods -------------------------------
 
@@ -190,8 +231,45 @@ class EngineCore:
 
     # -- the loop --------------------------------------------------------------------------
 
+    def load(self, config: Any, factory: Callable[..., Any] | None) -> bool:
+        """Build the engine with ``factory(config, event_sink)`` (None: the daemon's default
+        engine); send "ready" with what the HTTP side needs, or "load_error"; True when
+        loaded."""
+        if factory is None:
+            from pagefleet.daemon.app import default_engine_factory
+
+            factory = default_engine_factory
+        try:
+            engine = factory(config, self.event_sink)
+            self.engine = engine
+            runner = getattr(engine, "runner", None)
+            exports = getattr(engine, "exports", None)
+            info = ipc.EngineInfo(
+                pid=os.getpid(),
+                tokenizer=engine.tokenizer,
+                max_model_len=int(engine.max_model_len),
+                kv_layout=runner.kv_layout() if exports is not None and runner else None,
+                has_exports=exports is not None,
+            )
+        except BaseException as exc:
+            logger.exception("engine failed to load")
+            self.send(("load_error", str(exc) or type(exc).__name__))
+            return False
+        self.send(("ready", info))
+        return True
+
+    def run(self, config: Any, factory: Callable[..., Any] | None) -> int:
+        """Load, then serve until stopped; the exit status (a crash is reported first)."""
+        if not self.load(config, factory):
+            return 1
+        try:
+            return self.serve()
+        except BaseException as exc:
+            logger.exception("engine loop crashed")
+            self.send(("crashed", f"{type(exc).__name__}: {exc}"))
+            return 1
+
     def serve(self) -> int:
-        threading.Thread(target=self._receive, name="engine-core-recv", daemon=True).start()
         eng = self.engine
         while True:
             with self._cv:
@@ -206,7 +284,7 @@ class EngineCore:
                 try:
                     value = self._call(method, args)
                 except Exception as exc:  # the caller's error: hand it back
-                    self._reply(call_id, False, ipc.RemoteError.of(exc))
+                    self._reply(call_id, False, self._error(exc))
                 else:
                     self._reply(call_id, True, value)
             if not eng.has_unfinished():
@@ -218,14 +296,18 @@ class EngineCore:
             now = time.monotonic()
             stats = eng.stats()
             self._flush_events()
-            self.send(("step", ipc.pack_outputs(outputs), now, stats))
+            packed = ipc.pack_outputs(outputs) if self.channel.remote else outputs
+            self.send(("step", packed, now, stats))
 
 
 def _tensors(kv: Any, runner: Any) -> Any:
-    """Pulled KV arrives as (dtype, shape, [(k bytes, v bytes)]), or as ("stage", path,
-    num_blocks) for a shared-memory stage (kv_stage.py); the engine wants tensors."""
+    """Pulled KV arrives as (dtype, shape, [(k bytes, v bytes)]), as ("stage", path,
+    num_blocks) for a shared-memory stage (kv_stage.py), or, from the engine's own process,
+    as ("tensors", per-layer tensors); the engine wants tensors."""
     if kv is None:
         return None
+    if kv[0] == "tensors":
+        return kv[1]
     import torch
 
     if kv[0] == "stage":
@@ -250,35 +332,10 @@ def run(conn: Connection, config: Any, factory: Callable[..., Any] | None = None
         format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s",
         stream=sys.stderr,
     )
-    core = EngineCore(None, conn)
-    try:
-        if factory is None:
-            from pagefleet.daemon.app import default_engine_factory
-
-            factory = default_engine_factory
-        engine = factory(config, core.event_sink)
-        core.engine = engine
-        runner = getattr(engine, "runner", None)
-        exports = getattr(engine, "exports", None)
-        info = ipc.EngineInfo(
-            pid=os.getpid(),
-            tokenizer=engine.tokenizer,
-            max_model_len=int(engine.max_model_len),
-            kv_layout=runner.kv_layout() if exports is not None and runner is not None else None,
-            has_exports=exports is not None,
-        )
-    except BaseException as exc:
-        logger.exception("engine failed to load")
-        core.send(("load_error", str(exc) or type(exc).__name__))
-        conn.close()
-        sys.exit(1)
-    core.send(("ready", info))
-    try:
-        status = core.serve()
-    except BaseException as exc:
-        logger.exception("engine loop crashed")
-        core.send(("crashed", f"{type(exc).__name__}: {exc}"))
-        status = 1
+    core = EngineCore(None, PipeChannel(conn))
+    threading.Thread(target=core.receive_from, args=(conn,), name="engine-core-recv",
+                     daemon=True).start()  # fmt: skip
+    status = core.run(config, factory)
     conn.close()
     # Skip interpreter teardown (torch's thread pools, atexit handlers of the parent's
     # modules inherited through the fork server): the engine's state dies with us anyway.

@@ -11,7 +11,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from pagefleet.api.openai import PromptTokensDetails, Usage
-from pagefleet.daemon.engine_loop import StreamItem
+from pagefleet.daemon.engine_handle import StreamItem
 from pagefleet.daemon.kv_transfer import KVTransferParams
 from pagefleet.daemon.metrics import DaemonMetrics
 from pagefleet.daemon.request_log import RequestLog

@@ -41,8 +41,7 @@ from pagefleet.api.openai import (
 )
 from pagefleet.daemon.admission import Admission
 from pagefleet.daemon.config import DaemonConfig
-from pagefleet.daemon.engine_client import EngineHandle
-from pagefleet.daemon.engine_loop import EngineDeadError, StreamItem
+from pagefleet.daemon.engine_handle import EngineDeadError, EngineHandle, StreamItem
 from pagefleet.daemon.engine_protocol import ServingTokenizer
 from pagefleet.daemon.errors import APIError, json_model
 from pagefleet.daemon.job import Job

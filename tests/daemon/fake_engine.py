@@ -9,6 +9,7 @@ so the publisher sees a realistic event stream.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,12 +54,15 @@ class _Req:
 class FakeEngine:
     def __init__(self, tokenizer: Tokenizer, event_sink=None, step_delay_s: float = 0.0,
                  max_model_len: int = 256, block_size: int = 4,
-                 crash_at_step: int | None = None) -> None:  # fmt: skip
+                 crash_at_step: int | None = None, hang_at_step: int | None = None,
+                 hang_until: threading.Event | None = None) -> None:  # fmt: skip
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self._sink = event_sink
         self._delay = step_delay_s
         self._crash_at = crash_at_step
+        self._hang_at = hang_at_step  # this step blocks until ``hang_until`` is set
+        self._hang_until = hang_until
         self._bs = block_size
         self._reqs: dict[str, _Req] = {}
         self._cached: set[int] = set()
@@ -125,6 +129,9 @@ class FakeEngine:
             time.sleep(self._delay)
         if self._crash_at is not None and self.s.steps_total >= self._crash_at:
             raise RuntimeError("simulated CUDA error")
+        if self._hang_at is not None and self.s.steps_total == self._hang_at:
+            assert self._hang_until is not None
+            self._hang_until.wait()  # a stuck kernel or a deadlock: the step never returns
         now = time.monotonic()
         outs: list[RequestOutput] = self._aborted_outputs
         self._aborted_outputs = []

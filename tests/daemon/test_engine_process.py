@@ -18,7 +18,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import fields
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import IO
 
 import aiohttp
 import pytest
@@ -26,6 +29,7 @@ import pytest
 from pagefleet.daemon import ipc
 from pagefleet.daemon.config import DaemonConfig
 from pagefleet.daemon.engine_client import EngineClient
+from pagefleet.daemon.engine_loop import EngineLoop
 from pagefleet.dev.process import free_port
 from pagefleet.engine.outputs import CompletionDelta, RequestMetrics, RequestOutput, TokenLogprob
 
@@ -91,47 +95,118 @@ async def test_engine_runs_in_another_process_and_errors_cross_the_wire():
         assert all(m.num_blocks == stats.num_blocks for m in many)
 
 
-async def test_killed_engine_process_ends_streams_and_the_daemon_exits_nonzero(tmp_path):
+async def test_engine_thread_and_engine_process_serve_alike():
+    """One handle (engine_handle.py) over both transports: the engine on a thread
+    (--no-engine-process) and in its own process give the same greedy text, plain and
+    streamed, the engine's refusal as a 400, and the same named calls."""
+    got: dict[bool, tuple[str, str]] = {}
+    for in_process in (False, True):
+        cfg = DaemonConfig(model="tiny", served_model_name="m", port=free_port(), block_size=8,
+                           num_gpu_blocks=64, max_model_len=128, max_num_seqs=4,
+                           engine_process=in_process)  # fmt: skip
+        async with live_daemon(cfg) as d, aiohttp.ClientSession() as s:
+            handle = d.daemon.engine_loop
+            assert isinstance(handle, EngineClient if in_process else EngineLoop)
+            assert (handle.pid != os.getpid()) == in_process
+            body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+            async with s.post(f"{d.base_url}/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+                text = (await r.json())["choices"][0]["text"]
+            streamed = ""
+            async with s.post(f"{d.base_url}/completions", json={**body, "stream": True}) as r:
+                async for line in r.content:
+                    if line.startswith(b"data: {"):
+                        streamed += json.loads(line[6:])["choices"][0]["text"]
+            async with s.post(f"{d.base_url}/completions", json={**body, "n": 9}) as r:
+                assert r.status == 400 and (await r.json())["error"]["param"] == "n"
+            assert await handle.cached_block_hashes()  # the prompt's blocks are cached
+            await handle.reset_prefix_cache()
+            assert await handle.cached_block_hashes() == set()
+            stats = await handle.stats()
+            assert stats.generation_tokens_total == 24 and stats.num_running == 0
+            got[in_process] = (text, streamed)
+    assert got[False] == got[True] and got[True][0] == got[True][1] != ""
+
+
+@dataclass
+class CliDaemon:
+    """A `pagefleet daemon --engine-process` child process, ready, and its engine's pid."""
+
+    proc: subprocess.Popen
+    base: str
+    engine_pid: int
+    term: Path  # its --termination-log
+    log: IO[bytes]  # its stdout and stderr
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read().decode()[-3000:]
+
+    async def exit_code(self, timeout: float = 15) -> int:
+        return await asyncio.get_running_loop().run_in_executor(None, self.proc.wait, timeout)
+
+
+@contextlib.asynccontextmanager
+async def cli_daemon(
+    s: aiohttp.ClientSession, tmp_path: Path, *args: str, cwd: Path | None = None
+) -> AsyncIterator[CliDaemon]:
+    """Start the tiny model's daemon as Kubernetes would (a process, a termination log)
+    with ``args`` added, in ``cwd``; kill whatever is left of it and its engine on the way
+    out."""
     port = free_port()
-    base = f"http://127.0.0.1:{port}"
     term = tmp_path / "termination-log"
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pagefleet.cli", "daemon", "--model", "tiny",
              "--port", str(port), "--max-model-len", "256", "--block-size", "8",
-             "--num-gpu-blocks", "64", "--engine-process", "--termination-log", str(term)],
-            stdout=log, stderr=log,
+             "--num-gpu-blocks", "64", "--engine-process", "--termination-log", str(term),
+             *args],
+            stdout=log, stderr=log, cwd=cwd,
             env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
         )  # fmt: skip
+        engine_pid = None
         try:
-            async with aiohttp.ClientSession() as s:
-                await wait_daemon_ready(s, base, proc)
-                async with s.get(f"{base}/server_info") as r:
-                    engine_pid = (await r.json())["engine_pid"]
-                assert engine_pid != proc.pid
-                body = {"prompt": PROMPT, "max_tokens": 200, "stream": True, "ignore_eos": True}
-                async with s.post(f"{base}/v1/completions", json=body) as r:
-                    assert r.status == 200
-                    assert (await r.content.readline()).startswith(b"data: ")  # decoding
-                    os.kill(engine_pid, signal.SIGKILL)
-                    t0 = time.monotonic()
-                    # The stream ends (an in-band error, or the connection closes): no hang.
-                    try:
-                        rest = await asyncio.wait_for(r.read(), 10)
-                    except aiohttp.ClientError:
-                        rest = b""
-                    assert b'"finish_reason":"length"' not in rest
-            rc = await asyncio.get_running_loop().run_in_executor(None, proc.wait, 15)
-            waited = time.monotonic() - t0
-            log.seek(0)
-            text = log.read().decode()
-            assert rc != 0, text[-3000:]
-            assert waited < 10, f"the daemon took {waited:.1f}s to exit"
-            assert "engine process died" in term.read_text()
+            base = f"http://127.0.0.1:{port}"
+            await wait_daemon_ready(s, base, proc)
+            async with s.get(f"{base}/server_info") as r:
+                engine_pid = (await r.json())["engine_pid"]
+            assert engine_pid not in (None, proc.pid)
+            yield CliDaemon(proc, base, engine_pid, term, log)
         finally:
+            if engine_pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(engine_pid, signal.SIGKILL)
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
+
+
+async def stream_ends_unfinished(r: aiohttp.ClientResponse) -> None:
+    """The rest of a stream arrives within seconds (an in-band error, or the connection
+    closes): no hang, and no normal end either."""
+    try:
+        rest = await asyncio.wait_for(r.read(), 10)
+    except aiohttp.ClientError:
+        rest = b""
+    assert b'"finish_reason":"length"' not in rest
+
+
+STREAM = {"prompt": PROMPT, "max_tokens": 200, "stream": True, "ignore_eos": True}
+
+
+async def test_killed_engine_process_ends_streams_and_the_daemon_exits_nonzero(tmp_path):
+    async with aiohttp.ClientSession() as s, cli_daemon(s, tmp_path) as d:
+        async with s.post(f"{d.base}/v1/completions", json=STREAM) as r:
+            assert r.status == 200
+            assert (await r.content.readline()).startswith(b"data: ")  # decoding
+            os.kill(d.engine_pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            await stream_ends_unfinished(r)
+        rc = await d.exit_code()
+        waited = time.monotonic() - t0
+        assert rc != 0, d.output()
+        assert waited < 10, f"the daemon took {waited:.1f}s to exit"
+        assert "engine process died" in d.term.read_text()
 
 
 def test_silence_clock_counts_only_busy_spells():
@@ -151,71 +226,43 @@ async def test_hung_engine_process_fails_health_and_the_daemon_exits_nonzero(tmp
     """A stopped (SIGSTOP), not dead, engine process: harmless while idle; with a request
     in flight, past --engine-hang-timeout it is killed, /health fails and the daemon exits
     non-zero saying it hung."""
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    term = tmp_path / "termination-log"
     timeout = 1.5
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pagefleet.cli", "daemon", "--model", "tiny",
-             "--port", str(port), "--max-model-len", "256", "--block-size", "8",
-             "--num-gpu-blocks", "64", "--engine-process", "--termination-log", str(term),
-             "--engine-hang-timeout", str(timeout)],
-            stdout=log, stderr=log,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
-        )  # fmt: skip
-        engine_pid = None
-        try:
-            async with aiohttp.ClientSession() as s:
-                await wait_daemon_ready(s, base, proc)
-                async with s.get(f"{base}/server_info") as r:
-                    engine_pid = (await r.json())["engine_pid"]
-                # The HTTP process serves without torch (1.4 s and ~500 MB it does not need):
-                # nothing it imports or unpickles from the engine process loads it.
-                with open(f"/proc/{proc.pid}/maps") as maps:
-                    assert "libtorch" not in maps.read()
-                # Idle and stopped for longer than the timeout: nothing is owed, no hang.
-                os.kill(engine_pid, signal.SIGSTOP)
-                await asyncio.sleep(2 * timeout)
-                async with s.get(f"{base}/health") as r:
-                    assert r.status == 200, await r.text()
-                os.kill(engine_pid, signal.SIGCONT)
-                body = {"prompt": PROMPT, "max_tokens": 200, "stream": True, "ignore_eos": True}
-                async with s.post(f"{base}/v1/completions", json=body) as r:
-                    assert r.status == 200
-                    assert (await r.content.readline()).startswith(b"data: ")  # decoding
-                    os.kill(engine_pid, signal.SIGSTOP)
-                    t0 = time.monotonic()
-                    health = None
-                    while proc.poll() is None and time.monotonic() - t0 < 15:
-                        try:
-                            async with s.get(f"{base}/health") as h:
-                                if h.status == 503:
-                                    health = time.monotonic() - t0
-                                    break
-                        except aiohttp.ClientError:
-                            break  # the daemon already exited
-                        await asyncio.sleep(0.1)
-                    try:
-                        rest = await asyncio.wait_for(r.read(), 10)
-                    except aiohttp.ClientError:
-                        rest = b""
-                    assert b'"finish_reason":"length"' not in rest
-            rc = await asyncio.get_running_loop().run_in_executor(None, proc.wait, 15)
-            waited = time.monotonic() - t0
-            log.seek(0)
-            text = log.read().decode()
-            assert rc != 0, text[-3000:]
-            assert timeout < waited < timeout + 8, f"the daemon exited {waited:.1f}s after"
-            assert health is None or health > timeout
-            assert "engine process hung" in term.read_text(), term.read_text()
-        finally:
-            if engine_pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(engine_pid, signal.SIGKILL)
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
+    async with (
+        aiohttp.ClientSession() as s,
+        cli_daemon(s, tmp_path, "--engine-hang-timeout", str(timeout)) as d,
+    ):
+        # The HTTP process serves without torch (1.4 s and ~500 MB it does not need):
+        # nothing it imports or unpickles from the engine process loads it.
+        with open(f"/proc/{d.proc.pid}/maps") as maps:
+            assert "libtorch" not in maps.read()
+        # Idle and stopped for longer than the timeout: nothing is owed, no hang.
+        os.kill(d.engine_pid, signal.SIGSTOP)
+        await asyncio.sleep(2 * timeout)
+        async with s.get(f"{d.base}/health") as r:
+            assert r.status == 200, await r.text()
+        os.kill(d.engine_pid, signal.SIGCONT)
+        async with s.post(f"{d.base}/v1/completions", json=STREAM) as r:
+            assert r.status == 200
+            assert (await r.content.readline()).startswith(b"data: ")  # decoding
+            os.kill(d.engine_pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            health = None
+            while d.proc.poll() is None and time.monotonic() - t0 < 15:
+                try:
+                    async with s.get(f"{d.base}/health") as h:
+                        if h.status == 503:
+                            health = time.monotonic() - t0
+                            break
+                except aiohttp.ClientError:
+                    break  # the daemon already exited
+                await asyncio.sleep(0.1)
+            await stream_ends_unfinished(r)
+        rc = await d.exit_code()
+        waited = time.monotonic() - t0
+        assert rc != 0, d.output()
+        assert timeout < waited < timeout + 8, f"the daemon exited {waited:.1f}s after"
+        assert health is None or health > timeout
+        assert "engine process hung" in d.term.read_text(), d.term.read_text()
 
 
 async def test_text_made_in_the_http_process_matches_the_engines_own(monkeypatch):

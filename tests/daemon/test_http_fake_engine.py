@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
 
 import aiohttp
 import pytest
@@ -328,3 +330,41 @@ async def test_engine_crash_fails_requests_and_health(tiny_tokenizer):
             assert r.status == 503
         async with s.post(f"{d.base_url}/completions", json=body) as r:
             assert r.status == 503  # refused at once, not hung
+
+
+async def test_hung_engine_thread_fails_health_and_ends_the_daemon(tiny_tokenizer):
+    """Thread mode (--no-engine-process): a step that never returns, while a request is in
+    flight, is a hang past --engine-hang-timeout: the stream ends, /health fails and the
+    daemon is told to exit. Idle longer than the timeout, or stepping slower than it in
+    total but faster than it per step, is no hang."""
+    timeout, step_s, hang_at = 0.6, 0.2, 8
+    release = threading.Event()
+    factory = fake_engine_factory(tiny_tokenizer, [], step_delay_s=step_s, hang_at_step=hang_at,
+                                  hang_until=release)  # fmt: skip
+    try:
+        async with live_daemon(fake_config(engine_hang_timeout_s=timeout), factory) as d:
+            assert not d.daemon.engine_process
+            async with aiohttp.ClientSession() as s:
+                await asyncio.sleep(2 * timeout)  # idle: nothing owed, no hang
+                async with s.get(f"{d.url}/health") as r:
+                    assert r.status == 200
+                body = {"prompt": [1, 2, 3], "max_tokens": 50, "stream": True}
+                t0 = time.monotonic()
+                async with s.post(f"{d.base_url}/completions", json=body) as r:
+                    assert r.status == 200
+                    unhealthy = None
+                    while unhealthy is None and time.monotonic() - t0 < 10:
+                        async with s.get(f"{d.url}/health") as h:
+                            if h.status == 503:
+                                unhealthy = time.monotonic() - t0
+                        await asyncio.sleep(0.05)
+                    rest = (await asyncio.wait_for(r.read(), 5)).decode()
+            # 8 steps of 0.2 s (1.6 s, longer than the timeout) were progress, not a hang.
+            assert unhealthy is not None, "a hung engine thread never failed /health"
+            assert hang_at * step_s + timeout < unhealthy < hang_at * step_s + timeout + 2
+            assert '"finish_reason":"length"' not in rest and "hung" in rest
+            assert d.daemon.engine_died.is_set()
+            assert d.daemon.engine_loop is not None
+            assert "the engine thread hung" in d.daemon.engine_loop.end_reason()
+    finally:
+        release.set()
