@@ -2,8 +2,11 @@
 
 Every child runs in its own session (its own process group), with stdout and stderr
 appended to one log file, so stopping it signals the whole tree it forked and its output
-can be quoted in an error. With ``die_with_parent`` the kernel kills it if its parent dies
-without cleaning up (a SIGKILLed test run leaves no orphan holding ports; Linux only).
+can be quoted in an error. With ``die_with_parent`` the kernel kills it if the thread that
+started it ends (a SIGKILLed test run leaves no orphan holding ports; Linux only): only
+for children started from a thread that lives as long as their owner. With
+``watch_owner`` a small shell runs the child and stops it when its owner process is gone,
+whichever thread started it (see ``spawn``).
 
 Invariant: ``stop`` returns only once the child is reaped and its process group has been
 sent SIGKILL, so nothing it started keeps running.
@@ -46,14 +49,24 @@ def spawn(
     cwd: Path | str | None = None,
     env: Mapping[str, str] | None = None,
     die_with_parent: bool = False,
+    watch_owner: bool = False,
 ) -> subprocess.Popen[bytes]:
     """Start ``argv`` in a new session, stdin from /dev/null, stdout+stderr appended to
-    ``log_path`` (created with its directory). Raises OSError if it cannot be executed."""
+    ``log_path`` (created with its directory). Raises OSError if it cannot be executed.
+
+    ``watch_owner``: ``argv`` runs under ``sh`` (the returned process) that holds the read
+    end of a pipe whose only writer is this process; when this process ends in any way
+    (SIGKILL included) the pipe reads EOF and the shell stops ``argv`` (SIGTERM, then
+    SIGKILL). ``stop`` works as without it (it signals the whole group)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    if watch_owner:
+        argv = ["sh", "-c", _WATCH_OWNER, "pagefleet-watch", *argv]
     with log_path.open("ab") as log:
         return subprocess.Popen(
             argv,
-            stdin=subprocess.DEVNULL,
+            # The pipe's write end stays in the Popen (non-inheritable: no other child
+            # holds it), so only this process's end closes it.
+            stdin=subprocess.PIPE if watch_owner else subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
             cwd=cwd,
@@ -61,6 +74,24 @@ def spawn(
             start_new_session=True,
             preexec_fn=_die_with_parent_hook if die_with_parent else None,
         )
+
+
+# The child runs with /dev/null as stdin (never the pipe: fd 3 is closed for it); a
+# background reader waits for EOF on the pipe (nothing is ever written: EOF means the
+# owner is gone) and then stops the child. The shell exits with the child's status when
+# the child exits first, so an owner polling the shell sees the child's end.
+_WATCH_OWNER = """
+exec 3<&0 0</dev/null
+"$@" 3<&- &
+child=$!
+{ read -r _line <&3; kill -TERM "$child"; sleep 2; kill -KILL "$child"; } 2>/dev/null &
+watcher=$!
+exec 3<&-
+wait "$child"
+status=$?
+kill "$watcher" 2>/dev/null
+exit "$status"
+"""
 
 
 def _die_with_parent_hook() -> None:
@@ -84,7 +115,10 @@ def stop(proc: subprocess.Popen[bytes], grace_s: float) -> int:
     # The leader may have exited while children it forked still hold the group alive.
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    return proc.wait()
+    status = proc.wait()
+    if proc.stdin is not None:  # a watch_owner pipe: nothing left to watch
+        proc.stdin.close()
+    return status
 
 
 def wait_until(

@@ -112,8 +112,11 @@ class LocalRedis:
             self.port = self._fixed_port or process.free_port()
             log_path = self._dir / "redis.log"
             log_path.unlink(missing_ok=True)
-            # Own session: Ctrl-C reaches us, and we stop Redis in order.
-            proc = process.spawn(self._argv(), log_path, cwd=self._dir)
+            # Own session: Ctrl-C reaches us, and we stop Redis in order. Watched: if this
+            # process dies without stopping it (SIGKILL, a crashed test run), Redis goes
+            # too (PR_SET_PDEATHSIG would follow the starting thread, often a short-lived
+            # worker of asyncio.to_thread, not this process).
+            proc = process.spawn(self._argv(), log_path, cwd=self._dir, watch_owner=True)
             try:
                 process.wait_until(
                     "redis-server",
