@@ -100,9 +100,12 @@ class Child:
             process.signal_group(self.proc, signal.SIGTERM)
 
     def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM (again, harmless) and wait up to ``timeout``; then SIGKILL, loudly."""
         proc, self.proc = self.proc, None
-        if proc is not None:
-            process.stop(proc, grace_s=timeout)
+        if proc is None:
+            return
+        if process.stop(proc, grace_s=timeout) == -signal.SIGKILL:
+            logger.warning("%s did not stop within %.1fs of SIGTERM: killed", self.name, timeout)
 
     def kill(self) -> None:
         """SIGKILL, as a crashed pod: no draining, no goodbye to the index."""
@@ -409,18 +412,20 @@ class LocalFleet:
         self._supervisor = threading.Thread(target=loop, name="fleet-supervisor", daemon=True)
         self._supervisor.start()
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Stop everything started here, bounded: the gateway and the daemons get SIGTERM
+        at once (they drain in parallel), whatever still runs ``grace_s`` later gets
+        SIGKILL, then Redis stops (SIGKILL after 5 s). At most ~``grace_s`` + 10 s."""
         self._stop_supervising.set()
         if self._supervisor is not None:
             self._supervisor.join(5)
             self._supervisor = None
-        if self.gateway is not None:
-            self.gateway.stop()
-        # Daemons drain in parallel: SIGTERM to all first, then wait for each.
-        for d in self.daemons:
-            d.terminate()
-        for d in self.daemons:
-            d.stop()
+        children = [c for c in (self.gateway, *self.daemons) if c is not None]
+        for c in children:
+            c.terminate()
+        deadline = time.monotonic() + grace_s
+        for c in children:
+            c.stop(timeout=max(0.0, deadline - time.monotonic()))
         if self._redis is not None:
             self._redis.stop()
             self._redis = None
