@@ -221,18 +221,25 @@ def _kv_bytes(kv: Any) -> Any:
 
 @contextlib.contextmanager
 def _without_cwd_on_path() -> Iterator[None]:
-    """The fork server starts with this process's ``sys.path``, where ``python -m`` and
-    ``-c`` put the working directory first: a stray local module there named like one of
-    ours (or torch's) would shadow it in the engine process. Left out while the server
-    starts, unless PYTHONPATH names it."""
-    saved = list(sys.path)
+    """``python -m`` and ``-c`` put the working directory first on ``sys.path``: a stray
+    local module there named like one of ours (or torch's) would shadow it in the engine
+    process. Two ways in, both closed while the process starts: the fork server is itself
+    a ``python -c`` (PYTHONSAFEPATH=1 keeps the directory off its path; Python 3.11's fork
+    server ignores the path it is handed), and each child takes this process's ``sys.path``
+    (left out there, unless PYTHONPATH names it)."""
+    saved, saved_env = list(sys.path), os.environ.get("PYTHONSAFEPATH")
     keep = {os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
     cwds = {os.getcwd(), multiprocessing.process.ORIGINAL_DIR}
     sys.path[:] = [
         p for p in saved
         if os.path.abspath(p) in keep or not (p in ("", ".") or os.path.abspath(p) in cwds)
     ]  # fmt: skip
+    os.environ["PYTHONSAFEPATH"] = "1"
     try:
         yield
     finally:
         sys.path[:] = saved
+        if saved_env is None:
+            os.environ.pop("PYTHONSAFEPATH", None)
+        else:
+            os.environ["PYTHONSAFEPATH"] = saved_env

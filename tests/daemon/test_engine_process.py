@@ -209,6 +209,22 @@ async def test_killed_engine_process_ends_streams_and_the_daemon_exits_nonzero(t
         assert "engine process died" in d.term.read_text()
 
 
+async def test_a_stray_module_in_the_working_directory_shadows_nothing_in_the_engine(
+    tmp_path,
+):
+    """`python -m` puts the working directory first on sys.path, and the engine process
+    and its fork server inherited it: a local torch.py would have replaced torch there."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    # Importable: the fork server would keep it in sys.modules for every engine process.
+    (cwd / "torch.py").write_text("STRAY = True\n")
+    async with aiohttp.ClientSession() as s, cli_daemon(s, tmp_path, cwd=cwd) as d:
+        body = {"prompt": PROMPT, "max_tokens": 3}
+        async with s.post(f"{d.base}/v1/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+        assert "Traceback" not in d.output()
+
+
 def test_silence_clock_counts_only_busy_spells():
     """Quiet while idle is not a hang; the clock restarts when work arrives after idling."""
     from pagefleet.daemon.liveness import SilenceClock, check_period
