@@ -23,7 +23,7 @@ from pagefleet.engine.kv_layout import KVLayout
 from pagefleet.engine.request import Sequence
 from pagefleet.engine.sampler import Sampler, SampleResult
 from pagefleet.engine.scheduler import ScheduledSeq, SchedulerOutput
-from pagefleet.kernels.metadata import AttentionBackend, AttentionMetadata
+from pagefleet.kernels.metadata import AttentionBackend, AttentionMetadata, build_metadata
 
 if TYPE_CHECKING:
     from pagefleet.engine.cuda_graphs import DecodeGraphs
@@ -160,44 +160,27 @@ class ModelRunner:
         self, items: list[ScheduledSeq], kv: KVCacheManager
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """input_ids, positions and attention metadata of ``items`` (decodes first)."""
-        bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
         tables: list[list[int]] = []
         for it in items:
-            end = it.start + it.num_new_tokens
-            input_ids.extend(it.seq.token_ids[it.start : end])
-            positions.extend(range(it.start, end))
-            query_lens.append(it.num_new_tokens)
+            n = it.num_new_tokens
+            end = it.start + n
+            if n == 1:
+                input_ids.append(it.seq.token_ids[it.start])
+                positions.append(it.start)
+            else:
+                input_ids.extend(it.seq.token_ids[it.start : end])
+                positions.extend(range(it.start, end))
+            query_lens.append(n)
             seq_lens.append(end)
             tables.append(kv.block_ids(it.seq))
-        width = max(len(t) for t in tables)
-        table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        pos_t = torch.tensor(positions, dtype=torch.int64)
-        row_of_token = torch.repeat_interleave(
-            torch.arange(len(items)), torch.tensor(query_lens, dtype=torch.int64)
-        )
-        slots = table_t[row_of_token, pos_t // bs].long() * bs + pos_t % bs
-        qsl = [0]
-        for q in query_lens:
-            qsl.append(qsl[-1] + q)
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=slots.to(dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=table_t.to(dev),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-            num_decodes=sum(1 for q in query_lens if q == 1),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            block_size=bs,
-        )
+        meta = build_metadata(tables, query_lens, seq_lens, self.block_size, dev)
         ids_t = torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        return ids_t, pos_t.to(dev), meta
+        return ids_t, torch.tensor(positions, dtype=torch.int64, device=dev), meta
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> StepResult:

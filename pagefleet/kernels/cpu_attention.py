@@ -19,7 +19,7 @@ import torch
 
 from pagefleet.kernels.metadata import AttentionMetadata
 from pagefleet.kernels.torch_ref import (
-    copy_blocks,
+    TorchAttentionBackend,
     paged_attention,
     prefill_rows,
     rotate_half,
@@ -80,8 +80,9 @@ def _step_args(meta: AttentionMetadata) -> _StepArgs:
     return args  # type: ignore[return-value]
 
 
-class CpuAttentionBackend:
-    """Paged attention through the compiled kernel in ``lib`` (``cpu_build.load_library``)."""
+class CpuAttentionBackend(TorchAttentionBackend):
+    """Paged attention through the compiled kernel in ``lib`` (``cpu_build.load_library``);
+    ``forward`` and ``copy_blocks`` are the torch backend's."""
 
     name = "cpu"
 
@@ -213,25 +214,3 @@ class CpuAttentionBackend:
             k_cache.data_ptr(),
             v_cache.data_ptr(),
         )
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        self.store(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self.attend(q, k_cache, v_cache, meta, scale)
-
-    def copy_blocks(
-        self,
-        k_caches: list[torch.Tensor],
-        v_caches: list[torch.Tensor],
-        src: torch.Tensor,
-        dst: torch.Tensor,
-    ) -> None:
-        copy_blocks(k_caches, v_caches, src, dst)

@@ -19,6 +19,7 @@ KV cache layout per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]`` 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -48,6 +49,63 @@ class AttentionMetadata:
     @property
     def num_decode_tokens(self) -> int:
         return self.num_decodes
+
+
+def build_metadata(
+    block_tables: Sequence[Sequence[int]],
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    block_size: int,
+    device: torch.device | str = "cpu",
+    *,
+    pad_slots: int = 0,
+) -> AttentionMetadata:
+    """The metadata of one packed step: sequence ``i`` owns blocks ``block_tables[i]``, has
+    ``query_lens[i]`` new tokens and ``seq_lens[i]`` tokens of context after the step.
+
+    The one place that derives slots, start offsets and the padded table (the model runner,
+    the test runners and the kernel tests all build steps here). Sequences keep their order,
+    so the caller puts decodes first (the ordering invariant); ``num_decodes`` counts the
+    leading one-token sequences. ``pad_slots`` extra rows get slot -1 (stored nowhere).
+    Raises ValueError when a sequence's table does not cover its context.
+    """
+    bs = block_size
+    slots: list[int] = []
+    qsl = [0]
+    width = 1
+    for table, q_len, s_len in zip(block_tables, query_lens, seq_lens, strict=True):
+        if q_len < 1 or q_len > s_len or len(table) * bs < s_len:
+            raise ValueError(
+                f"a sequence with {q_len} new of {s_len} tokens and {len(table)} blocks of "
+                f"{bs}: need 1 <= new <= tokens <= blocks x block_size"
+            )
+        if q_len == 1:  # a decode: one slot (most rows of most steps)
+            p = s_len - 1
+            slots.append(table[p // bs] * bs + p % bs)
+        else:
+            slots.extend(table[p // bs] * bs + p % bs for p in range(s_len - q_len, s_len))
+        qsl.append(qsl[-1] + q_len)
+        width = max(width, len(table))
+    slots.extend([-1] * pad_slots)
+    flat: list[int] = []
+    for table in block_tables:
+        flat.extend(table)
+        flat.extend([0] * (width - len(table)))
+    num_decodes = 0
+    while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
+        num_decodes += 1
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(flat, dtype=torch.int32, device=device).view(-1, width),
+        query_lens_cpu=list(query_lens),
+        seq_lens_cpu=list(seq_lens),
+        num_decodes=num_decodes,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        block_size=bs,
+    )
 
 
 class AttentionBackend(Protocol):

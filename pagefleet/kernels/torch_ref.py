@@ -186,12 +186,36 @@ def _decode(
 
 
 class TorchAttentionBackend:
-    """The reference backend: runs anywhere torch runs."""
+    """The reference backend: runs anywhere torch runs. The other backends subclass it and
+    override ``store`` / ``attend`` (and ``rotate_half``, ``copy_blocks`` where they have
+    faster ones), so ``forward``, the contract every backend shares, is written once."""
 
     name = "torch"
 
     def rotate_half(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return rotate_half(x, cos, sin)
+
+    def store(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Write this step's K/V rows into their slots (``store_kv``)."""
+        store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention of every packed row of q over its cached context (K/V stored)."""
+        return paged_attention(q, k_cache, v_cache, meta, scale)
 
     def forward(
         self,
@@ -203,8 +227,8 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return paged_attention(q, k_cache, v_cache, meta, scale)
+        self.store(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.attend(q, k_cache, v_cache, meta, scale)
 
     def copy_blocks(
         self,

@@ -691,9 +691,10 @@ def paged_prefill(
 # --------------------------------------------------------------------------- backend
 
 
-class TritonAttentionBackend:
+class TritonAttentionBackend(torch_ref.TorchAttentionBackend):
     """Store, then one decode launch for the leading single-token sequences and one
-    prefill/extend launch for the rest (the ``num_decodes`` ordering invariant)."""
+    prefill/extend launch for the rest (the ``num_decodes`` ordering invariant); RoPE is
+    the torch backend's."""
 
     name = "triton"
 
@@ -703,17 +704,24 @@ class TritonAttentionBackend:
         self.decode_config = decode or DecodeConfig()
         self.prefill_config = prefill or PrefillConfig()
 
-    def forward(
+    def store(
         self,
-        q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def attend(
+        self,
+        q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = meta.num_decodes
         if nd > 0:
@@ -753,9 +761,6 @@ class TritonAttentionBackend:
         dst: torch.Tensor,
     ) -> None:
         copy_blocks(k_caches, v_caches, src, dst)
-
-    def rotate_half(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return torch_ref.rotate_half(x, cos, sin)
 
 
 def attention_flops(query_lens: list[int], seq_lens: list[int], num_q_heads: int, d: int) -> int:

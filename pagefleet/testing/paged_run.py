@@ -15,7 +15,7 @@ import torch
 
 from pagefleet.engine.model_config import ModelConfig
 from pagefleet.engine.models.llama import LlamaForCausalLM
-from pagefleet.kernels.metadata import AttentionBackend, AttentionMetadata
+from pagefleet.kernels.metadata import AttentionBackend, build_metadata
 
 
 @dataclass(slots=True)
@@ -60,15 +60,13 @@ class PagedSequenceRunner:
         self._free = [int(b) + 1 for b in order]
         self._seqs: dict[str, _SeqState] = {}
 
-    def _slots(self, state: _SeqState, n: int) -> list[int]:
-        slots = []
-        for p in range(state.num_tokens, state.num_tokens + n):
-            if p // self.block_size >= len(state.blocks):
-                if not self._free:
-                    raise RuntimeError("PagedSequenceRunner ran out of KV blocks; pass more")
-                state.blocks.append(self._free.pop())
-            slots.append(state.blocks[p // self.block_size] * self.block_size + p % self.block_size)
-        return slots
+    def _grow(self, state: _SeqState, n: int) -> None:
+        """Give ``state`` the blocks its next ``n`` tokens need."""
+        need = -(-(state.num_tokens + n) // self.block_size)
+        while len(state.blocks) < need:
+            if not self._free:
+                raise RuntimeError("PagedSequenceRunner ran out of KV blocks; pass more")
+            state.blocks.append(self._free.pop())
 
     def step(self, batch: dict[str, list[int]]) -> dict[str, torch.Tensor]:
         """Append ``batch[seq] `` new tokens to each sequence in one packed forward.
@@ -81,8 +79,6 @@ class PagedSequenceRunner:
         names = sorted(batch, key=lambda s: len(batch[s]) != 1)
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
         seq_lens: list[int] = []
         tables: list[list[int]] = []
         for name in names:
@@ -90,27 +86,14 @@ class PagedSequenceRunner:
             new = batch[name]
             input_ids.extend(new)
             positions.extend(range(state.num_tokens, state.num_tokens + len(new)))
-            slots.extend(self._slots(state, len(new)))
+            self._grow(state, len(new))
             state.num_tokens += len(new)
-            qsl.append(qsl[-1] + len(new))
             seq_lens.append(state.num_tokens)
             tables.append(list(state.blocks))
-        width = max(len(t) for t in tables)
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(
-                [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev
-            ),
-            query_lens_cpu=[len(batch[n]) for n in names],
-            seq_lens_cpu=seq_lens,
-            num_decodes=sum(1 for n in names if len(batch[n]) == 1),
-            max_query_len=max(len(batch[n]) for n in names),
-            max_seq_len=max(seq_lens),
-            block_size=self.block_size,
-        )
+        query_lens = [len(batch[n]) for n in names]
+        meta = build_metadata(tables, query_lens, seq_lens, self.block_size, dev)
+        qsl = meta.query_start_loc.tolist()
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.int64, device=dev),
             torch.tensor(positions, dtype=torch.int64, device=dev),

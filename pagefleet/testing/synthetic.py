@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagefleet.kernels.metadata import AttentionMetadata
+from pagefleet.kernels.metadata import AttentionMetadata, build_metadata
 
 
 @dataclass(slots=True)
@@ -88,11 +88,9 @@ def make_paged_batch(
     v_cache[used] = noise.to(device=device, dtype=dtype)
 
     num_tokens = sum(query_lens) + pad_slots
-    slots: list[int] = []
-    for i, (q_len, s_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
-        for pos in range(s_len - q_len, s_len):
-            slots.append(int(tables[i, pos // block_size]) * block_size + pos % block_size)
-    slots.extend([-1] * pad_slots)
+    # One padding column past the longest table, as the engine's tables may have.
+    rows = [tables[i, : nb + 1].tolist() for i, nb in enumerate(blocks_per_seq)]
+    meta = build_metadata(rows, query_lens, seq_lens, block_size, device, pad_slots=pad_slots)
 
     def rand(*s: int) -> torch.Tensor:
         return torch.randn(s, generator=gen).to(device=device, dtype=dtype)
@@ -100,19 +98,4 @@ def make_paged_batch(
     q = rand(num_tokens, num_q_heads, head_dim)
     k = rand(num_tokens, num_kv_heads, head_dim)
     v = rand(num_tokens, num_kv_heads, head_dim)
-    starts = [0]
-    for q_len in query_lens:
-        starts.append(starts[-1] + q_len)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=tables.to(device),
-        query_lens_cpu=list(query_lens),
-        seq_lens_cpu=list(seq_lens),
-        num_decodes=num_decodes,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        block_size=block_size,
-    )
     return PagedBatch(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, meta=meta)

@@ -16,7 +16,7 @@ from pagefleet.kernels.cpu_attention import (
     CpuAttentionBackend,
 )
 from pagefleet.kernels.cpu_build import load_library
-from pagefleet.kernels.metadata import AttentionMetadata
+from pagefleet.kernels.metadata import AttentionMetadata, build_metadata
 from pagefleet.kernels.torch_ref import (
     TorchAttentionBackend,
     paged_attention,
@@ -41,25 +41,7 @@ def _step(
     for s in seq_lens:
         n = (s + bs - 1) // bs
         tables.append([free.pop() for _ in range(n)])
-    width = max(len(t) for t in tables)
-    slots = []
-    for t, s, ql in zip(tables, seq_lens, query_lens, strict=True):
-        slots += [t[p // bs] * bs + p % bs for p in range(s - ql, s)]
-    qsl = [0]
-    for ql in query_lens:
-        qsl.append(qsl[-1] + ql)
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]).int(),
-        query_lens_cpu=query_lens,
-        seq_lens_cpu=seq_lens,
-        num_decodes=sum(1 for q in query_lens if q == 1),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        block_size=bs,
-    )
+    return build_metadata(tables, query_lens, seq_lens, bs)
 
 
 def _dense(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagefleet.kernels.metadata import AttentionMetadata
+from pagefleet.kernels.metadata import build_metadata
 from pagefleet.kernels.torch_ref import TorchAttentionBackend, _decode_plan
 
 
@@ -41,22 +41,8 @@ def test_decodes_in_place_or_gathered_and_prefills_match_dense_attention(hq, hkv
     q = torch.randn(total, hq, d, generator=gen).to(dtype)
     k_new = torch.randn(total, hkv, d, generator=gen).to(dtype)
     v_new = torch.randn(total, hkv, d, generator=gen).to(dtype)
-    slots = []
-    for t, s, ql in zip(tables, seq_lens, query_lens, strict=True):
-        slots += [t[p // bs] * bs + p % bs for p in range(s - ql, s)]
-    width = max(len(t) for t in tables)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots),
-        query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()]).int(),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]).int(),
-        query_lens_cpu=query_lens,
-        seq_lens_cpu=seq_lens,
-        num_decodes=4,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        block_size=bs,
-    )
+    meta = build_metadata(tables, query_lens, seq_lens, bs)
+    assert meta.num_decodes == 4
     scale = d**-0.5
     out = TorchAttentionBackend().forward(q, k_new, v_new, k_cache, v_cache, meta, scale)
     assert out.dtype == dtype and out.shape == q.shape
