@@ -27,10 +27,11 @@ from pagefleet.kernels.torch_ref import (
 )
 
 LIBRARY = "paged_attention_cpu"
-# Chunks longer than this go to torch's SDPA, which multiplies q and K as matrices: measured
-# on the bench model (8 heads, head_dim 64, one thread) the kernel is 3-7x faster up to 16
-# new rows, even at 32, and 1.6x slower at 64 (its dot products do not reuse q across keys).
-MAX_KERNEL_QUERY_LEN = 32
+# Chunks longer than this go to torch's SDPA (gathered context, one call per sequence).
+# Chunks of more than 8 rows take the kernel's chunk path, which scores each key against
+# 16 query vectors in one vector multiply-add (the session-5 kernel, one dot product per
+# vector and key, was 1.6x slower than SDPA at 64 rows; see docs/benchmarks.md, session 6).
+MAX_KERNEL_QUERY_LEN = 1024
 _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _c_ptr, _c_int, _c_i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 

@@ -71,17 +71,23 @@ SHAPES = [(8, 8, 64, 16), (6, 2, 16, 4), (14, 2, 32, 8), (32, 1, 16, 16), (4, 4,
 @pytest.mark.parametrize(("hq", "hkv", "d", "bs"), SHAPES)
 def test_kernel_matches_dense_attention_on_scattered_blocks(backend, hq, hkv, d, bs):
     rng = random.Random(hq * 100 + d)
-    # Decodes with odd lengths and lengths on/next to block boundaries, short chunks that
-    # the kernel takes (2, 7, the threshold itself) and one longer chunk left to SDPA.
+    # Decodes with odd lengths and lengths on/next to block boundaries; short chunks that
+    # the row-tile path takes (2, 7); chunks for the chunk path (kChunkMinRows + 1, several
+    # row tiles of 64 query vectors, one past a prefix ending mid-block); the threshold
+    # itself (or 200 rows) and one chunk past it (left to SDPA while the threshold is 200
+    # or less).
     seq_lens = [1, bs, bs + 1, 2 * bs - 1, 3 * bs, rng.randint(1, 9 * bs), rng.randint(1, 9 * bs)]
     query_lens = [1] * len(seq_lens)
-    for ql, extra in ((2, 3), (7, 0), (MAX_KERNEL_QUERY_LEN, 2 * bs + 1), (41, 5)):
+    chunks = ((2, 3), (7, 0), (9, bs - 1), (70, 5), (33, 2 * bs + 1))
+    top = min(MAX_KERNEL_QUERY_LEN, 200)
+    chunks += ((top, 3), (top + 1, 1))
+    for ql, extra in chunks:
         query_lens.append(ql)
         seq_lens.append(ql + extra)
-    meta = _step(query_lens, seq_lens, bs, num_blocks=128, seed=hq + d)
+    meta = _step(query_lens, seq_lens, bs, num_blocks=512, seed=hq + d)
     gen = torch.Generator().manual_seed(d)
-    k_cache = torch.randn(128, bs, hkv, d, generator=gen)
-    v_cache = torch.randn(128, bs, hkv, d, generator=gen)
+    k_cache = torch.randn(512, bs, hkv, d, generator=gen)
+    v_cache = torch.randn(512, bs, hkv, d, generator=gen)
     q = torch.randn(sum(query_lens), hq, d, generator=gen)
     assert backend.covers(q, k_cache)
     scale = d**-0.5
@@ -118,10 +124,10 @@ def test_forward_stores_kv_reads_strided_q_and_handles_bf16(backend):
 def test_threads_split_work_without_changing_results(backend):
     """With several threads heads are split across work items; each query vector's
     arithmetic is the same, so the output is bit-identical to one thread's."""
-    meta = _step([1, 1, 1, 5], [33, 7, 64, 20], bs=8, num_blocks=64, seed=3)
+    meta = _step([1, 1, 1, 5, 20], [33, 7, 64, 20, 30], bs=8, num_blocks=64, seed=3)
     gen = torch.Generator().manual_seed(5)
     k_cache, v_cache = torch.randn(2, 64, 8, 4, 16, generator=gen)
-    q = torch.randn(8, 8, 16, generator=gen)
+    q = torch.randn(28, 8, 16, generator=gen)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

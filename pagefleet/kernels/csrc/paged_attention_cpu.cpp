@@ -21,9 +21,15 @@
 
 namespace {
 
-constexpr int kTile = 8;       // most query rows of one sequence per work item (prefill)
+constexpr int kTile = 8;       // most query rows of one sequence per work item (short chunks)
 constexpr int kMaxBlock = 64;  // largest block_size the kernel handles
 constexpr int kMaxVecs = 64;   // query vectors per work item: tile rows x group <= this
+constexpr int kLanes = 16;     // query vectors scored together by the chunk path (one zmm)
+constexpr int kKeys = 4;       // keys scored together by the chunk path (4 accumulators)
+// Chunks with more new rows than this take the chunk path (attend_chunk): one KV head per
+// work item, its query vectors transposed so every key is scored against 16 of them in one
+// vector multiply-add, instead of one horizontal dot product per (vector, key).
+constexpr int kChunkMinRows = 8;
 
 inline float bf16_to_f32(uint16_t x) {
   uint32_t u = static_cast<uint32_t>(x) << 16;
@@ -60,12 +66,27 @@ inline float exp_nonpos(float x) {
 
 struct Item {
   int32_t seq, row0, rows, head0, heads;  // query rows [row0, row0+rows), KV heads [head0, +heads)
+  int32_t chunk;                          // 1: attend_chunk (heads == 1), 0: attend_item
 };
 
 // Row strides (in elements) of q and out: q is usually a view into the fused qk tensor.
 struct Strides {
   int64_t q_row, out_row;
 };
+
+// Normalised output of query vector m (row it.row0 + m / per_row, query head
+// it.head0 * group + m % per_row): acc[m] / sum[m].
+template <int kD>
+void write_out(const Item& it, int per_row, int group, int m_count, const float (*acc)[kD],
+               const float* sum, float* out, Strides st, int d) {
+  for (int m = 0; m < m_count; ++m) {
+    const int row = it.row0 + m / per_row;
+    const int qh = it.head0 * group + m % per_row;
+    float* dst = out + row * st.out_row + static_cast<int64_t>(qh) * d;
+    const float inv = 1.0f / sum[m];
+    for (int i = 0; i < d; ++i) dst[i] = acc[m][i] * inv;
+  }
+}
 
 template <typename T, int D>
 void attend_item(const Item& it, const float* q, const T* kc, const T* vc,
@@ -174,13 +195,138 @@ void attend_item(const Item& it, const float* q, const T* kc, const T* vc,
       for (int i = 0; i < d; ++i) acc[m][i] = a[i];
     }
   }
-  for (int m = 0; m < m_count; ++m) {
-    const int row = it.row0 + m / per_row;
-    const int qh = it.head0 * group + m % per_row;
-    float* dst = out + row * st.out_row + static_cast<int64_t>(qh) * d;
-    const float inv = 1.0f / sum[m];
-    for (int i = 0; i < d; ++i) dst[i] = acc[m][i] * inv;
+  write_out<kD>(it, per_row, group, m_count, acc, sum, out, st, d);
+}
+
+// One KV head, up to kMaxVecs query vectors of a long chunk (rows x the head's group):
+// the flash-attention loop with the query vectors as the vector lanes. Scores of kKeys
+// keys x kLanes vectors sit in registers while head_dim is walked once; softmax runs down
+// the lanes; P x V keeps two vectors' accumulators in registers per pass over the block.
+template <typename T, int D>
+void attend_chunk(const Item& it, const float* q, const T* kc, const T* vc,
+                  const int32_t* tables, int table_w, const int32_t* qsl,
+                  const int32_t* seq_lens, float* out, Strides st, int hq, int hkv, int bs,
+                  int d_rt, float scale) {
+  constexpr int kD = D > 0 ? D : 256;
+  const int d = D > 0 ? D : d_rt;
+  const int group = hq / hkv;
+  const int m_count = it.rows * group;
+  const int m_pad = (m_count + kLanes - 1) / kLanes * kLanes;
+  const int32_t seq_len = seq_lens[it.seq];
+  const int32_t qlen = qsl[it.seq + 1] - qsl[it.seq];
+  const int32_t first_pos = seq_len - qlen + (it.row0 - qsl[it.seq]);
+  const int32_t* table = tables + static_cast<int64_t>(it.seq) * table_w;
+  const int64_t tok_stride = static_cast<int64_t>(hkv) * d;
+  const int64_t koff = static_cast<int64_t>(it.head0) * d;
+
+  // Vector m: row it.row0 + m / group, query head it.head0 * group + m % group.
+  alignas(64) float qt[kD][kMaxVecs];    // scaled queries, transposed: qt[i][m]
+  alignas(64) float acc[kMaxVecs][kD];
+  alignas(64) float sc[kMaxBlock][kMaxVecs];  // this block's scores, then weights: sc[t][m]
+  alignas(64) float mx[kMaxVecs], sum[kMaxVecs], alpha[kMaxVecs];
+  alignas(64) int32_t ctx[kMaxVecs];
+  for (int m = 0; m < m_pad; ++m) {
+    const bool real = m < m_count;
+    const int row = it.row0 + (real ? m / group : 0);
+    const int qh = it.head0 * group + (real ? m % group : 0);
+    const float* src = q + row * st.q_row + static_cast<int64_t>(qh) * d;
+    for (int i = 0; i < d; ++i) qt[i][m] = real ? src[i] * scale : 0.0f;
+    for (int i = 0; i < d; ++i) acc[m][i] = 0.0f;
+    mx[m] = -INFINITY;
+    sum[m] = 0.0f;
+    ctx[m] = real ? first_pos + m / group + 1 : 0;  // padding lanes see no key
   }
+  const int32_t ctx_max = first_pos + it.rows;
+  const int n_blocks = (ctx_max + bs - 1) / bs;
+  for (int b = 0; b < n_blocks; ++b) {
+    const int64_t base = static_cast<int64_t>(table[b]) * bs * tok_stride + koff;
+    const T* kb = kc + base;
+    const T* vb = vc + base;
+    const int tok0 = b * bs;
+    const int n_tok = ctx_max - tok0 < bs ? ctx_max - tok0 : bs;
+    // Scores: kKeys keys x kLanes vectors per pass over head_dim.
+    for (int c = 0; c < m_pad; c += kLanes) {
+      for (int t0 = 0; t0 < n_tok; t0 += kKeys) {
+        const T* kr[kKeys];
+        for (int j = 0; j < kKeys; ++j) {
+          const int t = t0 + j < n_tok ? t0 + j : t0;  // past the block: a harmless repeat
+          kr[j] = kb + t * tok_stride;
+        }
+        alignas(64) float a[kKeys][kLanes] = {};
+        for (int i = 0; i < d; ++i) {
+          const float* qi = &qt[i][c];
+          const float x0 = load(kr[0], i), x1 = load(kr[1], i);
+          const float x2 = load(kr[2], i), x3 = load(kr[3], i);
+#pragma omp simd
+          for (int l = 0; l < kLanes; ++l) {
+            a[0][l] += x0 * qi[l];
+            a[1][l] += x1 * qi[l];
+            a[2][l] += x2 * qi[l];
+            a[3][l] += x3 * qi[l];
+          }
+        }
+        for (int j = 0; j < kKeys && t0 + j < n_tok; ++j) {
+          for (int l = 0; l < kLanes; ++l) sc[t0 + j][c + l] = a[j][l];
+        }
+      }
+    }
+    // Online softmax down the lanes; a key past a vector's position weighs exactly 0.
+    bool rescale = false;
+    for (int m = 0; m < m_pad; ++m) {
+      const int valid = ctx[m] - tok0;
+      float bmax = -INFINITY;
+      for (int t = 0; t < n_tok; ++t) bmax = (t < valid && sc[t][m] > bmax) ? sc[t][m] : bmax;
+      const float new_max = bmax > mx[m] ? bmax : mx[m];
+      alpha[m] = valid > 0 ? exp_nonpos(mx[m] - new_max) : 1.0f;
+      rescale |= alpha[m] != 1.0f;
+      mx[m] = new_max;
+    }
+    for (int t = 0; t < n_tok; ++t) {
+      float* row = sc[t];
+#pragma omp simd
+      for (int m = 0; m < m_pad; ++m) {
+        const float p = exp_nonpos(row[m] - mx[m]);
+        row[m] = (t < ctx[m] - tok0) ? p : 0.0f;
+      }
+    }
+    for (int m = 0; m < m_pad; ++m) {
+      float bsum = 0.0f;
+      for (int t = 0; t < n_tok; ++t) bsum += sc[t][m];
+      sum[m] = sum[m] * alpha[m] + bsum;
+    }
+    if (rescale) {
+      for (int m = 0; m < m_count; ++m) {
+        if (alpha[m] == 1.0f) continue;
+        const float f = alpha[m];
+#pragma omp simd
+        for (int i = 0; i < d; ++i) acc[m][i] *= f;
+      }
+    }
+    // P x V, two vectors per pass over the block's V rows.
+    for (int m = 0; m < m_count; m += 2) {
+      const int m1 = m + 1 < m_count ? m + 1 : m;
+      alignas(64) float a0[kD], a1[kD];
+      for (int i = 0; i < d; ++i) {
+        a0[i] = acc[m][i];
+        a1[i] = acc[m1][i];
+      }
+      for (int t = 0; t < n_tok; ++t) {
+        const float p0 = sc[t][m], p1 = sc[t][m1];
+        const T* vt = vb + t * tok_stride;
+#pragma omp simd
+        for (int i = 0; i < d; ++i) {
+          const float x = load(vt, i);
+          a0[i] += p0 * x;
+          a1[i] += p1 * x;
+        }
+      }
+      for (int i = 0; i < d; ++i) acc[m][i] = a0[i];
+      if (m1 != m) {
+        for (int i = 0; i < d; ++i) acc[m1][i] = a1[i];
+      }
+    }
+  }
+  write_out<kD>(it, group, group, m_count, acc, sum, out, st, d);
 }
 
 template <typename T, int D>
@@ -190,8 +336,13 @@ void run(const std::vector<Item>& items, const float* q, const T* kc, const T* v
   const int64_t n = static_cast<int64_t>(items.size());
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
   for (int64_t i = 0; i < n; ++i) {
-    attend_item<T, D>(items[i], q, kc, vc, tables, table_w, qsl, seq_lens, out, st, hq, hkv,
-                      bs, d, scale);
+    if (items[i].chunk) {
+      attend_chunk<T, D>(items[i], q, kc, vc, tables, table_w, qsl, seq_lens, out, st, hq,
+                         hkv, bs, d, scale);
+    } else {
+      attend_item<T, D>(items[i], q, kc, vc, tables, table_w, qsl, seq_lens, out, st, hq,
+                        hkv, bs, d, scale);
+    }
   }
 }
 
@@ -305,12 +456,25 @@ int pf_paged_attention(const float* q, int64_t q_row_stride, const void* k_cache
   tile = tile < kTile ? tile : kTile;
   std::vector<Item> items;
   items.reserve(static_cast<size_t>(num_seqs) * ((hkv + heads - 1) / heads));
+  // Long chunks: one KV head and as many rows as fit kMaxVecs vectors per item.
+  const int32_t chunk_rows = kMaxVecs / group;
   for (int s = 0; s < num_seqs; ++s) {
-    if (query_start_loc[s + 1] - query_start_loc[s] > max_query_len) continue;
+    const int32_t qlen = query_start_loc[s + 1] - query_start_loc[s];
+    if (qlen > max_query_len) continue;
+    if (qlen > kChunkMinRows) {
+      for (int32_t r = query_start_loc[s]; r < query_start_loc[s + 1]; r += chunk_rows) {
+        const int32_t left = query_start_loc[s + 1] - r;
+        for (int h = 0; h < hkv; ++h) {
+          items.push_back({s, r, left < chunk_rows ? left : chunk_rows, h, 1, 1});
+        }
+      }
+      continue;
+    }
     for (int32_t r = query_start_loc[s]; r < query_start_loc[s + 1]; r += tile) {
       const int32_t left = query_start_loc[s + 1] - r;
       for (int h = 0; h < hkv; h += heads) {
-        items.push_back({s, r, left < tile ? left : tile, h, hkv - h < heads ? hkv - h : heads});
+        items.push_back(
+            {s, r, left < tile ? left : tile, h, hkv - h < heads ? hkv - h : heads, 0});
       }
     }
   }
