@@ -1,0 +1,68 @@
+"""bench/autoscale.py's bound for any policy, and its plot default (the committed plots in
+docs/ change only when asked)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_autoscale", ROOT / "bench/autoscale.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_autoscale"] = mod  # dataclasses resolve their module by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_request_work_is_prefill_plus_the_fullest_batchs_share_per_decoded_token(bench):
+    cost = bench.EngineCost(prefill_tok_s=1000.0, step_base_s=0.032, step_per_seq_s=0.002)
+    req = bench.Request(arrival=0.0, prompt=500, output=11)
+    # 500 / 1000 s of prefill; 10 decode steps at 32 ms / 32 seqs + 2 ms each.
+    assert bench.request_work(cost, req, 32) == pytest.approx(0.5 + 10 * 0.003)
+    assert bench.request_work(cost, bench.Request(0.0, 0, 1), 32) == 0.0
+
+
+def test_the_bound_drops_the_costliest_requests_the_target_allows(bench):
+    cost = bench.EngineCost(prefill_tok_s=100.0, step_base_s=0.0, step_per_seq_s=0.0)
+    trace = [bench.Request(float(i), prompt=100 * (i + 1), output=1) for i in range(20)]
+    # works 1, 2, ..., 20 s; 95% of 20 requests: one may miss, at best the 20 s one.
+    b = bench.work_lower_bound(trace, cost, 32, 0.95)
+    assert b.total_work == pytest.approx(210 / 3600)
+    assert b.droppable == pytest.approx(20 / 3600)
+    assert b.hours == pytest.approx(190 / 3600)
+    assert bench.work_lower_bound(trace, cost, 32, 0.90).hours == pytest.approx(171 / 3600)
+
+
+@pytest.mark.parametrize("trace_name", ["synthetic", "azure-conv"])
+def test_no_simulated_fleet_that_meets_the_target_costs_less_than_the_bound(bench, trace_name):
+    """The bound holds for the fleet model itself: static fleets of every size on a short
+    day, each that reaches 95% attainment costs at least the bound, and the smallest
+    fleet that reaches it is at most a few times the bound (the bound is not vacuous)."""
+    cost = bench.EngineCost(966.8, 0.02408, 0.002275)
+    trace, rate, _ = bench.TRACES[trace_name](300.0, 3.0, seed=3)
+    cfg = bench.SimConfig(ttft_s=6.0, tpot_s=0.3, dt=0.05)
+    bound = bench.work_lower_bound(trace, cost, cfg.max_num_seqs, 0.95)
+    reached = []
+    for n in range(1, 9):
+        res = bench.simulate(trace, rate, 300.0, cost, cfg, n, bench.static_policy)
+        if res.attainment >= 0.95:
+            assert res.replica_hours >= bound.hours
+            reached.append(res.replica_hours)
+    assert reached, "no static fleet up to 8 replicas met the SLO: the check saw nothing"
+    assert min(reached) <= 4 * bound.hours
+
+
+def test_the_plot_is_written_only_where_asked(bench):
+    assert bench.parser().parse_args([]).plot is None
+    assert bench.parser().parse_args(["--plot", "docs/autoscale.png"]).plot == Path(
+        "docs/autoscale.png"
+    )
