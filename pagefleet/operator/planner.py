@@ -16,8 +16,9 @@ How it thinks (capacity per replica at the SLO, not CPU utilisation):
   probes it up a little (see _learn_scale).
 - Desired replicas = the most any dimension needs at the target utilisation, where prefill
   and decode work add up (a unified replica does both in the same steps), and concurrency
-  and KV usage are limits of their own. A missed target asks for at least one more replica
-  even when the capacity model disagrees.
+  and KV usage are limits of their own, plus an explicit ``headroom`` (10%) for the load's
+  variance within a start-up. A missed target asks for at least one more replica even when
+  the capacity model disagrees.
 - Up fast, down slowly: after any change nothing moves for a short window; scale-up is
   limited by a step and waits while earlier new replicas are not Ready yet; scale-down goes
   to the highest recommendation of a longer window (so a dip shorter than it moves
@@ -81,7 +82,13 @@ class PlannerConfig:
     max_num_seqs: int = 64  # the engine's batch limit (concurrent sequences per replica)
     target_utilization: float = 0.8  # share of the capacity at the SLO to plan for
     kv_target: float = 0.8  # KV usage per replica to plan for
-    tolerance: float = 0.1  # scale down only when the load fits with this much to spare
+    # Spare capacity planned above what the measured load needs, up and down: a fleet sized
+    # to the load's mean misses on every upswing shorter than a start-up. (Until session 7
+    # this 10% was a side effect of the scale-down tolerance, which also scaled up.)
+    headroom: float = 0.1
+    # Scale down only when the load, headroom included, fits the smaller fleet with this
+    # much more to spare (hysteresis; never a reason to scale up).
+    tolerance: float = 0.0
     scale_up_window_s: float = 30.0  # after any change, no other change for this long
     scale_down_window_s: float = 300.0  # scale down to the highest recommendation of this
     max_step_up: int = 2
@@ -114,6 +121,10 @@ class PlannerConfig:
             raise ValueError("observation_window_s, startup_s and trend_window_s must be >= 0")
         if self.burst_window_s < 0:
             raise ValueError("burst_window_s must be >= 0")
+        if self.headroom < 0 or self.tolerance < 0:
+            raise ValueError(
+                f"headroom and tolerance must be >= 0, got {self.headroom} and {self.tolerance}"
+            )
 
     @property
     def uses_prefill(self) -> bool:
@@ -485,13 +496,15 @@ def decide(
     ahead, rates = forecast(cfg, obs, state, now)
     ahead = with_arrivals(ahead, state)
     need, exact = replicas_needed(cfg, ahead, state)
+    need *= 1 + cfg.headroom
     missed = slo_missed(cfg, obs)
     up_rec = math.ceil(need - 1e-9)
     if missed:
         up_rec = max(up_rec, current + 1)
     # Scale down only when the smaller fleet still has `tolerance` to spare, and only on
-    # an exact figure (a lower bound cannot prove that fewer replicas suffice).
-    down_rec = max(up_rec, math.ceil(need * (1 + cfg.tolerance) - 1e-9))
+    # an exact figure (a lower bound cannot prove that fewer replicas suffice). The
+    # tolerance only holds replicas: capped at the current count, it never adds one.
+    down_rec = max(up_rec, min(current, math.ceil(need * (1 + cfg.tolerance) - 1e-9)))
     if not exact:
         down_rec = max(down_rec, current)
     rec = min(max(up_rec if up_rec > current else down_rec, cfg.min_replicas), cfg.max_replicas)

@@ -44,6 +44,8 @@ def configs(draw: st.DrawFn) -> PlannerConfig:
         startup_s=draw(st.floats(0, 120)),
         trend_window_s=draw(st.floats(0, 300)),
         burst_window_s=draw(st.floats(0, 900)),
+        headroom=draw(st.floats(0, 0.5)),
+        tolerance=draw(st.floats(0, 0.3)),
     )
 
 
@@ -178,6 +180,10 @@ def _cfg(**kw: object) -> PlannerConfig:
         "scale_down_window_s": 60.0,
         "prefill_capacity_hint": 1000.0,
         "decode_capacity_hint": 200.0,
+        # The scenarios count replicas exactly: no headroom, and the hysteresis the
+        # tolerance gives (test_the_headroom_scales_the_tolerance_only_holds tests both).
+        "headroom": 0.0,
+        "tolerance": 0.1,
     }
     base.update(kw)
     return PlannerConfig(**base)  # type: ignore[arg-type]
@@ -218,6 +224,27 @@ def test_scales_up_fast_down_slowly_and_does_not_flap() -> None:
     steady = [d.desired for d in _run(cfg, [1700.0] * 40)]  # 1700 / 800 -> 3
     assert steady[-20:] == [3] * 20
     assert sum(a != b for a, b in itertools.pairwise(steady)) <= 2
+
+
+def test_the_headroom_scales_the_tolerance_only_holds() -> None:
+    # 1900 tok/s at 1000 per replica and 80% target: the load needs 2.375 replicas.
+    def at(current: int, **kw: float) -> Decision:
+        cfg = _cfg(scale_up_window_s=0.0, max_replicas=8, **kw)
+        return decide(cfg, _obs(current, 1900.0), PlannerState(), 0.0)
+
+    # A tolerance is hysteresis: 2.375 x 1.5 = 3.6 does not fit 3 with that much to spare,
+    # which holds 3 but never adds a fourth (it did until session 7: a hidden headroom).
+    d = at(3, headroom=0.0, tolerance=0.5)
+    assert (d.desired, d.reason, d.recommendation) == (3, Reason.STEADY, 3)
+    # The same 50% as headroom plans for 3.6 replicas: up to 4 at once.
+    d = at(3, headroom=0.5, tolerance=0.0)
+    assert (d.desired, d.reason, d.recommendation) == (4, Reason.SCALED_UP, 4)
+    # Down from 4: the tolerance keeps 4 (3.6 > 3); without it, 3 fit.
+    assert at(4, headroom=0.0, tolerance=0.5).desired == 4
+    assert at(4, headroom=0.0, tolerance=0.0).desired == 3
+    # Headroom and tolerance together: down only when need x 1.2 x 1.25 fits.
+    assert at(4, headroom=0.2, tolerance=0.25).desired == 4  # 2.375 x 1.5 = 3.6 > 3
+    assert at(4, headroom=0.2, tolerance=0.0).desired == 3  # 2.85 <= 3
 
 
 def test_waits_while_new_replicas_are_not_ready() -> None:
