@@ -303,6 +303,7 @@ def write_dump(
                         "prompt": r.prompt_tokens,
                         "cached": r.cached_tokens,
                         "predicted": r.predicted_hit,
+                        "route": r.route,
                         "ideal": min(ideal * BLOCK, max(r.prompt_tokens - 1, 0)),
                         "done": min(done * BLOCK, max(r.prompt_tokens - 1, 0)),
                         "daemon_pod": t.get("pod"),

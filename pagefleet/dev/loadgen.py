@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 POD_HEADER = "x-pagefleet-pod"
 HIT_HEADER = "x-pagefleet-predicted-hit-tokens"
+ROUTE_HEADER = "x-pagefleet-route"
 
 
 class BenchOptions(BaseModel):
@@ -95,6 +96,7 @@ class RequestResult:
     cached_tokens: int = 0
     completion_tokens: int = 0
     predicted_hit: int = -1  # the gateway's x-pagefleet-predicted-hit-tokens; -1: not sent
+    route: str = ""  # the gateway's x-pagefleet-route ("placement/reason"); "": not sent
 
     @property
     def tpot(self) -> float:
@@ -133,6 +135,7 @@ async def _one_turn(client: Any, model: str, turn: Any, timeout_s: float) -> Req
         )
         res.pod = raw.headers.get(POD_HEADER, "")
         res.predicted_hit = int(raw.headers.get(HIT_HEADER, -1))
+        res.route = raw.headers.get(ROUTE_HEADER, "")
         last = None
         async for chunk in raw.parse():
             now = time.perf_counter()

@@ -57,6 +57,10 @@ class PlacementMemory:
     # queue, since their horizon differs from ``ttl_s`` (a queue is pruned from the front)
     _remote: dict[int, dict[str, float]] = field(default_factory=dict)
     _remote_q: deque[tuple[float, int, str]] = field(default_factory=deque)
+    # The prompts (their block keys) of the requests in flight, any pod: a handful
+    # (the gateway's concurrency), read only to tell copies of a prefix from requests
+    # that extend it with their own history (``copies_inflight``)
+    _open: list[Sequence[int]] = field(default_factory=list)
 
     def begin(self, keys: Sequence[int], pod: str) -> None:
         """A request carrying ``keys`` was sent to ``pod``."""
@@ -72,10 +76,13 @@ class PlacementMemory:
         self._seen_q.append((now, pod, keys))
         if keys:
             self._ends[keys[-1]] = now
+            self._open.append(keys)
 
     def end(self, keys: Sequence[int], pod: str) -> None:
         """That request finished (or failed): remember it for ``ttl_s`` more."""
         until = self.clock() + self.ttl_s
+        if keys:
+            self._close(keys)
         ended: list[int] = []
         for k in keys:
             pods = self._live.get(k)
@@ -110,6 +117,28 @@ class PlacementMemory:
     def inflight_with(self, key: int) -> int:
         """Requests in flight (any pod) whose prompt carries block ``key``."""
         return sum(self._live.get(key, {}).values())
+
+    def copies_inflight(self, key: int, depth: int, spare: int) -> int:
+        """Requests in flight whose prompt carries ``key`` as its ``depth``-th block and
+        ends at most ``spare`` blocks after it: copies of that prefix (the same prompt,
+        or a first turn on a shared system prompt), not requests extending it with a
+        history of their own (a conversation's later turns, tied to the pod holding it)."""
+        n = 0
+        for keys in self._open:
+            if depth <= len(keys) <= depth + spare and keys[depth - 1] == key:
+                n += 1
+        return n
+
+    def _close(self, keys: Sequence[int]) -> None:
+        open_ = self._open
+        for i in range(len(open_) - 1, -1, -1):
+            if open_[i] is keys:
+                del open_[i]
+                return
+        for i in range(len(open_) - 1, -1, -1):
+            if open_[i] == keys:
+                del open_[i]
+                return
 
     def footprint(self, pod: str) -> int:
         """Distinct keys sent to ``pod`` within ``footprint_window_s``."""

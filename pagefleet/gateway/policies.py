@@ -43,11 +43,14 @@ new blocks do not fit beside the live requests' (``full``) would it wait for blo
 The imbalance guard falls back to pure load when the pods holding the longest prefix are
 all busier than the least-loaded pod by more than ``imbalance_abs`` requests.
 
-Hot prefixes: when the requests in flight that share this prompt's matched prefix are more
-than ``hot`` (default 2) pods' fair shares of all in-flight requests plus the slack
-(``shared > hot * total / pods + slack``), one pod cannot carry that prefix; the request
-is then ranked by load, the cache only breaking ties, so the prefix is replicated onto the
-least-loaded pods (a single hugely popular prompt spreads over the fleet). Replicating
+Hot prefixes: when the requests in flight that are copies of this prompt's matched prefix
+(it is all of them but their last eighth: the same prompt, or first turns on one system
+prompt) are more than ``hot`` (default 2) pods' fair shares of all in-flight requests plus
+the slack (``copies > hot * total / pods + slack``), one pod cannot carry that prefix; the
+request is then ranked by load, the cache only breaking ties, so the prefix is replicated
+onto the least-loaded pods (a single hugely popular prompt spreads over the fleet).
+Requests that extend the prefix with their own history (later turns) do not count: that
+history ties each to its pod, so a replica could relieve none of them. Replicating
 costs a full prefill of the prefix on the new pod and the blocks it evicts there, so a
 popular tenant keeps its affinity until its holder carries twice a fair share: measured on
 bench/routing.py's chat shape, replicating at one fair share (3-4 of 8 in flight, the

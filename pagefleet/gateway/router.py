@@ -378,22 +378,34 @@ class Router:
     def _is_hot(
         self, keys: list[int], matched: dict[str, int], candidates: list[Candidate]
     ) -> bool:
-        """The requests in flight sharing this prompt's prefix are more than ``hot`` times
-        one pod's fair share of all in flight, plus the slack: more than its holder can
-        carry without queueing that a replica's full prefill (and the evictions it causes
-        there) would undo."""
+        """The requests in flight that are copies of this prompt's matched prefix (the
+        prefix is all of them but a last eighth: the same prompt, or first turns on one
+        system prompt) are more than ``hot`` times one pod's fair share of all in flight,
+        plus the slack: more than its holder can carry without queueing that a replica's
+        full prefill (and the evictions it causes there) would undo.
+
+        Requests that extend the prefix with a history of their own (a conversation's
+        later turns) do not count: that history ties each to the pod holding it, so a
+        replica of the prefix could take none of their load, and a popular tenant whose
+        conversations run on its holder is not a hot prompt (bench/routing.py, session
+        6: a tenant with 5-6 of 8 in flight, most of them later turns, had its next
+        first turns moved off the holder, each a full miss the peers did not make)."""
         if not keys or not matched or not candidates or self.placement_ttl_s <= 0:
             return False
         m = min(max(matched.values()), len(keys))
         if m <= 0:
             return False
-        shared = self.placements.inflight_with(keys[m - 1])
-        total = sum(c.queue for c in candidates)
         weights = getattr(self.policy, "weights", None)
         slack = getattr(weights, "slack", 1.0)
         factor = getattr(weights, "hot", 2.0)
+        total = sum(c.queue for c in candidates)
         # A fair share below one request would make any twin "hot" on an idle fleet.
-        return shared > factor * max(1.0, total / len(candidates)) + slack
+        limit = factor * max(1.0, total / len(candidates)) + slack
+        # Cheap bound first: every copy also carries the prefix's last block.
+        if self.placements.inflight_with(keys[m - 1]) <= limit:
+            return False
+        spare = max(1, m // _SKIP_INDEX_NEW_BLOCKS)
+        return self.placements.copies_inflight(keys[m - 1], m, spare) > limit
 
     async def route(
         self,

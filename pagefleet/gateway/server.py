@@ -46,6 +46,9 @@ logger = logging.getLogger(__name__)
 POD_HEADER = "x-pagefleet-pod"
 POLICY_HEADER = "x-pagefleet-policy"
 HIT_HEADER = "x-pagefleet-predicted-hit-tokens"
+# "placement/reason" of the pod that answered, as the placements counter labels it
+# (bench/routing.py's per-request dump: which requests a rule moved off their holder)
+ROUTE_HEADER = "x-pagefleet-route"
 SESSION_HEADER = "x-session-id"
 
 # Hop-by-hop headers (RFC 9110 §7.6.1) and ones aiohttp recomputes.
@@ -416,7 +419,7 @@ class Gateway:
                     request, ep, path, body, headers, stream, decision,
                     scored.matched_tokens, more_left, attempt,
                     time.perf_counter() - t_arrival,
-                    ticket,
+                    ticket, f"{decision.placement(scored)}/{scored.reason}",
                 )  # fmt: skip
             except _Failed as exc:
                 result = str(exc)
@@ -491,6 +494,7 @@ class Gateway:
         attempt: _Attempt,
         pre_s: float,
         ticket: Ticket,
+        route: str = "",
     ) -> web.StreamResponse | str:
         """Serve the request from ``ep``; a string says why to move on to the next pod.
 
@@ -505,6 +509,8 @@ class Gateway:
             out_headers[POD_HEADER] = ep.pod
             out_headers[POLICY_HEADER] = decision.policy
             out_headers[HIT_HEADER] = str(predicted_hit)
+            if route:
+                out_headers[ROUTE_HEADER] = route
             if upstream.status in (429, 503) and more_left:
                 self.router.mark_failed(ep)
                 return f"HTTP {upstream.status} from pod: {(await upstream.read())[:200]!r}"

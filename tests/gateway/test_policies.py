@@ -437,6 +437,45 @@ async def test_a_popular_tenant_keeps_affinity_a_single_hot_prompt_spreads() -> 
         await router.close()
 
 
+async def test_a_tenant_whose_conversations_run_on_its_holder_is_not_hot() -> None:
+    """Hot counts copies of the prefix, not requests extending it with their own history:
+    6 of 8 in flight carry a tenant's system prompt, but 4 are later turns (each tied to
+    the holder by its own history): a new first turn stays on the holder. With 6 first
+    turns (copies of the prefix up to their last eighth) it is replicated by load. (The
+    imbalance guard, a separate rule, is set out of reach.)"""
+    index = MemoryKVIndex(NS)
+    await _beat(index)
+    system = _prompt(31, 40 * BS)
+    weights = RoutingWeights(imbalance_abs=100)
+    router = await _router("cache_aware", index, weights=weights)
+    try:
+        holder = Endpoint(PODS[0], URLS[0])
+        others = [Endpoint(p, u) for p, u in zip(PODS[1:], URLS[1:], strict=True)]
+        placed = []
+        for i in range(4):  # later turns: the system prompt + 12 blocks of history each
+            keys = router.block_keys(system + _prompt(100 + i, 12 * BS))
+            router.acquire(holder, keys, work=BS)
+            placed.append(keys)
+        for i in range(2):  # first turns: the system prompt + a question (2 blocks)
+            keys = router.block_keys(system + _prompt(200 + i, 2 * BS))
+            router.acquire(holder, keys, work=BS)
+            placed.append(keys)
+        for i in range(2):  # the rest of the fleet's traffic
+            router.acquire(others[i], router.block_keys(_prompt(300 + i, 20 * BS)))
+        first_turn = system + _prompt(400, 2 * BS)
+        d = await router.route(first_turn)
+        assert d.ranked[0].endpoint == holder and d.ranked[0].reason == "cache_aware"
+        # The later turns finish, first turns of the tenant take their slots: 6 copies.
+        for keys in placed[:4]:
+            router.release(holder, keys)
+        for i in range(4):
+            router.acquire(holder, router.block_keys(system + _prompt(500 + i, 3 * BS)))
+        d = await router.route(first_turn)
+        assert d.ranked[0].reason == "hot_prefix" and d.ranked[0].endpoint != holder
+    finally:
+        await router.close()
+
+
 def test_slack_protects_cached_work_not_equal_choices() -> None:
     """A prompt no pod holds more of than the least-loaded pod does goes to the pod with
     less prefill work ahead, even within the slack (nothing cached is traded: a miss sent

@@ -248,6 +248,7 @@ async def test_pod_header_and_non_streaming(make_fleet) -> None:
                 assert r.status == 200
                 assert r.headers[POD_HEADER] == fleet.upstreams[1].pod
                 assert r.headers["x-pagefleet-predicted-hit-tokens"] == str(len(PROMPT))
+                assert r.headers["x-pagefleet-route"] == "best_prefix/cache_aware"
                 assert (await r.json())["choices"][0]["text"] == (
                     f"hello from {fleet.upstreams[1].pod}"
                 )
