@@ -26,9 +26,9 @@ the client's clock on streamed tokens:
   utilisation; on a shared machine, what it got, not what it wanted).
 
 Every fleet starts each run with empty prefix caches (``POST /reset_prefix_cache``): the
-runs repeat the same seeded prompts, and ``--quick`` reuses the unified pair for P/D.
+runs repeat the same seeded prompts.
 
-    python bench/pd.py --quick      # 3 long prompts per fleet, P/D on the unified pair
+    python bench/pd.py --quick      # 3 long prompts per fleet
     python bench/pd.py              # 24 long prompts per fleet, 6 idle ones
     python bench/pd.py --sweep --long-prompts 8   # unified vs P/D, 4-32 chats x 2 rates
 
@@ -59,6 +59,11 @@ MODEL = "bench-pd"
 # Every chat of the largest sweep cell fits in one decode batch (a P/D decode pod serves
 # them all; vLLM's default is 256).
 MAX_NUM_SEQS = 64
+# The unified baseline and the prefill pod prefill a prompt in one step, as the bench
+# defines them (the chunked baseline passes --chunk). Said explicitly since the daemon's
+# own default became chunked prefill (256, b4736dd, after session 6's runs): without it the
+# "unified" fleet silently became a second chunked one.
+ONE_STEP = ("--long-prefill-token-threshold", "0")
 
 
 def _free_port() -> int:
@@ -95,13 +100,14 @@ def _daemon(name: str, model: str, cpu: int, role: str, logdir: Path, extra=()) 
 
 
 def _pd_pair(model: str, logdir: Path, args: argparse.Namespace) -> list[Proc]:
-    """The P/D fleet's prefill (core 0) and decode (core 1) daemons. The decode pod gets
-    ``--decode-max-batched-tokens`` as its per-step token budget: new requests it prefills
-    itself (the short chats) then join its running streams a few at a time instead of
-    all in one long step that stalls every stream (docs/benchmarks.md, session 6)."""
+    """The P/D fleet's prefill (core 0) and decode (core 1) daemons. The decode pod's
+    per-step token budget is its role's default (2 x --max-num-seqs = 128 here), or
+    ``--decode-max-batched-tokens``: new requests it prefills itself (the short chats) join
+    its running streams a few at a time instead of all in one long step that stalls every
+    stream (docs/benchmarks.md, session 6)."""
     budget = args.decode_max_batched_tokens
     extra = ["--max-num-batched-tokens", str(budget)] if budget else []
-    return [_daemon("p0", model, 0, "prefill", logdir),
+    return [_daemon("p0", model, 0, "prefill", logdir, ONE_STEP),
             _daemon("d0", model, 1, "decode", logdir, extra)]  # fmt: skip
 
 
@@ -164,7 +170,7 @@ def _cpu_seconds(pid: int) -> float:
 
 async def _reset_caches(procs: list[Proc]) -> None:
     """Empty every daemon's prefix cache: a fleet never starts with another run's prompts
-    cached (quick mode reuses the unified pair for P/D; the idle prompts repeat)."""
+    cached (the idle prompts repeat the seeded ones)."""
     async with aiohttp.ClientSession() as s:
         for p in procs:
             async with s.post(p.url + "/reset_prefix_cache") as r:
@@ -377,7 +383,7 @@ async def sweep(args: argparse.Namespace) -> dict:
     vocab = json.loads((Path(model) / "config.json").read_text()).get("vocab_size", 1000)
     logdir = Path(tempfile.mkdtemp(prefix="pagefleet-bench-pd-sweep-"))
     daemons = {
-        "unified": [_daemon(f"u{i}", model, i, "unified", logdir) for i in range(2)],
+        "unified": [_daemon(f"u{i}", model, i, "unified", logdir, ONE_STEP) for i in range(2)],
         "pd": _pd_pair(model, logdir, args),
     }
     procs = procs_of(daemons)
@@ -415,7 +421,7 @@ async def sweep(args: argparse.Namespace) -> dict:
     return {
         "bench": "pd_sweep",
         "long_prompts_per_cell": args.long_prompts,
-        "decode_max_batched_tokens": args.decode_max_batched_tokens,
+        "decode_max_batched_tokens": args.decode_max_batched_tokens or 2 * MAX_NUM_SEQS,
         "cells": cells,
         "loadavg_1m": round(os.getloadavg()[0], 2),
         "wall_s": round(time.perf_counter() - t_start, 1),
@@ -440,16 +446,12 @@ async def main(args: argparse.Namespace) -> dict:
     logdir = Path(tempfile.mkdtemp(prefix="pagefleet-bench-pd-"))
     chunk = ["--long-prefill-token-threshold", str(args.chunk)]
     daemons = {
-        "unified": [_daemon(f"u{i}", model, i, "unified", logdir) for i in range(2)],
+        "unified": [_daemon(f"u{i}", model, i, "unified", logdir, ONE_STEP) for i in range(2)],
         "unified_chunked": [_daemon(f"c{i}", model, i, "unified", logdir, chunk) for i in range(2)],
     }
-    if args.quick and not args.decode_max_batched_tokens:
-        # Two daemon start-ups fewer: the unified pair serves as prefill (u0) + decode (u1)
-        # behind the P/D gateway. A daemon's P/D behaviour does not depend on --role (it
-        # only labels metrics and makes a decode pod refuse do_remote_decode).
-        daemons["pd"] = list(daemons["unified"])
-    else:
-        daemons["pd"] = _pd_pair(model, logdir, args)
+    # Quick mode too: a decode pod's step budget is its role's default, which a unified
+    # daemon standing in for it would not have.
+    daemons["pd"] = _pd_pair(model, logdir, args)
     procs = procs_of(daemons)
     try:
         # The gateways start beside the daemons (they probe until the daemons are ready).
@@ -496,7 +498,7 @@ async def main(args: argparse.Namespace) -> dict:
         "quick": args.quick,
         "chats": args.chats,
         "long_gap_s": args.long_gap_s,
-        "decode_max_batched_tokens": args.decode_max_batched_tokens,
+        "decode_max_batched_tokens": args.decode_max_batched_tokens or 2 * MAX_NUM_SEQS,
         # Each daemon's CPU seconds per wall second over its fleet's run (one core each):
         # [unified u0, u1], [chunked c0, c1], [P/D prefill, decode].
         "busy": [[round(b, 2) for b in r.busy] for r in (u, c, d)],
@@ -553,8 +555,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument(
         "--decode-max-batched-tokens",
         type=int,
-        default=128,
-        help="the P/D decode pod's per-step token budget (0: the daemon default, 2048)",
+        default=0,
+        help="the P/D decode pod's per-step token budget (0: the decode role's default, "
+        f"2 x max_num_seqs = {2 * MAX_NUM_SEQS}, the flag's value in session 6)",
     )
     ap.add_argument("--exact-requests", type=int, default=None)
     ap.add_argument("--seed", type=int, default=7)

@@ -156,8 +156,10 @@ class EngineSpec(_Model):
     """KV cache size in blocks per daemon; overrides kvCacheMemoryMB when set."""
     max_num_seqs: int = Field(default=64, ge=1)
     """Most sequences in one engine step (running batch size)."""
-    max_num_batched_tokens: int = Field(default=2048, ge=1)
-    """Token budget of one engine step (prefill chunks plus decodes)."""
+    max_num_batched_tokens: int | None = Field(default=None, ge=1)
+    """Token budget of one engine step (prefill chunks plus decodes). Unset: each role's
+    daemon default, 2048 for unified and prefill, 2 x maxNumSeqs for decode (its new
+    prompts join a few at a time instead of one long step that stalls every stream)."""
     long_prefill_token_threshold: int = Field(default=256, ge=0)
     """Most prompt tokens one request prefills per step (chunked prefill; 0: no cap, a
     prompt up to the step budget in one step). Requests that arrive while a long prompt

@@ -127,7 +127,13 @@ async def serve(config: DaemonConfig) -> None:
 )
 @click.option("--block-size", default=16, show_default=True, type=int)
 @click.option("--max-num-seqs", default=64, show_default=True, type=int)
-@click.option("--max-num-batched-tokens", default=2048, show_default=True, type=int)
+@click.option(
+    "--max-num-batched-tokens",
+    default=None,
+    type=click.IntRange(1),
+    help="Token budget of one engine step (default: 2048; on --role decode, 2 x "
+    "--max-num-seqs, so a turnover's new prompts join a few at a time).",
+)
 @click.option(
     "--long-prefill-token-threshold",
     default=DEFAULT_LONG_PREFILL_TOKENS,

@@ -10,7 +10,7 @@ import os
 import socket
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pagefleet.api.limits import DEFAULT_MAX_BODY_BYTES
 from pagefleet.engine.config import EngineConfig
@@ -19,6 +19,14 @@ Role = Literal["unified", "prefill", "decode"]
 
 # The chunked-prefill default of daemons (the engine's own default stays 0 = one step).
 DEFAULT_LONG_PREFILL_TOKENS = 256
+# The step token budget of unified and prefill daemons (a prompt's chunk plus decodes).
+DEFAULT_MAX_BATCHED_TOKENS = 2048
+# A decode daemon's budget per running-sequence slot: one token for each stream it decodes
+# plus as many again for prompts joining (its own short prefills, the last token of an
+# imported prompt). With 2048 a decode pod prefilled every new chat prompt of a turnover
+# in one 100-250 ms step that stalled all its streams (docs/benchmarks.md, P/D session 6);
+# 2 x max_num_seqs (128 at 64) let them in a few at a time.
+DECODE_TOKENS_PER_SEQ = 2
 
 
 class DaemonConfig(BaseModel):
@@ -34,7 +42,8 @@ class DaemonConfig(BaseModel):
     pod_name: str | None = None  # default: $POD_NAME, else hostname:port
     block_size: int = Field(default=16, ge=1)
     max_num_seqs: int = Field(default=64, ge=1)
-    max_num_batched_tokens: int = Field(default=2048, ge=1)
+    # Token budget of one engine step; None: the role's default (``step_token_budget``).
+    max_num_batched_tokens: int | None = Field(default=None, ge=1)
     # Most prompt tokens one request prefills per step (0: the whole step budget). A
     # one-step 1200-token prefill on a CPU holds every request that arrives meanwhile for
     # up to ~1.8 s (bench/routing.py's per-request breakdown, docs/benchmarks.md session
@@ -79,6 +88,16 @@ class DaemonConfig(BaseModel):
     # One JSON line per finished prompt with its timings (request_log.py); None: off.
     request_log: str | None = None
 
+    @model_validator(mode="after")
+    def _budget_serves_every_stream(self) -> DaemonConfig:
+        if self.step_token_budget < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.step_token_budget}) is below max_num_seqs "
+                f"({self.max_num_seqs}): running streams would go without a token in a step; "
+                "raise the budget or lower max_num_seqs"
+            )
+        return self
+
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
@@ -101,6 +120,18 @@ class DaemonConfig(BaseModel):
         return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
 
     @property
+    def step_token_budget(self) -> int:
+        """The engine's ``max_num_batched_tokens``: the flag when given, else 2048, or on a
+        decode daemon 2 x ``max_num_seqs``. A decode budget is never below
+        ``max_num_seqs``, and the scheduler leaves one token to every running decode
+        before prefill chunks take the rest, so no running stream goes without its token."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        if self.role == "decode":
+            return DECODE_TOKENS_PER_SEQ * self.max_num_seqs
+        return DEFAULT_MAX_BATCHED_TOKENS
+
+    @property
     def max_inflight(self) -> int:
         """Requests admitted at once: the running batch plus the bounded waiting queue."""
         return self.max_num_seqs + self.max_queue
@@ -116,7 +147,7 @@ class DaemonConfig(BaseModel):
             kv_cache_memory_bytes=self.kv_cache_memory_mb << 20,
             gpu_memory_utilization=self.gpu_memory_utilization,
             max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_batched_tokens=self.step_token_budget,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             max_model_len=self.max_model_len,
             enable_prefix_caching=self.enable_prefix_caching,

@@ -107,6 +107,16 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preempted_total += 1
 
+    def _decodes_behind(self) -> list[int]:
+        """For each index of ``running``: how many sequences after it decode one token."""
+        out = [0] * len(self.running)
+        n = 0
+        for j in range(len(self.running) - 1, -1, -1):
+            out[j] = n
+            seq = self.running[j]
+            n += not seq.held and seq.num_tokens - seq.num_computed_tokens == 1
+        return out
+
     # --- one step ------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
@@ -118,7 +128,11 @@ class Scheduler:
         forked: list[Sequence] = []
 
         # 1. Running sequences, oldest first. Victims are taken from the end of the list,
-        # which holds only sequences not yet visited this step.
+        # which holds only sequences not yet visited this step. A running prefill chunk
+        # leaves one token of the budget to every running decode behind it: with a small
+        # budget (a decode pod's) a chunk would otherwise take it all and the streams that
+        # joined after that prompt would get no token for as many steps as it has chunks.
+        decodes_behind = self._decodes_behind()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -126,11 +140,14 @@ class Scheduler:
                 i += 1
                 continue
             num_new = self._cap_prefill(seq.num_tokens - seq.num_computed_tokens)
-            if num_new > budget:
-                if not cfg.enable_chunked_prefill:
+            room = budget
+            if num_new > 1 and cfg.enable_chunked_prefill:
+                room -= decodes_behind[i]
+            if num_new > room:
+                if not cfg.enable_chunked_prefill or room <= 0:
                     i += 1
                     continue
-                num_new = budget
+                num_new = room
             while not self.kv.allocate_slots(seq, num_new):
                 if self._release_waiting_imports():
                     continue  # blocks held by queued imports come back first

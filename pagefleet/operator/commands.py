@@ -98,12 +98,12 @@ def daemon_command(
         str(eng.block_size),
         "--max-num-seqs",
         str(eng.max_num_seqs),
-        "--max-num-batched-tokens",
-        str(eng.max_num_batched_tokens),
         "--long-prefill-token-threshold",
         str(eng.long_prefill_token_threshold),
         "--enable-prefix-caching" if eng.enable_prefix_caching else "--no-enable-prefix-caching",
     ]
+    if eng.max_num_batched_tokens is not None:  # else the role's own default (decode: lower)
+        cmd += ["--max-num-batched-tokens", str(eng.max_num_batched_tokens)]
     if spec.model.max_model_len is not None:
         cmd += ["--max-model-len", str(spec.model.max_model_len)]
     if eng.num_gpu_blocks is not None:

@@ -120,7 +120,7 @@ def test_daemon_pod_command_env_and_probes(unified_spec):
     assert flag(cmd, "--pod-name") == "$(POD_NAME)"
     assert flag(cmd, "--block-size") == "32"
     assert flag(cmd, "--max-num-seqs") == "8"
-    assert flag(cmd, "--max-num-batched-tokens") == "2048"
+    assert "--max-num-batched-tokens" not in cmd  # unset: the role's daemon default
     assert flag(cmd, "--max-model-len") == "512"
     assert flag(cmd, "--kv-cache-memory-mb") == "256"
     assert flag(cmd, "--num-gpu-blocks") == "300"
