@@ -31,7 +31,7 @@ from pydantic import ValidationError
 from pagefleet.daemon.config import DaemonConfig
 from pagefleet.daemon.engine_client import EngineHandle
 from pagefleet.daemon.engine_loop import RequestStream, StreamItem
-from pagefleet.daemon.kv_stage import stage_bytes
+from pagefleet.daemon.kv_stage import KVStage, StagePool, stage_bytes
 from pagefleet.daemon.kv_transfer import (
     KVExportServer,
     KVPullError,
@@ -46,6 +46,9 @@ logger = logging.getLogger(__name__)
 
 # How often an idle engine frees pulled and expired handles.
 _COLLECT_EVERY_S = 1.0
+# A pulled prompt's KV is copied into the pool in pieces of about this size, one per step
+# (8 MB: ~3 ms of copy on the 2-core VM; the 4x512 bench model's 29 MB prompt in 4 pieces).
+_COMMIT_PIECE_BYTES = 8 << 20
 # Pull failures after which a release request would find nothing or reach nobody.
 _NOTHING_TO_RELEASE = frozenset({"not_found", "unreachable", "bad_params"})
 
@@ -77,6 +80,11 @@ class PDSide:
         self.export_server = KVExportServer(self._kv_source, self._collect, self.metrics)
         self._timer: asyncio.Task[None] | None = None
         self._releases: set[asyncio.Task[bool]] = set()
+        # Pulls land in reused shared-memory stages (kv_stage.StagePool: a new one per pull
+        # cost the decode core ~17 ms of CPU).
+        self.stages = StagePool()
+        # Bytes of pulled KV copied into the pool per engine call (a commit in pieces).
+        self.commit_piece_bytes = _COMMIT_PIECE_BYTES
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -93,6 +101,7 @@ class PDSide:
                 await self._timer
         if self._releases:  # each is bounded by its own short timeout
             await asyncio.gather(*self._releases, return_exceptions=True)
+        self.stages.close()
         await self.transfer.close()
 
     def _loaded(self) -> EngineHandle | None:
@@ -200,13 +209,14 @@ class PDSide:
             self._fallback(rid, "no_reservation", "no blocks free for the pull now", tp)
             return None
         committed = False
+        engine_saw_stage = False  # the engine may read the stage: never reuse it then
         stage = None
         try:
             kv = None
             if plan.num_pull_blocks:
                 layout = loop.kv_layout()
                 # An engine in another process reads the pulled bytes from shared memory.
-                stage = loop.new_stage(stage_bytes(layout, plan.num_pull_blocks))
+                stage = self.stages.take(stage_bytes(layout, plan.num_pull_blocks), loop.new_stage)
                 try:
                     kv = await self.transfer.pull(tp, plan, layout, into=stage)
                 except KVPullError as exc:
@@ -214,7 +224,13 @@ class PDSide:
                     return None
             else:
                 self._release_remote(tp)  # every block is in this pod's own cache
-            stream = await loop.add_import(rid, plan, kv, params, queue, stage=stage)
+            engine_saw_stage = True
+            if stage is not None and plan.num_pull_blocks:
+                await self._write_in_pieces(loop, plan, stage, layout)
+                kv, stage_arg = None, None  # the commit copies nothing more
+            else:
+                stage_arg = stage
+            stream = await loop.add_import(rid, plan, kv, params, queue, stage=stage_arg)
             committed = True
             self.metrics.outcome("pulled" if plan.num_pull_blocks else "local_hit")
             return stream
@@ -224,9 +240,30 @@ class PDSide:
         finally:
             if stage is not None:
                 del kv  # views of the stage
-                stage.close()
+                # A commit that returned has copied the stage into the pool; one that
+                # failed or was cancelled may still be read by the engine: not reused.
+                if committed or not engine_saw_stage:
+                    self.stages.give_back(stage)
+                else:
+                    stage.close()
             if not committed:
                 loop.post_cancel_import(plan)
+
+    async def _write_in_pieces(
+        self, loop: EngineHandle, plan: Any, stage: KVStage, layout: Any
+    ) -> None:
+        """Copy the pulled KV from ``stage`` into the reserved blocks a few layers per
+        engine call, each awaited before the next is sent: the engine serves calls between
+        steps, so while it steps each piece lands after a different step. One commit of a
+        whole 29 MB prompt copied ~10-14 ms inside one step of every stream on the 2-core
+        VM (docs/benchmarks.md, P/D session 6); pieces of ``commit_piece_bytes`` stretch
+        several steps a little each instead."""
+        n = layout.num_layers
+        per_layer = stage.nbytes // n
+        step = max(1, min(n, self.commit_piece_bytes // max(per_layer, 1)))
+        payload = ("stage", stage.path, plan.num_pull_blocks)
+        for lo in range(0, n, step):
+            await loop.invoke("write_import", plan.key, payload, lo, min(n, lo + step))
 
     def _fallback(self, rid: str, reason: str, message: str, tp: KVTransferParams) -> None:
         self.metrics.failed(reason)

@@ -588,6 +588,32 @@ class LLMEngine(Generic[TokenizerT]):
         if self._imports.pop(plan.key, None) is not None:
             self.kv.unpin(plan.key)
 
+    def write_import(
+        self,
+        plan: ImportPlan,
+        kv: list[tuple[torch.Tensor, torch.Tensor]],
+        first_layer: int,
+    ) -> None:
+        """Write layers ``first_layer ..`` of the pulled KV (as ``commit_import`` takes
+        them) into the reserved blocks ahead of the commit, which then copies only the
+        layers not written yet. A caller that sends the layers in pieces, one engine call
+        each, spreads the copy over as many steps (a whole prompt's copy in one call
+        stretched one step of every stream by it). Layers are written in order.
+
+        Raises ValueError when the reservation expired (the caller prefills locally).
+        """
+        if self._imports.get(plan.key) is not plan:
+            raise ValueError(
+                f"the KV reservation for {plan.request_id!r} expired before the pull ended"
+            )
+        if first_layer != plan.layers_written:
+            raise ValueError(
+                f"KV layers of {plan.request_id!r} written out of order: {first_layer} after "
+                f"{plan.layers_written}"
+            )
+        self.runner.write_kv_blocks(plan.block_ids, kv, first_layer=first_layer)  # type: ignore[attr-defined]
+        plan.layers_written = first_layer + len(kv)
+
     def commit_import(
         self,
         plan: ImportPlan,
@@ -616,10 +642,14 @@ class LLMEngine(Generic[TokenizerT]):
             self.cancel_import(plan)
             raise
         if plan.num_pull_blocks:
-            if kv is None:
+            done = plan.layers_written
+            if kv is None and done != self.runner.kv_layout().num_layers:  # type: ignore[attr-defined]
                 self.cancel_import(plan)
                 raise ValueError("the pulled KV is missing")
-            self.runner.write_kv_blocks(plan.block_ids, kv)  # type: ignore[attr-defined]
+            if kv is not None and done == 0:
+                self.runner.write_kv_blocks(plan.block_ids, kv)  # type: ignore[attr-defined]
+            elif kv is not None and done < len(kv):  # the rest of a write_import in pieces
+                self.runner.write_kv_blocks(plan.block_ids, kv[done:], first_layer=done)  # type: ignore[attr-defined]
         del self._imports[plan.key]
         bs = self.config.block_size
         # Full blocks whose every position now has KV; the block holding the last prompt

@@ -59,6 +59,9 @@ class ImportPlan:
     block_ids: list[int]
     lora_id: str | None
     deadline: float
+    # Layers 0 .. layers_written - 1 of the pulled KV are in the blocks already
+    # (``LLMEngine.write_import``: a commit's copy spread over several steps).
+    layers_written: int = 0
 
     @property
     def num_pull_blocks(self) -> int:

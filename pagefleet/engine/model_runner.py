@@ -50,7 +50,10 @@ class KVPort(Protocol):
     ) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
 
     def write_kv_blocks(
-        self, block_ids: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]
+        self,
+        block_ids: list[int],
+        kv: list[tuple[torch.Tensor, torch.Tensor]],
+        first_layer: int = 0,
     ) -> None: ...
 
 
@@ -145,14 +148,19 @@ class ModelRunner:
         return out
 
     def write_kv_blocks(
-        self, block_ids: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]
+        self,
+        block_ids: list[int],
+        kv: list[tuple[torch.Tensor, torch.Tensor]],
+        first_layer: int = 0,
     ) -> None:
-        """Write K and V of every layer into ``block_ids`` (engine thread, between steps)."""
+        """Write K and V of layers ``first_layer .. first_layer + len(kv) - 1`` (every
+        layer by default) into ``block_ids`` (engine thread, between steps)."""
         if not block_ids:
             return
-        assert len(kv) == len(self.kv_caches), "one (K, V) pair per layer"
+        caches = self.kv_caches[first_layer : first_layer + len(kv)]
+        assert len(caches) == len(kv), "more layers than the model has"
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        for (k, v), (kk, vv) in zip(self.kv_caches, kv, strict=True):
+        for (k, v), (kk, vv) in zip(caches, kv, strict=True):
             k.index_copy_(0, idx, kk.to(device=k.device, dtype=k.dtype))
             v.index_copy_(0, idx, vv.to(device=v.device, dtype=v.dtype))
 

@@ -83,6 +83,9 @@ async def fleet():
         redis = await stack.enter_async_context(LocalRedis())
         p = await stack.enter_async_context(live_daemon(_config("prefill", redis.url)))
         d = await stack.enter_async_context(live_daemon(_config("decode", redis.url)))
+        # Pulled KV copied into the pool one layer per engine call (the split commit): the
+        # answers below must still equal the unified pod's, token for token.
+        d.daemon.pd.commit_piece_bytes = 1
         u = await stack.enter_async_context(live_daemon(_config("unified")))
         gw, runner, url = await _gateway([p.url], [d.url])
         stack.push_async_callback(runner.cleanup)
@@ -116,9 +119,10 @@ def _client(url: str) -> openai.AsyncOpenAI:
 
 async def test_completions_and_streaming_chat_equal_unified(fleet, monkeypatch) -> None:
     # A daemon whose engine runs in its own process moves the KV through a shared-memory
-    # stage (kv_stage.py): one per pull on the prefill side, one on the decode side, each
-    # file gone afterwards. An engine thread (--no-engine-process) reads and writes the
-    # tensors in place: no stage at all. The assertion follows the mode each daemon runs in.
+    # stage (kv_stage.py): one per pull on the prefill side, gone afterwards; the decode
+    # side reuses one stage for every pull (StagePool) and keeps it for the next. An
+    # engine thread (--no-engine-process) reads and writes the tensors in place: no stage
+    # at all. The assertion follows the mode each daemon runs in.
     stages: list[str] = []
     create = KVStage.create.__func__
 
@@ -158,12 +162,14 @@ async def test_completions_and_streaming_chat_equal_unified(fleet, monkeypatch) 
     assert await _metric(fleet["gateway"], "pagefleet_gateway_pd_requests_total", path="remote")
     for c in (gw, uni):
         await c.close()
-    sides = sum(fleet[r].daemon.engine_process for r in ("prefill", "decode"))
-    if sides:
-        assert len(stages) >= 2 * sides, "the pulls did not go through shared-memory stages"
-    else:
-        assert stages == [], "an engine thread needs no shared-memory stage"
-    assert not [p for p in stages if os.path.exists(p)], "a KV stage file was left behind"
+    pulls = int(pulled - pulled0)
+    on_prefill = pulls if fleet["prefill"].daemon.engine_process else 0
+    on_decode = 1 if fleet["decode"].daemon.engine_process else 0  # one, reused
+    assert len(stages) == on_prefill + on_decode, "a stage per pull, or none where expected"
+    kept = fleet["decode"].daemon.pd.stages.idle_paths()
+    assert len(kept) == on_decode and set(kept) <= set(stages)
+    left = [p for p in stages if os.path.exists(p) and p not in kept]
+    assert not left, "a KV stage file was left behind"
 
 
 async def _post(url: str, body: dict) -> tuple[int, dict]:
