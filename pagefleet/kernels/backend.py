@@ -29,11 +29,11 @@ def default_backend_name(device: torch.device) -> str:
 def cpu_backend() -> AttentionBackend:
     """The compiled CPU kernel's backend, or the torch backend (after one warning that says
     why and how to fix it) when the kernel cannot be built or loaded on this machine."""
-    from pagefleet.kernels.cpu_attention import LIBRARY, CpuAttentionBackend
+    from pagefleet.kernels.cpu_attention import LAYER_OPS_LIBRARY, LIBRARY, CpuAttentionBackend
     from pagefleet.kernels.cpu_build import KernelBuildError, load_library
 
     try:
-        return CpuAttentionBackend(load_library(LIBRARY))
+        return CpuAttentionBackend(load_library(LIBRARY), load_library(LAYER_OPS_LIBRARY))
     except KernelBuildError as exc:
         logger.warning(
             "compiled CPU attention unavailable, using the slower torch attention instead "

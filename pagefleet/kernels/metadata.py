@@ -117,6 +117,10 @@ class AttentionBackend(Protocol):
     ``rotate_half`` applies RoPE (rotate-half layout) to heads ``x [T, H, D]`` with tables
     ``[T, 1, D]``, bit-identical to ``torch_ref.rotate_half``; it may rotate ``x`` in place
     and return it (the caller no longer needs the unrotated values).
+    ``rms_norm`` and ``silu_mul`` are the decoder layer's elementwise ops, within fp32
+    rounding of ``torch_ref.rms_norm`` / ``torch_ref.silu_mul``; ``rms_norm`` may write the
+    sum ``residual + x`` into ``residual`` and return it as the new residual (the caller
+    owns the residual and no longer needs its old values).
     """
 
     name: str
@@ -124,6 +128,16 @@ class AttentionBackend(Protocol):
     def rotate_half(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor: ...
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
     def forward(
         self,

@@ -40,6 +40,25 @@ def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos + rotated * sin
 
 
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF Llama's RMSNorm (fp32 statistics, cast back before the weight) of ``residual + x``
+    when a residual is given, else of ``x``. Returns ``(normed, the normalised input)``: the
+    second is the next residual (the sum, in the op order HF uses)."""
+    if residual is not None:
+        x = residual + x
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype), x
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` where ``gate_up [T, 2I]`` holds gate then up in each row."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def copy_blocks(
     k_caches: list[torch.Tensor],
     v_caches: list[torch.Tensor],
@@ -194,6 +213,18 @@ class TorchAttentionBackend:
 
     def rotate_half(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return rotate_half(x, cos, sin)
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return rms_norm(x, weight, eps, residual)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return silu_mul(gate_up)
 
     def store(
         self,

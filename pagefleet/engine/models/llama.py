@@ -20,6 +20,7 @@ from torch import nn
 
 from pagefleet.engine.model_config import ModelConfig
 from pagefleet.kernels.metadata import AttentionBackend, AttentionMetadata
+from pagefleet.kernels.torch_ref import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -31,10 +32,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        return rms_norm(x, self.weight, self.eps)[0]
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -187,9 +185,8 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+        return self.down_proj(backend.silu_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -203,18 +200,21 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         rope: RopeTables,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         backend: AttentionBackend,
-    ) -> torch.Tensor:
-        # Residual adds stay in the order HF uses so fp32 results agree to rounding.
-        residual = hidden
-        hidden = self.self_attn(self.input_layernorm(hidden), rope, kv_cache, meta, backend)
-        hidden = residual + hidden
-        residual = hidden
-        hidden = self.mlp(self.post_attention_layernorm(hidden))
-        return residual + hidden
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlp output, residual)``: the layer's output is their sum, which the next
+        norm adds (fused with it; ``residual`` None: ``hidden`` is the embedding). The adds
+        keep HF's operand order so fp32 results agree to rounding."""
+        norm = self.input_layernorm
+        x, residual = backend.rms_norm(hidden, norm.weight, norm.eps, residual)
+        hidden = self.self_attn(x, rope, kv_cache, meta, backend)
+        norm = self.post_attention_layernorm
+        x, residual = backend.rms_norm(hidden, norm.weight, norm.eps, residual)
+        return self.mlp(x, backend), residual
 
 
 class LlamaModel(nn.Module):
@@ -260,11 +260,14 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` of the packed tokens; stores their K/V in the cache."""
+        # The embedding's output is a fresh tensor: the backend may add into it in place.
         hidden = self.model.embed_tokens(input_ids)
         rope = self.model.rotary_emb(positions, hidden.dtype)
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden = layer(hidden, rope, kv_cache, meta, backend)
-        return self.model.norm(hidden)
+            hidden, residual = layer(hidden, residual, rope, kv_cache, meta, backend)
+        norm = self.model.norm
+        return backend.rms_norm(hidden, norm.weight, norm.eps, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
