@@ -476,11 +476,13 @@ class Fleet:
 @dataclass(slots=True)
 class Plan:
     """The planner's latest view, whole replicas: what the measured load needs, what the
-    load forecast ``startup_s`` ahead needs, and the recommendation (with the scale-down
-    tolerance and the one-more-replica-on-a-miss rule)."""
+    load forecast ``startup_s`` ahead needs, that with the planner's stated headroom, and
+    the recommendation (with the gateway's arrivals and the one-more-replica-on-a-miss
+    rule)."""
 
     need_now: int = 0
     need_ahead: int = 0
+    with_headroom: int = 0
     recommendation: int = 0
 
 
@@ -492,10 +494,11 @@ class Ledger:
     counted (that is where SLO misses come from); otherwise S - O is split by clamped levels
     of the planner's latest view: ``model`` (the measured load at the learned capacity needs
     more than the oracle's count), ``forecast`` (the start-up-ahead trend asks more),
-    ``margin`` (the recommendation's tolerance and SLO-miss bump), ``hold`` (the planner
-    would go lower but its windows and step keep the replicas)."""
+    ``headroom`` (the planner's stated spare share on top), ``margin`` (the gateway's
+    arrivals and the SLO-miss bump in the recommendation), ``hold`` (the planner would go
+    lower but its windows and step keep the replicas)."""
 
-    ITEMS = ("startup", "drain", "model", "forecast", "margin", "hold")
+    ITEMS = ("startup", "drain", "model", "forecast", "headroom", "margin", "hold")
 
     def __init__(self, oracle_count: Callable[[float], int]) -> None:
         self.oracle_count = oracle_count
@@ -525,11 +528,13 @@ class Ledger:
         plan = self.plan
         lv1 = max(oracle, min(serving, plan.need_now))
         lv2 = max(lv1, min(serving, plan.need_ahead))
-        lv3 = max(lv2, min(serving, plan.recommendation))
+        lv3 = max(lv2, min(serving, plan.with_headroom))
+        lv4 = max(lv3, min(serving, plan.recommendation))
         sec["model"] += (lv1 - oracle) * dt
         sec["forecast"] += (lv2 - lv1) * dt
-        sec["margin"] += (lv3 - lv2) * dt
-        sec["hold"] += (serving - lv3) * dt
+        sec["headroom"] += (lv3 - lv2) * dt
+        sec["margin"] += (lv4 - lv3) * dt
+        sec["hold"] += (serving - lv4) * dt
 
     def misses(
         self, reqs: list[Request], ok: Callable[[Request], bool], bursts: list[tuple[float, float]]
@@ -572,10 +577,11 @@ def planner_policy(cfg: PlannerConfig, ledger: Ledger | None = None) -> Policy:
         obs = fleet.observe(now)
         if ledger is not None:
             ahead, _ = forecast(cfg, obs, state, now)
+            need_ahead = replicas_needed(cfg, ahead, state)[0]
             ledger.plan = Plan(
-                math.ceil(replicas_needed(cfg, obs, state)[0] - 1e-9),
-                math.ceil(replicas_needed(cfg, ahead, state)[0] - 1e-9),
-                0,
+                need_now=math.ceil(replicas_needed(cfg, obs, state)[0] - 1e-9),
+                need_ahead=math.ceil(need_ahead - 1e-9),
+                with_headroom=math.ceil(need_ahead * (1 + cfg.headroom) - 1e-9),
             )
         d = decide(cfg, obs, state, now)
         if ledger is not None:
