@@ -409,9 +409,7 @@ class ControlPlane:
         log_path = self.log_path(name)
         log_path.unlink(missing_ok=True)
         # Own process group (stop() signals the whole tree); dies with pytest.
-        proc = process.spawn(
-            [str(self._bins[name]), *args], log_path, cwd=self.workdir, die_with_parent=True
-        )
+        proc = process.spawn([str(self._bins[name]), *args], log_path, cwd=self.workdir)
         self._components.append(Component(name, proc, log_path))
 
     def _start_etcd(self) -> None:

@@ -559,7 +559,6 @@ class NodeAgent:
                 c.log_path,
                 cwd=cwd,
                 env=self._process_env(env, kubeconfig),
-                die_with_parent=True,
             )
         except OSError as exc:
             c.waiting_reason = "RunContainerError"
@@ -953,7 +952,6 @@ class NodeAgentProcess:
             ],
             self.log_path,
             cwd=REPO_ROOT,
-            die_with_parent=True,
         )
         client = KubeClient.from_kubeconfig(self.kubeconfig)
         deadline = time.monotonic() + timeout_s

@@ -2,20 +2,19 @@
 
 Every child runs in its own session (its own process group), with stdout and stderr
 appended to one log file, so stopping it signals the whole tree it forked and its output
-can be quoted in an error. With ``die_with_parent`` the kernel kills it if the thread that
-started it ends (a SIGKILLed test run leaves no orphan holding ports; Linux only): only
-for children started from a thread that lives as long as their owner. With
-``watch_owner`` a small shell runs the child and stops it when its owner process is gone,
-whichever thread started it (see ``spawn``).
+can be quoted in an error. Every child is watched: a small shell runs it and SIGKILLs its
+whole process group when the owner process (the one that called ``spawn``) is gone, in
+any way, SIGKILL included (see ``spawn``). So a killed test run, `pagefleet up` or e2e node
+agent leaves no orphan holding ports.
 
-Invariant: ``stop`` returns only once the child is reaped and its process group has been
-sent SIGKILL, so nothing it started keeps running.
+Invariants: a child never outlives its owner process by more than a moment; ``stop``
+returns only once the child is reaped and its process group has been sent SIGKILL, so
+nothing it started keeps running.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import socket
@@ -23,8 +22,6 @@ import subprocess
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-
-_PR_SET_PDEATHSIG = 1
 
 
 def free_port() -> int:
@@ -36,66 +33,62 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def die_with_parent() -> None:
-    """In the child between fork and exec: SIGKILL me when my parent thread exits."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 def spawn(
     argv: list[str],
     log_path: Path,
     *,
     cwd: Path | str | None = None,
     env: Mapping[str, str] | None = None,
-    die_with_parent: bool = False,
-    watch_owner: bool = False,
 ) -> subprocess.Popen[bytes]:
     """Start ``argv`` in a new session, stdin from /dev/null, stdout+stderr appended to
     ``log_path`` (created with its directory). Raises OSError if it cannot be executed.
 
-    ``watch_owner``: ``argv`` runs under ``sh`` (the returned process) that holds the read
-    end of a pipe whose only writer is this process; when this process ends in any way
-    (SIGKILL included) the pipe reads EOF and the shell stops ``argv`` (SIGTERM, then
-    SIGKILL). ``stop`` works as without it (it signals the whole group)."""
+    ``argv`` runs under ``sh`` (the returned process, the group's leader) that holds the
+    read end of a pipe whose only writer is this process; when this process ends in any
+    way (SIGKILL included) the pipe reads EOF and the shell SIGKILLs the whole group. This
+    follows the owner process, not the thread that called ``spawn`` (PR_SET_PDEATHSIG
+    would kill the child when a short-lived starting thread ends), and reaches what the
+    child forked. The returned process exits as ``argv`` does (its status, or the same
+    signal), and ``stop`` / ``signal_group`` work as on ``argv`` itself: the shell ignores
+    the group's SIGTERM and waits for ``argv``."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    if watch_owner:
-        argv = ["sh", "-c", _WATCH_OWNER, "pagefleet-watch", *argv]
     with log_path.open("ab") as log:
         return subprocess.Popen(
-            argv,
-            # The pipe's write end stays in the Popen (non-inheritable: no other child
-            # holds it), so only this process's end closes it.
-            stdin=subprocess.PIPE if watch_owner else subprocess.DEVNULL,
+            ["sh", "-c", _WATCH_OWNER, "pagefleet-watch", *argv],
+            # The pipe's write end stays in the Popen (non-inheritable across exec: no
+            # other child holds it), so only this process's end closes it.
+            stdin=subprocess.PIPE,
             stdout=log,
             stderr=subprocess.STDOUT,
             cwd=cwd,
             env=dict(env) if env is not None else None,
             start_new_session=True,
-            preexec_fn=_die_with_parent_hook if die_with_parent else None,
         )
 
 
-# The child runs with /dev/null as stdin (never the pipe: fd 3 is closed for it); a
-# background reader waits for EOF on the pipe (nothing is ever written: EOF means the
-# owner is gone) and then stops the child. The shell exits with the child's status when
-# the child exits first, so an owner polling the shell sees the child's end.
+# The shell ignores TERM/INT/HUP (a group signal is for the child; the shell must live to
+# report its status), the child gets the default handlers back and /dev/null as stdin
+# (fd 3, the pipe, is closed for it). A background reader waits for EOF on the pipe
+# (nothing is ever written: EOF means the owner is gone) and then SIGKILLs the group. When
+# the child exits first, the shell ends the reader and exits as the child did: its status,
+# or (above 128) the same signal, so the owner's Popen reads what it would without us.
 _WATCH_OWNER = """
+trap '' TERM INT HUP
 exec 3<&0 0</dev/null
-"$@" 3<&- &
+(trap - TERM INT HUP; exec "$@") 3<&- &
 child=$!
-{ read -r _line <&3; kill -TERM "$child"; sleep 2; kill -KILL "$child"; } 2>/dev/null &
+{ read -r _line <&3; kill -KILL 0; } 2>/dev/null &
 watcher=$!
 exec 3<&-
 wait "$child"
 status=$?
-kill "$watcher" 2>/dev/null
+kill -KILL "$watcher" 2>/dev/null
+if [ "$status" -gt 128 ]; then
+    trap - TERM INT HUP
+    kill -s "$(kill -l "$status")" $$ 2>/dev/null
+fi
 exit "$status"
 """
-
-
-def _die_with_parent_hook() -> None:
-    die_with_parent()
 
 
 def signal_group(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
@@ -116,7 +109,7 @@ def stop(proc: subprocess.Popen[bytes], grace_s: float) -> int:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     status = proc.wait()
-    if proc.stdin is not None:  # a watch_owner pipe: nothing left to watch
+    if proc.stdin is not None:  # the watch pipe: nothing left to watch
         proc.stdin.close()
     return status
 

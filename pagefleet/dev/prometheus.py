@@ -179,7 +179,6 @@ class LocalPrometheus:
                 "--storage.tsdb.retention.time=1d",
             ],
             self.log_path,
-            die_with_parent=True,
         )
         try:
             process.wait_until(

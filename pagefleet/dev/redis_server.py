@@ -112,11 +112,10 @@ class LocalRedis:
             self.port = self._fixed_port or process.free_port()
             log_path = self._dir / "redis.log"
             log_path.unlink(missing_ok=True)
-            # Own session: Ctrl-C reaches us, and we stop Redis in order. Watched: if this
-            # process dies without stopping it (SIGKILL, a crashed test run), Redis goes
-            # too (PR_SET_PDEATHSIG would follow the starting thread, often a short-lived
-            # worker of asyncio.to_thread, not this process).
-            proc = process.spawn(self._argv(), log_path, cwd=self._dir, watch_owner=True)
+            # Own session: Ctrl-C reaches us, and we stop Redis in order. Watched (as every
+            # spawn): if this process dies without stopping it (SIGKILL, a crashed test
+            # run), Redis goes too, even when a short-lived thread started it.
+            proc = process.spawn(self._argv(), log_path, cwd=self._dir)
             try:
                 process.wait_until(
                     "redis-server",
