@@ -112,6 +112,17 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def runq_wait_s(pid: int) -> float:
+    """Seconds the main thread of ``pid`` has spent runnable but waiting for a CPU (Linux
+    /proc/PID/schedstat; NaN elsewhere). For the engine process (one thread steps the
+    model) this splits a slow round into "others had the cores" and "the engine idled"."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
 def machine_cpu_s() -> tuple[float, float]:
     """(busy, steal) CPU seconds of the whole machine so far, all cores (Linux /proc/stat).
 
@@ -216,6 +227,7 @@ async def run_rounds(
                 for mode, fn in (("json", plain), ("sse", streamed)):
                     steps0 = (await handle.stats()).steps_total
                     cpu0 = cpu_s(os.getpid()), cpu_s(handle.pid)
+                    wait0 = runq_wait_s(handle.pid)
                     prober = await asyncio.to_thread(Prober, port)
                     probe_cpu0, machine0 = cpu_s(prober.proc.pid), machine_cpu_s()
                     t0 = time.perf_counter()
@@ -233,6 +245,8 @@ async def run_rounds(
                         # process (the same process in thread mode)
                         "http_cpu_s": cpu_s(os.getpid()) - cpu0[0],
                         "engine_cpu_s": cpu_s(handle.pid) - cpu0[1],
+                        # the engine process's main thread: runnable but off a CPU
+                        "engine_runq_s": runq_wait_s(handle.pid) - wait0,
                     }  # fmt: skip
                     m = rnd[mode]
                     # Busy CPU of the machine beyond the engine, HTTP and probe processes
@@ -300,7 +314,8 @@ def main() -> None:
             line += (f"; {mode} {m['tok_s']:.0f} tok/s = {m['tok_s'] / e['tok_s']:.3f}x "
                      f"({m['wall_s']:.2f}s, {m['steps']} steps, CPU s engine "
                      f"{m['engine_cpu_s']:.2f} http {m['http_cpu_s']:.2f}, others "
-                     f"{m['other_cpu_s']:.2f} steal {m['steal_s']:.2f})")  # fmt: skip
+                     f"{m['other_cpu_s']:.2f} steal {m['steal_s']:.2f}, engine waited for a "
+                     f"CPU {m['engine_runq_s']:.2f})")  # fmt: skip
         print(line)
     med = statistics.median
     ratio = {m: med([r[m]["tok_s"] / r["engine"]["tok_s"] for r in rnds]) for m in ("json", "sse")}
@@ -338,6 +353,9 @@ def main() -> None:
                                for r in rnds],
         "steal_s_total": round(sum(r[m]["steal_s"] for r in rnds
                                    for m in ("engine", "json", "sse")), 2),
+        # the engine process's main thread runnable but off a CPU, per round: JSON, SSE
+        "engine_runq_s_rounds": [[round(r[m]["engine_runq_s"], 2) for m in ("json", "sse")]
+                                 for r in rnds],
         "health_probes": len(health),
         "health_p50_ms_under_load": round(1e3 * med(health), 2),
         "health_p99_ms_under_load": round(1e3 * pct(health, 0.99), 2),

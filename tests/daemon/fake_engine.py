@@ -9,6 +9,7 @@ so the publisher sees a realistic event stream.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
@@ -16,28 +17,18 @@ from typing import Any
 
 from pagefleet.daemon.config import DaemonConfig
 from pagefleet.dev.process import free_port
-from pagefleet.engine.outputs import CompletionDelta, RequestMetrics, RequestOutput, TokenLogprob
+from pagefleet.engine.outputs import (
+    CompletionDelta,
+    EngineStats,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprob,
+)
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.kvindex.events import BlockRemoved, BlockStored, KVEventBatch
 from pagefleet.kvindex.hashing import block_hashes
+from pagefleet.testing.engine_stats import idle_engine_stats
 from pagefleet.tokenizer import Tokenizer
-
-
-@dataclass
-class FakeStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    num_preempted_total: int = 0
-    kv_usage: float = 0.0
-    num_blocks: int = 64
-    num_free_blocks: int = 64
-    prefix_queries_tokens: int = 0
-    prefix_hits_tokens: int = 0
-    prompt_tokens_total: int = 0
-    generation_tokens_total: int = 0
-    evictions_total: int = 0
-    steps_total: int = 0
-    num_cached_blocks: int = 0
 
 
 @dataclass
@@ -68,7 +59,7 @@ class FakeEngine:
         self._cached: set[int] = set()
         self._seq = 0
         self._pending: list = []
-        self.s = FakeStats()
+        self.s = idle_engine_stats()
         self.aborted: list[str] = []
         self._aborted_outputs: list[RequestOutput] = []
 
@@ -171,8 +162,8 @@ class FakeEngine:
         self._flush_events()
         return outs
 
-    def stats(self) -> FakeStats:
-        return FakeStats(**{**self.s.__dict__, "num_cached_blocks": len(self._cached)})
+    def stats(self) -> EngineStats:
+        return dataclasses.replace(self.s, num_cached_blocks=len(self._cached))
 
 
 def fake_config(**overrides: Any) -> DaemonConfig:

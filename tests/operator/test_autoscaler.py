@@ -35,6 +35,7 @@ from pagefleet.operator.signals import (
     parse_metrics,
     quantile,
 )
+from pagefleet.testing.engine_stats import idle_engine_stats
 
 NS, NAME = "ml", "chat"
 
@@ -61,30 +62,12 @@ GATEWAY_PORT = _free_port()
 # ------------------------------------------------------------------------------ signals
 
 
-class FakeStats:
-    """An EngineStats-shaped snapshot (the daemon's metrics read it at scrape time)."""
-
-    def __init__(self) -> None:
-        self.num_running = 0
-        self.num_waiting = 0
-        self.num_preempted_total = 0
-        self.kv_usage = 0.0
-        self.num_blocks = 100
-        self.num_free_blocks = 100
-        self.prefix_queries_tokens = 0
-        self.prefix_hits_tokens = 0
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
-        self.evictions_total = 0
-        self.steps_total = 0
-
-
 class Daemon:
     """One pod's metrics: the daemon's DaemonMetrics, fed by hand."""
 
     def __init__(self, pod: str) -> None:
         self.metrics = DaemonMetrics("tiny", "unified", pod)
-        self.stats = FakeStats()
+        self.stats = idle_engine_stats(num_blocks=100)
         self.metrics.update_stats(self.stats)
         self.garbage = False
 
