@@ -97,7 +97,8 @@ def test_what_the_owner_started_dies_with_it_even_on_sigkill(tmp_path: Path) -> 
         names = sorted(_comm(p) for p in members)
         # Each group: the watching shell (and its reader) + the program (+ a grandchild).
         assert names.count("redis-server") == 1 and names.count("prometheus") == 1, names
-        assert sum(n.startswith("python") for n in names) == 4, names  # 2 stubborn children + 2 grandchildren
+        # 2 stubborn children and their 2 grandchildren
+        assert sum(n.startswith("python") for n in names) == 4, names
         owner.kill()  # no cleanup runs in the owner
         owner.wait(10)
         t0 = time.monotonic()
