@@ -382,19 +382,24 @@ async def sweep(args: argparse.Namespace) -> dict:
     model = str(bench_model(args.model))
     vocab = json.loads((Path(model) / "config.json").read_text()).get("vocab_size", 1000)
     logdir = Path(tempfile.mkdtemp(prefix="pagefleet-bench-pd-sweep-"))
-    daemons = {
-        "unified": [_daemon(f"u{i}", model, i, "unified", logdir, ONE_STEP) for i in range(2)],
-        "pd": _pd_pair(model, logdir, args),
-    }
+    fleets = args.sweep_fleets
+    daemons = {}
+    if "unified" in fleets:
+        daemons["unified"] = [
+            _daemon(f"u{i}", model, i, "unified", logdir, ONE_STEP) for i in range(2)
+        ]
+    if "pd" in fleets:
+        daemons["pd"] = _pd_pair(model, logdir, args)
     procs = procs_of(daemons)
     cells = []
     try:
-        gws = {
-            "unified": _gateway("g-unified", model, [p.url for p in daemons["unified"]], [],
-                                logdir),
-            "pd": _gateway("g-pd", model, [daemons["pd"][1].url], [daemons["pd"][0].url],
-                           logdir),
-        }  # fmt: skip
+        gws = {}
+        if "unified" in fleets:
+            gws["unified"] = _gateway("g-unified", model, [p.url for p in daemons["unified"]],
+                                      [], logdir)  # fmt: skip
+        if "pd" in fleets:
+            gws["pd"] = _gateway("g-pd", model, [daemons["pd"][1].url], [daemons["pd"][0].url],
+                                 logdir)  # fmt: skip
         procs += list(gws.values())
         await _wait_ready(procs)
         for gap in args.sweep_gaps:
@@ -402,24 +407,30 @@ async def sweep(args: argparse.Namespace) -> dict:
                 cell_args = argparse.Namespace(**{**vars(args), "chats": chats,
                                                   "long_gap_s": gap})  # fmt: skip
                 cell: dict = {"chats": chats, "long_gap_s": gap}
-                for name in ("unified", "pd"):
+                for name in fleets:
                     await _reset_caches(daemons[name])
                     r = await _run_fleet(gws[name].url, cell_args, vocab, daemons[name])
                     _report(f"{name} c={chats} gap={gap}", r)
                     cell[name] = r.cell()
-                cell["itl_p99_ratio_unified_over_pd"] = round(
-                    cell["unified"]["itl_p99_ms"] / cell["pd"]["itl_p99_ms"], 2
-                )
-                cell["itl_p999_ratio_unified_over_pd"] = round(
-                    cell["unified"]["itl_p999_ms"] / cell["pd"]["itl_p999_ms"], 2
-                )
-                cell["prefill_busy"] = cell["pd"]["busy"][0]
+                if len(fleets) == 2:
+                    cell["itl_p99_ratio_unified_over_pd"] = round(
+                        cell["unified"]["itl_p99_ms"] / cell["pd"]["itl_p99_ms"], 2
+                    )
+                    cell["itl_p999_ratio_unified_over_pd"] = round(
+                        cell["unified"]["itl_p999_ms"] / cell["pd"]["itl_p999_ms"], 2
+                    )
+                if "pd" in fleets:
+                    # The prefill pod's core utilisation: near 1 its queue, not P/D, sets
+                    # the long prompts' TTFT (and past it the gateway prefills on the
+                    # decode pod, --pd-max-prefill-inflight).
+                    cell["prefill_busy"] = cell["pd"]["busy"][0]
                 print(json.dumps(cell), file=sys.stderr)
                 cells.append(cell)
     finally:
         stop(procs)
     return {
         "bench": "pd_sweep",
+        "fleets": fleets,
         "long_prompts_per_cell": args.long_prompts,
         "decode_max_batched_tokens": args.decode_max_batched_tokens or 2 * MAX_NUM_SEQS,
         "cells": cells,
@@ -571,6 +582,12 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument(
         "--sweep-gaps", type=lambda v: [float(x) for x in v.split(",")], default=[4.0, 2.0]
+    )
+    ap.add_argument(
+        "--sweep-fleets",
+        type=lambda v: [x for x in ("unified", "pd") if x in v.split(",")],
+        default=["unified", "pd"],
+        help="unified,pd (default) or one of them: e.g. the P/D decode pod's ITL alone",
     )
     args = ap.parse_args()
     if args.long_prompts is None:

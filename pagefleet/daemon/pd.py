@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -51,6 +52,17 @@ _COLLECT_EVERY_S = 1.0
 _COMMIT_PIECE_BYTES = 8 << 20
 # Pull failures after which a release request would find nothing or reach nobody.
 _NOTHING_TO_RELEASE = frozenset({"not_found", "unreachable", "bad_params"})
+
+
+@dataclass(slots=True, frozen=True)
+class _Admission:
+    """One engine request as ``PDSide.admit`` was given it."""
+
+    rid: str
+    ids: list[int]
+    params: SamplingParams
+    queue: asyncio.Queue[StreamItem | BaseException]
+    lora_id: str | None
 
 
 class TransferParamsError(ValueError):
@@ -185,22 +197,17 @@ class PDSide:
                 rid, ids, params, lora_id=lora_id, queue=queue, kv_export=True
             )
         if tp is not None and tp.do_remote_prefill:
-            stream = await self._import(loop, rid, ids, params, queue, tp, lora_id)
+            req = _Admission(rid, ids, params, queue, lora_id)
+            stream = await self._import(loop, req, tp)
             if stream is not None:
                 return stream
         return await loop.add_request(rid, ids, params, lora_id=lora_id, queue=queue)
 
     async def _import(
-        self,
-        loop: EngineHandle,
-        rid: str,
-        ids: list[int],
-        params: SamplingParams,
-        queue: asyncio.Queue[StreamItem | BaseException],
-        tp: KVTransferParams,
-        lora_id: str | None,
+        self, loop: EngineHandle, req: _Admission, tp: KVTransferParams
     ) -> RequestStream | None:
         """Pull and commit; None (reservation released, reason counted) to prefill here."""
+        rid, ids, params, queue, lora_id = req.rid, req.ids, req.params, req.queue, req.lora_id
         if tp.remote_num_tokens is not None and tp.remote_num_tokens != len(ids):
             self._fallback(rid, "prompt_mismatch", "the handle holds another prompt", tp)
             return None

@@ -87,6 +87,9 @@ class _Loop:
             raise self.fail
         return "stream"
 
+    async def add_request(self, rid, ids, params, lora_id=None, queue=None):
+        return None  # the local prefill a failed import falls back to
+
     def post_cancel_import(self, plan) -> None:
         self.cancelled += 1
 
@@ -125,7 +128,7 @@ def test_a_committed_pull_gives_its_stage_back_a_failed_commit_does_not(tmp_path
         out = []
         for i in range(n):
             try:
-                out.append(await side._import(loop, f"r{i}", [1] * 20, None, q, tp, None))
+                out.append(await side.admit(loop, f"r{i}", [1] * 20, None, q, tp))
             except asyncio.CancelledError:
                 out.append("cancelled")
         return out
