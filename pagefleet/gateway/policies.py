@@ -37,11 +37,17 @@ meanwhile waits too (bench/routing.py's per-request breakdown, session 5: hits t
 arrived at a pod mid-prefill waited up to 1.8 s in the daemon before their first step).
 Beyond it, each token ahead costs ``w_queue`` (default 0.5) of a token of own prefill:
 a token computed elsewhere costs this request's TTFT once and the fleet's capacity once,
-a token waited for only the former. ``queue`` (all requests in flight) drives the
-imbalance guard and least_load. KV in use counts the same way: only when this request's
+a token waited for only the former. ``queue`` (all requests in flight) drives
+least_load. KV in use counts the same way: only when this request's
 new blocks do not fit beside the live requests' (``full``) would it wait for blocks.
-The imbalance guard falls back to pure load when the pods holding the longest prefix are
-all busier than the least-loaded pod by more than ``imbalance_abs`` requests.
+The imbalance guard falls back to pure load when the pods holding the longest prefix all
+have more than ``imbalance_abs`` requests more waiting for their first token (``unanswered``:
+ours not past their first byte, and every request the pod's heartbeat saw beyond ours)
+than the pod with the fewest. Requests of ours already decoding do not count, as in the
+cost: a popular tenant's holder running its own conversations' answers is not swamped,
+and moving its next first turn off costs a full miss (bench/routing.py, session 7: the
+guard moved one such turn at 5 of 8 requests in flight on the holder, 1.8 s where
+sglang-router's stayed and took 0.6 s).
 
 Hot prefixes: when the requests in flight that are copies of this prompt's matched prefix
 (it is all of them but their last eighth: the same prompt, or first turns on one system
@@ -128,7 +134,10 @@ class RoutingWeights(BaseModel):
         "(+ slack) is replicated by load",
     )
     imbalance_abs: float = Field(
-        4.0, ge=0, description="fall back to least load when best-cache queue exceeds min by more"
+        4.0,
+        ge=0,
+        description="fall back to least load when the best-cache pods' requests waiting for "
+        "a first token exceed the least's by more",
     )
 
     @classmethod
@@ -181,6 +190,12 @@ class Candidate:
         already decoding do not: continuous batching runs a new prefill beside them."""
         others = max(0, self.waiting - self.own_at_heartbeat)
         return self.prefilling + others
+
+    @property
+    def unanswered(self) -> int:
+        """Requests there still waiting for their first token: ours not past their first
+        byte, plus everything the heartbeat saw beyond ours (its phase unknown)."""
+        return self.prefilling + max(0, self.running + self.waiting - self.own_at_heartbeat)
 
     @property
     def work_ahead(self) -> float:
@@ -296,7 +311,7 @@ class CacheAwarePolicy:
     ) -> list[Scored]:
         if not candidates:
             return []
-        min_queue = min(c.queue for c in candidates)
+        min_unanswered = min(c.unanswered for c in candidates)
         min_work = min(c.work_ahead for c in candidates)
         if req.hot:
             # Replicate a hot prefix: least load first, the cache only breaks ties (a
@@ -335,8 +350,9 @@ class CacheAwarePolicy:
         # The guard looks at the pods holding the longest prefix, not just the cheapest one:
         # a hot prefix whose holders are all swamped must spill, even if the cost tie-break
         # happens to favour a holder.
-        holders = [s for s in ranked if s.matched_tokens == best_match and best_match > 0]
-        if holders and min(s.queue for s in holders) - min_queue > self.weights.imbalance_abs:
+        holders = {s.endpoint.pod for s in ranked if s.matched_tokens == best_match > 0}
+        busy = [c.unanswered for c in candidates if c.endpoint.pod in holders]
+        if busy and min(busy) - min_unanswered > self.weights.imbalance_abs:
             guard = LeastLoadPolicy(self.weights)
             by_load = guard.rank(candidates, req, rng)
             return [

@@ -450,7 +450,7 @@ async def test_pods_without_heartbeat_rank_after_live_ones_and_lookups_are_clamp
     eps = router.discovery.endpoints()
     ranked = policy.rank(
         [
-            Candidate(eps[0], matched_blocks=3, inflight=20),
+            Candidate(eps[0], matched_blocks=3, inflight=20, prefilling=20),
             Candidate(eps[1], matched_blocks=0, inflight=0),
         ],
         RouteRequest(prompt_tokens=48, block_size=16),

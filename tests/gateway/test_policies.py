@@ -261,8 +261,11 @@ def test_weights_parse_and_reject_unknown_names() -> None:
 
 def test_cache_aware_cost_trades_hits_against_work_ahead() -> None:
     """Load is prefill work queued ahead, in tokens: a queue of cache hits weighs little,
-    a queue of long misses a lot; decoding requests nothing."""
-    policy = CacheAwarePolicy(RoutingWeights(prefill=1.0, queue=0.5, slack=1, kv=0.0, fit=0.0))
+    a queue of long misses a lot; decoding requests nothing. (The cost alone: the
+    imbalance guard, which counts requests waiting for a first token, is out of reach.)"""
+    policy = CacheAwarePolicy(
+        RoutingWeights(prefill=1.0, queue=0.5, slack=1, kv=0.0, fit=0.0, imbalance_abs=100)
+    )
     ep = [Endpoint(p, u) for p, u in zip(PODS, URLS, strict=True)]
     n = 10 * BS
     req = RouteRequest(prompt_tokens=n, block_size=BS, num_blocks=10)
@@ -499,3 +502,22 @@ def test_slack_protects_cached_work_not_equal_choices() -> None:
     assert policy.rank([h_busy, h_idle, idle], req, random.Random(0))[0].endpoint == ep[3]
     # The only holder keeps its hit with one prefill ahead (the slack protects it).
     assert policy.rank([h_busy, idle], req, random.Random(0))[0].endpoint == ep[2]
+
+
+def test_imbalance_guard_counts_requests_waiting_not_answers_streaming() -> None:
+    """A tenant's holder running 6 of its conversations' answers (past their first token)
+    is not swamped: the request keeps its hit there. The same 6 waiting for their first
+    token (ours prefilling, or the heartbeat's beyond ours) trip the guard."""
+    ep = [Endpoint(p, u) for p, u in zip(PODS, URLS, strict=True)]
+    req = RouteRequest(prompt_tokens=40 * BS, block_size=BS, num_blocks=40)
+    policy = CacheAwarePolicy()
+    idle = [Candidate(e, capacity_blocks=200) for e in ep[1:]]
+    answering = Candidate(ep[0], 36, inflight=6, capacity_blocks=200)
+    first = policy.rank([answering, *idle], req, random.Random(0))[0]
+    assert first.endpoint == ep[0] and first.reason == "cache_aware"
+    waiting = Candidate(ep[0], 36, inflight=6, prefilling=6, prefill_work=6 * BS)
+    first = policy.rank([waiting, *idle], req, random.Random(0))[0]
+    assert first.endpoint != ep[0] and first.reason == "imbalance_guard"
+    others = Candidate(ep[0], 36, running=6, has_heartbeat=True)
+    first = policy.rank([others, *idle], req, random.Random(0))[0]
+    assert first.endpoint != ep[0] and first.reason == "imbalance_guard"
