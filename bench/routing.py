@@ -789,6 +789,14 @@ def main() -> None:
         }
         out[f"gateway_overhead_ms_p50{suffix}"] = ms.get(0.5)
         out[f"gateway_overhead_ms_p99{suffix}"] = ms.get(0.99)
+        # The same histogram over the loaded run itself (8 conversations in flight, the
+        # daemons busy): the gateway's own time under CPU contention, the part of a
+        # request's `door_in` spent inside the gateway process rather than in the hops.
+        under = {
+            q: (None if v is None else round(v * 1000, 3)) for q, v in loaded.get(shape, {}).items()
+        }
+        out[f"gateway_overhead_ms_p50_under_load{suffix}"] = under.get(0.5)
+        out[f"gateway_overhead_ms_p99_under_load{suffix}"] = under.get(0.99)
     out.update(
         {
             "max_pod_share_single_prompt": single_report["max_pod_share"],
