@@ -28,6 +28,7 @@ from pagefleet.operator.autoscaler import DELETION_COST, VICTIM_COST, Autoscaler
 from pagefleet.operator.builders import BuildSettings
 from pagefleet.operator.kube import DEPLOYMENT, INFERENCE_SERVICE
 from pagefleet.operator.metrics import OperatorMetrics
+from pagefleet.operator.planner import PlannerConfig
 from pagefleet.operator.signals import (
     TTFT,
     MetricsError,
@@ -636,7 +637,10 @@ def test_prefill_and_decode_roles_scale_each_on_their_own_load(
     prompt_rate = out["prefill"].inputs.observation.prompt_tokens_per_s
     assert 1000 < prompt_rate < 8100
     grown = count("prefill")
-    assert grown == min(5, math.ceil(prompt_rate / 1000))  # +4 at most
+    # The planner's stated headroom sits on top of the load (a slow interval under CPU
+    # contention lowers the rate, so the expectation follows the measured rate).
+    lift = 1 + PlannerConfig.__dataclass_fields__["headroom"].default
+    assert grown == min(5, math.ceil(prompt_rate * lift / 1000 - 1e-9))  # +4 at most
     assert out["decode"].decision.desired == 1, out["decode"].decision.message
     assert "TTFT" not in out["decode"].decision.message and count("decode") == 1
 
@@ -654,10 +658,11 @@ def test_prefill_and_decode_roles_scale_each_on_their_own_load(
     )
     dmsg = out["decode"].decision.message
     assert out["decode"].decision.reason.value == "ScaledUp", dmsg
-    # ceil(30 / 16) = 2 on concurrency and ceil(0.95 / 0.8) = 2 on KV; the generation
-    # rate (~150 tok/s at 100 per replica) asks for about as many.
+    # 30 / 16 sequences on concurrency, 0.95 / 0.8 on KV, the generation rate (~150 tok/s
+    # at 100 per replica) on compute: the largest, with the headroom on top, rounded up.
     gen_rate = out["decode"].inputs.observation.generation_tokens_per_s
-    assert count("decode") == max(2, math.ceil(gen_rate / 100)), dmsg
+    need = max(30 / 16, 0.95 / 0.8, gen_rate / 100) * lift
+    assert count("decode") == min(5, math.ceil(need - 1e-9)), dmsg
     assert "running 30" in dmsg and "kv 95%" in dmsg
     assert count("prefill") == grown  # not moved by decode load
     status = {r["name"]: r["autoscaling"] for r in status_of(kube)["roles"]}
