@@ -90,13 +90,14 @@ def _build_key(source: bytes, cxx: str) -> str:
 
 def load_library(name: str) -> ctypes.CDLL:
     """The built ``csrc/<name>.cpp`` loaded with ctypes, compiling it first if this machine's
-    cache has no build of this exact source, compiler, flags and CPU.
+    cache has no build of this exact source (with the csrc headers), compiler, flags and CPU.
 
     Raises KernelBuildError saying what is missing or what the compiler printed.
     """
     src = CSRC / f"{name}.cpp"
     try:
-        source = src.read_bytes()
+        # The shared headers are part of the build: a change to one rebuilds every kernel.
+        source = src.read_bytes() + b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))
     except OSError as exc:
         raise KernelBuildError(f"kernel source {src} is missing: {exc}") from exc
     cxx = _compiler()

@@ -14,30 +14,13 @@
 #include <cstdint>
 #include <cstring>
 
+#include "fast_exp.h"
+
 namespace {
 
 // Rows x columns below which one thread does the whole call: thread start-up (~5 us) would
 // cost more than it saves on a decode step's few rows.
 constexpr int64_t kParallelMinElems = 1 << 16;
-
-// exp(x) for x clamped to [-87, 88] (so 2^n stays a normal fp32), vectorisable: 2^n * p(r)
-// with r in [-ln2/2, ln2/2]; relative error ~2e-7.
-inline float exp_clamped(float x) {
-  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
 
 // No fused multiply-add in the norm: torch rounds r * r, r * inv and w * (...) separately.
 #pragma GCC push_options
@@ -74,7 +57,7 @@ void norm_row(const float* x, float* res, const float* w, float* out, int cols, 
 void silu_mul_row(const float* g, const float* u, float* out, int cols) {
 #pragma omp simd
   for (int j = 0; j < cols; ++j) {
-    const float e = exp_clamped(-g[j]);
+    const float e = pf::exp_clamped(-g[j]);
     out[j] = (g[j] / (1.0f + e)) * u[j];
   }
 }

@@ -19,6 +19,8 @@
 #include <cstring>
 #include <vector>
 
+#include "fast_exp.h"
+
 namespace {
 
 constexpr int kTile = 8;       // most query rows of one sequence per work item (short chunks)
@@ -44,25 +46,6 @@ template <>
 inline float load<float>(const float* p, int i) { return p[i]; }
 template <>
 inline float load<uint16_t>(const uint16_t* p, int i) { return bf16_to_f32(p[i]); }
-
-// exp(x) for x <= 0 (scores minus their running max), vectorisable: 2^n * p(r) with
-// r in [-ln2/2, ln2/2]; relative error ~2e-7, below fp32 SDPA's own rounding.
-inline float exp_nonpos(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
 
 struct Item {
   int32_t seq, row0, rows, head0, heads;  // query rows [row0, row0+rows), KV heads [head0, +heads)
@@ -162,12 +145,12 @@ void attend_item(const Item& it, const float* q, const T* kc, const T* vc,
       float bmax = s[m][0];
       for (int t = 1; t < valid; ++t) bmax = s[m][t] > bmax ? s[m][t] : bmax;
       const float new_max = bmax > mx[m] ? bmax : mx[m];
-      const float alpha = exp_nonpos(mx[m] - new_max);  // mx = -inf at first: exp -> 0
+      const float alpha = pf::exp_clamped(mx[m] - new_max);  // mx = -inf at first: exp -> 0
       mx[m] = new_max;
       float bsum = 0.0f;
 #pragma omp simd reduction(+ : bsum)
       for (int t = 0; t < valid; ++t) {
-        const float p = exp_nonpos(s[m][t] - new_max);
+        const float p = pf::exp_clamped(s[m][t] - new_max);
         s[m][t] = p;
         bsum += p;
       }
@@ -277,7 +260,7 @@ void attend_chunk(const Item& it, const float* q, const T* kc, const T* vc,
       float bmax = -INFINITY;
       for (int t = 0; t < n_tok; ++t) bmax = (t < valid && sc[t][m] > bmax) ? sc[t][m] : bmax;
       const float new_max = bmax > mx[m] ? bmax : mx[m];
-      alpha[m] = valid > 0 ? exp_nonpos(mx[m] - new_max) : 1.0f;
+      alpha[m] = valid > 0 ? pf::exp_clamped(mx[m] - new_max) : 1.0f;
       rescale |= alpha[m] != 1.0f;
       mx[m] = new_max;
     }
@@ -285,7 +268,7 @@ void attend_chunk(const Item& it, const float* q, const T* kc, const T* vc,
       float* row = sc[t];
 #pragma omp simd
       for (int m = 0; m < m_pad; ++m) {
-        const float p = exp_nonpos(row[m] - mx[m]);
+        const float p = pf::exp_clamped(row[m] - mx[m]);
         row[m] = (t < ctx[m] - tok0) ? p : 0.0f;
       }
     }
