@@ -11,8 +11,9 @@ How it thinks (capacity per replica at the SLO, not CPU utilisation):
   concurrent sequences against the engine's batch limit, and KV-cache usage.
 - Each replica's capacity at the SLO (prefill and decode tokens/s) starts from the spec's
   hint and is learned from what the pods report: a miss while requests queue bounds it by
-  what the replicas did flat out; a miss without a queue scales it by target/observed; a
-  busy pass above the estimate raises it; a comfortable pass at the planned utilisation
+  what the replicas did flat out; a miss without a queue scales it by target/observed (not
+  a unified role's TPOT-only miss: its TTFT says the replica ran at speed); a busy pass
+  above the estimate raises it; a comfortable pass at the planned utilisation
   probes it up a little (see _learn_scale).
 - Desired replicas = the most any dimension needs at the target utilisation, where prefill
   and decode work add up (a unified replica does both in the same steps), and concurrency
@@ -226,6 +227,20 @@ def _learn_scale(
     return 1.0
 
 
+def _mix_miss(dims: dict[str, tuple[float, float | None, float | None, float]]) -> bool:
+    """A unified replica missed TPOT while its TTFT held: it is not slower than estimated
+    (its prefill, in the same steps, ran at speed); its steps were long because long
+    prompts' chunks shared them, a mix effect of a small fleet that one more replica (the
+    missed-SLO bump) dilutes. Cutting the capacity for it would hold that replica all day
+    (seen session 8: one such miss at 2-3 replicas early in the day cut the estimate to
+    0.8 for the rest of it). A decode role has no TTFT to tell the two apart."""
+    if "prefill" not in dims or "decode" not in dims:
+        return False
+    _, _, ttft, ttft_target = dims["prefill"]
+    _, _, tpot, tpot_target = dims["decode"]
+    return ttft is not None and ttft <= ttft_target and tpot is not None and tpot > tpot_target
+
+
 def learn(cfg: PlannerConfig, obs: RoleObservation, state: PlannerState) -> PlannerState:
     """The state after this interval's capacity samples (used from the next decision on).
 
@@ -274,6 +289,8 @@ def learn(cfg: PlannerConfig, obs: RoleObservation, state: PlannerState) -> Plan
                 o is not None and o <= _COMFORTABLE * t for _, _, o, t in dims.values()
             )
             scale = _learn_scale(util, missed, queueing, busy, comfortable, cfg.target_utilization)
+            if missed is not None and _mix_miss(dims):
+                scale = 1.0
             caps = {n: (c * scale if c is not None else None) for n, c in caps.items()}
     return replace(
         state,

@@ -291,6 +291,22 @@ def test_missed_slo_learns_lower_capacity_and_scales() -> None:
     assert d2.desired == 3  # 1300 / (800 * 0.8) -> 3
 
 
+def test_a_tpot_only_miss_of_a_unified_role_adds_a_replica_and_cuts_no_capacity() -> None:
+    # TTFT held (its prefill ran at speed in the same steps): the slow tokens came from
+    # long prompts' chunks sharing the steps of a small fleet. One more replica, no cut.
+    cfg = _cfg(scale_up_window_s=0.0)
+    mix = _obs(2, 900.0, generation_tokens_per_s=200.0, ttft_s=0.3, tpot_s=0.08)
+    d = decide(cfg, mix, PlannerState(), 0.0)
+    assert d.desired == 3 and "TPOT" in d.message
+    assert d.state.prefill_capacity == 1000.0 and d.state.decode_capacity == 200.0
+    # Both missed: the replicas are slower than estimated, the cut stays.
+    slow = decide(cfg, replace(mix, ttft_s=0.6), PlannerState(), 0.0)
+    assert slow.state.prefill_capacity is not None and slow.state.prefill_capacity < 1000.0
+    # A decode role has no TTFT to tell a mix from a slow replica: its TPOT miss cuts.
+    dec = decide(_cfg(role="decode", scale_up_window_s=0.0), mix, PlannerState(), 0.0)
+    assert dec.state.decode_capacity is not None and dec.state.decode_capacity < 200.0
+
+
 def test_busy_interval_within_slo_raises_capacity() -> None:
     cfg = _cfg(prefill_capacity_hint=100.0)
     d = decide(cfg, _obs(1, 300.0, ttft_s=0.4), PlannerState(), 0.0)
