@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+import pd_trace
 from bench_models import bench_model
 
 MODEL = "bench-pd"
@@ -64,6 +65,8 @@ MAX_NUM_SEQS = 64
 # own default became chunked prefill (256, b4736dd, after session 6's runs): without it the
 # "unified" fleet silently became a second chunked one.
 ONE_STEP = ("--long-prefill-token-threshold", "0")
+# pagefleet/daemon/step_trace.py's switch (named here: the bench imports no daemon code).
+STEP_TRACE_ENV = "PAGEFLEET_STEP_TRACE"
 
 
 def _free_port() -> int:
@@ -80,9 +83,11 @@ class Proc:
     log: Path
 
 
-def _spawn(name: str, args: list[str], cpu: int | None, logdir: Path) -> Proc:
+def _spawn(
+    name: str, args: list[str], cpu: int | None, logdir: Path, env_extra: dict | None = None
+) -> Proc:
     port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", **(env_extra or {}))
     argv = [sys.executable, "-m", "pagefleet.cli", *args, "--host", "127.0.0.1",
             "--port", str(port)]  # fmt: skip
     if cpu is not None and shutil.which("taskset") and (os.cpu_count() or 1) > cpu:
@@ -92,11 +97,13 @@ def _spawn(name: str, args: list[str], cpu: int | None, logdir: Path) -> Proc:
     return Proc(name, f"http://127.0.0.1:{port}", popen, log)
 
 
-def _daemon(name: str, model: str, cpu: int, role: str, logdir: Path, extra=()) -> Proc:
+def _daemon(
+    name: str, model: str, cpu: int, role: str, logdir: Path, extra=(), env_extra=None
+) -> Proc:
     args = ["daemon", "--model", model, "--served-model-name", MODEL, "--role", role,
             "--pod-name", name, "--block-size", "16", "--max-num-seqs", str(MAX_NUM_SEQS),
             "--max-model-len", "4096", "--kv-cache-memory-mb", "256", *extra]  # fmt: skip
-    return _spawn(name, args, cpu, logdir)
+    return _spawn(name, args, cpu, logdir, env_extra)
 
 
 def _pd_pair(model: str, logdir: Path, args: argparse.Namespace) -> list[Proc]:
@@ -107,8 +114,10 @@ def _pd_pair(model: str, logdir: Path, args: argparse.Namespace) -> list[Proc]:
     stream (docs/benchmarks.md, session 6)."""
     budget = args.decode_max_batched_tokens
     extra = ["--max-num-batched-tokens", str(budget)] if budget else []
+    # --trace: the decode pod writes a line per engine step and per import (step_trace.py).
+    env = {STEP_TRACE_ENV: str(Path(args.trace) / "decode")} if args.trace else None
     return [_daemon("p0", model, 0, "prefill", logdir, ONE_STEP),
-            _daemon("d0", model, 1, "decode", logdir, extra)]  # fmt: skip
+            _daemon("d0", model, 1, "decode", logdir, extra, env)]  # fmt: skip
 
 
 def _gateway(name: str, model: str, decode: list[str], prefill: list[str], logdir: Path) -> Proc:
@@ -188,6 +197,11 @@ class Result:
     errors: int = 0
     wall_s: float = 0.0
     busy: list[float] = field(default_factory=list)  # each daemon's CPU s / wall s
+    # For --trace: each chat request's token arrival times, each long prompt's (send time,
+    # TTFT), and the run's start and end (perf_counter).
+    streams: list[list[float]] = field(default_factory=list)
+    long_sent: list[tuple[float, float]] = field(default_factory=list)
+    span: tuple[float, float] = (0.0, 0.0)
 
     def cell(self) -> dict:
         return {
@@ -255,6 +269,7 @@ async def _run_fleet(
                     continue
                 finally:  # cancelled mid-stream at the end: its gaps so far count too
                     res.itl.extend(b - a for a, b in itertools.pairwise(times))
+                    res.streams.append(times)
                     if times:
                         res.chat_ttft.append(times[0] - t0)
 
@@ -270,8 +285,10 @@ async def _run_fleet(
 
                 async def one(body=body) -> None:
                     try:
+                        sent = time.perf_counter()
                         ttft, _ = await _stream(s, url, body)
                         res.long_ttft.append(ttft)
+                        res.long_sent.append((sent, ttft))
                     except Exception:
                         res.errors += 1
 
@@ -289,6 +306,7 @@ async def _run_fleet(
             t.cancel()
         await asyncio.gather(*chats, return_exceptions=True)
     res.wall_s = time.perf_counter() - t0
+    res.span = (t0, t0 + res.wall_s)
     res.busy = [
         (_cpu_seconds(p.popen.pid) - c) / res.wall_s for p, c in zip(daemons, cpu0, strict=True)
     ]
@@ -412,6 +430,8 @@ async def sweep(args: argparse.Namespace) -> dict:
                     r = await _run_fleet(gws[name].url, cell_args, vocab, daemons[name])
                     _report(f"{name} c={chats} gap={gap}", r)
                     cell[name] = r.cell()
+                    if name == "pd" and args.trace:
+                        cell["decode_trace"] = _trace(args, r)
                 if len(fleets) == 2:
                     cell["itl_p99_ratio_unified_over_pd"] = round(
                         cell["unified"]["itl_p99_ms"] / cell["pd"]["itl_p99_ms"], 2
@@ -437,6 +457,13 @@ async def sweep(args: argparse.Namespace) -> dict:
         "loadavg_1m": round(os.getloadavg()[0], 2),
         "wall_s": round(time.perf_counter() - t_start, 1),
     }
+
+
+def _trace(args: argparse.Namespace, r: Result) -> dict:
+    """The decode pod's step/import breakdown of run ``r`` (--trace), also on stderr."""
+    rep = pd_trace.analyse(args.trace, r)
+    print(pd_trace.render(rep), file=sys.stderr)
+    return rep
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -482,6 +509,7 @@ async def main(args: argparse.Namespace) -> dict:
             await _reset_caches(daemons[name])
             results[name] = await _run_fleet(gws[name].url, args, vocab, daemons[name])
             _report(name, results[name])
+        trace = _trace(args, results["pd"]) if args.trace else None
         phase("fleets measured")
         mbps, p50_ms, pulls, mean_ms = await _transfer_stats(daemons["pd"][1].url)
         idle = {}
@@ -543,6 +571,7 @@ async def main(args: argparse.Namespace) -> dict:
         "long_prompts": [len(u.long_ttft), len(c.long_ttft), len(d.long_ttft)],
         "errors": u.errors + c.errors + d.errors,
         "pd_token_exact": exact,
+        **({"decode_trace": trace} if trace is not None else {}),
         "loadavg_1m": round(load, 2),
         "wall_s": round(time.perf_counter() - t_start, 1),
     }
@@ -589,7 +618,15 @@ def parse_args() -> argparse.Namespace:
         default=["unified", "pd"],
         help="unified,pd (default) or one of them: e.g. the P/D decode pod's ITL alone",
     )
+    ap.add_argument(
+        "--trace",
+        default="",
+        help="a folder: the P/D decode pod traces its steps and imports there, and the "
+        "output gains a decode_trace breakdown of its slow gaps (bench/pd_trace.py)",
+    )
     args = ap.parse_args()
+    if args.trace:
+        Path(args.trace).mkdir(parents=True, exist_ok=True)
     if args.long_prompts is None:
         args.long_prompts = 3 if args.quick else 24
     if args.long_gap_s is None:

@@ -28,7 +28,7 @@ from typing import Any
 
 from pagefleet.daemon import engine_core, ipc
 from pagefleet.daemon.engine_handle import EngineDeadError, EngineHandle, RequestStream, StreamItem
-from pagefleet.daemon.kv_stage import KVStage, stage_bytes
+from pagefleet.daemon.kv_stage import KVStage, StagePool, stage_bytes
 from pagefleet.daemon.kv_transfer import KVSource
 from pagefleet.engine.sampling_params import SamplingParams
 
@@ -192,11 +192,16 @@ class ClientKVSource(KVSource):
     async def read_layer(self, block_ids: list[int], layer: int) -> tuple[Any, Any]:
         return await self._client.side("read_layer", block_ids, layer)
 
-    async def read_stage(self, block_ids: list[int]) -> KVStage | None:
+    async def read_stage(
+        self, block_ids: list[int], pool: StagePool | None = None
+    ) -> KVStage | None:
         """Every layer's K and V of ``block_ids`` in one shared-memory stage, filled by the
-        engine process in one call (None: no shared memory here; use ``read_layer``). The
-        caller closes it."""
-        stage = self._client.new_stage(stage_bytes(self.layout(), len(block_ids)))
+        engine process in one call (None: no shared memory here; use ``read_layer``), taken
+        from ``pool`` when given. The caller closes it or gives it back; one whose fill
+        failed or was cancelled (the engine may still write it) is closed here."""
+        nbytes = stage_bytes(self.layout(), len(block_ids))
+        create = self._client.new_stage
+        stage = create(nbytes) if pool is None else pool.take(nbytes, create)
         if stage is None:
             return None
         try:

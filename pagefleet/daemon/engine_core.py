@@ -37,8 +37,13 @@ from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
 from pagefleet.daemon import ipc
+from pagefleet.daemon.step_trace import StepTrace
 
 logger = logging.getLogger(__name__)
+
+# A side-thread import write needs the reservation to live at least this long (and the
+# engine thread waits at most this long for one before freeing its blocks).
+_WRITE_MARGIN_S = 5.0
 
 # Engine methods the HTTP side may call on the engine thread (by name: nothing else).
 _CALLS = frozenset(
@@ -91,6 +96,13 @@ class EngineCore:
         self._gone = False  # the HTTP side went away
         self._events: list[Any] = []  # KV event batches not sent yet (engine thread only)
         self._plans: dict[str, Any] = {}  # P/D import reservations by key (engine thread)
+        # P/D prefill: request id -> the stage to gather its exported KV into as it finishes
+        # (engine thread), and the handles whose stage is filled (read by side threads).
+        self._export_stages: dict[str, str] = {}
+        self._staged_exports: set[str] = set()
+        # P/D decode: reservation key -> set when its side-thread write has ended.
+        self._writing: dict[str, threading.Event] = {}
+        self._write_lock = threading.Lock()
 
     # -- sending ---------------------------------------------------------------------------
 
@@ -183,6 +195,58 @@ class EngineCore:
         runner.read_kv_blocks(block_ids, range(layout.num_layers), out=views)
         return stage_bytes(layout, len(block_ids))
 
+    def side_export_info(self, handle: str) -> tuple[list[int], bool]:
+        """The blocks ``handle`` pins (empty if gone) and whether the engine filled the
+        stage given with ``add_export`` with them."""
+        return self.side_export_block_ids(handle), handle in self._staged_exports
+
+    def side_write_import(self, key: str, kv: Any) -> None:
+        """Every layer of a pulled KV (a ``("stage", path, num_blocks)``) into the blocks
+        reserved under ``key``, on this side thread while the engine steps: the reserved
+        blocks belong to no sequence, so no step reads or writes them, and no step waits
+        for the copy. ``cancel_import`` / ``commit_import`` of ``key`` wait for it to end,
+        so its blocks are never freed under it; it refuses a reservation with under
+        ``_WRITE_MARGIN_S`` to live (the engine's own expiry does not wait)."""
+        with self._write_lock:  # a cancel either sees this write or ran before it
+            plan = self._plans.get(key)
+            if plan is None or plan.deadline - time.monotonic() < _WRITE_MARGIN_S:
+                raise ValueError("the KV reservation is unknown, ended or about to expire")
+            done = self._writing[key] = threading.Event()
+        try:
+            eng = self.engine
+            eng.write_import(plan, _tensors(kv, getattr(eng, "runner", None)), 0)
+        finally:
+            done.set()
+
+    def _wait_written(self, key: str, end: bool = False) -> Any:
+        """Wait for a side-thread write into ``key``'s blocks to end; with ``end``, also
+        take the reservation out of ``_plans`` (no new write can start then)."""
+        with self._write_lock:
+            done = self._writing.pop(key, None)
+            plan = self._plans.pop(key, None) if end else None
+        if done is not None:
+            done.wait(_WRITE_MARGIN_S)
+        return plan
+
+    def _fill_export_stages(self, outputs: list[Any]) -> None:
+        """Gather each finished exported prompt's blocks into its stage (engine thread,
+        right after the step that finished it: no forward runs meanwhile, and the HTTP side
+        learns of the finish only after this)."""
+        for out in outputs:
+            if not out.finished:
+                continue
+            path = self._export_stages.pop(out.request_id, None)
+            if path is None:
+                continue
+            try:
+                ids = self.side_export_block_ids(out.request_id)
+                if ids:
+                    self.side_export_to_stage(ids, path)
+                    self._staged_exports.add(out.request_id)
+            except Exception:  # the pull gathers on demand instead
+                logger.warning("gathering the exported KV of %s failed", out.request_id,
+                               exc_info=True)  # fmt: skip
+
     def side_export_handles(self) -> list[str]:
         exports = getattr(self.engine, "exports", None)
         return [] if exports is None else exports.handles()
@@ -207,8 +271,11 @@ class EngineCore:
                 return None  # e.g. collect_transfers on an engine without P/D
             return fn(*args)
         if method == "add_export":
-            rid, prompt, params, lora_id = args
-            return eng.add_request(rid, prompt, params, lora_id=lora_id, kv_export=True)
+            rid, prompt, params, lora_id, *stage = args
+            eng.add_request(rid, prompt, params, lora_id=lora_id, kv_export=True)
+            if stage and stage[0]:
+                self._export_stages[rid] = stage[0]
+            return None
         if method == "reserve_import":
             plan = eng.reserve_import(*args)
             if plan is not None:
@@ -216,11 +283,12 @@ class EngineCore:
             return plan
         if method == "commit_import":
             key, kv, params = args
-            plan = self._plans.pop(key, None)
+            plan = self._wait_written(key, end=True)
             if plan is None:
                 raise ValueError("the KV reservation is unknown or already ended")
             return eng.commit_import(plan, _tensors(kv, getattr(eng, "runner", None)), params)
         if method == "write_import":  # a piece of a pull's KV ahead of its commit
+            self._wait_written(args[0])
             key, kv, lo, hi = args
             plan = self._plans.get(key)
             if plan is None:
@@ -228,7 +296,7 @@ class EngineCore:
             layers = _tensors(kv, getattr(eng, "runner", None))[lo:hi]
             return eng.write_import(plan, layers, lo)
         if method == "cancel_import":
-            plan = self._plans.pop(args[0], None)
+            plan = self._wait_written(args[0], end=True)  # never free blocks being written
             if plan is not None:
                 eng.cancel_import(plan)
             return None
@@ -278,15 +346,20 @@ class EngineCore:
 
     def serve(self) -> int:
         eng = self.engine
+        trace = StepTrace.from_env(eng)  # None unless PAGEFLEET_STEP_TRACE is set
         while True:
             with self._cv:
                 while not (self._calls or self._stopping or self._gone or eng.has_unfinished()):
                     self._cv.wait()
                 if self._stopping or self._gone:
                     self._flush_events()
+                    if trace is not None:
+                        trace.flush()
                     return 0
                 calls = list(self._calls)
                 self._calls.clear()
+            if trace is not None and calls:
+                trace.calls(time.monotonic(), [c[1] for c in calls])
             for call_id, method, args in calls:
                 try:
                     value = self._call(method, args)
@@ -299,8 +372,15 @@ class EngineCore:
                     self._flush_events()
                     self.send(("step", [], time.monotonic(), eng.stats()))
                 continue
+            t1 = time.monotonic() if trace is not None else 0.0
             outputs = eng.step()
             now = time.monotonic()
+            if trace is not None:
+                trace.step(t1, now)
+            if self._export_stages:
+                self._fill_export_stages(outputs)
+            if self._staged_exports:  # forget handles that are gone (pulled, expired)
+                self._staged_exports &= set(eng.exports.handles())
             stats = eng.stats()
             self._flush_events()
             packed = ipc.pack_outputs(outputs) if self.channel.remote else outputs

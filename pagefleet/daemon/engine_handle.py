@@ -205,6 +205,7 @@ class EngineHandle:
         lora_id: str | None = None,
         queue: asyncio.Queue[StreamItem | BaseException] | None = None,
         kv_export: bool = False,
+        export_stage: str | None = None,
     ) -> RequestStream:
         """Admit a request; its outputs flow into the returned stream.
 
@@ -214,9 +215,10 @@ class EngineHandle:
         to pull (P/D prefill).
         """
         if kv_export:
-            return await self._admit(
-                request_id, queue, "add_export", (request_id, prompt, params, lora_id)
-            )
+            # ``export_stage``: a shared-memory stage (kv_stage.py) the engine fills with the
+            # prompt's KV as it finishes, so that a pull only streams it out.
+            args = (request_id, prompt, params, lora_id, export_stage)
+            return await self._admit(request_id, queue, "add_export", args)
         text = None
         if self.decodes_text and self.info is not None and decodable_here(prompt, params):
             # Decoded here: the engine's core never spends a step on text.

@@ -50,6 +50,7 @@ from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pagefleet.daemon import kv_wire
+from pagefleet.daemon.kv_stage import KVStage, StagePool
 
 logger = logging.getLogger(__name__)
 
@@ -482,10 +483,19 @@ class KVExportServer:
         source: Callable[[], Any],
         release: Callable[[], None],
         metrics: KVTransferMetrics | None = None,
+        stage_ttl_s: float = 30.0,
     ) -> None:
         self._source = source
         self._release = release
         self.metrics = metrics
+        # Stages are reused (a new one per export cost ~17 ms of zero-fill and page faults
+        # on the prefill core, as on the decode side: kv_stage.StagePool).
+        self.stages = StagePool(keep=_MAX_STAGED)
+        # Handle -> the stage its engine fills with every layer of its blocks as the prefill
+        # finishes (``stage_export``), so that a pull never waits for a forward to gather
+        # them; dropped after ``stage_ttl_s`` unpulled.
+        self._staged: dict[str, _Staged] = {}
+        self.stage_ttl_s = stage_ttl_s
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post(PULL_PATH, self.pull)
@@ -499,11 +509,59 @@ class KVExportServer:
         except ValidationError as exc:
             return _error(400, f"bad KV release request: {exc.errors()[:3]}")
         src = self._kv_source()
+        self._drop_staged(req.handle)
         if src is None or await src.acquire(req.handle) is None:
             return _error(404, f"no live transfer handle {req.handle!r}")
         src.release(req.handle, consumed=True)
         self._release()
         return web.json_response({"released": req.handle})
+
+    # -- export stages: the gather off the pull's path --------------------------------------
+
+    def stage_export(self, handle: str, nbytes: int, create: Callable[[int], Any]) -> Any:
+        """A stage for the engine to fill with ``handle``'s prompt KV (``nbytes``) when its
+        prefill finishes, or None (no shared memory, or ``_MAX_STAGED`` held already: the
+        pull gathers on demand). Pending until ``staged(handle, True)``."""
+        self.expire_staged()
+        if handle in self._staged or len(self._staged) >= _MAX_STAGED:
+            return None
+        stage = self.stages.take(nbytes, create)
+        if stage is not None:
+            self._staged[handle] = _Staged(stage, time.monotonic())
+        return stage
+
+    def staged(self, handle: str, filled: bool) -> None:
+        """The engine says whether it filled ``handle``'s stage (it never writes it after
+        the request's finish reached this process)."""
+        entry = self._staged.get(handle)
+        if entry is None:
+            return
+        if filled:
+            entry.filled = True
+        else:
+            self._drop_staged(handle)
+
+    def _drop_staged(self, handle: str) -> None:
+        entry = self._staged.pop(handle, None)
+        if entry is None:
+            return
+        if entry.filled:  # the engine is done with it
+            self.stages.give_back(entry.stage)
+        else:  # it may still write it (a request still running): never reused
+            entry.stage.close()
+
+    def expire_staged(self, now: float | None = None) -> None:
+        """Drop the stages of handles nobody pulled within ``stage_ttl_s`` (the handles
+        expired on the engine meanwhile, or their requests failed)."""
+        now = time.monotonic() if now is None else now
+        for handle in [h for h, e in self._staged.items() if now - e.since > self.stage_ttl_s]:
+            self._drop_staged(handle)
+
+    def close(self) -> None:
+        """Close every staged and idle stage (daemon shutdown)."""
+        while self._staged:
+            self._staged.popitem()[1].stage.close()
+        self.stages.close()
 
     def _kv_source(self) -> KVSource | None:
         src = self._source()
@@ -561,21 +619,43 @@ class KVExportServer:
             }
             ids = entry.block_ids[req.first_block : end]
             data = json.dumps(header, separators=(",", ":")).encode()
-            # An engine in another process fills one shared-memory stage with every layer.
-            read_stage = getattr(src, "read_stage", None)
-            stage = None if read_stage is None else await read_stage(ids)
+            # An engine in another process fills one shared-memory stage with every layer:
+            # all of the handle's blocks as its prefill finished (``stage_export``), of
+            # which the asked range is sent; else just the range's, gathered now.
+            bpl = layout.block_bytes_per_layer
+            count = len(entry.block_ids)
+            staged = self._staged.pop(req.handle, None)
+            if (
+                staged is not None
+                and staged.filled
+                and staged.stage.nbytes == (2 * layout.num_layers * count * bpl)
+            ):
+                stage, first = staged.stage, req.first_block
+            else:
+                if staged is not None:
+                    self._staged[req.handle] = staged
+                    self._drop_staged(req.handle)
+                read_stage = getattr(src, "read_stage", None)
+                stage = None if read_stage is None else await read_stage(ids, self.stages)
+                first, count = 0, len(ids)
             resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
             # A known length: the client reads a plain body, not chunked encoding.
-            payload = 2 * layout.num_layers * len(ids) * layout.block_bytes_per_layer
+            payload = 2 * layout.num_layers * len(ids) * bpl
             resp.content_length = _HEADER_LEN.size + len(data) + payload
             await resp.prepare(request)
             await resp.write(_HEADER_LEN.pack(len(data)) + data)
             sent = 0
-            if stage is not None:  # written in a few big pieces
+            if stage is not None:  # per layer K then V: the range is contiguous in each
                 view = stage.view()
-                for off in range(0, stage.nbytes, _WRITE_CHUNK):
-                    await resp.write(view[off : off + _WRITE_CHUNK])
-                sent = stage.nbytes
+                part = count * bpl
+                lo, hi = first * bpl, (first + len(ids)) * bpl
+                spans = [(0, stage.nbytes)] if hi - lo == part else [
+                    (i * part + lo, i * part + hi) for i in range(2 * layout.num_layers)
+                ]  # fmt: skip
+                for a, b in spans:
+                    for off in range(a, b, _WRITE_CHUNK):
+                        await resp.write(view[off : min(b, off + _WRITE_CHUNK)])
+                        sent += min(b, off + _WRITE_CHUNK) - off
                 del view
             else:
                 for layer in range(layout.num_layers):
@@ -589,7 +669,8 @@ class KVExportServer:
             return resp
         finally:
             if stage is not None:
-                stage.close()  # unlinks its file whatever happened
+                # Read only by this handler now, which is done with it: reused.
+                self.stages.give_back(stage)
             src.release(req.handle, consumed=consumed)
             if consumed:
                 self._release()
@@ -598,6 +679,17 @@ class KVExportServer:
 # Bytes per write of a staged payload: large enough that a pull is a few writes, small
 # enough that the transport's buffer (a copy) stays bounded.
 _WRITE_CHUNK = 4 << 20
+# Export stages held at once (each a prompt's KV in tmpfs until pulled or expired).
+_MAX_STAGED = 4
+
+
+@dataclass(slots=True)
+class _Staged:
+    """A stage the engine fills (``filled``: it did) with one handle's blocks."""
+
+    stage: KVStage
+    since: float
+    filled: bool = False
 
 
 def _bytes_view(t: Any) -> memoryview:

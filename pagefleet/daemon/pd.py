@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +33,7 @@ from pydantic import ValidationError
 from pagefleet.daemon.config import DaemonConfig
 from pagefleet.daemon.engine_client import EngineHandle
 from pagefleet.daemon.engine_loop import RequestStream, StreamItem
-from pagefleet.daemon.kv_stage import KVStage, StagePool, stage_bytes
+from pagefleet.daemon.kv_stage import StagePool, stage_bytes
 from pagefleet.daemon.kv_transfer import (
     KVExportServer,
     KVPullError,
@@ -41,15 +42,13 @@ from pagefleet.daemon.kv_transfer import (
     KVTransferParams,
     TcpKVTransfer,
 )
+from pagefleet.daemon.step_trace import ImportTrace
 from pagefleet.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 # How often an idle engine frees pulled and expired handles.
 _COLLECT_EVERY_S = 1.0
-# A pulled prompt's KV is copied into the pool in pieces of about this size, one per step
-# (8 MB: ~3 ms of copy on the 2-core VM; the 4x512 bench model's 29 MB prompt in 4 pieces).
-_COMMIT_PIECE_BYTES = 8 << 20
 # Pull failures after which a release request would find nothing or reach nobody.
 _NOTHING_TO_RELEASE = frozenset({"not_found", "unreachable", "bad_params"})
 
@@ -89,14 +88,15 @@ class PDSide:
         self.transfer = transfer or TcpKVTransfer(
             timeout_s=config.kv_pull_timeout_s, metrics=self.metrics
         )
-        self.export_server = KVExportServer(self._kv_source, self._collect, self.metrics)
+        self.export_server = KVExportServer(
+            self._kv_source, self._collect, self.metrics, config.kv_transfer_timeout_s
+        )
         self._timer: asyncio.Task[None] | None = None
         self._releases: set[asyncio.Task[bool]] = set()
         # Pulls land in reused shared-memory stages (kv_stage.StagePool: a new one per pull
         # cost the decode core ~17 ms of CPU).
         self.stages = StagePool()
-        # Bytes of pulled KV copied into the pool per engine call (a commit in pieces).
-        self.commit_piece_bytes = _COMMIT_PIECE_BYTES
+        self._trace = ImportTrace.from_env()  # None unless PAGEFLEET_STEP_TRACE is set
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -114,6 +114,7 @@ class PDSide:
         if self._releases:  # each is bounded by its own short timeout
             await asyncio.gather(*self._releases, return_exceptions=True)
         self.stages.close()
+        self.export_server.close()
         await self.transfer.close()
 
     def _loaded(self) -> EngineHandle | None:
@@ -147,6 +148,7 @@ class PDSide:
         while True:
             await asyncio.sleep(_COLLECT_EVERY_S)
             self._collect()
+            self.export_server.expire_staged()
 
     # -- requests -------------------------------------------------------------------------
 
@@ -193,9 +195,24 @@ class PDSide:
         """Admit one engine request as ``tp`` says (export, import, or plain)."""
         if tp is not None and tp.do_remote_decode:
             self.metrics.outcome("exported")
-            return await loop.add_request(
-                rid, ids, params, lora_id=lora_id, queue=queue, kv_export=True
-            )
+            # The engine gathers the prompt's KV into this stage as it finishes: the pull
+            # then streams it out instead of waiting for a forward to gather it.
+            stage = None
+            # Only an engine in another process reads through stages (ClientKVSource).
+            layout = loop.kv_layout() if hasattr(loop.kv_source(), "read_stage") else None
+            if layout is not None:
+                nblocks = -(-len(ids) // layout.block_size)
+                stage = self.export_server.stage_export(
+                    rid, stage_bytes(layout, nblocks), loop.new_stage
+                )
+            try:
+                return await loop.add_request(
+                    rid, ids, params, lora_id=lora_id, queue=queue, kv_export=True,
+                    export_stage=None if stage is None else stage.path,
+                )  # fmt: skip
+            except BaseException:
+                self.export_server.staged(rid, filled=False)
+                raise
         if tp is not None and tp.do_remote_prefill:
             req = _Admission(rid, ids, params, queue, lora_id)
             stream = await self._import(loop, req, tp)
@@ -211,7 +228,9 @@ class PDSide:
         if tp.remote_num_tokens is not None and tp.remote_num_tokens != len(ids):
             self._fallback(rid, "prompt_mismatch", "the handle holds another prompt", tp)
             return None
+        times = [time.monotonic()]  # start, reserved, pulled, written, committed
         plan = await loop.reserve_import(rid, ids, lora_id)
+        times.append(time.monotonic())
         if plan is None:
             self._fallback(rid, "no_reservation", "no blocks free for the pull now", tp)
             return None
@@ -231,14 +250,22 @@ class PDSide:
                     return None
             else:
                 self._release_remote(tp)  # every block is in this pod's own cache
+            times.append(time.monotonic())
             engine_saw_stage = True
             if stage is not None and plan.num_pull_blocks:
-                await self._write_in_pieces(loop, plan, stage, layout)
+                # Copied into the reserved blocks on a thread of the engine process while
+                # it steps: no step waits for it (engine_core.side_write_import).
+                payload = ("stage", stage.path, plan.num_pull_blocks)
+                await loop.side("write_import", plan.key, payload)
                 kv, stage_arg = None, None  # the commit copies nothing more
             else:
                 stage_arg = stage
+            times.append(time.monotonic())
             stream = await loop.add_import(rid, plan, kv, params, queue, stage=stage_arg)
             committed = True
+            if self._trace is not None:
+                times.append(time.monotonic())
+                self._trace.add({"rid": rid, "blocks": plan.num_pull_blocks, "t": times})
             self.metrics.outcome("pulled" if plan.num_pull_blocks else "local_hit")
             return stream
         except ValueError as exc:  # the reservation expired meanwhile
@@ -256,22 +283,6 @@ class PDSide:
             if not committed:
                 loop.post_cancel_import(plan)
 
-    async def _write_in_pieces(
-        self, loop: EngineHandle, plan: Any, stage: KVStage, layout: Any
-    ) -> None:
-        """Copy the pulled KV from ``stage`` into the reserved blocks a few layers per
-        engine call, each awaited before the next is sent: the engine serves calls between
-        steps, so while it steps each piece lands after a different step. One commit of a
-        whole 29 MB prompt copied ~10-14 ms inside one step of every stream on the 2-core
-        VM (docs/benchmarks.md, P/D session 6); pieces of ``commit_piece_bytes`` stretch
-        several steps a little each instead."""
-        n = layout.num_layers
-        per_layer = stage.nbytes // n
-        step = max(1, min(n, self.commit_piece_bytes // max(per_layer, 1)))
-        payload = ("stage", stage.path, plan.num_pull_blocks)
-        for lo in range(0, n, step):
-            await loop.invoke("write_import", plan.key, payload, lo, min(n, lo + step))
-
     def _fallback(self, rid: str, reason: str, message: str, tp: KVTransferParams) -> None:
         self.metrics.failed(reason)
         self.metrics.outcome("fallback")
@@ -283,7 +294,10 @@ class PDSide:
     async def response_params(self, rid: str, num_tokens: int) -> dict[str, Any]:
         """What a prefill pod returns so that a decode pod can pull ``rid``'s KV."""
         loop = self._loaded()
-        block_ids = [] if loop is None else await loop.export_block_ids(rid)
+        block_ids, filled = [], False
+        if loop is not None:
+            block_ids, filled = await loop.side("export_info", rid)
+        self.export_server.staged(rid, filled)
         return KVTransferParams(
             do_remote_prefill=True,
             remote_engine_id=self.config.pod,

@@ -21,6 +21,7 @@ import pytest_asyncio
 from aiohttp import web
 
 from pagefleet.daemon.config import DaemonConfig
+from pagefleet.daemon.engine_client import ClientKVSource
 from pagefleet.daemon.kv_stage import KVStage
 from pagefleet.dev.process import free_port
 from pagefleet.dev.redis_server import LocalRedis
@@ -83,9 +84,6 @@ async def fleet():
         redis = await stack.enter_async_context(LocalRedis())
         p = await stack.enter_async_context(live_daemon(_config("prefill", redis.url)))
         d = await stack.enter_async_context(live_daemon(_config("decode", redis.url)))
-        # Pulled KV copied into the pool one layer per engine call (the split commit): the
-        # answers below must still equal the unified pod's, token for token.
-        d.daemon.pd.commit_piece_bytes = 1
         u = await stack.enter_async_context(live_daemon(_config("unified")))
         gw, runner, url = await _gateway([p.url], [d.url])
         stack.push_async_callback(runner.cleanup)
@@ -118,20 +116,28 @@ def _client(url: str) -> openai.AsyncOpenAI:
 
 
 async def test_completions_and_streaming_chat_equal_unified(fleet, monkeypatch) -> None:
-    # A daemon whose engine runs in its own process moves the KV through a shared-memory
-    # stage (kv_stage.py): one per pull on the prefill side, gone afterwards; the decode
-    # side reuses one stage for every pull (StagePool) and keeps it for the next. An
+    # A daemon whose engine runs in its own process moves the KV through shared-memory
+    # stages (kv_stage.py), reused on both sides (StagePool): the prefill engine fills one
+    # with the prompt's KV as the prefill finishes (so no pull gathers on demand), the
+    # decode side receives into one, which its engine copies from on a side thread. An
     # engine thread (--no-engine-process) reads and writes the tensors in place: no stage
     # at all. The assertion follows the mode each daemon runs in.
     stages: list[str] = []
     create = KVStage.create.__func__
+    on_demand: list[int] = []
+    read_stage = ClientKVSource.read_stage
 
     def counted(cls, *a, **kw):
         stage = create(cls, *a, **kw)
         stages.append(stage.path)
         return stage
 
+    async def gathered_on_demand(self, *a, **kw):
+        on_demand.append(1)
+        return await read_stage(self, *a, **kw)
+
     monkeypatch.setattr(KVStage, "create", classmethod(counted))
+    monkeypatch.setattr(ClientKVSource, "read_stage", gathered_on_demand)
     gw, uni = _client(fleet["gateway"]), _client(fleet["unified"].url)
     dec = fleet["decode"].url
     pulled0 = await _metric(dec, "pagefleet:kv_transfer_requests_total", outcome="pulled")
@@ -162,13 +168,15 @@ async def test_completions_and_streaming_chat_equal_unified(fleet, monkeypatch) 
     assert await _metric(fleet["gateway"], "pagefleet_gateway_pd_requests_total", path="remote")
     for c in (gw, uni):
         await c.close()
-    pulls = int(pulled - pulled0)
-    on_prefill = pulls if fleet["prefill"].daemon.engine_process else 0
+    on_prefill = 1 if fleet["prefill"].daemon.engine_process else 0  # one, reused
     on_decode = 1 if fleet["decode"].daemon.engine_process else 0  # one, reused
-    assert len(stages) == on_prefill + on_decode, "a stage per pull, or none where expected"
+    assert len(stages) == on_prefill + on_decode, "one stage a side, or none where expected"
+    assert not on_demand, "a pull gathered on demand: the engine had not filled the stage"
     kept = fleet["decode"].daemon.pd.stages.idle_paths()
-    assert len(kept) == on_decode and set(kept) <= set(stages)
-    left = [p for p in stages if os.path.exists(p) and p not in kept]
+    kept_p = fleet["prefill"].daemon.pd.export_server.stages.idle_paths()
+    assert len(kept) == on_decode and len(kept_p) == on_prefill
+    assert not fleet["prefill"].daemon.pd.export_server._staged, "a pulled handle's stage held"
+    left = [p for p in stages if os.path.exists(p) and p not in kept + kept_p]
     assert not left, "a KV stage file was left behind"
 
 
@@ -220,6 +228,39 @@ async def test_bad_transfer_params_fall_back_or_400(fleet) -> None:
         await loop.invoke("collect_transfers", float("inf"))
         assert (await loop.stats()).kv_usage == 0  # referenced blocks / all blocks
         await loop.invoke("check_integrity")
+
+
+async def test_a_suffix_pull_out_of_the_whole_prompts_stage(fleet, monkeypatch) -> None:
+    # The decode pod holds the first blocks already, so it pulls only the rest: out of the
+    # stage its prefill engine filled with every block as the prefill finished, per layer
+    # K and V, a range from the middle of each. The answer must still be the unified one.
+    p, d, u = fleet["prefill"], fleet["decode"], fleet["unified"]
+    head = [(i * 37) % 400 + 10 for i in range(40)]  # 5 full blocks of 8
+    prompt = head + [(i * 53) % 400 + 10 for i in range(21)]
+    base = {"model": MODEL, "max_tokens": 6, "temperature": 0.0}
+    await _post(d.url, {**base, "prompt": head})  # cached on the decode pod
+    _, want = await _post(u.url, {**base, "prompt": prompt})
+    status, pre = await _post(
+        p.url, {**base, "prompt": prompt, "max_tokens": 1,
+                "kv_transfer_params": {"do_remote_decode": True}},
+    )  # fmt: skip
+    assert status == 200
+    on_demand: list[int] = []
+    read_stage = ClientKVSource.read_stage
+
+    async def gathered_on_demand(self, *a, **kw):
+        on_demand.append(1)
+        return await read_stage(self, *a, **kw)
+
+    monkeypatch.setattr(ClientKVSource, "read_stage", gathered_on_demand)
+    got0 = await _metric(d.url, "pagefleet:kv_transfer_blocks_total", direction="received")
+    status, got = await _post(
+        d.url, {**base, "prompt": prompt, "kv_transfer_params": pre["kv_transfer_params"]}
+    )
+    assert status == 200 and got["choices"][0]["text"] == want["choices"][0]["text"]
+    pulled = await _metric(d.url, "pagefleet:kv_transfer_blocks_total", direction="received")
+    assert pulled - got0 == 3, "blocks 5..7 of the 61-token prompt, not the cached five"
+    assert not on_demand, "the pull gathered on demand instead of using the filled stage"
 
 
 async def test_dead_prefill_pool_falls_back(fleet) -> None:

@@ -1,0 +1,99 @@
+"""The opt-in step trace (pagefleet/daemon/step_trace.py) and bench/pd_trace.py's reading of it:
+a traced engine writes one line per step with its rows, and the analysis classes each
+interval and splits a slow client gap into the engine's span and the delivery's rest."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from pagefleet.daemon.step_trace import ENV, ImportTrace, StepTrace
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def pd_trace():
+    spec = importlib.util.spec_from_file_location("pd_trace", ROOT / "bench/pd_trace.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["pd_trace"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@dataclass
+class _Row:
+    num_new_tokens: int
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_new_tokens == 1
+
+
+@dataclass
+class _Sched:
+    plan: list[list[int]]
+    calls: int = 0
+
+    def schedule(self) -> SimpleNamespace:
+        rows = self.plan[self.calls]
+        self.calls += 1
+        return SimpleNamespace(scheduled=[_Row(n) for n in rows])
+
+
+@dataclass
+class _Result:
+    span: tuple[float, float]
+    streams: list[list[float]] = field(default_factory=list)
+    long_sent: list[tuple[float, float]] = field(default_factory=list)
+
+
+def test_off_without_the_variable(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    sched = _Sched([[1]])
+    engine = SimpleNamespace(scheduler=sched)
+    assert StepTrace.from_env(engine) is None
+    assert ImportTrace.from_env() is None
+    assert engine.scheduler.schedule == sched.schedule  # nothing wrapped
+
+
+def test_trace_lines_and_their_breakdown(tmp_path, monkeypatch, pd_trace):
+    base = tmp_path / "decode"
+    monkeypatch.setenv(ENV, str(base))
+    # Four steps: plain, one with a 3 x 32-token admission, one after an import call, plain.
+    sched = _Sched([[1, 1], [1, 1, 32, 32, 32], [1, 1], [1, 1]])
+    engine = SimpleNamespace(scheduler=sched)
+    trace = StepTrace.from_env(engine)
+    assert trace is not None
+    ends = [1.000, 1.020, 1.065, 1.095, 1.115]
+    for i, (a, b) in enumerate(itertools.pairwise(ends)):
+        if i == 2:
+            trace.calls(a + 0.001, ["write_import"])
+        engine.scheduler.schedule()
+        trace.step(a + 0.002, b)
+    trace.flush()
+    lines = [json.loads(x) for x in base.read_text().splitlines()]
+    assert [(x["dec"], x["pf"], x["pft"]) for x in lines] == [
+        (2, 0, 0), (2, 3, 96), (2, 0, 0), (2, 0, 0)
+    ]  # fmt: skip
+    assert lines[2]["calls"] == ["write_import"] and lines[2]["t0"] == pytest.approx(1.066)
+    imp = ImportTrace.from_env()
+    imp.add({"rid": "r", "blocks": 4, "t": [1.0, 1.01, 1.05, 1.06, 1.07]})
+    # A client stream with tokens 3 ms after each step end; the slow gap spans the admission.
+    stream = [e + 0.003 for e in ends[1:]]
+    rep = pd_trace.analyse(str(tmp_path), _Result((0.9, 1.2), [stream], [(1.0, 0.09)]))
+    eng = rep["engine"]
+    assert eng["by_class"]["admit"]["steps"] == 1
+    assert eng["by_class"]["import"]["calls_ms"] == pytest.approx(1.0, abs=0.01)
+    assert eng["p99_ms"] == pytest.approx(45.0, abs=0.01)  # the admission step's interval
+    assert rep["client"]["ge_p99_by_steps_within"] == {"admit": 1}
+    assert rep["client"]["ge_p99_engine_ms_mean"] == pytest.approx(45.0, abs=0.01)
+    assert rep["import_ms"]["write_pieces"]["p50"] == pytest.approx(10.0, abs=0.01)
+    assert rep["import_ms"]["to_first_token"]["p50"] == pytest.approx(20.0, abs=0.01)
