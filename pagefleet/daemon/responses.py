@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from json.encoder import encode_basestring
 from typing import Protocol
 
 from pydantic import BaseModel
@@ -55,9 +56,39 @@ class ResponseShape(Protocol):
         """The chunk for one delta that carries text, logprobs or a finish reason."""
         ...
 
+    def chunk_json(
+        self, job: Job, created: int, model: str, ch: Choice, delta: CompletionDelta
+    ) -> bytes:
+        """``chunk(...)`` as compact JSON without null fields, byte for byte."""
+        ...
+
     def usage_chunk(self, job: Job, created: int, model: str) -> BaseModel:
         """The final chunk with no choices and the job's usage (``include_usage``)."""
         ...
+
+
+# A stream sends one chunk per token. Building the pydantic chunk and dumping it costs
+# ~12 us a token on this VM, a fifth of the HTTP process's CPU per streamed token; the
+# common chunk (text and maybe a finish reason, no logprobs, no tool call) is written out
+# here from a template in ~0.7 us. Invariant: the bytes equal
+# ``chunk(...).model_dump_json(exclude_none=True)`` (tests/daemon/test_sse_chunks.py
+# compares them on many texts and finish reasons); any other chunk goes through pydantic.
+
+
+def _chunk_head(obj: str, job: Job, created: int, model: str, index: int) -> str:
+    return (
+        f'{{"id":{encode_basestring(job.base_id)},"object":"{obj}","created":{created},'
+        f'"model":{encode_basestring(model)},"choices":[{{"index":{index},'
+    )
+
+
+def _finish_json(finish_reason: str | None, stop_reason: str | int | None) -> str:
+    out = "" if finish_reason is None else f',"finish_reason":{encode_basestring(finish_reason)}'
+    if stop_reason is None:
+        return out
+    if isinstance(stop_reason, str):
+        return f'{out},"stop_reason":{encode_basestring(stop_reason)}'
+    return f'{out},"stop_reason":{int(stop_reason)}'
 
 
 class CompletionShape:
@@ -113,6 +144,21 @@ class CompletionShape:
             )],
         )  # fmt: skip
 
+    def chunk_json(
+        self, job: Job, created: int, model: str, ch: Choice, delta: CompletionDelta
+    ) -> bytes:
+        if delta.logprobs or type(delta.stop_reason) not in (str, int, type(None)):
+            return (
+                self.chunk(job, created, model, ch, delta)
+                .model_dump_json(exclude_none=True)
+                .encode()
+            )
+        return (
+            f"{_chunk_head('text_completion', job, created, model, ch.index)}"
+            f'"text":{encode_basestring(delta.new_text)}'
+            f"{_finish_json(delta.finish_reason, delta.stop_reason)}}}]}}"
+        ).encode()
+
     def usage_chunk(self, job: Job, created: int, model: str) -> CompletionStreamResponse:
         return CompletionStreamResponse(
             id=job.base_id, created=created, model=model, choices=[], usage=job.usage()
@@ -166,6 +212,29 @@ class ChatShape:
                 stop_reason=delta.stop_reason,
             )],
         )  # fmt: skip
+
+    def chunk_json(
+        self, job: Job, created: int, model: str, ch: Choice, delta: CompletionDelta
+    ) -> bytes:
+        if (
+            job.forced_tool_call
+            or delta.logprobs
+            or type(delta.stop_reason) not in (str, int, type(None))
+        ):
+            return (
+                self.chunk(job, created, model, ch, delta)
+                .model_dump_json(exclude_none=True)
+                .encode()
+            )
+        role = ""
+        if not ch.sent_role:
+            role = '"role":"assistant",'
+            ch.sent_role = True
+        return (
+            f"{_chunk_head('chat.completion.chunk', job, created, model, ch.index)}"
+            f'"delta":{{{role}"content":{encode_basestring(delta.new_text)}}}'
+            f"{_finish_json(delta.finish_reason, delta.stop_reason)}}}]}}"
+        ).encode()
 
     def usage_chunk(self, job: Job, created: int, model: str) -> ChatCompletionChunk:
         return ChatCompletionChunk(

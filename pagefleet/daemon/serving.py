@@ -313,17 +313,20 @@ class OpenAIServing:
                 await resp.prepare(request)
                 try:
                     for chunk in shape.opening_chunks(job, created, model):
-                        await _send(resp, chunk, include_usage)
+                        body = chunk.model_dump_json(exclude_none=True).encode()
+                        await resp.write(_event(body, include_usage))
                     while job.live:
-                        for item in await _next_outputs(job):
-                            for ch, delta in job.absorb(item, self.metrics):
-                                if (
-                                    delta.new_text
-                                    or delta.finish_reason is not None
-                                    or (delta.logprobs)
-                                ):
-                                    chunk = shape.chunk(job, created, model, ch, delta)
-                                    await _send(resp, chunk, include_usage)
+                        # Every chunk of the outputs that queued up while this stream was
+                        # behind leaves in one write: one syscall and one HTTP chunk, not
+                        # one per token (each is still its own SSE event).
+                        events = [
+                            _event(shape.chunk_json(job, created, model, ch, delta), include_usage)
+                            for item in await _next_outputs(job)
+                            for ch, delta in job.absorb(item, self.metrics)
+                            if delta.new_text or delta.finish_reason is not None or delta.logprobs
+                        ]
+                        if events:
+                            await resp.write(b"".join(events))
                     if include_usage:
                         final = shape.usage_chunk(job, created, model)
                         await resp.write(f"data: {final.model_dump_json()}\n\n".encode())
@@ -525,11 +528,9 @@ async def _offload(fn: Callable[[], Any], size: int) -> Any:
 CLIENT_GONE = (ConnectionError, ClientConnectionResetError)
 
 
-async def _send(resp: web.StreamResponse, chunk: BaseModel, include_usage: bool) -> None:
-    # pydantic-core writes the JSON itself (compact, UTF-8): 40% less per chunk than a dict
-    # through json.dumps, and a stream sends one chunk per token.
-    body = chunk.model_dump_json(exclude_none=True).encode()
+def _event(body: bytes, include_usage: bool) -> bytes:
+    """One SSE event carrying the chunk ``body`` (compact JSON, null fields left out)."""
     if include_usage:
         # With include_usage, OpenAI sends "usage": null on every chunk but the last.
         body = body[:-1] + b',"usage":null}'
-    await resp.write(b"data: " + body + b"\n\n")
+    return b"data: " + body + b"\n\n"
