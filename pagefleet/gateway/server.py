@@ -454,31 +454,48 @@ class Gateway:
         self, ep: Endpoint, path: str, body: bytes, headers: dict[str, str],
         timeout: float, attempt: _Attempt,
     ) -> aiohttp.ClientResponse:  # fmt: skip
-        """POST to the pod; wait for its response headers at most ``timeout`` seconds."""
+        """POST to the pod; wait for its response headers at most ``timeout`` seconds.
+
+        The POST runs in this request's own task, not a new one: a new task's first step
+        waits one more turn of the event loop, behind every stream being relayed, before
+        the request leaves (bench/routing.py, session 8: measured hop by hop). A hang
+        signal for the pod (``attempt.down``) cancels this task while it waits here only."""
         assert self._session is not None
-        task = asyncio.ensure_future(self._session.post(ep.url + path, data=body, headers=headers))
-        try:
-            done, _ = await asyncio.wait(
-                {task, attempt.down}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-            )
-        except BaseException:
-            task.cancel()
-            raise
-        if task in done:
-            try:
-                upstream = task.result()
-            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-                self.router.mark_failed(ep)
-                raise _Failed(f"{type(exc).__name__}: {exc}") from None
-            attempt.upstream = upstream
-            return upstream
-        task.cancel()
-        with contextlib.suppress(BaseException):
-            await task
         if attempt.down.done():
-            raise _Failed("pod marked unhealthy while waiting for its response")
-        self.router.mark_hung(ep)
-        raise _Failed(f"timed out after {timeout:.1f}s waiting for the pod's response")
+            raise _Failed("pod marked unhealthy before the request was sent")
+        task = asyncio.current_task()
+        assert task is not None
+        waiting = True
+        interrupted = False
+
+        def on_down(_: asyncio.Future[None]) -> None:
+            nonlocal interrupted
+            # The callback runs a loop turn after the signal: by then the POST may be done
+            # and this task elsewhere, where a cancel would hit the wrong await.
+            if waiting:
+                interrupted = True
+                task.cancel()
+
+        attempt.down.add_done_callback(on_down)
+        try:
+            async with asyncio.timeout(timeout):
+                upstream = await self._session.post(ep.url + path, data=body, headers=headers)
+        except TimeoutError:
+            self.router.mark_hung(ep)
+            msg = f"timed out after {timeout:.1f}s waiting for the pod's response"
+            raise _Failed(msg) from None
+        except asyncio.CancelledError:
+            if interrupted and task.uncancel() == 0:
+                raise _Failed("pod marked unhealthy while waiting for its response") from None
+            raise
+        except (aiohttp.ClientError, OSError) as exc:
+            self.router.mark_failed(ep)
+            raise _Failed(f"{type(exc).__name__}: {exc}") from None
+        finally:
+            waiting = False
+            attempt.down.remove_done_callback(on_down)
+        attempt.upstream = upstream
+        return upstream
 
     async def _try_pod(
         self,
