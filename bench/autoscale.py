@@ -61,6 +61,7 @@ from pagefleet.operator.planner import (
     RoleObservation,
     decide,
     forecast,
+    planned_replicas,
     replicas_needed,
 )
 
@@ -581,7 +582,8 @@ def planner_policy(cfg: PlannerConfig, ledger: Ledger | None = None) -> Policy:
             ledger.plan = Plan(
                 need_now=math.ceil(replicas_needed(cfg, obs, state)[0] - 1e-9),
                 need_ahead=math.ceil(need_ahead - 1e-9),
-                with_headroom=math.ceil(need_ahead * (1 + cfg.headroom) - 1e-9),
+                # The stated headroom, or the queue model's spare (sizing="queue").
+                with_headroom=math.ceil(planned_replicas(cfg, ahead, state)[0] - 1e-9),
             )
         d = decide(cfg, obs, state, now)
         if ledger is not None:

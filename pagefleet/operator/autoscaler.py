@@ -157,6 +157,7 @@ def planner_config(
         max_replicas=auto.max_replicas,
         ttft_s=spec.slo.ttft_ms / 1000 if has_slo else None,
         tpot_s=spec.slo.tpot_ms / 1000 if has_slo else None,
+        slo_quantile=spec.slo.percentile / 100 if has_slo else 0.95,
         max_num_seqs=spec.engine.max_num_seqs,
         target_utilization=auto.target_utilization,
         scale_up_window_s=auto.scale_up_window_seconds,

@@ -15,11 +15,14 @@ How it thinks (capacity per replica at the SLO, not CPU utilisation):
   a unified role's TPOT-only miss: its TTFT says the replica ran at speed); a busy pass
   above the estimate raises it; a comfortable pass at the planned utilisation
   probes it up a little (see _learn_scale).
-- Desired replicas = the most any dimension needs at the target utilisation, where prefill
-  and decode work add up (a unified replica does both in the same steps), and concurrency
-  and KV usage are limits of their own, plus an explicit ``headroom`` (10%) for the load's
-  variance within a start-up. A missed target asks for at least one more replica even when
-  the capacity model disagrees.
+- Desired replicas = the most any dimension needs, where prefill and decode work add up (a
+  unified replica does both in the same steps), and concurrency and KV usage are limits of
+  their own. The compute dimension is sized by a queueing model of the TTFT target (the
+  fewest replicas whose predicted TTFT quantile meets it: a small fleet needs a larger
+  share of spare than a large one, see queue_replicas), never below the work at the
+  target utilisation; where the model cannot price it (a decode role, nothing learned
+  yet), by that work plus an explicit ``headroom`` (10%). A missed target asks for at
+  least one more replica even when the capacity model disagrees.
 - Up fast, down slowly: after any change nothing moves for a short window; scale-up is
   limited by a step and waits while earlier new replicas are not Ready yet; scale-down goes
   to the highest recommendation of a longer window (so a dip shorter than it moves
@@ -107,6 +110,20 @@ class PlannerConfig:
     # Rises of the load within one start-up seen over this long size the headroom a quick
     # scale-down keeps (burst_headroom); 0 (or startup_s 0) turns the quick scale-down off.
     burst_window_s: float = 600.0
+    # How the compute dimension is sized. "queue": the fewest replicas whose predicted TTFT
+    # at the SLO's quantile meets the target, from a queueing model of the prefill queue
+    # (queue_replicas); its spare capacity is the model's (no headroom on top, no backlog
+    # term: the model prices waiting), and the utilisation figure is its floor.
+    # "utilization": the work at the estimated capacities over target_utilization, plus
+    # headroom and the backlog term (the planner until session 8). Roles or moments the
+    # model cannot price (no prefill, no capacity or request size known yet) fall back to
+    # "utilization".
+    sizing: str = "queue"
+    slo_quantile: float = 0.95  # share of requests the latency targets apply to
+    # Allen-Cunneen's (ca^2 + cs^2) / 2: how much more variable arrivals and prompt sizes
+    # are than the M/M/c model's Poisson arrivals and exponential work (1). Session 8
+    # measured 1, 1.5, 2, 2.5, 3 on both bench traces; 2 was the best (docs/benchmarks.md).
+    queue_variability: float = 2.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas <= self.max_replicas:
@@ -122,6 +139,13 @@ class PlannerConfig:
             raise ValueError("observation_window_s, startup_s and trend_window_s must be >= 0")
         if self.burst_window_s < 0:
             raise ValueError("burst_window_s must be >= 0")
+        if self.sizing not in ("queue", "utilization"):
+            raise ValueError(f"sizing must be 'queue' or 'utilization', got {self.sizing!r}")
+        if not 0 < self.slo_quantile < 1 or self.queue_variability <= 0:
+            raise ValueError(
+                f"slo_quantile must lie in (0, 1) and queue_variability be > 0, got "
+                f"{self.slo_quantile} and {self.queue_variability}"
+            )
         if self.headroom < 0 or self.tolerance < 0:
             raise ValueError(
                 f"headroom and tolerance must be >= 0, got {self.headroom} and {self.tolerance}"
@@ -342,6 +366,35 @@ def with_arrivals(obs: RoleObservation, state: PlannerState) -> RoleObservation:
     )
 
 
+def _loads(
+    cfg: PlannerConfig, obs: RoleObservation, state: PlannerState, backlog: bool
+) -> tuple[float, float, float, bool]:
+    """(the concurrency and KV limits in replicas, compute work in replicas at the
+    estimated capacities, its decode part, exact)."""
+    limits = (obs.running + obs.waiting) / (cfg.max_num_seqs * cfg.target_utilization)
+    if cfg.uses_decode:
+        limits = max(limits, obs.kv_usage * obs.known_pods / cfg.kv_target)
+    exact = True
+    work = decode = 0.0  # replicas' worth of compute at the estimated capacities
+    if cfg.uses_prefill:
+        cap = state.prefill_capacity or cfg.prefill_capacity_hint
+        prompt = obs.prompt_tokens_per_s
+        if backlog:
+            prompt += obs.waiting * (state.mean_prompt_tokens or 0.0) / cfg.backlog_drain_s
+        if cap:
+            work += prompt / cap
+        elif prompt > 0:
+            exact = False
+    if cfg.uses_decode:
+        cap = state.decode_capacity or cfg.decode_capacity_hint
+        if cap:
+            decode = obs.generation_tokens_per_s / cap
+            work += decode
+        elif obs.generation_tokens_per_s > 0:
+            exact = False
+    return limits, work, decode, exact
+
+
 def replicas_needed(
     cfg: PlannerConfig, obs: RoleObservation, state: PlannerState
 ) -> tuple[float, bool]:
@@ -350,29 +403,84 @@ def replicas_needed(
     Prefill and decode work add up (a unified replica does both in the same steps); the
     concurrency and KV dimensions are limits of their own. Not exact when a dimension
     carrying load has no capacity estimate yet: the figure is then only a lower bound (good
-    for scaling up, never for scaling down). Non-decreasing in every load figure of ``obs``
-    for a fixed state."""
-    needs = [(obs.running + obs.waiting) / (cfg.max_num_seqs * cfg.target_utilization)]
-    if cfg.uses_decode:
-        needs.append(obs.kv_usage * obs.known_pods / cfg.kv_target)
-    exact = True
-    work = 0.0  # replicas' worth of compute at the estimated capacities
-    if cfg.uses_prefill:
-        cap = state.prefill_capacity or cfg.prefill_capacity_hint
-        backlog = obs.waiting * (state.mean_prompt_tokens or 0.0) / cfg.backlog_drain_s
-        prompt = obs.prompt_tokens_per_s + backlog
-        if cap:
-            work += prompt / cap
-        elif prompt > 0:
-            exact = False
-    if cfg.uses_decode:
-        cap = state.decode_capacity or cfg.decode_capacity_hint
-        if cap:
-            work += obs.generation_tokens_per_s / cap
-        elif obs.generation_tokens_per_s > 0:
-            exact = False
-    needs.append(work / cfg.target_utilization)
-    return max(needs), exact
+    for scaling up, never for scaling down). With ``sizing="utilization"`` queued prompts
+    count as work to drain within backlog_drain_s; the queue model prices them itself.
+    Non-decreasing in every load figure of ``obs`` for a fixed state."""
+    limits, work, _, exact = _loads(cfg, obs, state, backlog=cfg.sizing == "utilization")
+    return max(limits, work / cfg.target_utilization), exact
+
+
+def planned_replicas(
+    cfg: PlannerConfig, obs: RoleObservation, state: PlannerState
+) -> tuple[float, bool]:
+    """(replicas to plan for, exact): what replicas_needed says with the stated headroom on
+    top, except where the queue model sizes the compute (``sizing="queue"``): there the
+    fewest replicas whose predicted TTFT quantile meets the target, never below the
+    utilisation figure. Non-decreasing in every load figure of ``obs`` for a fixed state."""
+    use_queue = cfg.sizing == "queue"
+    limits, work, decode, exact = _loads(cfg, obs, state, backlog=not use_queue)
+    lift = 1 + cfg.headroom
+    util = work / cfg.target_utilization
+    # (Priced on the known work even when a dimension's capacity is unknown: the figure is
+    # then a lower bound like the utilisation one, and stays non-decreasing as that
+    # dimension's load appears.)
+    queued = queue_replicas(cfg, obs, state, work, decode) if use_queue else None
+    if queued is None:
+        return max(limits, util) * lift, exact
+    return max(limits * lift, util, queued), exact
+
+
+def erlang_c(servers: int, offered: float) -> float:
+    """Probability that an arrival waits in an M/M/c queue (Erlang C) with ``servers``
+    servers and ``offered`` load (arrival rate x service time); 1 when unstable.
+    Non-decreasing in ``offered``."""
+    if offered <= 0:
+        return 0.0
+    if offered >= servers:
+        return 1.0
+    b = 1.0  # Erlang B by its recursion (numerically stable for any c)
+    for k in range(1, servers + 1):
+        b = offered * b / (k + offered * b)
+    return servers * b / (servers - offered * (1 - b))
+
+
+def queue_replicas(
+    cfg: PlannerConfig, obs: RoleObservation, state: PlannerState, work: float, decode: float
+) -> float | None:
+    """The fewest replicas whose predicted TTFT meets the target at the SLO quantile (None
+    when the model cannot price it: no prefill in the role, no TTFT target, no capacity or
+    mean request size known yet, no prompt load).
+
+    The model: each replica is a prefill server whose speed is its prefill capacity less
+    the share of its time decoding takes (``decode`` replicas' worth of decode work spread
+    over c); requests arrive at prompt rate / mean prompt; a request meets TTFT when its
+    wait is within the target less its own prefill. The wait's tail is the M/M/c one,
+    C(c, a) exp(-(c mu - lambda) w), stretched by queue_variability (Allen-Cunneen's
+    G/G/c correction); c mu - lambda is the surplus (c - work) x capacity / mean prompt.
+    Non-decreasing in ``work`` and ``decode`` for every c (the wait probability, its decay
+    and the own-prefill time all worsen with load), so in every load figure."""
+    cap = state.prefill_capacity or cfg.prefill_capacity_hint
+    mean_prompt = state.mean_prompt_tokens
+    if not cfg.uses_prefill or cfg.ttft_s is None or not cap or not mean_prompt:
+        return None
+    prompt = (work - decode) * cap  # uncached prompt tokens/s
+    if prompt <= 0:
+        return None
+    tail = 1.0 - cfg.slo_quantile
+    c = max(1, math.ceil(work - 1e-9))
+    limit = 4 * max(cfg.max_replicas, 1)
+    while c < limit:
+        share = 1.0 - decode / c  # of each replica's time left for prefill
+        if share > 0 and c > work:
+            speed = cap * share
+            budget = cfg.ttft_s - mean_prompt / speed
+            if budget > 0:
+                surplus = (c - work) * cap / mean_prompt  # c mu - lambda, requests/s
+                wait = erlang_c(c, prompt / speed)
+                if wait * math.exp(-surplus * budget / cfg.queue_variability) <= tail:
+                    return float(c)
+        c += 1
+    return float(limit)
 
 
 def _rising(samples: list[tuple[float, float]]) -> float:
@@ -512,8 +620,7 @@ def decide(
 
     ahead, rates = forecast(cfg, obs, state, now)
     ahead = with_arrivals(ahead, state)
-    need, exact = replicas_needed(cfg, ahead, state)
-    need *= 1 + cfg.headroom
+    need, exact = planned_replicas(cfg, ahead, state)
     missed = slo_missed(cfg, obs)
     up_rec = math.ceil(need - 1e-9)
     if missed:

@@ -70,19 +70,20 @@ def test_the_plot_is_written_only_where_asked(bench):
 
 def test_the_ledger_closes_and_books_the_stated_headroom(bench):
     """The planner's replica-hours above the oracle split into items that add up (the
-    ledger's closing term stays ~0), and a larger headroom shows in its own item."""
+    ledger's closing term stays ~0), and a larger headroom shows in its own item, as does
+    the queue model's spare when it sizes the fleet."""
     cost = bench.EngineCost(966.8, 0.02408, 0.002275)
     trace, rate, _ = bench.TRACES["synthetic"](300.0, 3.0, seed=3)
     cfg = bench.SimConfig(ttft_s=6.0, tpot_s=0.3, dt=0.05)
     booked = {}
-    for headroom in (0.0, 0.5):
+    for sizing, headroom in (("utilization", 0.0), ("utilization", 0.5), ("queue", 0.0)):
         planner = bench.PlannerConfig(
             role="unified", min_replicas=1, max_replicas=8, ttft_s=cfg.ttft_s,
             tpot_s=cfg.tpot_s, max_num_seqs=cfg.max_num_seqs, scale_up_window_s=0.0,
             scale_down_window_s=cfg.down_window_s, max_step_up=4,
             observation_window_s=cfg.rate_window_s, startup_s=cfg.startup_s,
             prefill_capacity_hint=cost.prefill_tok_s, decode_capacity_hint=300.0,
-            headroom=headroom,
+            headroom=headroom, sizing=sizing,
         )  # fmt: skip
         ledger = bench.Ledger(lambda _: 1)  # an oracle of one replica: all else is booked
         res = bench.simulate(
@@ -92,6 +93,7 @@ def test_the_ledger_closes_and_books_the_stated_headroom(bench):
         assert abs(summary["unexplained"]) < 1e-3
         assert summary["total"] == pytest.approx(res.replica_hours, abs=1e-3)
         assert all(summary[k] >= 0 for k in bench.Ledger.ITEMS)
-        booked[headroom] = summary["headroom"]
-    assert booked[0.0] == 0.0
-    assert booked[0.5] > 0.01
+        booked[sizing, headroom] = summary["headroom"]
+    assert booked["utilization", 0.0] == 0.0
+    assert booked["utilization", 0.5] > 0.01
+    assert booked["queue", 0.0] > 0.0

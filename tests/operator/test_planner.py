@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import replace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,6 +16,8 @@ from pagefleet.operator.planner import (
     Reason,
     RoleObservation,
     decide,
+    erlang_c,
+    planned_replicas,
 )
 
 ROLES = st.sampled_from(["unified", "prefill", "decode"])
@@ -46,6 +49,9 @@ def configs(draw: st.DrawFn) -> PlannerConfig:
         burst_window_s=draw(st.floats(0, 900)),
         headroom=draw(st.floats(0, 0.5)),
         tolerance=draw(st.floats(0, 0.3)),
+        sizing=draw(st.sampled_from(["queue", "utilization"])),
+        slo_quantile=draw(st.floats(0.5, 0.999)),
+        queue_variability=draw(st.floats(0.25, 4)),
     )
 
 
@@ -305,6 +311,39 @@ def test_a_tpot_only_miss_of_a_unified_role_adds_a_replica_and_cuts_no_capacity(
     # A decode role has no TTFT to tell a mix from a slow replica: its TPOT miss cuts.
     dec = decide(_cfg(role="decode", scale_up_window_s=0.0), mix, PlannerState(), 0.0)
     assert dec.state.decode_capacity is not None and dec.state.decode_capacity < 200.0
+
+
+def test_erlang_c_is_the_mm_c_probability_of_waiting() -> None:
+    assert erlang_c(1, 0.5) == pytest.approx(0.5)  # M/M/1: P(wait) = utilisation
+    assert erlang_c(2, 1.0) == pytest.approx(1 / 3)  # two servers at half load
+    assert erlang_c(3, 3.0) == 1.0 and erlang_c(4, 0.0) == 0.0  # unstable / no load
+    waits = [erlang_c(8, a / 10) for a in range(0, 80, 7)]
+    assert waits == sorted(waits)
+
+
+def test_the_queue_model_sizes_the_ttft_tail_and_pools_at_scale() -> None:
+    """Replicas from the TTFT quantile the queue predicts, not a fixed share on top of the
+    load: more for a tighter target or burstier traffic, a smaller share of spare for a
+    larger fleet (pooling), never below the utilisation figure, no headroom on top."""
+    cfg = _cfg(max_replicas=64, ttft_s=2.0, target_utilization=1.0, headroom=0.1)
+    cfg = replace(cfg, sizing="queue", queue_variability=2.0)
+    state = PlannerState(mean_prompt_tokens=500.0)  # 0.5 s of prefill at 1000 tok/s
+
+    def plan(prompt: float, **kw: object) -> float:
+        return planned_replicas(replace(cfg, **kw), _obs(4, prompt), state)[0]
+
+    # 3 replicas' work at a 2 s TTFT: Poisson-like traffic 4, twice as variable 5.
+    assert plan(3000.0, queue_variability=1.0) == 4.0 and plan(3000.0) == 5.0
+    assert plan(3000.0, ttft_s=0.8) == 6.0  # 0.3 s left to wait: more replicas
+    # 30 replicas' work: 32, 7% spare where the 10% headroom planned 33.
+    assert plan(30000.0) == 32.0
+    util = replace(cfg, sizing="utilization")
+    assert planned_replicas(util, _obs(4, 30000.0), state)[0] == pytest.approx(33.0)
+    # Decode work slows each replica's prefill: more replicas for the same prompts.
+    busy = _obs(4, 3000.0, generation_tokens_per_s=200.0)
+    assert planned_replicas(cfg, busy, state)[0] == 6.0
+    # No request size learned yet: the utilisation figure with the headroom.
+    assert planned_replicas(cfg, _obs(4, 3000.0), PlannerState())[0] == pytest.approx(3.3)
 
 
 def test_busy_interval_within_slo_raises_capacity() -> None:
