@@ -117,6 +117,9 @@ void attend_item(const Item& it, const float* q, const T* kc, const T* vc,
     const int n_tok = ctx_max - tok0 < bs ? ctx_max - tok0 : bs;
     // Prefetch the next block while this one is scored: blocks are scattered in the pool,
     // so the hardware prefetcher loses the stream at every block edge (~15% measured).
+    // Into L2 (prefetcht1), not L1: an L1 prefetch holds a fill buffer until the line
+    // arrives, which caps the misses in flight; a 2x16-token block fits L2 with room to
+    // spare. Decode batches of 16-40 rows x 250-620 tokens: 8-12% faster (session 8).
     const bool more = b + 1 < n_blocks;
     const int64_t next = more ? static_cast<int64_t>(table[b + 1]) * bs * tok_stride : 0;
     for (int t = 0; t < n_tok; ++t) {
@@ -125,8 +128,8 @@ void attend_item(const Item& it, const float* q, const T* kc, const T* vc,
         const char* pk = reinterpret_cast<const char*>(kc + next + t * tok_stride);
         const char* pv = reinterpret_cast<const char*>(vc + next + t * tok_stride);
         for (int64_t off = 0; off < tok_stride * static_cast<int64_t>(sizeof(T)); off += 64) {
-          __builtin_prefetch(pk + off);
-          __builtin_prefetch(pv + off);
+          __builtin_prefetch(pk + off, 0, 2);
+          __builtin_prefetch(pv + off, 0, 2);
         }
       }
       for (int m = 0; m < m_count; ++m) {
