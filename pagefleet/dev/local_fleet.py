@@ -12,6 +12,7 @@ serving; the gateway's probes drop it meanwhile and re-admit it once ready.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import os
 import signal
@@ -535,8 +536,17 @@ def command(
     bench_requests: int,
     plot: Path | None,
 ) -> None:
-    """Start Redis, N daemons and a gateway on this machine; Ctrl-C stops them all."""
+    """Start Redis, N daemons and a gateway on this machine; Ctrl-C (or SIGTERM) stops
+    them all."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # Ctrl-C and SIGTERM both stop the fleet in order (KeyboardInterrupt below). Set here,
+    # not left to Python: a process started with SIGINT ignored (any background job of a
+    # script, `cmd &`, inherits SIG_IGN) keeps ignoring it, and Ctrl-C then did nothing.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # `kill -USR1` prints where every thread is to stderr: a stop that seems stuck can say
+    # where (tests/gateway/test_up_cli.py asks before it gives up on one).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if gateway_port and not run_bench:
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", gateway_port)) == 0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import socket
@@ -22,6 +23,21 @@ def _port_open(host: str, port: int) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
+def _pipe_holders(proc: subprocess.Popen[str]) -> list[str]:
+    """The processes (pid and command line) that still hold ``proc``'s stdout or stderr."""
+    names = {f"pipe:[{os.fstat(f.fileno()).st_ino}]" for f in (proc.stdout, proc.stderr) if f}
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") in names for fd in fds):
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                found.append(f"{pid}: {cmd.decode(errors='replace')[:200]}")
+        except OSError:
+            continue
+    return found
+
+
 def test_up_serves_bench_and_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
     up = subprocess.Popen(
         [
@@ -39,6 +55,10 @@ def test_up_serves_bench_and_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # As a background job of a script starts it (`cmd &` ignores SIGINT for it): Ctrl-C
+        # must stop the fleet anyway. Python keeps an inherited SIG_IGN, so `up` sets its
+        # handler itself; without that this test's SIGINT did nothing.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
     try:
         assert up.stdout is not None
@@ -88,7 +108,17 @@ def test_up_serves_bench_and_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
             )
         ]
         up.send_signal(signal.SIGINT)
-        _, err = up.communicate(timeout=60)
+        # LocalFleet.stop's bound: one 10 s grace for the gateway and daemons, 5 s for Redis.
+        try:
+            _, err = up.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            if up.poll() is None:
+                up.send_signal(signal.SIGUSR1)  # its threads' stacks, to stderr
+                time.sleep(1)
+                up.kill()
+                _, err = up.communicate(timeout=10)
+                pytest.fail(f"`pagefleet up` still running 30 s after Ctrl-C; stderr:\n{err}")
+            pytest.fail(f"`pagefleet up` exited, its output pipes held by {_pipe_holders(up)}")
         assert up.returncode == 0, err
         assert "fleet stopped" in err
         gw_port = int(m.group(2))
