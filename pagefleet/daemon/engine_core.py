@@ -287,14 +287,6 @@ class EngineCore:
             if plan is None:
                 raise ValueError("the KV reservation is unknown or already ended")
             return eng.commit_import(plan, _tensors(kv, getattr(eng, "runner", None)), params)
-        if method == "write_import":  # a piece of a pull's KV ahead of its commit
-            self._wait_written(args[0])
-            key, kv, lo, hi = args
-            plan = self._plans.get(key)
-            if plan is None:
-                raise ValueError("the KV reservation is unknown or already ended")
-            layers = _tensors(kv, getattr(eng, "runner", None))[lo:hi]
-            return eng.write_import(plan, layers, lo)
         if method == "cancel_import":
             plan = self._wait_written(args[0], end=True)  # never free blocks being written
             if plan is not None:
