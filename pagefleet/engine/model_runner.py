@@ -216,7 +216,10 @@ class ModelRunner:
                 rows.append(end - 1)  # the last new token's row predicts the next token
         if not rows:
             return []
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        if len(rows) == hidden.shape[0]:  # every row samples (a decode-only step): no gather
+            logits = self.model.compute_logits(hidden)
+        else:
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         expand: list[int] = []
         j = 0
         for it in items:
