@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import io
 import logging
 import os
 import signal
@@ -545,8 +546,10 @@ def command(
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     # `kill -USR1` prints where every thread is to stderr: a stop that seems stuck can say
-    # where (tests/gateway/test_up_cli.py asks before it gives up on one).
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # where (tests/gateway/test_up_cli.py asks before it gives up on one). A stderr with no
+    # file descriptor (click's CliRunner in tests) cannot take the dump: nothing to register.
+    with contextlib.suppress(io.UnsupportedOperation, ValueError):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     if gateway_port and not run_bench:
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", gateway_port)) == 0:
