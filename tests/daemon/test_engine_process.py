@@ -219,9 +219,9 @@ async def test_killed_engine_process_ends_streams_and_the_daemon_exits_nonzero(t
 async def test_sigterm_to_the_whole_group_under_load_drains_every_stream(tmp_path):
     """`pagefleet up` (and a container runtime killing a process group) sends SIGTERM to the
     daemon, its engine process and the fork server at once. Under load (16 streams, 8 run
-    at a time in 40 blocks of 8 tokens: 8 x 52 tokens do not fit, so some are preempted)
-    every accepted stream still ends normally, new requests get 503, and the daemon exits 0
-    once they are done, its engine process with it."""
+    at a time in 40 blocks of 8 tokens: 8 x 58 tokens, 18 of prompt, do not fit, so some
+    are preempted) every accepted stream still ends normally, new requests get 503, and the
+    daemon exits 0 once they are done, its engine process with it."""
     async with (
         aiohttp.ClientSession() as s,
         cli_daemon(s, tmp_path, "--max-num-seqs", "8", "--num-gpu-blocks", "40",
