@@ -540,16 +540,6 @@ def command(
     """Start Redis, N daemons and a gateway on this machine; Ctrl-C (or SIGTERM) stops
     them all."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    # Ctrl-C and SIGTERM both stop the fleet in order (KeyboardInterrupt below). Set here,
-    # not left to Python: a process started with SIGINT ignored (any background job of a
-    # script, `cmd &`, inherits SIG_IGN) keeps ignoring it, and Ctrl-C then did nothing.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    # `kill -USR1` prints where every thread is to stderr: a stop that seems stuck can say
-    # where (tests/gateway/test_up_cli.py asks before it gives up on one). A stderr with no
-    # file descriptor (click's CliRunner in tests) cannot take the dump: nothing to register.
-    with contextlib.suppress(io.UnsupportedOperation, ValueError):
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
     if gateway_port and not run_bench:
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", gateway_port)) == 0:
@@ -577,6 +567,17 @@ def command(
         kv_cache_memory_mb=kv_cache_memory_mb,
         log_dir=log_dir,
     )
+    # Ctrl-C and SIGTERM both stop the fleet in order (KeyboardInterrupt below). Set here,
+    # once the arguments are checked (an in-process usage error leaves the caller's alone),
+    # not left to Python: a process started with SIGINT ignored (any background job of a
+    # script, `cmd &`, inherits SIG_IGN) keeps ignoring it, and Ctrl-C then did nothing.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # `kill -USR1` prints where every thread is to stderr: a stop that seems stuck can say
+    # where (tests/gateway/test_up_cli.py asks before it gives up on one). A stderr with no
+    # file descriptor (click's CliRunner in tests) cannot take the dump: nothing to register.
+    with contextlib.suppress(io.UnsupportedOperation, ValueError):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     fleet = LocalFleet(spec)
     what = (
         f"{num_prefill} prefill + {num_decode} decode daemon(s)"

@@ -133,3 +133,16 @@ def test_up_serves_bench_and_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
         if up.poll() is None:
             up.kill()
             up.wait()
+
+
+def test_a_usage_error_leaves_the_callers_signal_handlers_alone() -> None:
+    """`up` takes SIGINT/SIGTERM only once it starts a fleet: called in-process (click's
+    runner) with bad arguments it must not change the caller's handlers."""
+    from click.testing import CliRunner
+
+    from pagefleet.dev.local_fleet import command
+
+    before = signal.getsignal(signal.SIGTERM)
+    result = CliRunner().invoke(command, ["--prefill", "1"])
+    assert result.exit_code == 2, result.output
+    assert signal.getsignal(signal.SIGTERM) is before
