@@ -26,6 +26,7 @@ stops the engine.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import sys
@@ -41,8 +42,8 @@ from pagefleet.daemon.step_trace import StepTrace
 
 logger = logging.getLogger(__name__)
 
-# A side-thread import write needs the reservation to live at least this long (and the
-# engine thread waits at most this long for one before freeing its blocks).
+# A side-thread import write needs the reservation to live at least this long when it
+# starts (a pull that slow is better retried than copied).
 _WRITE_MARGIN_S = 5.0
 
 # Engine methods the HTTP side may call on the engine thread (by name: nothing else).
@@ -205,17 +206,22 @@ class EngineCore:
         reserved under ``key``, on this side thread while the engine steps: the reserved
         blocks belong to no sequence, so no step reads or writes them, and no step waits
         for the copy. ``cancel_import`` / ``commit_import`` of ``key`` wait for it to end,
-        so its blocks are never freed under it; it refuses a reservation with under
-        ``_WRITE_MARGIN_S`` to live (the engine's own expiry does not wait)."""
+        so its blocks are never freed under it, and the engine's own expiry skips the
+        reservation while the copy runs (its deadline is held at infinity, then restored);
+        it refuses a reservation with under ``_WRITE_MARGIN_S`` to live."""
         with self._write_lock:  # a cancel either sees this write or ran before it
             plan = self._plans.get(key)
             if plan is None or plan.deadline - time.monotonic() < _WRITE_MARGIN_S:
                 raise ValueError("the KV reservation is unknown, ended or about to expire")
             done = self._writing[key] = threading.Event()
+            # Set before the lock is released and >= _WRITE_MARGIN_S ahead of expiry, so
+            # no collect_transfers on the engine thread can free these blocks mid-copy.
+            deadline, plan.deadline = plan.deadline, math.inf
         try:
             eng = self.engine
             eng.write_import(plan, _tensors(kv, getattr(eng, "runner", None)), 0)
         finally:
+            plan.deadline = deadline  # expired meanwhile: the next collect frees it
             done.set()
 
     def _wait_written(self, key: str, end: bool = False) -> Any:
@@ -225,7 +231,7 @@ class EngineCore:
             done = self._writing.pop(key, None)
             plan = self._plans.pop(key, None) if end else None
         if done is not None:
-            done.wait(_WRITE_MARGIN_S)
+            done.wait()  # a memory copy: it ends, and its blocks must not be freed before
         return plan
 
     def _fill_export_stages(self, outputs: list[Any]) -> None:
