@@ -596,9 +596,10 @@ class LLMEngine(Generic[TokenizerT]):
     ) -> None:
         """Write layers ``first_layer ..`` of the pulled KV (as ``commit_import`` takes
         them) into the reserved blocks ahead of the commit, which then copies only the
-        layers not written yet. A caller that sends the layers in pieces, one engine call
-        each, spreads the copy over as many steps (a whole prompt's copy in one call
-        stretched one step of every stream by it). Layers are written in order.
+        layers not written yet. The daemon calls it once, from a side thread of the engine
+        process while the engine steps (the reserved blocks belong to no sequence, so no
+        step touches them), so no stream's step waits for the copy; it keeps the
+        reservation from expiring meanwhile. Layers are written in order.
 
         Raises ValueError when the reservation expired (the caller prefills locally).
         """

@@ -60,7 +60,7 @@ class ImportPlan:
     lora_id: str | None
     deadline: float
     # Layers 0 .. layers_written - 1 of the pulled KV are in the blocks already
-    # (``LLMEngine.write_import``: a commit's copy spread over several steps).
+    # (``LLMEngine.write_import``: copied ahead of the commit, off the engine's steps).
     layers_written: int = 0
 
     @property
