@@ -543,8 +543,10 @@ class KVExportServer:
 
     def _drop_staged(self, handle: str) -> None:
         entry = self._staged.pop(handle, None)
-        if entry is None:
-            return
+        if entry is not None:
+            self._dispose(entry)
+
+    def _dispose(self, entry: _Staged) -> None:
         if entry.filled:  # the engine is done with it
             self.stages.give_back(entry.stage)
         else:  # it may still write it (a request still running): never reused
@@ -633,8 +635,7 @@ class KVExportServer:
                 stage, first = staged.stage, req.first_block
             else:
                 if staged is not None:
-                    self._staged[req.handle] = staged
-                    self._drop_staged(req.handle)
+                    self._dispose(staged)
                 read_stage = getattr(src, "read_stage", None)
                 stage = None if read_stage is None else await read_stage(ids, self.stages)
                 first, count = 0, len(ids)
