@@ -78,6 +78,33 @@ def _comm(pid: int) -> str:
         return "?"
 
 
+def _wait_until_term_reaches(
+    proc: subprocess.Popen[bytes], comm: str, *, trapped: bool = False
+) -> None:
+    """Wait until ``proc``'s group holds a ``comm`` process that does not ignore SIGTERM
+    (and, with ``trapped``, has its own handler for it installed).
+
+    A group signal sent in the first moment after ``spawn`` can find the child between its
+    fork and its exec, still ignoring TERM as the watch shell does; it then ends only by
+    ``stop``'s SIGKILL after the grace. These tests are about what follows a delivered
+    SIGTERM, so they signal only once the child can receive it."""
+    term_bit = 1 << (signal.SIGTERM - 1)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for pid in _group_members({proc.pid}):
+            try:
+                status = Path(f"/proc/{pid}/status").read_text()
+            except OSError:
+                continue
+            fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+            ignored = int(fields["SigIgn"], 16) & term_bit
+            caught = int(fields["SigCgt"], 16) & term_bit
+            if fields["Name"].strip() == comm and not ignored and (caught or not trapped):
+                return
+        time.sleep(0.02)
+    raise TimeoutError(f"no {comm!r} process that takes SIGTERM in group {proc.pid}")
+
+
 def test_what_the_owner_started_dies_with_it_even_on_sigkill(tmp_path: Path) -> None:
     owner = subprocess.Popen(
         [sys.executable, "-c", _OWNER, str(tmp_path), _STUBBORN],
@@ -126,8 +153,9 @@ def test_a_watched_child_ends_its_shell_as_it_ended(tmp_path: Path) -> None:
     # Traps TERM and exits 7 a moment later: the shell waits for it rather than dying.
     trapper = ["sh", "-c", "trap 'sleep 0.3; exit 7' TERM; while :; do sleep 0.05; done"]
     proc = process.spawn(trapper, tmp_path / "log")
-    time.sleep(0.3)
+    _wait_until_term_reaches(proc, "sh", trapped=True)
     process.signal_group(proc, signal.SIGTERM)
     assert proc.wait(10) == 7
     proc = process.spawn(["sleep", "30"], tmp_path / "log")
+    _wait_until_term_reaches(proc, "sleep")
     assert process.stop(proc, grace_s=5) == -signal.SIGTERM
