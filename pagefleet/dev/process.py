@@ -66,17 +66,21 @@ def spawn(
         )
 
 
-# The shell ignores TERM/INT/HUP (a group signal is for the child; the shell must live to
-# report its status), the child gets the default handlers back and /dev/null as stdin
-# (fd 3, the pipe, is closed for it). A background reader waits for EOF on the pipe
-# (nothing is ever written: EOF means the owner is gone) and then SIGKILLs the group. When
-# the child exits first, the shell ends the reader and exits as the child did: its status,
-# or (above 128) the same signal, so the owner's Popen reads what it would without us.
+# The child is forked first, before the shell ignores TERM/INT/HUP, so it starts with
+# TERM's default action (forked after, it would inherit the ignore and a group SIGTERM sent
+# in its first moment, before it could reset it, was lost: ``stop`` then waited out its
+# grace and SIGKILLed). A SIGTERM that reaches the shell before its trap ends it with that
+# signal, as it ends the child: the owner reads what it would without us. From the trap on,
+# the shell outlives a group signal (it is for the child) to report the child's status; the
+# child has /dev/null as stdin (fd 3, the pipe, is closed for it). A background reader
+# waits for EOF on the pipe (nothing is ever written: EOF means the owner is gone) and then
+# SIGKILLs the group. When the child exits first, the shell ends the reader and exits as
+# the child did: its status, or (above 128) the same signal.
 _WATCH_OWNER = """
-trap '' TERM INT HUP
 exec 3<&0 0</dev/null
-(trap - TERM INT HUP; exec "$@") 3<&- &
+"$@" 3<&- &
 child=$!
+trap '' TERM INT HUP
 { read -r _line <&3; kill -KILL 0; } 2>/dev/null &
 watcher=$!
 exec 3<&-
