@@ -152,8 +152,8 @@ def test_a_watched_child_ends_its_shell_as_it_ended(tmp_path: Path) -> None:
     _wait_until_term_reaches(proc, "sh", trapped=True)
     process.signal_group(proc, signal.SIGTERM)
     assert proc.wait(10) == 7
-    # Stopped at once: spawn returned only after the child took TERM's default back, so the
-    # SIGTERM is not lost in the child's start (it was, 11 of 150 times under load).
+    # Stopped at once: the child is forked before the shell ignores TERM, so a SIGTERM in
+    # its first moment is not lost (it was, 11 of 150 times under load, when forked after).
     for _ in range(20):
         proc = process.spawn(["sleep", "30"], tmp_path / "log")
         assert process.stop(proc, grace_s=5) == -signal.SIGTERM
