@@ -11,7 +11,10 @@ MKL picks another kernel and they differ by fp32 rounding (~1e-5 relative).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from pagefleet.kernels import mkl_packed
 
 
 def column_major_linear_weights(model: nn.Module) -> int:
@@ -33,3 +36,49 @@ def column_major_linear_weights(model: nn.Module) -> int:
             w.data = w.data.t().contiguous().t()
             changed += 1
     return changed
+
+
+class PackedLinear(nn.Linear):
+    """An ``nn.Linear`` (same parameters, same names) whose forward multiplies by a copy of
+    its weight packed once for MKL's packed GEMM (``kernels/mkl_packed.py``): decode-sized
+    GEMMs skip MKL's per-call weight re-pack. Inputs the packed path does not take (not
+    2-D fp32 rows) go to ``F.linear``.
+
+    Invariant: the packed copy equals ``weight`` as it was when packed; the weights are not
+    written after loading (``pack_linear_weights`` runs after the load).
+    """
+
+    packed: mkl_packed.PackedWeight
+    gemm: mkl_packed.MklPackedGemm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if mkl_packed.usable(x, self.in_features):
+            return self.gemm.linear(x, self.packed, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+def pack_linear_weights(model: nn.Module, gemm: mkl_packed.MklPackedGemm | None) -> int:
+    """Turn every fp32 CPU ``nn.Linear`` of ``model`` into a ``PackedLinear`` in place (the
+    module object keeps its parameters; only its class and a packed copy are added).
+    Returns how many were packed; none when ``gemm`` is None (no MKL here).
+
+    Memory: the packed copy is about the weight's size again (the originals stay, for the
+    ``F.linear`` path and anything that reads ``weight``). Call after the weights are
+    loaded, as ``column_major_linear_weights``.
+    """
+    if gemm is None:
+        return 0
+    packed = 0
+    for module in model.modules():
+        if type(module) is not nn.Linear:
+            continue
+        w = module.weight
+        if w.device.type != "cpu" or w.dtype != torch.float32:
+            continue
+        if module.bias is not None and module.bias.dtype != torch.float32:
+            continue
+        module.packed = gemm.pack(w)
+        module.gemm = gemm
+        module.__class__ = PackedLinear
+        packed += 1
+    return packed

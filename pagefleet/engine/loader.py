@@ -17,10 +17,11 @@ from pathlib import Path
 
 import torch
 
-from pagefleet.engine.cpu_layout import column_major_linear_weights
+from pagefleet.engine.cpu_layout import column_major_linear_weights, pack_linear_weights
 from pagefleet.engine.model_config import ModelConfig, resolve_dtype
 from pagefleet.engine.models import CausalLM, get_model_class
 from pagefleet.gguf_tokenizer import find_gguf_file
+from pagefleet.kernels import mkl_packed
 from pagefleet.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -138,6 +139,8 @@ def load_model(
     model.eval()
     if target.type == "cpu":
         column_major_linear_weights(model)  # faster small-row GEMMs (cpu_layout.py)
+        # Decode-sized GEMMs without MKL's per-call weight re-pack (kernels/mkl_packed.py).
+        pack_linear_weights(model, mkl_packed.load())
     logger.info(
         "loaded %s (%d layers, hidden %d) from %s as %s on %s",
         config.architecture,

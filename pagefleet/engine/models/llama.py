@@ -274,8 +274,9 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[N, vocab]`` for the rows of ``hidden`` (select rows first)."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:
+            return F.linear(hidden, self.model.embed_tokens.weight).float()
+        return self.lm_head.forward(hidden).float()  # a PackedLinear on CPU (cpu_layout.py)
 
     def _shard_slices(self, fused: str, shard: int) -> tuple[int, int]:
         c = self.config
