@@ -115,9 +115,21 @@ def _pd_pair(model: str, logdir: Path, args: argparse.Namespace) -> list[Proc]:
     budget = args.decode_max_batched_tokens
     extra = ["--max-num-batched-tokens", str(budget)] if budget else []
     # --trace: the decode pod writes a line per engine step and per import (step_trace.py).
+    # The prefill pod too: its steps time each long prompt's queue and compute there.
     env = {STEP_TRACE_ENV: str(Path(args.trace) / "decode")} if args.trace else None
-    return [_daemon("p0", model, 0, "prefill", logdir, ONE_STEP),
+    penv = {STEP_TRACE_ENV: str(Path(args.trace) / "prefill")} if args.trace else None
+    return [_daemon("p0", model, 0, "prefill", logdir, ONE_STEP, penv),
             _daemon("d0", model, 1, "decode", logdir, extra, env)]  # fmt: skip
+
+
+def _unified_pair(model: str, logdir: Path, args: argparse.Namespace) -> list[Proc]:
+    """The unified fleet's two daemons (core 0 and 1), traced with ``--trace`` (their
+    steps time each long prompt's queue and compute, for the P/D comparison)."""
+    return [
+        _daemon(f"u{i}", model, i, "unified", logdir, ONE_STEP,
+                {STEP_TRACE_ENV: str(Path(args.trace) / f"u{i}")} if args.trace else None)
+        for i in range(2)
+    ]  # fmt: skip
 
 
 def _gateway(name: str, model: str, decode: list[str], prefill: list[str], logdir: Path) -> Proc:
@@ -198,9 +210,9 @@ class Result:
     wall_s: float = 0.0
     busy: list[float] = field(default_factory=list)  # each daemon's CPU s / wall s
     # For --trace: each chat request's token arrival times, each long prompt's (send time,
-    # TTFT), and the run's start and end (perf_counter).
+    # TTFT, prompt tokens), and the run's start and end (perf_counter).
     streams: list[list[float]] = field(default_factory=list)
-    long_sent: list[tuple[float, float]] = field(default_factory=list)
+    long_sent: list[tuple[float, float, int]] = field(default_factory=list)
     span: tuple[float, float] = (0.0, 0.0)
 
     def cell(self) -> dict:
@@ -288,7 +300,7 @@ async def _run_fleet(
                         sent = time.perf_counter()
                         ttft, _ = await _stream(s, url, body)
                         res.long_ttft.append(ttft)
-                        res.long_sent.append((sent, ttft))
+                        res.long_sent.append((sent, ttft, len(body["prompt"])))
                     except Exception:
                         res.errors += 1
 
@@ -313,8 +325,9 @@ async def _run_fleet(
     return res
 
 
-async def _idle_ttft(url: str, vocab: int, n: int) -> list[float]:
-    """TTFT of ``n`` long prompts sent one at a time to an otherwise idle fleet."""
+async def _idle_ttft(url: str, vocab: int, n: int, sent: list | None = None) -> list[float]:
+    """TTFT of ``n`` long prompts sent one at a time to an otherwise idle fleet; each
+    prompt's (send time, TTFT, length) appended to ``sent`` when given (--trace)."""
     rng = random.Random(4242)  # the same prompts for every fleet, none seen before
     out: list[float] = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
@@ -322,8 +335,11 @@ async def _idle_ttft(url: str, vocab: int, n: int) -> list[float]:
             prompt = [rng.randrange(5, vocab) for _ in range(rng.randrange(1536, 2048))]
             body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0.0,
                     "ignore_eos": True}  # fmt: skip
+            t0 = time.perf_counter()
             ttft, _ = await _stream(s, url, body)
             out.append(ttft)
+            if sent is not None:
+                sent.append((t0, ttft, len(prompt)))
     return out
 
 
@@ -403,9 +419,7 @@ async def sweep(args: argparse.Namespace) -> dict:
     fleets = args.sweep_fleets
     daemons = {}
     if "unified" in fleets:
-        daemons["unified"] = [
-            _daemon(f"u{i}", model, i, "unified", logdir, ONE_STEP) for i in range(2)
-        ]
+        daemons["unified"] = _unified_pair(model, logdir, args)
     if "pd" in fleets:
         daemons["pd"] = _pd_pair(model, logdir, args)
     procs = procs_of(daemons)
@@ -432,6 +446,8 @@ async def sweep(args: argparse.Namespace) -> dict:
                     cell[name] = r.cell()
                     if name == "pd" and args.trace:
                         cell["decode_trace"] = _trace(args, r)
+                    if args.trace:  # each long prompt's phases on this fleet
+                        cell[f"long_phases_{name}"] = _phases(args, r, name)
                 if len(fleets) == 2:
                     cell["itl_p99_ratio_unified_over_pd"] = round(
                         cell["unified"]["itl_p99_ms"] / cell["pd"]["itl_p99_ms"], 2
@@ -466,6 +482,15 @@ def _trace(args: argparse.Namespace, r: Result) -> dict:
     return rep
 
 
+def _phases(args: argparse.Namespace, r: Result, fleet: str) -> dict:
+    """Where each long prompt's TTFT went on ``fleet`` (--trace), also on stderr. The
+    daemons write their buffered step lines when their engine goes idle: wait for that."""
+    time.sleep(1.0)
+    rep = pd_trace.long_phases(args.trace, r, fleet)
+    print(f"long-prompt phases ({fleet}): {json.dumps(rep)}", file=sys.stderr)
+    return rep
+
+
 def _pct(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
@@ -484,7 +509,7 @@ async def main(args: argparse.Namespace) -> dict:
     logdir = Path(tempfile.mkdtemp(prefix="pagefleet-bench-pd-"))
     chunk = ["--long-prefill-token-threshold", str(args.chunk)]
     daemons = {
-        "unified": [_daemon(f"u{i}", model, i, "unified", logdir, ONE_STEP) for i in range(2)],
+        "unified": _unified_pair(model, logdir, args),
         "unified_chunked": [_daemon(f"c{i}", model, i, "unified", logdir, chunk) for i in range(2)],
     }
     # Quick mode too: a decode pod's step budget is its role's default, which a unified
@@ -510,12 +535,17 @@ async def main(args: argparse.Namespace) -> dict:
             results[name] = await _run_fleet(gws[name].url, args, vocab, daemons[name])
             _report(name, results[name])
         trace = _trace(args, results["pd"]) if args.trace else None
+        if trace is not None:
+            trace["long_phases"] = {k: _phases(args, results[k], k) for k in ("unified", "pd")}
         phase("fleets measured")
         mbps, p50_ms, pulls, mean_ms = await _transfer_stats(daemons["pd"][1].url)
         idle = {}
         for k in ("unified", "pd"):
             await _reset_caches(daemons[k])
-            idle[k] = await _idle_ttft(gws[k].url, vocab, args.idle_prompts)
+            idle_run = Result()
+            idle[k] = await _idle_ttft(gws[k].url, vocab, args.idle_prompts, idle_run.long_sent)
+            if trace is not None:  # where the idle TTFT goes, both ways
+                trace[f"long_phases_idle_{k}"] = _phases(args, idle_run, k)
         # The pulls of the idle prompts alone (the P/D fleet ran them one at a time).
         _, _, pulls2, mean2 = await _transfer_stats(daemons["pd"][1].url)
         n_idle = pulls2 - pulls

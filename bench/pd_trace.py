@@ -164,7 +164,7 @@ def analyse(trace_dir: str, result: Any) -> dict[str, Any]:
     }
     # Imports: phases (ms) and the first token after the commit (matched in time order).
     ph = {"reserve": [], "pull": [], "write_pieces": [], "commit": [], "to_first_token": []}
-    firsts = sorted(sent + ttft for sent, ttft in result.long_sent)
+    firsts = sorted(sent + ttft for sent, ttft, _ in result.long_sent)
     for r in imports:
         t = r["t"]
         if len(t) < 5:
@@ -185,6 +185,120 @@ def analyse(trace_dir: str, result: Any) -> dict[str, Any]:
         for k, v in ph.items()
         if v
     }
+    return out
+
+
+# A step that prefilled at least this many tokens ran a long prompt (the bench's are
+# 1536-2047 tokens; a chat's turn is 32).
+_LONG_PREFILL = 1000
+_PHASES_PD = ("queue_long", "queue_other", "gateway_in", "compute", "gather", "hand_over",
+              "reserve", "pull", "write", "commit", "to_first_token")  # fmt: skip
+_PHASES_UNIFIED = ("queue_long", "queue_other", "gateway_in", "compute", "to_first_token")
+
+
+def _overlap(steps: list[dict[str, Any]], lo: float, hi: float, skip: Any) -> float:
+    """Seconds of ``steps`` (t1..t2) inside [lo, hi], ``skip`` excluded."""
+    return sum(max(0.0, min(s["t2"], hi) - max(s["t1"], lo)) for s in steps if s is not skip)
+
+
+def long_phases(trace_dir: str, result: Any, fleet: str) -> dict[str, Any]:
+    """Where each long prompt's TTFT went (ms), from the traced daemons' step lines (and
+    the decode pod's import lines) and the client's send times and TTFTs in ``result``:
+
+    - ``queue_long``: the engine that prefilled it ran other long prompts' prefill steps
+      after it was sent (it waited behind them), ``queue_other``: other steps (decodes,
+      chats' turns), ``gateway_in``: the rest before its step started (client, gateway,
+      the daemon's HTTP side, engine call);
+    - ``compute``: its prefill step; ``gather`` (P/D): the export stage's fill after it;
+    - P/D: ``hand_over`` (gather end to the decode pod's import start: the prefill pod's
+      response, the gateway, the decode pod's HTTP side), the import's ``reserve``, ``pull``,
+      ``write``, ``commit``; ``to_first_token``: the rest to the client's first token (on
+      P/D the decode pod's step for the last prompt token, and the way back).
+
+    ``fleet``: "pd" (prefill pod ``prefill``, decode pod ``decode``) or "unified" (``u0``,
+    ``u1``). Prompts are matched to steps in send order by prompt length."""
+    base = Path(trace_dir)
+    names = ["prefill"] if fleet == "pd" else ["u0", "u1"]
+    per_engine = {n: _load(base / n) for n in names}
+    big = sorted(
+        ((s, n) for n, ss in per_engine.items() for s in ss if s["pft"] >= _LONG_PREFILL),
+        key=lambda x: x[0]["t1"],
+    )
+    imports = _load(base / "decode.imports") if fleet == "pd" else []
+    used: set[int] = set()
+    used_imp: set[int] = set()
+    rows: list[dict[str, float]] = []
+    unmatched = 0
+    for sent, ttft, n in sorted(result.long_sent):
+        if ttft != ttft:  # NaN: no token came
+            continue
+        hit = next(
+            (
+                (i, s, e)
+                for i, (s, e) in enumerate(big)
+                if i not in used and s["t1"] >= sent
+                and (s["pft"] == n if fleet == "pd" else n <= s["pft"] < n + _LONG_PREFILL)
+            ),
+            None,
+        )  # fmt: skip
+        if hit is None:
+            unmatched += 1
+            continue
+        i, st, eng = hit
+        used.add(i)
+        first = sent + ttft
+        others = per_engine[eng]
+        longs = [s for s in others if s["pft"] >= _LONG_PREFILL]
+        q_long = _overlap(longs, sent, st["t1"], st)
+        q_all = _overlap(others, sent, st["t1"], st)
+        row = {
+            "ttft": ttft,
+            "queue_long": q_long,
+            "queue_other": q_all - q_long,
+            "gateway_in": st["t1"] - sent - q_all,
+            "compute": st["t2"] - st["t1"],
+        }
+        if fleet == "pd":
+            end = st.get("t3", st["t2"])
+            row["gather"] = end - st["t2"]
+            j = next(
+                (j for j, r in enumerate(imports)
+                 if j not in used_imp and r.get("n") == n and r["t"][0] >= end
+                 and len(r["t"]) >= 5),
+                None,
+            )  # fmt: skip
+            if j is None:  # prefilled on the decode pod after all (fallback)
+                unmatched += 1
+                continue
+            used_imp.add(j)
+            t = imports[j]["t"]
+            row.update(
+                hand_over=t[0] - end, reserve=t[1] - t[0], pull=t[2] - t[1],
+                write=t[3] - t[2], commit=t[4] - t[3], to_first_token=first - t[4],
+            )  # fmt: skip
+        else:
+            row["to_first_token"] = first - st["t2"]
+        rows.append(row)
+    out: dict[str, Any] = {"prompts": len(rows), "unmatched": unmatched}
+    if not rows:
+        return out
+    out["ttft_ms"] = {
+        "p50": round(_pct([r["ttft"] for r in rows], 0.5) * 1e3, 1),
+        "p90": round(_pct([r["ttft"] for r in rows], 0.9) * 1e3, 1),
+        "p99": round(_pct([r["ttft"] for r in rows], 0.99) * 1e3, 1),
+        "mean": round(sum(r["ttft"] for r in rows) / len(rows) * 1e3, 1),
+    }
+    phases = _PHASES_PD if fleet == "pd" else _PHASES_UNIFIED
+    out["phases_ms"] = {
+        k: {
+            "p50": round(_pct([r[k] for r in rows], 0.5) * 1e3, 1),
+            "mean": round(sum(r[k] for r in rows) / len(rows) * 1e3, 1),
+            "max": round(max(r[k] for r in rows) * 1e3, 1),
+        }
+        for k in phases
+    }
+    if fleet == "unified":
+        out["per_engine"] = {n: sum(1 for i in used if big[i][1] == n) for n in names}
     return out
 
 

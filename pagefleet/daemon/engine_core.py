@@ -348,6 +348,8 @@ class EngineCore:
         while True:
             with self._cv:
                 while not (self._calls or self._stopping or self._gone or eng.has_unfinished()):
+                    if trace is not None:  # idle: a reader of the trace sees every step so far
+                        trace.flush()
                     self._cv.wait()
                 if self._stopping or self._gone:
                     self._flush_events()
@@ -373,10 +375,11 @@ class EngineCore:
             t1 = time.monotonic() if trace is not None else 0.0
             outputs = eng.step()
             now = time.monotonic()
-            if trace is not None:
-                trace.step(t1, now)
-            if self._export_stages:
+            gathered = bool(self._export_stages)
+            if gathered:
                 self._fill_export_stages(outputs)
+            if trace is not None:  # t3: after the exported prompts' gather, when one ran
+                trace.step(t1, now, time.monotonic() if gathered else None)
             if self._staged_exports:  # forget handles that are gone (pulled, expired)
                 self._staged_exports &= set(eng.exports.handles())
             stats = eng.stats()

@@ -265,7 +265,9 @@ class PDSide:
             committed = True
             if self._trace is not None:
                 times.append(time.monotonic())
-                self._trace.add({"rid": rid, "blocks": plan.num_pull_blocks, "t": times})
+                self._trace.add(
+                    {"rid": rid, "n": len(ids), "blocks": plan.num_pull_blocks, "t": times}
+                )
             self.metrics.outcome("pulled" if plan.num_pull_blocks else "local_hit")
             return stream
         except ValueError as exc:  # the reservation expired meanwhile

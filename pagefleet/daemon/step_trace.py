@@ -8,7 +8,8 @@ is the clock ``time.perf_counter()`` reads in another process, so a client's tok
 times line up with them.
 
 Step line: ``{"t0": calls start, "t1": step start, "t2": step end, "dec": decode rows,
-"pf": prefill rows, "pft": prefill tokens, "calls": [method names served before it]}``.
+"pf": prefill rows, "pft": prefill tokens, "calls": [method names served before it]}``,
+plus ``"t3"`` on a prefill pod: when the gather of the prompts it finished for export ended.
 Import line: the phases of one ``kv_transfer_params`` import (pd.py).
 
 Invariant: with the variable unset nothing is wrapped, written or timed beyond one
@@ -80,8 +81,9 @@ class StepTrace:
             self._t0 = t0
         self._calls += names
 
-    def step(self, t1: float, t2: float) -> None:
-        """One ``engine.step()`` from ``t1`` to ``t2``."""
+    def step(self, t1: float, t2: float, t3: float | None = None) -> None:
+        """One ``engine.step()`` from ``t1`` to ``t2``; ``t3``: when the gather of the
+        prompts it finished for export into their stages ended (prefill role), if any."""
         out, self._last = self._last, None
         dec = pf = pft = 0
         for it in [] if out is None else out.scheduled:
@@ -92,9 +94,10 @@ class StepTrace:
                 pft += it.num_new_tokens
         calls, self._calls = self._calls, []
         t0 = self._t0 if calls else t1
-        self._lines.add(
-            {"t0": t0, "t1": t1, "t2": t2, "dec": dec, "pf": pf, "pft": pft, "calls": calls}
-        )
+        rec = {"t0": t0, "t1": t1, "t2": t2, "dec": dec, "pf": pf, "pft": pft, "calls": calls}
+        if t3 is not None:
+            rec["t3"] = t3
+        self._lines.add(rec)
 
     def flush(self) -> None:
         self._lines.flush()

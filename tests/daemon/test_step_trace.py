@@ -52,7 +52,7 @@ class _Sched:
 class _Result:
     span: tuple[float, float]
     streams: list[list[float]] = field(default_factory=list)
-    long_sent: list[tuple[float, float]] = field(default_factory=list)
+    long_sent: list[tuple[float, float, int]] = field(default_factory=list)
 
 
 def test_off_without_the_variable(monkeypatch):
@@ -88,7 +88,7 @@ def test_trace_lines_and_their_breakdown(tmp_path, monkeypatch, pd_trace):
     imp.add({"rid": "r", "blocks": 4, "t": [1.0, 1.01, 1.05, 1.06, 1.07]})
     # A client stream with tokens 3 ms after each step end; the slow gap spans the admission.
     stream = [e + 0.003 for e in ends[1:]]
-    rep = pd_trace.analyse(str(tmp_path), _Result((0.9, 1.2), [stream], [(1.0, 0.09)]))
+    rep = pd_trace.analyse(str(tmp_path), _Result((0.9, 1.2), [stream], [(1.0, 0.09, 64)]))
     eng = rep["engine"]
     assert eng["by_class"]["admit"]["steps"] == 1
     assert eng["by_class"]["import"]["calls_ms"] == pytest.approx(1.0, abs=0.01)
@@ -97,3 +97,40 @@ def test_trace_lines_and_their_breakdown(tmp_path, monkeypatch, pd_trace):
     assert rep["client"]["ge_p99_engine_ms_mean"] == pytest.approx(45.0, abs=0.01)
     assert rep["import_ms"]["write_pieces"]["p50"] == pytest.approx(10.0, abs=0.01)
     assert rep["import_ms"]["to_first_token"]["p50"] == pytest.approx(20.0, abs=0.01)
+
+
+def _lines(path, recs) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
+def _step(t1, t2, pft=0, t3=None):
+    rec = {"t0": t1, "t1": t1, "t2": t2, "dec": 0, "pf": int(pft > 0), "pft": pft, "calls": []}
+    return rec if t3 is None else {**rec, "t3": t3}
+
+
+def test_long_phases_pd_and_unified(tmp_path, pd_trace):
+    # P/D: prompt B (1700 tokens) is sent at 1.1 while A's (1600) prefill runs 1.05-1.85:
+    # it waits 0.75 s behind it, computes 1.86-2.66, is gathered by 2.67, imported 2.70-2.80.
+    _lines(tmp_path / "prefill", [_step(1.05, 1.85, 1600, 1.86), _step(1.86, 2.66, 1700, 2.67)])
+    _lines(tmp_path / "decode.imports", [
+        {"rid": "a", "n": 1600, "blocks": 100, "t": [1.90, 1.92, 1.95, 1.97, 1.98]},
+        {"rid": "b", "n": 1700, "blocks": 107, "t": [2.70, 2.72, 2.75, 2.77, 2.80]},
+    ])  # fmt: skip
+    res = _Result((0.0, 9.0), [], [(1.1, 1.75, 1700), (1.0, 1.02, 1600)])
+    rep = pd_trace.long_phases(str(tmp_path), res, "pd")
+    assert rep["prompts"] == 2 and rep["unmatched"] == 0
+    ph = rep["phases_ms"]
+    assert ph["queue_long"]["max"] == pytest.approx(750.0, abs=0.01)  # B behind A
+    assert ph["compute"]["p50"] == pytest.approx(800.0, abs=0.01)
+    assert ph["hand_over"]["max"] == pytest.approx(40.0, abs=0.01)  # A: 1.86 -> 1.90
+    assert ph["to_first_token"]["max"] == pytest.approx(50.0, abs=0.01)  # B: 2.80 -> 2.85
+    # Unified: the same two prompts on two engines, beside decode steps: no long queue.
+    _lines(tmp_path / "u0", [_step(1.0, 1.03), _step(1.03, 1.83, 1632)])
+    _lines(tmp_path / "u1", [_step(1.1, 1.12), _step(1.12, 1.95, 1700)])
+    res = _Result((0.0, 9.0), [], [(1.0, 0.9, 1600), (1.1, 0.9, 1700)])
+    rep = pd_trace.long_phases(str(tmp_path), res, "unified")
+    assert rep["prompts"] == 2 and rep["per_engine"] == {"u0": 1, "u1": 1}
+    ph = rep["phases_ms"]
+    assert ph["queue_long"]["max"] == 0.0
+    assert ph["queue_other"]["max"] == pytest.approx(30.0, abs=0.01)  # A behind a decode step
+    assert ph["to_first_token"]["max"] == pytest.approx(70.0, abs=0.01)  # A: 1.9 - 1.83
