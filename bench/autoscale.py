@@ -11,6 +11,8 @@
    bursts, Poisson arrivals, mixed prompt/output lengths; the same trace for every policy.
    ``--trace azure-conv``: a published shape instead (Gamma arrivals, prompt and output
    lengths measured on the Azure LLM inference trace 2023, see AZURE_CONV_*).
+   ``--trace two-peak``: a day kept out of all tuning (two peaks, longer x1.5 surges and
+   short x3 spikes), to check what was tuned on the other two.
    ``--day-seconds``: a longer (less compressed) day, same start-up, windows and bursts.
 4. Policies: static at peak (fewest replicas that hold the SLO all day, found by search),
    static at mean, an HPA-like policy (utilisation = seated+queued / max_num_seqs, target
@@ -283,7 +285,52 @@ def make_azure_conv_trace(
     return _gamma_arrivals(duration, rate, seed, AZURE_CONV_GAMMA_SHAPE), rate, []
 
 
-TRACES = {"synthetic": make_trace, AZURE_CONV: make_azure_conv_trace}
+# A third day, kept out of every tuning run (session 9's held-out shape): two peaks (a
+# morning one at 70% of the evening's), a trough of 10%, and a different burst mix: more
+# frequent, longer and lower surges (x1.5 for 60-180 s, one per 300 s) and a few short
+# spikes (x3 for 10-20 s). The synthetic day's Poisson arrivals and request mix.
+TWO_PEAK = "two-peak"
+
+
+def make_two_peak_trace(
+    duration: float, peak_rate: float, seed: int
+) -> tuple[list[Request], Callable[[float], float], list[tuple[float, float]]]:
+    """The held-out day (see TWO_PEAK); returns (requests, rate(t), the surges' (start, end))."""
+    rng = random.Random(seed)
+    trough = 0.10
+    surges: list[tuple[float, float, float]] = []
+    for _ in range(max(2, int(duration // 300))):
+        start = rng.uniform(0.05 * duration, 0.95 * duration)
+        surges.append((start, start + rng.uniform(60, 180), 1.5))
+    for _ in range(max(1, int(duration // 900))):
+        start = rng.uniform(0.1 * duration, 0.9 * duration)
+        surges.append((start, start + rng.uniform(10, 20), 3.0))
+
+    def rate(t: float) -> float:
+        x = t / duration
+        morning = 0.7 * math.exp(-(((x - 0.3) / 0.1) ** 2))
+        evening = math.exp(-(((x - 0.7) / 0.12) ** 2))
+        day = trough + (1 - trough) * max(morning, evening)
+        lift = max((m for a, b, m in surges if a <= t < b), default=1.0)
+        return peak_rate * min(1.0, day * lift) if lift > 1 else peak_rate * day
+
+    out: list[Request] = []
+    t = 0.0
+    while True:
+        t += rng.expovariate(peak_rate)
+        if t >= duration:
+            break
+        if rng.random() < rate(t) / peak_rate:
+            prompt = int(min(1536, max(32, rng.lognormvariate(math.log(320), 0.6))))
+            out.append(Request(t, prompt, rng.randint(16, 96)))
+    return out, rate, [(a, b) for a, b, _ in surges]
+
+
+TRACES = {
+    "synthetic": make_trace,
+    AZURE_CONV: make_azure_conv_trace,
+    TWO_PEAK: make_two_peak_trace,
+}
 
 
 # ------------------------------------------------------------------------------ fleet
@@ -468,6 +515,12 @@ class Fleet:
                 sum(p for _, p in self.arrivals) / gate if gateway else None
             ),
             arrival_window_s=gate,
+            # What the pod scale_to removes first holds: the least loaded Ready one (the
+            # operator's cheapest pod); unknown while one starts (that one goes first, and
+            # dropping a start-up just asked for is no idle release).
+            victim_requests=(
+                None if self.target() > len(ready) else min((r.load() for r in ready), default=None)
+            ),
         )
 
 
@@ -842,8 +895,9 @@ def parser() -> argparse.ArgumentParser:
         "--trace",
         choices=sorted(TRACES),
         default="synthetic",
-        help="the day: synthetic (Poisson, 2x bursts) or azure-conv (a published trace's "
-        "arrival burstiness and lengths); JSON keys of a non-default trace get its suffix",
+        help="the day: synthetic (Poisson, 2x bursts), azure-conv (a published trace's "
+        "arrival burstiness and lengths) or two-peak (held out of all tuning: two peaks, "
+        "x1.5 surges and x3 spikes); JSON keys of a non-default trace get its suffix",
     )
     ap.add_argument(
         "--day-seconds",

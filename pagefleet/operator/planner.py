@@ -26,7 +26,8 @@ How it thinks (capacity per replica at the SLO, not CPU utilisation):
 - Up fast, down slowly: after any change nothing moves for a short window; scale-up is
   limited by a step and waits while earlier new replicas are not Ready yet; scale-down goes
   to the highest recommendation of a longer window (so a dip shorter than it moves
-  nothing), a step at a time, and never while any pod's data is unknown.
+  nothing; a short one when the pod to be removed is idle), a step at a time, and never
+  while any pod's data is unknown.
 - Unknown data never scales: no observation, no SLO, or no pod answering leaves the count.
 """
 
@@ -125,6 +126,11 @@ class PlannerConfig:
     # measured 1, 1.5, 2, 2.5 and 3 on both bench traces (docs/benchmarks.md): 2.5 is the
     # least that keeps every run's attainment at 0.95 or the utilisation rule's.
     queue_variability: float = 2.5
+    # When the pod a scale-down would remove (the one marked with the lowest deletion cost)
+    # holds no request, removing it disturbs nothing: the scale-down hold shrinks to this
+    # (the recommendation must still have stayed below the count for all of it). None: off.
+    # Session 9 measured 10, 20, 30 and 60 s on three traces (docs/benchmarks.md).
+    idle_release_s: float | None = 20.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas <= self.max_replicas:
@@ -147,6 +153,8 @@ class PlannerConfig:
                 f"slo_quantile must lie in (0, 1) and queue_variability be > 0, got "
                 f"{self.slo_quantile} and {self.queue_variability}"
             )
+        if self.idle_release_s is not None and self.idle_release_s < 0:
+            raise ValueError(f"idle_release_s must be >= 0 or None, got {self.idle_release_s}")
         if self.headroom < 0 or self.tolerance < 0:
             raise ValueError(
                 f"headroom and tolerance must be >= 0, got {self.headroom} and {self.tolerance}"
@@ -187,6 +195,9 @@ class RoleObservation:
     arrival_requests_per_s: float | None = None
     arrival_prompt_tokens_per_s: float | None = None  # uncached prompt tokens per second
     arrival_window_s: float = 0.0  # the span those rates were counted over
+    # Requests (running + waiting) on the pod a scale-down would remove, the one the
+    # operator marks with the lowest deletion cost (None: not known). 0: it is idle.
+    victim_requests: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -706,6 +717,11 @@ def decide(
         # With every observed percentile far inside its target, the SLO has slack: a high
         # recommendation from a burst that is over is weaker evidence, so hold half as long.
         hold = cfg.scale_down_window_s * (0.5 if _slack(cfg, obs) else 1.0)
+        # The pod to go is idle: its removal interrupts nothing, so only a recommendation
+        # within idle_release_s holds it (a load that comes back gets a replica a start-up
+        # later, as after any scale-down). Heavier load only makes it busy: monotone.
+        if obs.victim_requests == 0 and cfg.idle_release_s is not None:
+            hold = min(hold, cfg.idle_release_s)
         target = max(r for t, r in history if t > now - hold or t == now)
         # Quicker, on a forecast: go below the window's highest recommendation as far as
         # the load, raised by the largest surge seen within one start-up (burst window),

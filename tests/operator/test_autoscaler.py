@@ -32,7 +32,10 @@ from pagefleet.operator.planner import PlannerConfig
 from pagefleet.operator.signals import (
     TTFT,
     MetricsError,
+    PodDelta,
+    PodReport,
     delta,
+    observe_role,
     parse_metrics,
     quantile,
 )
@@ -128,6 +131,23 @@ def test_garbage_metrics_are_an_error_not_zero(text: str, match: str) -> None:
 
 def test_quantile_beyond_the_last_bound_reports_that_bound() -> None:
     assert quantile(0.99, [(0.1, 1.0), (1.0, 1.0), (math.inf, 10.0)]) == 1.0
+
+
+def test_the_observation_carries_the_load_of_the_pod_a_scale_down_removes() -> None:
+    def report(name: str, cached: int, running: int) -> PodReport:
+        load = PodLoad(running=running, waiting=1, num_cached_blocks=cached)
+        return PodReport(name, load=load, delta=PodDelta(10.0, 0.0, 0.0, 0.0, {}))
+
+    pods = [report("a", 50, 0), report("b", 7, 3), report("c", 30, 0)]
+    # "b" holds the fewest cached blocks: it is the one marked, busy with 3 + 1 waiting.
+    assert observe_role(3, 3, pods, 95.0).observation.victim_requests == 4
+    # A pod not Ready goes first: which pod goes, and what it holds, is not known here.
+    assert observe_role(4, 3, pods, 95.0).observation.victim_requests is None
+    pods[1].load = None  # no heartbeat from "b": "c" (30 blocks, 1 waiting) is marked instead
+    assert observe_role(3, 3, pods, 95.0).observation.victim_requests == 1
+    for p in pods:
+        p.load = None
+    assert observe_role(3, 3, pods, 95.0).observation.victim_requests is None
 
 
 # ------------------------------------------------------------------------------ the loop
@@ -348,6 +368,7 @@ def test_load_step_scales_up_and_idle_scales_down_the_cheapest_pod(
     (out,) = tick(scaler, kube, events)
     assert out.decision.reason.value == "ScaledDown", out.decision.message
     assert replicas(kube) == 2 and out.victim == "chat-b"
+    assert out.inputs.observation.victim_requests == 0  # the marked pod's heartbeat: idle
     b = kube.obj("Pod", NS, "chat-b")
     assert b is not None and b["metadata"]["annotations"][DELETION_COST] == VICTIM_COST
     others = [kube.obj("Pod", NS, p) for p in ("chat-a", "chat-c")]

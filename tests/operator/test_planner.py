@@ -52,6 +52,7 @@ def configs(draw: st.DrawFn) -> PlannerConfig:
         sizing=draw(st.sampled_from(["queue", "utilization"])),
         slo_quantile=draw(st.floats(0.5, 0.999)),
         queue_variability=draw(st.floats(0.25, 4)),
+        idle_release_s=draw(st.one_of(st.none(), st.floats(0, 120))),
     )
 
 
@@ -76,6 +77,7 @@ def observations(draw: st.DrawFn, current: int | None = None) -> RoleObservation
         arrival_requests_per_s=draw(st.one_of(st.none(), st.floats(0, 1000))),
         arrival_prompt_tokens_per_s=draw(st.one_of(st.none(), RATES)),
         arrival_window_s=draw(st.floats(0, 60)),
+        victim_requests=draw(st.one_of(st.none(), st.integers(0, 50))),
     )
 
 
@@ -130,6 +132,7 @@ LOAD_FIELDS = (
     "kv_usage",
     "arrival_requests_per_s",
     "arrival_prompt_tokens_per_s",
+    "victim_requests",
 )
 
 
@@ -421,6 +424,32 @@ def test_slack_halves_the_scale_down_hold() -> None:
     assert tight.desired == 3 and tight.reason == Reason.DOWN_WINDOW
     slack = decide(cfg, _obs(3, 100.0, ttft_s=0.1, tpot_s=0.01), high, 1000.0)
     assert slack.desired == 2 and slack.reason == Reason.SCALED_DOWN
+
+
+def test_an_idle_marked_pod_is_released_after_the_idle_window_only() -> None:
+    cfg = _cfg(scale_up_window_s=0.0, scale_down_window_s=120.0, idle_release_s=20.0)
+    # 40 s ago the load asked for 3; now it fits 1 (100 tok/s) and latencies are tight.
+    high = PlannerState(history=((960.0, 3),))
+    tight = {"ttft_s": 0.45, "tpot_s": 0.01}
+    busy = decide(cfg, _obs(3, 100.0, victim_requests=1, **tight), high, 1000.0)
+    assert busy.desired == 3 and busy.reason == Reason.DOWN_WINDOW  # the 120 s window
+    unknown = decide(cfg, _obs(3, 100.0, **tight), high, 1000.0)  # e.g. a pod starting
+    assert unknown.desired == 3
+    idle = decide(cfg, _obs(3, 100.0, victim_requests=0, **tight), high, 1000.0)
+    assert idle.desired == 2 and idle.reason == Reason.SCALED_DOWN  # one step only
+    # ...but not within idle_release_s of a high recommendation, nor with the rule off.
+    recent = PlannerState(history=((990.0, 3),))
+    assert decide(cfg, _obs(3, 100.0, victim_requests=0, **tight), recent, 1000.0).desired == 3
+    off = replace(cfg, idle_release_s=None)
+    assert decide(off, _obs(3, 100.0, victim_requests=0, **tight), high, 1000.0).desired == 3
+    # Steady load with idle pods between requests: no flapping.
+    state, current, counts = PlannerState(), 3, []
+    for k in range(60):
+        d = decide(cfg, _obs(current, 1700.0, victim_requests=k % 2), state, 1000.0 + 5 * k)
+        state, current = d.state, d.desired
+        counts.append(current)
+    assert counts[-30:] == [3] * 30  # 1700 / 800 -> 3
+    assert sum(a != b for a, b in itertools.pairwise(counts)) <= 2
 
 
 def test_gateway_arrivals_lead_a_fleet_running_flat_out() -> None:
