@@ -25,7 +25,9 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import threading
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -150,13 +152,20 @@ def stage_bytes(layout: Any, num_blocks: int) -> int:
     return 2 * layout.num_layers * num_blocks * layout.block_bytes_per_layer
 
 
-def stage_tensors(path: str, layout: Any, num_blocks: int) -> list[tuple[Any, Any]]:
+def stage_tensors(
+    path: str, layout: Any, num_blocks: int, maps: StageMaps | None = None
+) -> list[tuple[Any, Any]]:
     """Engine-process side: per layer (K, V) tensor views of the stage file at ``path``
-    (mapped shared: writes reach the HTTP process). The mapping lives as long as a view."""
+    (mapped shared: writes reach the HTTP process). The mapping lives as long as a view;
+    with ``maps`` it is the one kept for that file (no page faults on a reused stage)."""
     import torch
 
     per = num_blocks * layout.block_bytes_per_layer
-    flat = torch.from_file(path, shared=True, size=2 * layout.num_layers * per, dtype=torch.uint8)
+    size = 2 * layout.num_layers * per
+    if maps is not None:
+        flat = maps.get(path, size)
+    else:
+        flat = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
     dtype = getattr(torch, layout.dtype)
     shape = (num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
 
@@ -164,3 +173,52 @@ def stage_tensors(path: str, layout: Any, num_blocks: int) -> list[tuple[Any, An
         return flat[i * per : (i + 1) * per].view(dtype).view(shape)
 
     return [(part(2 * layer), part(2 * layer + 1)) for layer in range(layout.num_layers)]
+
+
+class StageMaps:
+    """Engine-process side: the mappings of stage files, kept while their file lives.
+
+    The HTTP process reuses its stages (``StagePool``), but a new mapping of the same file
+    in the engine process faults in every page again on first touch: a 29 MB gather or
+    write through a new mapping took 15-20 ms, through a kept one 5-6 ms (one core,
+    docs/benchmarks.md, P/D session 9). A mapping is dropped when its file is gone (the HTTP
+    side closed the stage: only the mapping still held the memory) or changed (another
+    inode or size), and beyond ``keep`` mappings, the least recently used first. Thread
+    safe (the engine thread gathers, side threads write)."""
+
+    def __init__(self, keep: int = 6) -> None:
+        self._keep = keep
+        self._lock = threading.Lock()
+        self._maps: OrderedDict[str, tuple[tuple[int, int], Any]] = OrderedDict()
+
+    def get(self, path: str, size: int) -> Any:
+        """A flat uint8 tensor mapping at least the first ``size`` bytes of ``path``
+        (FileNotFoundError when it is gone)."""
+        import torch
+
+        st = os.stat(path)
+        ident = (st.st_ino, st.st_size)
+        with self._lock:
+            self._prune_locked()
+            hit = self._maps.get(path)
+            if hit is not None and hit[0] == ident and hit[1].numel() >= size:
+                self._maps.move_to_end(path)
+                return hit[1]
+            flat = torch.from_file(path, shared=True, size=st.st_size, dtype=torch.uint8)
+            self._maps[path] = (ident, flat)
+            while len(self._maps) > self._keep:
+                self._maps.popitem(last=False)
+            return flat
+
+    def prune(self) -> None:
+        """Drop the mappings of stage files that are gone (their memory goes with them)."""
+        with self._lock:
+            self._prune_locked()
+
+    def _prune_locked(self) -> None:
+        for path in [p for p in self._maps if not os.path.exists(p)]:
+            del self._maps[path]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._maps)

@@ -9,6 +9,7 @@ that failed or was cancelled): its bytes would be overwritten under that read.
 from __future__ import annotations
 
 import asyncio
+import os
 from types import SimpleNamespace
 
 from prometheus_client import CollectorRegistry
@@ -155,3 +156,43 @@ def test_a_committed_pull_gives_its_stage_back_a_failed_commit_does_not(tmp_path
         # and its file is gone at once (the engine's mapping keeps the bytes it reads).
         assert len(bad.created) == 2 and side.stages.idle_paths() == []
         assert list(where.iterdir()) == [] and bad.cancelled == 2
+
+
+def test_engine_side_mappings_are_kept_per_live_file(tmp_path) -> None:
+    """kv_stage.StageMaps: one mapping per live stage file (a new one per copy faulted in
+    every page again); it sees the HTTP side's writes, goes when the file does, is renewed
+    for a new file at the same path, and no more than ``keep`` are held."""
+    import torch
+
+    from pagefleet.daemon.kv_stage import StageMaps, stage_tensors
+
+    layout = SimpleNamespace(num_layers=2, block_size=2, num_kv_heads=1, head_dim=4,
+                             dtype="float32", block_bytes_per_layer=2 * 4 * 4)  # fmt: skip
+    maps = StageMaps(keep=2)
+    a = KVStage.create(2 * MB, str(tmp_path))
+    assert a is not None
+    views = stage_tensors(a.path, layout, 3, maps)
+    views[1][0].fill_(7.0)  # the engine gathers into layer 1's K
+    again = stage_tensors(a.path, layout, 3, maps)
+    assert again[0][0].data_ptr() == views[0][0].data_ptr(), "the same mapping, kept"
+    k1 = torch.frombuffer(a.view(), dtype=torch.float32)[2 * 3 * 8 : 3 * 3 * 8]
+    assert bool((k1 == 7.0).all()), "the HTTP side reads what the engine wrote"
+    a.close()
+    maps.prune()
+    assert len(maps) == 0, "a closed stage's mapping is dropped"
+    b = KVStage.create(MB, str(tmp_path))
+    c = KVStage.create(MB, str(tmp_path))
+    d = KVStage.create(MB, str(tmp_path))
+    assert b is not None and c is not None and d is not None
+    for s in (b, c, d):
+        stage_tensors(s.path, layout, 1, maps)
+    assert len(maps) == 2, "at most keep mappings"
+    first = maps.get(d.path, 16)
+    d.close()
+    e = KVStage.create(MB, str(tmp_path))
+    assert e is not None
+    os.replace(e.path, d.path)  # another file (inode) at a path seen before
+    assert maps.get(d.path, 16).data_ptr() != first.data_ptr(), "a new file, a new mapping"
+    for s in (b, c, e):
+        s.close()
+    os.unlink(d.path)
