@@ -127,6 +127,24 @@ def banned_by_bad_words(output_ids: list[int], bad_words: list[list[int]]) -> li
     return banned
 
 
+def _plain_greedy(seq: Sequence) -> bool:
+    """Whether every step of the module docstring leaves ``seq``'s row as it is, except the
+    argmax: greedy, no grammar, bias, bans, penalties, logprobs or beams."""
+    p = seq.request.params
+    return (
+        p.temperature == 0.0
+        and seq.grammar is None
+        and not p.logit_bias
+        and not p.bad_words_token_ids
+        and p.min_tokens <= seq.num_output_tokens
+        and p.logprobs is None
+        and not p.use_beam_search
+        and p.presence_penalty == 0.0
+        and p.frequency_penalty == 0.0
+        and p.repetition_penalty == 1.0
+    )
+
+
 class Sampler:
     def __init__(self, eos_token_ids: Seq[int]) -> None:
         self.eos_token_ids = list(eos_token_ids)
@@ -134,6 +152,10 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> list[SampleResult]:
         """``logits[i]`` (``[N, vocab]``) belongs to ``seqs[i]``; one result per row."""
         raw = logits.float()
+        if all(map(_plain_greedy, seqs)):
+            # Nothing to apply and nothing to report: the general path's argmax of the
+            # unchanged logits, without its per-row Python (most steps of most servers).
+            return [SampleResult(t) for t in raw.argmax(dim=-1).tolist()]
         return self.sample(self.process(raw, seqs), seqs, raw)
 
     def process(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:

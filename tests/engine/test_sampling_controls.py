@@ -223,3 +223,26 @@ def test_bad_words_are_tokenized_and_token_ids_checked() -> None:
     assert err.value.param == "logit_bias"
     with pytest.raises(ValueError, match="presence_penalty"):
         SamplingParams(presence_penalty=3.0)
+
+
+def test_plain_greedy_fast_path_equals_the_general_path() -> None:
+    """A batch of plain greedy rows skips the per-row controls: the same tokens (ties to
+    the lowest id) as processing and sampling them; one row with a control anywhere in the
+    batch (here min_tokens not yet reached) sends the batch down the general path."""
+    sampler = Sampler([EOS])
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, VOCAB, generator=g)
+    logits[1, [7, 3]] = 50.0  # a tie: the lowest id wins in both paths
+    logits[4, EOS] = 60.0
+    seqs = [_seq([5, 6], [9] * i, SamplingParams(temperature=0)) for i in range(6)]
+    fast = sampler(logits, seqs)
+    general = sampler.sample(sampler.process(logits, seqs), seqs, logits)
+    assert [r.token_id for r in fast] == [r.token_id for r in general]
+    assert fast[1].token_id == 3 and fast[4].token_id == EOS
+    assert all(r.logprob is None and r.top == [] and r.beam is None for r in fast)
+    seqs[4] = _seq([5, 6], [9] * 4, SamplingParams(temperature=0, min_tokens=5))
+    mixed = sampler(logits, seqs)
+    assert mixed[4].token_id != EOS  # banned until min_tokens: the general path ran
+    assert [r.token_id for i, r in enumerate(mixed) if i != 4] == [
+        r.token_id for i, r in enumerate(fast) if i != 4
+    ]
