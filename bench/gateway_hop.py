@@ -15,6 +15,13 @@ pagefleet's gateway (cache_aware, real Redis, real tokenizer) and through sglang
 gateway's CPU per request (its process's CPU time over the run, start-up excluded).
 ``--busy N`` runs N spinning processes beside it (a fleet's busy daemons on the same cores).
 
+Each door first gets a cold burst: the agentic trace's opening 8 turns at once, as the
+door's very first requests (``{door}_cold_burst_door_in_ms_p50/max``): what a fresh
+gateway costs a trace's opening burst. ``--base-pythonpath DIR`` runs a second gateway
+from another checkout beside ours (door ``gateway_base``; ``gateway_over_base_*`` keys):
+a paired A/B of two gateways in one run. ``--profile PATH`` runs our gateway under
+cProfile (its CPU figures then include the profiler's cost).
+
 Last line: one JSON object; ``gateway_door_in_ms_p50_c8`` etc., and
 ``gateway_over_sglang_door_in_p50_c8`` (ours / sglang-router's, same process and run).
 """
@@ -144,6 +151,12 @@ async def _one(s: aiohttp.ClientSession, url: str, body: bytes) -> tuple[float, 
     return got
 
 
+async def _burst(url: str, bodies: list[bytes]) -> list[tuple[float, float]]:
+    """``bodies`` all at once, as a door's very first requests (a trace's opening burst)."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        return list(await asyncio.gather(*(_one(s, url, b) for b in bodies)))
+
+
 async def _drive(url: str, bodies: list[bytes], concurrency: int) -> list[tuple[float, float]]:
     rows: list[tuple[float, float]] = []
     queue = list(bodies)
@@ -205,6 +218,20 @@ def main() -> None:
     ap.add_argument("--system-prompt-words", type=int, default=280)
     ap.add_argument("--gateway-args", default="", help="extra flags for pagefleet's gateway")
     ap.add_argument(
+        "--base-pythonpath",
+        default=None,
+        metavar="DIR",
+        help="also run the gateway of another checkout (door gateway_base, same flags) "
+        "beside ours: a paired A/B in one run",
+    )
+    ap.add_argument(
+        "--profile",
+        default=None,
+        metavar="PATH",
+        help="run the gateway under cProfile and write its stats to PATH (pstats format; "
+        "the CPU figures then include the profiler's own cost)",
+    )
+    ap.add_argument(
         "--serve-fake", nargs=2, metavar=("PORTS", "PREFILL_MS"), help=argparse.SUPPRESS
     )
     args = ap.parse_args()
@@ -237,41 +264,74 @@ def main() -> None:
         fake.start()
         children.append(fake)
         gw_port = free_port()
-        gateway = Child(
-            "gateway",
-            [
-                sys.executable, "-m", "pagefleet.cli", "gateway",
-                "--host", "127.0.0.1", "--port", str(gw_port), "--model", model_dir,
+
+        def gateway_argv(port: int, profile: str | None) -> list[str]:
+            return [
+                sys.executable,
+                *(["-m", "cProfile", "-o", profile] if profile else []),
+                "-m", "pagefleet.cli", "gateway",
+                "--host", "127.0.0.1", "--port", str(port), "--model", model_dir,
                 "--served-model-name", MODEL, "--kv-namespace", MODEL, "--block-size", "16",
                 "--endpoints", ",".join(urls), "--redis-url", redis.url,
                 "--intake-workers", "0", *args.gateway_args.split(),
-            ],
+            ]  # fmt: skip
+
+        gateway = Child(
+            "gateway",
+            gateway_argv(gw_port, args.profile),
             f"http://127.0.0.1:{gw_port}",
             logs / "gateway.log",
-        )  # fmt: skip
+        )
         gateway.start()
         children.append(gateway)
         doors = {"direct": urls[0], "gateway": gateway.url}
+        gateways = {"gateway": gateway}
+        if args.base_pythonpath:
+            base_port = free_port()
+            base = Child(
+                "gateway_base",
+                gateway_argv(base_port, None),
+                f"http://127.0.0.1:{base_port}",
+                logs / "gateway_base.log",
+                env={"PYTHONPATH": args.base_pythonpath},
+            )
+            base.start()
+            children.append(base)
+            doors["gateway_base"] = base.url
+            gateways["gateway_base"] = base
         if peer_version("sglang"):
             peer = spawn_peer("sglang", urls, logs)
             children.append(peer)
             doors["sglang"] = peer.url
         _wait(urls[0], "/health")
-        _wait(gateway.url, "/ready")
+        for g in gateways.values():
+            _wait(g.url, "/ready")
         if "sglang" in doors:
             wait_peer_ready(children[-1], MODEL)
         busy = [
             subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)
         ]
-        assert gateway.proc is not None
+        # Each door's first requests: the agentic trace's opening burst (its first 8
+        # turns, 4 tenants' system prompts) on a door that has served nothing yet.
+        opening = _bodies("agentic", 8, args.system_prompt_words)
+        for door, url in doors.items():
+            din = [r[0] for r in asyncio.run(_burst(url, opening))]
+            out[f"{door}_cold_burst_door_in_ms_p50"] = _q(din, 0.5)
+            out[f"{door}_cold_burst_door_in_ms_max"] = _q(din, 1.0)
+            print(
+                f"cold burst of 8 {door:12s} door_in p50 {_q(din, 0.5):6.2f} max "
+                f"{_q(din, 1.0):6.2f} ms",
+                flush=True,
+            )
         for shape in shapes:
             bodies = _bodies(shape, n + 4, args.system_prompt_words)
             sfx = "" if shape == "chat" else "_agentic"
             for conc in (1, 8):
                 for door, url in doors.items():
-                    cpu0 = _cpu_ms(gateway.proc.pid)
+                    proc = gateways[door].proc if door in gateways else None
+                    cpu0 = _cpu_ms(proc.pid) if proc else 0.0
                     rows = asyncio.run(_drive(url, bodies, conc))
-                    cpu = (_cpu_ms(gateway.proc.pid) - cpu0) / len(bodies)
+                    cpu = (_cpu_ms(proc.pid) - cpu0) / len(bodies) if proc else 0.0
                     din = [r[0] for r in rows]
                     dout = [r[1] for r in rows]
                     key = f"{door}_door_in_ms"
@@ -283,14 +343,22 @@ def main() -> None:
                         f"p90 {_q(din, 0.9):6.2f} p99 {_q(din, 0.99):6.2f} ms  door_out p50 "
                         f"{_q(dout, 0.5):6.2f} ms"
                     )
-                    if door == "gateway":
-                        out[f"gateway_cpu_ms_per_request_c{conc}{sfx}"] = round(cpu, 2)
+                    if door in gateways:
+                        out[f"{door}_cpu_ms_per_request_c{conc}{sfx}"] = round(cpu, 2)
                         line += f"  gateway CPU {cpu:.2f} ms/request"
                     print(line, flush=True)
                 g = out[f"gateway_door_in_ms_p50_c{conc}{sfx}"]
                 out[f"gateway_minus_direct_door_in_ms_p50_c{conc}{sfx}"] = round(
                     g - out[f"direct_door_in_ms_p50_c{conc}{sfx}"], 2
                 )
+                b = out.get(f"gateway_base_door_in_ms_p50_c{conc}{sfx}")
+                if b:
+                    out[f"gateway_over_base_door_in_p50_c{conc}{sfx}"] = round(g / b, 3)
+                    out[f"gateway_over_base_cpu_per_request_c{conc}{sfx}"] = round(
+                        out[f"gateway_cpu_ms_per_request_c{conc}{sfx}"]
+                        / max(0.01, out[f"gateway_base_cpu_ms_per_request_c{conc}{sfx}"]),
+                        3,
+                    )
                 s = out.get(f"sglang_door_in_ms_p50_c{conc}{sfx}")
                 out[f"gateway_over_sglang_door_in_p50_c{conc}{sfx}"] = (
                     round(g / s, 3) if s else None
