@@ -546,6 +546,16 @@ async def main(args: argparse.Namespace) -> dict:
             idle[k] = await _idle_ttft(gws[k].url, vocab, args.idle_prompts, idle_run.long_sent)
             if trace is not None:  # where the idle TTFT goes, both ways
                 trace[f"long_phases_idle_{k}"] = _phases(args, idle_run, k)
+        if trace is not None:
+            # The idle cost of P/D from the phases (robust to the two fleets' prefill steps
+            # differing by 100+ ms on a shared machine, which the medians' difference is
+            # not): what P/D adds after the prefill step, less unified's first-token delivery.
+            pd_ph, u_ph = trace["long_phases_idle_pd"], trace["long_phases_idle_unified"]
+            if "phases_ms" in pd_ph and "phases_ms" in u_ph:
+                trace["ttft_cost_ms_pd_phases"] = round(
+                    pd_ph["after_compute_ms_mean"] - u_ph["phases_ms"]["to_first_token"]["mean"],
+                    1,
+                )
         # The pulls of the idle prompts alone (the P/D fleet ran them one at a time).
         _, _, pulls2, mean2 = await _transfer_stats(daemons["pd"][1].url)
         n_idle = pulls2 - pulls

@@ -297,6 +297,10 @@ def long_phases(trace_dir: str, result: Any, fleet: str) -> dict[str, Any]:
         }
         for k in phases
     }
+    if fleet == "pd":  # the phases a unified daemon does not have, plus its first token
+        out["after_compute_ms_mean"] = round(
+            sum(out["phases_ms"][k]["mean"] for k in _PHASES_PD[4:]), 1
+        )
     if fleet == "unified":
         out["per_engine"] = {n: sum(1 for i in used if big[i][1] == n) for n in names}
     return out
