@@ -169,6 +169,23 @@ class Request:
     finish: float | None = None
 
 
+def _thinned_requests(
+    rng: random.Random, rate: Callable[[float], float], peak_rate: float, duration: float
+) -> list[Request]:
+    """Arrivals of a Poisson process of intensity ``rate(t)`` (thinned from ``peak_rate``),
+    each with a lognormal prompt (32-1536 tokens, median 320) and 16-96 output tokens. The
+    draws' order is fixed: a trace is the same for the same seed."""
+    out: list[Request] = []
+    t = 0.0
+    while True:
+        t += rng.expovariate(peak_rate)
+        if t >= duration:
+            return out
+        if rng.random() < rate(t) / peak_rate:
+            prompt = int(min(1536, max(32, rng.lognormvariate(math.log(320), 0.6))))
+            out.append(Request(t, prompt, rng.randint(16, 96)))
+
+
 def make_trace(
     duration: float, peak_rate: float, seed: int
 ) -> tuple[list[Request], Callable[[float], float], list[tuple[float, float]]]:
@@ -187,17 +204,7 @@ def make_trace(
         burst = 2.0 if any(a <= t < b for a, b in bursts) else 1.0
         return peak_rate * min(1.0, day * burst) if burst > 1 else peak_rate * day
 
-    out: list[Request] = []
-    t = 0.0
-    while True:
-        t += rng.expovariate(peak_rate)
-        if t >= duration:
-            break
-        if rng.random() < rate(t) / peak_rate:
-            prompt = int(min(1536, max(32, rng.lognormvariate(math.log(320), 0.6))))
-            output = rng.randint(16, 96)
-            out.append(Request(t, prompt, output))
-    return out, rate, bursts
+    return _thinned_requests(rng, rate, peak_rate, duration), rate, bursts
 
 
 def steady_trace(
@@ -314,16 +321,7 @@ def make_two_peak_trace(
         lift = max((m for a, b, m in surges if a <= t < b), default=1.0)
         return peak_rate * min(1.0, day * lift) if lift > 1 else peak_rate * day
 
-    out: list[Request] = []
-    t = 0.0
-    while True:
-        t += rng.expovariate(peak_rate)
-        if t >= duration:
-            break
-        if rng.random() < rate(t) / peak_rate:
-            prompt = int(min(1536, max(32, rng.lognormvariate(math.log(320), 0.6))))
-            out.append(Request(t, prompt, rng.randint(16, 96)))
-    return out, rate, [(a, b) for a, b, _ in surges]
+    return _thinned_requests(rng, rate, peak_rate, duration), rate, [(a, b) for a, b, _ in surges]
 
 
 TRACES = {
