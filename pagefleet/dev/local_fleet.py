@@ -83,6 +83,7 @@ class Child:
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
     env: dict[str, str] = field(default_factory=dict)  # on top of this process's own
+    terminated: bool = False  # SIGTERM sent (terminate) and the child not stopped yet
 
     def start(self) -> None:
         env = dict(os.environ)
@@ -91,6 +92,7 @@ class Child:
         env.setdefault("OMP_NUM_THREADS", "1")
         env.update(self.env)
         self.proc = process.spawn(self.argv, self.log_path, env=env)
+        self.terminated = False
 
     @property
     def alive(self) -> bool:
@@ -100,13 +102,17 @@ class Child:
         """Send SIGTERM without waiting (stop several children in parallel)."""
         if self.proc is not None:
             process.signal_group(self.proc, signal.SIGTERM)
+            self.terminated = True
 
     def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM (again, harmless) and wait up to ``timeout``; then SIGKILL, loudly."""
+        """SIGTERM (unless ``terminate`` sent it) and wait up to ``timeout``; then SIGKILL,
+        loudly. Never a second SIGTERM: it would kill a daemon in its exit, after its loop
+        closed, before multiprocessing cleans up its engine process's semaphores."""
         proc, self.proc = self.proc, None
         if proc is None:
             return
-        if process.stop(proc, grace_s=timeout) == -signal.SIGKILL:
+        term, self.terminated = not self.terminated, False
+        if process.stop(proc, grace_s=timeout, term=term) == -signal.SIGKILL:
             logger.warning("%s did not stop within %.1fs of SIGTERM: killed", self.name, timeout)
 
     def kill(self) -> None:

@@ -102,11 +102,16 @@ def signal_group(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> No
             os.killpg(proc.pid, sig)
 
 
-def stop(proc: subprocess.Popen[bytes], grace_s: float) -> int:
-    """SIGTERM the process group led by ``proc``, SIGKILL it after ``grace_s``; reap ``proc``
-    and return its exit status."""
+def stop(proc: subprocess.Popen[bytes], grace_s: float, *, term: bool = True) -> int:
+    """SIGTERM the process group led by ``proc`` (unless ``term`` is False: the caller sent
+    it already), SIGKILL it after ``grace_s``; reap ``proc`` and return its exit status.
+
+    One SIGTERM only: a second is not harmless. A Python server whose asyncio loop has
+    closed is back on TERM's default action while it finishes its exit (atexit,
+    multiprocessing's cleanup), so a repeated SIGTERM kills it there."""
     if proc.poll() is None:
-        signal_group(proc, signal.SIGTERM)
+        if term:
+            signal_group(proc, signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=grace_s)
     # The leader may have exited while children it forked still hold the group alive.
