@@ -408,10 +408,12 @@ async def test_prefill_pool_busy_per_its_heartbeat_means_local_prefill(fleet) ->
         # Other clients keep the prefill pod busy: long decodes sent to it directly, each
         # client sending its next as soon as one ends (a single round is over in well under
         # a second with the compiled CPU attention, before the gateway had read a heartbeat).
+        # Each client decodes a different length: equal lengths ran in lockstep, all ending
+        # in one step, and a heartbeat taken in that gap read the pod as idle (CI failure).
         async def keep_busy(i: int) -> None:
             while True:
                 await direct.completions.create(
-                    model=MODEL, prompt=f"{PROMPT} {i}", max_tokens=190, temperature=0,
+                    model=MODEL, prompt=f"{PROMPT} {i}", max_tokens=100 + 18 * i, temperature=0,
                     extra_body={"ignore_eos": True},
                 )  # fmt: skip
 
