@@ -163,19 +163,26 @@ def analyse(trace_dir: str, result: Any) -> dict[str, Any]:
         "ge_p99_by_steps_within": cls_count,
     }
     # Imports: phases (ms) and the first token after the commit (matched in time order).
-    ph = {"reserve": [], "pull": [], "write_pieces": [], "commit": [], "to_first_token": []}
+    # An early import's ``wait`` (for the handle, after its reservation) overlaps the
+    # prefill: not a cost of its own.
+    ph: dict[str, list[float]] = {
+        "reserve": [], "wait": [], "pull": [], "write_pieces": [], "commit": [],
+        "to_first_token": [],
+    }  # fmt: skip
     firsts = sorted(sent + ttft for sent, ttft, _ in result.long_sent)
     for r in imports:
-        t = r["t"]
-        if len(t) < 5:
+        t = _import_times(r)
+        if t is None:
             continue
-        ph["reserve"].append((t[1] - t[0]) * 1e3)
-        ph["pull"].append((t[2] - t[1]) * 1e3)
-        ph["write_pieces"].append((t[3] - t[2]) * 1e3)
-        ph["commit"].append((t[4] - t[3]) * 1e3)
-        i = bisect.bisect_left(firsts, t[4])
+        ph["reserve"].append((t["reserved"] - t["start"]) * 1e3)
+        if "ready" in t:
+            ph["wait"].append((t["ready"] - t["reserved"]) * 1e3)
+        ph["pull"].append((t["pulled"] - t.get("ready", t["reserved"])) * 1e3)
+        ph["write_pieces"].append((t["written"] - t["pulled"]) * 1e3)
+        ph["commit"].append((t["committed"] - t["written"]) * 1e3)
+        i = bisect.bisect_left(firsts, t["committed"])
         if i < len(firsts):
-            ph["to_first_token"].append((firsts[i] - t[4]) * 1e3)
+            ph["to_first_token"].append((firsts[i] - t["committed"]) * 1e3)
     out["import_ms"] = {
         k: {
             "p50": round(_pct(v, 0.5), 1),
@@ -197,8 +204,33 @@ _PHASES_UNIFIED = ("queue_long", "queue_other", "gateway_in", "compute", "to_fir
 
 
 def _overlap(steps: list[dict[str, Any]], lo: float, hi: float, skip: Any) -> float:
-    """Seconds of ``steps`` (t1..t2) inside [lo, hi], ``skip`` excluded."""
-    return sum(max(0.0, min(s["t2"], hi) - max(s["t1"], lo)) for s in steps if s is not skip)
+    """Seconds of ``steps`` (t1..t2) inside [lo, hi], those whose id is in ``skip`` excluded."""
+    return sum(max(0.0, min(s["t2"], hi) - max(s["t1"], lo)) for s in steps if id(s) not in skip)
+
+
+def _long_requests(
+    per_engine: dict[str, list[dict[str, Any]]],
+) -> list[tuple[float, str, str, int, list[dict[str, Any]]]]:
+    """Every long prompt the engines prefilled, from the steps' ``pr`` rows: (its first
+    step's start, engine, request id, prompt length, its steps in order), by start. A step
+    shared by two prompts (the end of one, the start of the next) is in both lists."""
+    found: dict[tuple[str, str], tuple[int, list[dict[str, Any]]]] = {}
+    for name, steps in per_engine.items():
+        for s in steps:
+            for rid, _start, _ntok, plen in s.get("pr", ()):
+                if plen >= _LONG_PREFILL:
+                    found.setdefault((name, rid), (plen, []))[1].append(s)
+    return sorted((ss[0]["t1"], name, rid, plen, ss) for (name, rid), (plen, ss) in found.items())
+
+
+def _import_times(r: dict[str, Any]) -> dict[str, float] | None:
+    """An import line's times by name (``ready``: a pending import's wait for the handle
+    ended), or None for an import that did not commit."""
+    t = r["t"]
+    names = ("start", "reserved", "ready", "pulled", "written", "committed")
+    if not r.get("pending"):
+        names = ("start", "reserved", "pulled", "written", "committed")
+    return dict(zip(names, t, strict=True)) if len(t) == len(names) else None
 
 
 def long_phases(trace_dir: str, result: Any, fleet: str) -> dict[str, Any]:
@@ -207,79 +239,85 @@ def long_phases(trace_dir: str, result: Any, fleet: str) -> dict[str, Any]:
 
     - ``queue_long``: the engine that prefilled it ran other long prompts' prefill steps
       after it was sent (it waited behind them), ``queue_other``: other steps (decodes,
-      chats' turns), ``gateway_in``: the rest before its step started (client, gateway,
-      the daemon's HTTP side, engine call);
-    - ``compute``: its prefill step; ``gather`` (P/D): the export stage's fill after it;
+      chats' turns), ``gateway_in``: the rest before its first step started (client,
+      gateway, the daemon's HTTP side, engine call);
+    - ``compute``: its first prefill step's start to its last one's end (a step it shares
+      with another long prompt counts for both); ``gather`` (P/D): the export stage's fill;
     - P/D: ``hand_over`` (gather end to the decode pod's import start: the prefill pod's
-      response, the gateway, the decode pod's HTTP side), the import's ``reserve``, ``pull``,
-      ``write``, ``commit``; ``to_first_token``: the rest to the client's first token (on
-      P/D the decode pod's step for the last prompt token, and the way back).
+      response, the gateway, the decode pod's HTTP side; for an early import -- sent while
+      the prefill ran -- gather end to the end of its wait for the handle), the import's
+      ``reserve`` (an early import's only as far as it ran past the gather's end),
+      ``pull``, ``write``, ``commit``; ``to_first_token``: the rest to the client's first
+      token (on P/D the decode pod's step for the last prompt token, and the way back).
+      ``reserve_early_ms`` and ``early`` say how long early reservations took beside the
+      prefill, and how many imports were early.
 
     ``fleet``: "pd" (prefill pod ``prefill``, decode pod ``decode``) or "unified" (``u0``,
-    ``u1``). Prompts are matched to steps in send order by prompt length."""
+    ``u1``). Prompts are matched to the engine requests that prefilled them in send order,
+    by prompt length (the steps' ``pr`` rows, so two prompts in one step both match), and
+    on P/D to the decode pod's import of the same handle."""
     base = Path(trace_dir)
     names = ["prefill"] if fleet == "pd" else ["u0", "u1"]
     per_engine = {n: _load(base / n) for n in names}
-    big = sorted(
-        ((s, n) for n, ss in per_engine.items() for s in ss if s["pft"] >= _LONG_PREFILL),
-        key=lambda x: x[0]["t1"],
-    )
+    reqs = _long_requests(per_engine)
     imports = _load(base / "decode.imports") if fleet == "pd" else []
+    by_handle = {r["handle"]: r for r in imports if r.get("handle")}
     used: set[int] = set()
-    used_imp: set[int] = set()
     rows: list[dict[str, float]] = []
-    unmatched = 0
+    unmatched = shared = early = 0
+    reserve_early: list[float] = []
     for sent, ttft, n in sorted(result.long_sent):
         if ttft != ttft:  # NaN: no token came
             continue
         hit = next(
-            (
-                (i, s, e)
-                for i, (s, e) in enumerate(big)
-                if i not in used and s["t1"] >= sent
-                and (s["pft"] == n if fleet == "pd" else n <= s["pft"] < n + _LONG_PREFILL)
-            ),
+            (i for i, r in enumerate(reqs) if i not in used and r[3] == n and r[0] >= sent),
             None,
-        )  # fmt: skip
+        )
         if hit is None:
             unmatched += 1
             continue
-        i, st, eng = hit
-        used.add(i)
+        used.add(hit)
+        _, eng, rid, _, mine = reqs[hit]
+        first_step, last_step = mine[0], mine[-1]
         first = sent + ttft
         others = per_engine[eng]
-        longs = [s for s in others if s["pft"] >= _LONG_PREFILL]
-        q_long = _overlap(longs, sent, st["t1"], st)
-        q_all = _overlap(others, sent, st["t1"], st)
+        skip = {id(s) for s in mine}
+        longs = [s for s in others if any(r[3] >= _LONG_PREFILL for r in s.get("pr", ()))]
+        q_long = _overlap(longs, sent, first_step["t1"], skip)
+        q_all = _overlap(others, sent, first_step["t1"], skip)
+        shared += any(sum(r[3] >= _LONG_PREFILL for r in s.get("pr", ())) > 1 for s in mine)
         row = {
             "ttft": ttft,
             "queue_long": q_long,
             "queue_other": q_all - q_long,
-            "gateway_in": st["t1"] - sent - q_all,
-            "compute": st["t2"] - st["t1"],
+            "gateway_in": first_step["t1"] - sent - q_all,
+            "compute": last_step["t2"] - first_step["t1"],
         }
         if fleet == "pd":
-            end = st.get("t3", st["t2"])
-            row["gather"] = end - st["t2"]
-            j = next(
-                (j for j, r in enumerate(imports)
-                 if j not in used_imp and r.get("n") == n and r["t"][0] >= end
-                 and len(r["t"]) >= 5),
-                None,
-            )  # fmt: skip
-            if j is None:  # prefilled on the decode pod after all (fallback)
+            end = last_step.get("t3", last_step["t2"])
+            row["gather"] = end - last_step["t2"]
+            imp = by_handle.get(rid)
+            t = None if imp is None else _import_times(imp)
+            if t is None:  # prefilled on the decode pod after all (fallback)
                 unmatched += 1
                 continue
-            used_imp.add(j)
-            t = imports[j]["t"]
+            if "ready" in t:  # early: reserved beside the prefill, then waited for it
+                early += 1
+                reserve_early.append(t["reserved"] - t["start"])
+                past = max(end, t["reserved"])
+                row.update(reserve=past - end, hand_over=t["ready"] - past,
+                           pull=t["pulled"] - t["ready"])  # fmt: skip
+            else:
+                row.update(hand_over=t["start"] - end, reserve=t["reserved"] - t["start"],
+                           pull=t["pulled"] - t["reserved"])  # fmt: skip
             row.update(
-                hand_over=t[0] - end, reserve=t[1] - t[0], pull=t[2] - t[1],
-                write=t[3] - t[2], commit=t[4] - t[3], to_first_token=first - t[4],
+                write=t["written"] - t["pulled"], commit=t["committed"] - t["written"],
+                to_first_token=first - t["committed"],
             )  # fmt: skip
         else:
-            row["to_first_token"] = first - st["t2"]
+            row["to_first_token"] = first - last_step["t2"]
         rows.append(row)
-    out: dict[str, Any] = {"prompts": len(rows), "unmatched": unmatched}
+    out: dict[str, Any] = {"prompts": len(rows), "unmatched": unmatched, "shared_step": shared}
     if not rows:
         return out
     out["ttft_ms"] = {
@@ -301,8 +339,14 @@ def long_phases(trace_dir: str, result: Any, fleet: str) -> dict[str, Any]:
         out["after_compute_ms_mean"] = round(
             sum(out["phases_ms"][k]["mean"] for k in _PHASES_PD[4:]), 1
         )
+        out["early"] = early
+        if reserve_early:
+            out["reserve_early_ms"] = {
+                "p50": round(_pct(reserve_early, 0.5) * 1e3, 1),
+                "mean": round(sum(reserve_early) / len(reserve_early) * 1e3, 1),
+            }
     if fleet == "unified":
-        out["per_engine"] = {n: sum(1 for i in used if big[i][1] == n) for n in names}
+        out["per_engine"] = {n: sum(1 for i in used if reqs[i][1] == n) for n in names}
     return out
 
 

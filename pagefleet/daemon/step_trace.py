@@ -8,8 +8,11 @@ is the clock ``time.perf_counter()`` reads in another process, so a client's tok
 times line up with them.
 
 Step line: ``{"t0": calls start, "t1": step start, "t2": step end, "dec": decode rows,
-"pf": prefill rows, "pft": prefill tokens, "calls": [method names served before it]}``,
-plus ``"t3"`` on a prefill pod: when the gather of the prompts it finished for export ended.
+"pf": prefill rows, "pft": prefill tokens, "calls": [method names served before it],
+"pr": [[request id, first position, tokens, prompt length] of each prefill row]}``, plus
+``"t3"`` on a prefill pod: when the gather of the prompts it finished for export ended.
+(``pr`` tells which prompts a step prefilled when two share it: a 2048-token budget fits
+the end of one long prompt and the start of the next.)
 Import line: the phases of one ``kv_transfer_params`` import (pd.py).
 
 Invariant: with the variable unset nothing is wrapped, written or timed beyond one
@@ -86,15 +89,21 @@ class StepTrace:
         prompts it finished for export into their stages ended (prefill role), if any."""
         out, self._last = self._last, None
         dec = pf = pft = 0
+        rows = []
         for it in [] if out is None else out.scheduled:
             if it.is_decode:
                 dec += 1
             else:
                 pf += 1
                 pft += it.num_new_tokens
+                seq = it.seq
+                rows.append(
+                    [seq.request.request_id, it.start, it.num_new_tokens, seq.num_prompt_tokens]
+                )
         calls, self._calls = self._calls, []
         t0 = self._t0 if calls else t1
-        rec = {"t0": t0, "t1": t1, "t2": t2, "dec": dec, "pf": pf, "pft": pft, "calls": calls}
+        rec = {"t0": t0, "t1": t1, "t2": t2, "dec": dec, "pf": pf, "pft": pft, "calls": calls,
+               "pr": rows}  # fmt: skip
         if t3 is not None:
             rec["t3"] = t3
         self._lines.add(rec)
