@@ -54,8 +54,13 @@ class Job:
     # --request-log: when the HTTP handler started (monotonic), and where to record it
     t_http: float = 0.0
     trace: RequestLog | None = None
+    # P/D prefill: the engine request id of the (only) prompt when the caller named its
+    # transfer handle (kv_transfer_params.remote_request_id with do_remote_decode)
+    handle: str | None = None
 
     def rid(self, i: int) -> str:
+        if i == 0 and self.handle is not None:
+            return self.handle
         return f"{self.base_id}-{i}"
 
     def text_base(self, choice_index: int) -> int:
@@ -66,6 +71,8 @@ class Job:
         return self.echo[choice_index // self.params.n] if self.echo else ""
 
     def prompt_index(self, rid: str) -> int:
+        if rid == self.handle:
+            return 0
         return int(rid.rsplit("-", 1)[1])
 
     def choice(self, rid: str, delta: CompletionDelta) -> Choice:

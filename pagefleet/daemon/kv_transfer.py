@@ -11,6 +11,12 @@ the prompt's blocks and receives them in one binary response on the daemon's own
     payload   for each layer in the header's layer range: K then V of the blocks, as
               ``[num_blocks, block_size, num_kv_heads, head_dim]`` in C order
 
+A decode pod may be told of a handle before its prefill ends (``remote_pending``: the
+gateway sent the prompt to both pods at once, so the decode pod reserves its blocks while
+the prefill runs); it then waits for the handle with ``POST /v1/kv/wait`` (``{"handle",
+"wait_s"}``), which answers 200 once the prefill has exported it, 404 once it never will
+(the prefill failed or was released), 408 at ``wait_s``.
+
 A decode pod that will not pull a handle after all (its own cache holds every block, or it
 prefills locally) says so with ``POST /v1/kv/release`` (``{"handle": ...}``): the prefill
 pod unpins the blocks at once instead of at the handle's deadline.
@@ -34,6 +40,7 @@ registered memory instead of a byte stream; the export/import bookkeeping in the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import struct
@@ -56,6 +63,13 @@ logger = logging.getLogger(__name__)
 
 PULL_PATH = "/v1/kv/pull"
 RELEASE_PATH = "/v1/kv/release"
+WAIT_PATH = "/v1/kv/wait"
+# How long a wait for a handle the prefill pod has not heard of waits for its request to
+# arrive (the gateway sends it and the decode request at once; it is normally first, and
+# a gateway whose prefill request failed releases the handle, which ends the wait).
+_UNKNOWN_GRACE_S = 10.0
+# How long a settled handle's outcome is remembered for waits that arrive after it.
+_SETTLED_TTL_S = 120.0
 _HEADER_LEN = struct.Struct(">I")
 _MAX_HEADER = 64 << 20
 
@@ -78,6 +92,11 @@ class KVTransferParams(BaseModel):
     remote_port: int | None = Field(default=None, ge=1, le=65535)
     remote_request_id: str | None = None  # the transfer handle
     remote_num_tokens: int | None = Field(default=None, ge=0)  # the prompt the handle holds
+    # To a prefill pod with do_remote_decode: the handle to export under (the caller's
+    # choice, so it can tell a decode pod before the prefill ends); 1-128 characters.
+    # To a decode pod with do_remote_prefill: ``remote_pending`` says the prefill may still
+    # be running (reserve now, wait for the handle, then pull).
+    remote_pending: bool = False
 
 
 @dataclass(slots=True)
@@ -282,6 +301,15 @@ class ReleaseRequest(BaseModel):
     handle: str = Field(min_length=1, max_length=256)
 
 
+class WaitRequest(BaseModel):
+    """Body of ``POST /v1/kv/wait``: answer when ``handle`` is exported or never will be."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    handle: str = Field(min_length=1, max_length=256)
+    wait_s: float = Field(gt=0, le=600)
+
+
 class KVTransfer(ABC):
     """Moves a prompt's KV blocks from a prefill pod into a decode pod's reservation."""
 
@@ -292,6 +320,11 @@ class KVTransfer(ABC):
         """Tell the prefill pod that holds ``params``' handle to free it now (this pod will
         not pull it). Best effort: True when the prefill pod freed it; never raises (the
         handle's deadline frees it otherwise)."""
+
+    async def wait_ready(self, params: KVTransferParams, wait_s: float) -> None:
+        """Return once the prefill pod has exported ``params``' handle (its prefill ran);
+        KVPullError when it never will, cannot be reached, or ``wait_s`` passes."""
+        raise KVPullError("unsupported", f"{type(self).__name__} cannot wait for a handle")
 
     @abstractmethod
     async def pull(
@@ -349,6 +382,26 @@ class TcpKVTransfer(KVTransfer):
         except (KVPullError, TimeoutError, ClientError, OSError, ValidationError) as exc:
             logger.debug("releasing KV handle %s failed: %s", params.remote_request_id, exc)
             return False
+
+    async def wait_ready(self, params: KVTransferParams, wait_s: float) -> None:
+        url = self._url(params, WAIT_PATH)
+        body = WaitRequest(handle=params.remote_request_id or "", wait_s=wait_s).model_dump()
+        try:
+            async with asyncio.timeout(wait_s + min(self.timeout_s, 3.0)):
+                async with self._client().post(
+                    url, json=body, timeout=ClientTimeout(total=None, sock_connect=3.0)
+                ) as resp:
+                    if resp.status == 200:
+                        return
+                    text = (await resp.text())[:300]
+        except TimeoutError:
+            raise KVPullError("timeout", f"no KV handle at {url} within {wait_s}s") from None
+        except (ClientError, OSError) as exc:
+            raise KVPullError("unreachable", f"cannot wait for KV at {url}: {exc}") from None
+        reason = {404: "not_found", 408: "timeout", 400: "bad_params"}.get(
+            resp.status, f"http_{resp.status}"
+        )
+        raise KVPullError(reason, f"the prefill pod answered {resp.status}: {text}")
 
     async def pull(
         self, params: KVTransferParams, plan: Any, layout: Any, into: Any = None
@@ -496,10 +549,75 @@ class KVExportServer:
         # them; dropped after ``stage_ttl_s`` unpulled.
         self._staged: dict[str, _Staged] = {}
         self.stage_ttl_s = stage_ttl_s
+        # Handles waited for (``/v1/kv/wait``) or expected (their prefill is running), and
+        # how recently settled ones ended (True: exported), for waits that come after.
+        self._awaited: dict[str, _Awaited] = {}
+        self._settled: dict[str, tuple[bool, float]] = {}
+        self.unknown_grace_s = _UNKNOWN_GRACE_S
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post(PULL_PATH, self.pull)
         app.router.add_post(RELEASE_PATH, self.release)
+        app.router.add_post(WAIT_PATH, self.wait)
+
+    # -- handles announced before their prefill ends ----------------------------------------
+
+    def expect(self, handle: str) -> None:
+        """``handle``'s prefill was admitted here: a wait for it waits for ``settle``."""
+        self._settled.pop(handle, None)
+        entry = self._awaited.setdefault(handle, _Awaited(asyncio.Event(), time.monotonic()))
+        entry.expected = True
+
+    def settle(self, handle: str, exported: bool) -> None:
+        """``handle``'s prefill ended: exported (pullable now) or not (failed, released).
+        The first call counts; waits answer at once. Idempotent."""
+        now = time.monotonic()
+        if handle not in self._settled:
+            self._settled[handle] = (exported, now)
+        entry = self._awaited.pop(handle, None)
+        if entry is not None:
+            entry.event.set()
+        if len(self._settled) > 256:  # forget old outcomes (bounded memory)
+            cutoff = now - _SETTLED_TTL_S
+            for h in [h for h, (_, t) in self._settled.items() if t < cutoff]:
+                del self._settled[h]
+
+    async def wait(self, request: web.Request) -> web.Response:
+        """Answer when a handle is exported (200) or never will be (404), or at ``wait_s``
+        (408). A handle this pod has not heard of is waited for a short grace only (its
+        prefill request is normally here first)."""
+        try:
+            req = WaitRequest.model_validate_json(await request.read())
+        except ValidationError as exc:
+            return _error(400, f"bad KV wait request: {exc.errors()[:3]}")
+        t0 = time.monotonic()
+        deadline = t0 + req.wait_s
+        entry = None
+        while req.handle not in self._settled:
+            entry = self._awaited.get(req.handle)
+            if entry is None:
+                entry = self._awaited[req.handle] = _Awaited(asyncio.Event(), t0)
+            now = time.monotonic()
+            grace = entry.since + self.unknown_grace_s
+            end = deadline if entry.expected else min(deadline, grace)
+            if now >= end:
+                break
+            # Re-checked at least every 0.5 s: the handle may become expected meanwhile.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(end - now, 0.5)):
+                    await entry.event.wait()
+        settled = self._settled.get(req.handle)
+        if settled is None:
+            if entry is not None and not entry.expected and self._awaited.get(req.handle) is entry:
+                del self._awaited[req.handle]  # nobody announced it: forget the wait
+            if time.monotonic() >= deadline:
+                return _error(408, f"KV handle {req.handle!r} not ready within {req.wait_s}s")
+            return _error(
+                404, f"no transfer handle {req.handle!r} is being prefilled here; prefill locally"
+            )
+        if not settled[0]:
+            return _error(404, f"the prefill of {req.handle!r} ended without a transfer handle")
+        return web.json_response({"ready": req.handle})
 
     async def release(self, request: web.Request) -> web.Response:
         """Free a handle nobody will pull (its blocks are unpinned at the engine's next
@@ -510,6 +628,8 @@ class KVExportServer:
             return _error(400, f"bad KV release request: {exc.errors()[:3]}")
         src = self._kv_source()
         self._drop_staged(req.handle)
+        # A decode pod waiting for it stops waiting (e.g. the gateway gave up its prefill).
+        self.settle(req.handle, exported=False)
         if src is None or await src.acquire(req.handle) is None:
             return _error(404, f"no live transfer handle {req.handle!r}")
         src.release(req.handle, consumed=True)
@@ -682,6 +802,15 @@ class KVExportServer:
 _WRITE_CHUNK = 4 << 20
 # Export stages held at once (each a prompt's KV in tmpfs until pulled or expired).
 _MAX_STAGED = 4
+
+
+@dataclass(slots=True)
+class _Awaited:
+    """A handle waited for or expected; ``event`` is set when it settles."""
+
+    event: asyncio.Event
+    since: float
+    expected: bool = False
 
 
 @dataclass(slots=True)

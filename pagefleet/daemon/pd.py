@@ -1,16 +1,20 @@
 """The daemon's side of prefill/decode disaggregation: what ``kv_transfer_params`` does.
 
 - ``do_remote_decode`` (sent to a prefill pod, with ``max_tokens=1``): the prompt runs
-  here; when it finishes its KV stays pinned under the request id and the response carries
+  here (under the caller's ``remote_request_id`` when it names one, else a request id of
+  its own); when it finishes its KV stays pinned under that id and the response carries
   ``kv_transfer_params`` saying where to pull it (``do_remote_prefill``, ``remote_host``,
   ``remote_port``, ``remote_request_id``, ``remote_engine_id``, ``remote_block_ids``).
 - ``do_remote_prefill`` (sent to a decode pod, with the original request): reserve blocks,
-  pull only what the local prefix cache lacks, verify, commit, decode. Any failure of the
-  pull (dead host, expired or forged handle, another model) is counted by reason and the
-  request is prefilled here instead: the caller gets its answer either way. A handle this
-  pod will not pull (its own cache holds every block, or it prefills locally while the
-  handle may still be live) is released on the prefill pod at once, in the background, so
-  its blocks do not stay pinned until the deadline.
+  pull only what the local prefix cache lacks, verify, commit, decode. With
+  ``remote_pending`` the prefill may still be running (the gateway sent the prompt to both
+  pods at once and named the handle itself): the blocks are reserved first, in parallel
+  with the prefill, then the pod waits for the handle (``/v1/kv/wait``) and pulls at once.
+  Any failure of the pull (dead host, expired or forged handle, another model) is counted
+  by reason and the request is prefilled here instead: the caller gets its answer either
+  way. A handle this pod will not pull (its own cache holds every block, or it prefills
+  locally while the handle may still be live) is released on the prefill pod at once, in
+  the background, so its blocks do not stay pinned until the deadline.
 - No params: the request is served as by a unified pod.
 
 Invariant: a reservation opened for a pull ends in a commit or a cancel on every path
@@ -22,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +56,11 @@ logger = logging.getLogger(__name__)
 _COLLECT_EVERY_S = 1.0
 # Pull failures after which a release request would find nothing or reach nobody.
 _NOTHING_TO_RELEASE = frozenset({"not_found", "unreachable", "bad_params"})
+# A handle a caller names for its prefill (it becomes the engine's request id).
+_HANDLE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+# A reservation with less than this left after the wait for a pending prefill is renewed
+# (the side write refuses one about to expire).
+_MIN_RESERVATION_LEFT_S = 10.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -178,6 +188,11 @@ class PDSide:
                 raise TransferParamsError(
                     "do_remote_decode needs one prompt and n=1 (the decode pod samples n)"
                 )
+            if tp.remote_request_id is not None and not _HANDLE.fullmatch(tp.remote_request_id):
+                raise TransferParamsError(
+                    "kv_transfer_params.remote_request_id (the handle to export under) must "
+                    "be 1-128 characters of letters, digits and . _ : -"
+                )
         if not (tp.do_remote_decode or tp.do_remote_prefill):
             return None
         return tp
@@ -195,6 +210,9 @@ class PDSide:
         """Admit one engine request as ``tp`` says (export, import, or plain)."""
         if tp is not None and tp.do_remote_decode:
             self.metrics.outcome("exported")
+            # A decode pod told of this handle early waits for it (``export_ended`` or
+            # ``response_params`` settles it).
+            self.export_server.expect(rid)
             # The engine gathers the prompt's KV into this stage as it finishes: the pull
             # then streams it out instead of waiting for a forward to gather it.
             stage = None
@@ -228,9 +246,29 @@ class PDSide:
         if tp.remote_num_tokens is not None and tp.remote_num_tokens != len(ids):
             self._fallback(rid, "prompt_mismatch", "the handle holds another prompt", tp)
             return None
-        times = [time.monotonic()]  # start, reserved, pulled, written, committed
+        times = [time.monotonic()]  # start, reserved, [ready,] pulled, written, committed
         plan = await loop.reserve_import(rid, ids, lora_id)
         times.append(time.monotonic())
+        if tp.remote_pending:
+            # The prefill may still be running: the reservation above overlapped it; now
+            # wait for its handle. One that could not be made, or would expire too soon
+            # for the copy, is made again once the KV is there.
+            try:
+                await self.transfer.wait_ready(tp, self.config.kv_transfer_timeout_s)
+            except KVPullError as exc:
+                if plan is not None:
+                    loop.post_cancel_import(plan)
+                self._fallback(rid, exc.reason, str(exc), tp)
+                return None
+            except BaseException:
+                if plan is not None:
+                    loop.post_cancel_import(plan)
+                raise
+            if plan is None or plan.deadline - time.monotonic() < _MIN_RESERVATION_LEFT_S:
+                if plan is not None:
+                    loop.post_cancel_import(plan)
+                plan = await loop.reserve_import(rid, ids, lora_id)
+            times.append(time.monotonic())
         if plan is None:
             self._fallback(rid, "no_reservation", "no blocks free for the pull now", tp)
             return None
@@ -265,9 +303,11 @@ class PDSide:
             committed = True
             if self._trace is not None:
                 times.append(time.monotonic())
-                self._trace.add(
-                    {"rid": rid, "n": len(ids), "blocks": plan.num_pull_blocks, "t": times}
-                )
+                line = {"rid": rid, "n": len(ids), "blocks": plan.num_pull_blocks, "t": times,
+                        "handle": tp.remote_request_id}  # fmt: skip
+                if tp.remote_pending:
+                    line["pending"] = True  # t: start, reserved, ready, pulled, ...
+                self._trace.add(line)
             self.metrics.outcome("pulled" if plan.num_pull_blocks else "local_hit")
             return stream
         except ValueError as exc:  # the reservation expired meanwhile
@@ -285,6 +325,12 @@ class PDSide:
             if not committed:
                 loop.post_cancel_import(plan)
 
+    def export_ended(self, rid: str) -> None:
+        """The HTTP handler of exported request ``rid`` is done (answered, failed or
+        cancelled): a decode pod still waiting for its handle learns it will not come
+        (no-op after ``response_params``)."""
+        self.export_server.settle(rid, exported=False)
+
     def _fallback(self, rid: str, reason: str, message: str, tp: KVTransferParams) -> None:
         self.metrics.failed(reason)
         self.metrics.outcome("fallback")
@@ -297,9 +343,12 @@ class PDSide:
         """What a prefill pod returns so that a decode pod can pull ``rid``'s KV."""
         loop = self._loaded()
         block_ids, filled = [], False
-        if loop is not None:
-            block_ids, filled = await loop.side("export_info", rid)
-        self.export_server.staged(rid, filled)
+        try:
+            if loop is not None:
+                block_ids, filled = await loop.side("export_info", rid)
+            self.export_server.staged(rid, filled)
+        finally:
+            self.export_server.settle(rid, exported=bool(block_ids))
         return KVTransferParams(
             do_remote_prefill=True,
             remote_engine_id=self.config.pod,

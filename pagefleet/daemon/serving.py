@@ -283,6 +283,18 @@ class OpenAIServing:
                 job.transfer = self.pd.parse(req.kv_transfer_params, params.n, len(prompts))
             except TransferParamsError as exc:
                 raise APIError(400, str(exc), param="kv_transfer_params") from None
+            if job.transfer is not None and job.transfer.do_remote_decode:
+                job.handle = job.transfer.remote_request_id  # None: the pod names it
+                try:
+                    return await self._run(request, job, shape, req)
+                finally:  # a decode pod waiting for the handle learns if it never comes
+                    self.pd.export_ended(job.rid(0))
+        return await self._run(request, job, shape, req)
+
+    async def _run(
+        self, request: web.Request, job: Job, shape: ResponseShape, req: Any
+    ) -> web.StreamResponse:
+        """Admit ``job``, run it and answer, whole or streamed."""
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return await self._stream(request, job, shape, include_usage)

@@ -12,12 +12,18 @@ load). Then:
    ``queue`` figure, the same one the cache-aware policy balances on.
 2. Otherwise the prompt goes to the best prefill pod (cache-aware over the prefill pool)
    that is not saturated
-   with ``max_tokens=1``, ``n=1``, no streaming and ``kv_transfer_params.do_remote_decode``;
-   its answer's ``kv_transfer_params`` (host and port taken from the endpoint the gateway
-   reached) are added to the original body, which the proxy then sends to the decode pods
-   -- on a decode failure before the first byte, the next decode pod gets the same handle.
-3. A prefill pod that fails or times out costs nothing but time: the original body goes to
-   the decode pod, which prefills locally.
+   with ``max_tokens=1``, ``n=1``, no streaming and ``kv_transfer_params.do_remote_decode``
+   under a handle the gateway names (``remote_request_id``). At the same time (``early``,
+   the default) the original body goes to the decode pods with ``kv_transfer_params``
+   pointing at that handle and ``remote_pending``: the decode pod reserves its blocks and
+   reads the request while the prefill runs, waits for the handle and pulls it the moment
+   it exists -- the hand-over through the gateway and the reservation are off the long
+   prompt's path. (Without ``early``, the gateway waits for the prefill's answer and adds
+   its ``kv_transfer_params`` to the body.) On a decode failure before the first byte, the
+   next decode pod gets the same handle.
+3. A prefill pod that fails or times out costs nothing but time: the decode pod prefills
+   locally (told by the prefill pod, which settles the handle as never exported, or by the
+   gateway's release of it when the prefill pod never got the request).
 4. When the gateway gives up on a request that carries a handle (every decode pod failed,
    a decode pod answered an error, or the client went away first), it releases the handle
    on the prefill pod (``POST /v1/kv/release``) in the background: its blocks are unpinned
@@ -34,6 +40,7 @@ import asyncio
 import json
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -56,6 +63,9 @@ class PDSettings:
     prefill_timeout_s: float = 30.0
     # Bound on one release request (best effort: the handle's deadline frees it otherwise).
     release_timeout_s: float = 2.0
+    # Send the decode request while the prefill runs (the decode pod reserves and waits for
+    # the handle), instead of after the prefill's answer.
+    early: bool = True
 
 
 @dataclass(slots=True)
@@ -78,13 +88,18 @@ class PDOrchestrator:
     _prefill_seconds: Any = None
     _released: Any = None
     _releases: set[asyncio.Task[None]] = field(default_factory=set)
+    # Early prefills running, by handle (a release of one waits for it: a handle released
+    # before its prefill exported it would stay pinned until its deadline).
+    _prefills: dict[str, asyncio.Task[None]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         kw = {"registry": self.registry} if self.registry is not None else {"registry": None}
         self._decisions = Counter(
             "pagefleet_gateway_pd_requests",
-            "Generation requests by P/D path: remote (prefilled on a prefill pod) or local "
-            "(decode pod prefills), with the reason.",
+            "Generation requests by P/D path: remote (prefilled on a prefill pod; reason "
+            "early: sent to the decode pod while the prefill runs) or local (decode pod "
+            "prefills), with the reason; an early one whose prefill fails counts as "
+            "local/prefill_failed too.",
             ["path", "reason"],
             **kw,
         )
@@ -108,6 +123,8 @@ class PDOrchestrator:
     async def close(self) -> None:
         """Stop routing; wait for releases in flight (each bounded by its own timeout).
         Call before the session the releases use is closed."""
+        if self._prefills:  # early prefills still running (each bounded by its timeout)
+            await asyncio.gather(*self._prefills.values(), return_exceptions=True)
         if self._releases:
             await asyncio.gather(*self._releases, return_exceptions=True)
         await self.prefill_router.close()
@@ -132,7 +149,9 @@ class PDOrchestrator:
             params, reason = await self._remote_prefill(session, path, original, token_ids, headers)
             if params is not None:
                 original["kv_transfer_params"] = params
-                self._count("remote", "ok")
+                # An early hand-over is counted when sent (its prefill still running); one
+                # whose prefill then fails counts as local/prefill_failed as well.
+                self._count("remote", "early" if params.get("remote_pending") else "ok")
                 return PDPrepared(json.dumps(original, separators=(",", ":")).encode(), params)
         self._count("local", reason)
         return PDPrepared(body)
@@ -172,7 +191,42 @@ class PDOrchestrator:
         )
         if ep is None:
             return None, "prefill_saturated"
-        return await self._prefill(session, ep, path, original, headers), "prefill_failed"
+        if not self.settings.early:
+            return await self._prefill(session, ep, path, original, headers), "prefill_failed"
+        handle = f"pd-{uuid.uuid4().hex}"
+        url = urlsplit(ep.url)
+        params: dict[str, Any] = {
+            "do_remote_prefill": True,
+            "remote_pending": True,
+            "remote_engine_id": ep.pod,
+            "remote_host": url.hostname,
+            "remote_port": url.port,
+            "remote_request_id": handle,
+        }
+        task = asyncio.get_running_loop().create_task(
+            self._early_prefill(session, ep, path, original, headers, params)
+        )
+        self._prefills[handle] = task
+        task.add_done_callback(lambda _: self._prefills.pop(handle, None))
+        return params, ""
+
+    async def _early_prefill(
+        self,
+        session: aiohttp.ClientSession,
+        ep: Any,
+        path: str,
+        original: dict[str, Any],
+        headers: dict[str, str],
+        params: dict[str, Any],
+    ) -> None:
+        """The prefill of an early hand-over, beside the decode request. When it fails the
+        handle is released on the prefill pod, so a decode pod waiting for it stops (a
+        prefill pod that got the request says so itself; this covers one that did not)."""
+        handle = params["remote_request_id"]
+        got = await self._prefill(session, ep, path, original, headers, handle)
+        if got is None:
+            self._count("local", "prefill_failed")
+            await self._release(session, params, wait=False)
 
     def release_later(self, session: aiohttp.ClientSession, params: dict[str, Any]) -> None:
         """Free ``params``' handle on its prefill pod in the background: no decode pod will
@@ -181,9 +235,14 @@ class PDOrchestrator:
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 
-    async def _release(self, session: aiohttp.ClientSession, params: dict[str, Any]) -> None:
+    async def _release(
+        self, session: aiohttp.ClientSession, params: dict[str, Any], wait: bool = True
+    ) -> None:
         host, port = params.get("remote_host"), params.get("remote_port")
         handle = params.get("remote_request_id")
+        early = self._prefills.get(str(handle)) if wait else None
+        if early is not None:  # its prefill may export it yet: release it after that
+            await asyncio.gather(early, return_exceptions=True)
         if ":" in str(host) and not str(host).startswith("["):
             host = f"[{host}]"  # IPv6 literal
         url = f"http://{host}:{port}/v1/kv/release"
@@ -203,13 +262,19 @@ class PDOrchestrator:
         path: str,
         original: dict[str, Any],
         headers: dict[str, str],
+        handle: str | None = None,
     ) -> dict[str, Any] | None:
+        """Run the remote prefill (under ``handle`` when given); its transfer params, or
+        None when it failed."""
         req = dict(original)
         for k in ("stream", "stream_options", "logprobs", "top_logprobs", "echo",
                   "max_completion_tokens", "min_tokens", "best_of", "use_beam_search",
                   "length_penalty", "early_stopping"):  # fmt: skip
             req.pop(k, None)
-        req.update(max_tokens=1, n=1, kv_transfer_params={"do_remote_decode": True})
+        kvp: dict[str, Any] = {"do_remote_decode": True}
+        if handle is not None:
+            kvp["remote_request_id"] = handle
+        req.update(max_tokens=1, n=1, kv_transfer_params=kvp)
         self.prefill_router.acquire(ep)
         t0 = time.perf_counter()
         try:

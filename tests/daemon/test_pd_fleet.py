@@ -23,6 +23,7 @@ from aiohttp import web
 from pagefleet.daemon.config import DaemonConfig
 from pagefleet.daemon.engine_client import ClientKVSource
 from pagefleet.daemon.kv_stage import KVStage
+from pagefleet.daemon.kv_transfer import KVExportServer
 from pagefleet.dev.process import free_port
 from pagefleet.dev.redis_server import LocalRedis
 from pagefleet.engine.tiny import ensure_tiny_checkpoint
@@ -270,7 +271,12 @@ async def test_dead_prefill_pool_falls_back(fleet) -> None:
         a = await c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
         b = await uni.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
         assert a.choices[0].text == b.choices[0].text
-        assert await _metric(url, "pagefleet_gateway_pd_requests_total", reason="prefill_failed")
+
+        async def counted() -> bool:  # the gateway's early prefill fails beside the decode
+            return await _metric(url, "pagefleet_gateway_pd_requests_total",
+                                 reason="prefill_failed") == 1  # fmt: skip
+
+        await _until(counted, timeout=10.0)
         await c.close()
         await uni.close()
     finally:
@@ -533,3 +539,69 @@ async def test_gateway_releases_the_handle_when_every_decode_pod_fails(fleet, st
             assert await _metric(p.url, "pagefleet:kv_transfer_handles_expired_total") == expired0
         finally:
             await runner.cleanup()
+
+
+async def _until_sync(cond, timeout: float = 20.0) -> None:
+    async def check() -> bool:
+        return cond()
+
+    await _until(check, timeout)
+
+
+@pytest.mark.timeout(120)
+async def test_early_hand_over_waits_for_the_prefill_or_falls_back(fleet) -> None:
+    """A decode request sent before its prefill (``remote_pending``, the handle named by
+    the caller, as the gateway does) reserves, waits for the prefill pod to export the
+    handle, pulls it and answers as unified; when the prefill never comes (the gateway
+    releases the handle after its prefill failed) it prefills locally at once."""
+    p, d, u = fleet["prefill"], fleet["decode"], fleet["unified"]
+    server = p.daemon.pd.export_server
+    # A handle not announced yet is waited for this long: the prefill request sent below
+    # must arrive within it however loaded the machine is.
+    server.unknown_grace_s = 120.0
+    port = int(p.url.rsplit(":", 1)[1])
+    prompt = PROMPT + " while the tide turns"
+    base = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0.0}
+    _, want = await _post(u.url, base)
+
+    def early(handle: str) -> dict:
+        return {"do_remote_prefill": True, "remote_pending": True, "remote_host": "127.0.0.1",
+                "remote_port": port, "remote_request_id": handle}  # fmt: skip
+
+    # 1. The decode pod is waiting for the handle before the prefill pod has heard of it.
+    pulled0 = await _metric(d.url, _OUTCOME, outcome="pulled")
+    handle = f"pd-{uuid.uuid4().hex}"
+    decode = asyncio.create_task(_post(d.url, {**base, "kv_transfer_params": early(handle)}))
+    await _until_sync(lambda: handle in server._awaited)
+    export = {"do_remote_decode": True, "remote_request_id": handle}
+    status, pre = await _post(p.url, {**base, "max_tokens": 1, "kv_transfer_params": export})
+    assert status == 200 and pre["kv_transfer_params"]["remote_request_id"] == handle
+    status, got = await decode
+    assert status == 200, got
+    assert got["choices"][0]["text"] == want["choices"][0]["text"]
+    assert await _metric(d.url, _OUTCOME, outcome="pulled") == pulled0 + 1
+    # 2. Its prefill is given up (released): the waiting decode pod prefills locally.
+    fallback0 = await _metric(d.url, _OUTCOME, outcome="fallback")
+    handle = f"pd-{uuid.uuid4().hex}"
+    decode = asyncio.create_task(_post(d.url, {**base, "kv_transfer_params": early(handle)}))
+    await _until_sync(lambda: handle in server._awaited)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(p.url + "/v1/kv/release", json={"handle": handle}) as r:
+            assert r.status == 404  # nothing exported under it
+        # A wait for a handle nobody announces ends at its own bound (408), not a hang.
+        body = {"handle": "never-" + handle, "wait_s": 0.3}
+        async with s.post(p.url + "/v1/kv/wait", json=body) as r:
+            assert r.status == 408
+    status, got = await decode
+    assert status == 200 and got["choices"][0]["text"] == want["choices"][0]["text"]
+    assert await _metric(d.url, _OUTCOME, outcome="fallback") == fallback0 + 1
+    assert handle not in server._awaited and "never-" + handle not in server._awaited
+    # A handle the caller names must be a plain token.
+    bad = {"do_remote_decode": True, "remote_request_id": "a b"}
+    status, err = await _post(p.url, {**base, "max_tokens": 1, "kv_transfer_params": bad})
+    assert status == 400 and err["error"]["param"] == "kv_transfer_params"
+    for daemon in (p, d):  # nothing stays pinned or reserved
+        loop = daemon.daemon.engine_loop
+        await loop.invoke("collect_transfers", float("inf"))
+        assert (await loop.stats()).kv_usage == 0
+    server.unknown_grace_s = KVExportServer(lambda: None, lambda: None).unknown_grace_s
