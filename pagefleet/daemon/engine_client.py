@@ -112,9 +112,17 @@ class EngineClient(EngineHandle):
         params: SamplingParams,
         queue: asyncio.Queue[StreamItem | BaseException],
         stage: KVStage | None = None,
+        write_first: bool = False,
     ) -> RequestStream:
         """Commit a pulled reservation; with ``stage`` (the pull landed in shared memory,
-        ``new_stage``) only its path crosses the pipe, else the bytes of ``kv`` do."""
+        ``new_stage``) only its path crosses the pipe, else the bytes of ``kv`` do. With
+        ``write_first`` (and a stage) the engine process copies the stage into the blocks
+        on a side thread as the call arrives and commits at the first step boundary after
+        the copy (engine_core ``write_commit_import``): no step waits for the copy."""
+        if stage is not None and write_first:
+            payload = ("stage", stage.path, plan.num_pull_blocks)
+            args = (plan.key, payload, params)
+            return await self._admit(request_id, queue, "write_commit_import", args)
         payload = (
             ("stage", stage.path, plan.num_pull_blocks) if stage is not None else _kv_bytes(kv)
         )

@@ -105,6 +105,9 @@ class EngineCore:
         # P/D decode: reservation key -> set when its side-thread write has ended.
         self._writing: dict[str, threading.Event] = {}
         self._write_lock = threading.Lock()
+        # P/D decode: "write_commit_import" calls waiting for their write (engine thread),
+        # each with the event its side-thread write sets.
+        self._deferred: list[tuple[threading.Event, tuple[Any, ...]]] = []
         # P/D: the stage files' mappings, kept across the HTTP side's reused stages (a new
         # mapping faulted in every page of each 29 MB copy again: 15-20 ms, kept 5-6 ms).
         self._stage_maps = StageMaps()
@@ -145,8 +148,10 @@ class EngineCore:
             return True
         with self._cv:
             if kind == "call":
+                self._begin_writes((msg[1:],))
                 self._calls.append(msg[1:])
             elif kind == "calls":  # one event-loop turn's calls, in order
+                self._begin_writes(msg[1])
                 self._calls.extend(msg[1])
             elif kind == "stop":
                 self._stopping = True
@@ -205,14 +210,34 @@ class EngineCore:
         stage given with ``add_export`` with them."""
         return self.side_export_block_ids(handle), handle in self._staged_exports
 
-    def side_write_import(self, key: str, kv: Any) -> None:
-        """Every layer of a pulled KV (a ``("stage", path, num_blocks)``) into the blocks
-        reserved under ``key``, on this side thread while the engine steps: the reserved
-        blocks belong to no sequence, so no step reads or writes them, and no step waits
-        for the copy. ``cancel_import`` / ``commit_import`` of ``key`` wait for it to end,
-        so its blocks are never freed under it, and the engine's own expiry skips the
-        reservation while the copy runs (its deadline is held at infinity, then restored);
-        it refuses a reservation with under ``_WRITE_MARGIN_S`` to live."""
+    def _begin_writes(self, calls: Any) -> None:
+        """Start the side-thread write of each "write_commit_import" among ``calls`` as it
+        arrives (receiving thread), registered before the call is queued: the engine thread
+        then commits it at the first step boundary after the copy, with no round trip to
+        the HTTP side in between. A write that cannot start (reservation ended or about to)
+        leaves the commit to fail, which releases the reservation."""
+        for _call_id, method, args in calls:
+            if method != "write_commit_import":
+                continue
+            key, kv, _params = args
+            try:
+                plan, done, deadline = self._begin_write(key)
+            except ValueError:
+                continue
+            threading.Thread(
+                target=self._write_then_wake, args=(plan, kv, done, deadline), daemon=True
+            ).start()
+
+    def _write_then_wake(self, plan: Any, kv: Any, done: threading.Event, deadline: float) -> None:
+        try:
+            self._write(plan, kv, done, deadline)
+        except Exception:  # the commit finds the KV missing and releases the reservation
+            logger.warning("writing the pulled KV of %s failed", plan.request_id, exc_info=True)
+        finally:
+            with self._cv:  # a deferred commit may go now
+                self._cv.notify()
+
+    def _begin_write(self, key: str) -> tuple[Any, threading.Event, float]:
         with self._write_lock:  # a cancel either sees this write or ran before it
             plan = self._plans.get(key)
             if plan is None or plan.deadline - time.monotonic() < _WRITE_MARGIN_S:
@@ -221,6 +246,9 @@ class EngineCore:
             # Set before the lock is released and >= _WRITE_MARGIN_S ahead of expiry, so
             # no collect_transfers on the engine thread can free these blocks mid-copy.
             deadline, plan.deadline = plan.deadline, math.inf
+        return plan, done, deadline
+
+    def _write(self, plan: Any, kv: Any, done: threading.Event, deadline: float) -> None:
         try:
             eng = self.engine
             runner = getattr(eng, "runner", None)
@@ -228,6 +256,29 @@ class EngineCore:
         finally:
             plan.deadline = deadline  # expired meanwhile: the next collect frees it
             done.set()
+
+    def side_write_import(self, key: str, kv: Any) -> None:
+        """Every layer of a pulled KV (a ``("stage", path, num_blocks)``) into the blocks
+        reserved under ``key``, on this side thread while the engine steps: the reserved
+        blocks belong to no sequence, so no step reads or writes them, and no step waits
+        for the copy. ``cancel_import`` / ``commit_import`` of ``key`` wait for it to end,
+        so its blocks are never freed under it, and the engine's own expiry skips the
+        reservation while the copy runs (its deadline is held at infinity, then restored);
+        it refuses a reservation with under ``_WRITE_MARGIN_S`` to live."""
+        plan, done, deadline = self._begin_write(key)
+        self._write(plan, kv, done, deadline)
+
+    def _ready_deferred(self) -> list[tuple[Any, ...]]:
+        """The deferred commits whose write has ended, taken out in arrival order."""
+        ready: list[tuple[Any, ...]] = []
+        waiting = []
+        for pair in self._deferred:
+            if pair[0].is_set():
+                ready.append(pair[1])
+            else:
+                waiting.append(pair)
+        self._deferred = waiting
+        return ready
 
     def _wait_written(self, key: str, end: bool = False) -> Any:
         """Wait for a side-thread write into ``key``'s blocks to end; with ``end``, also
@@ -301,6 +352,13 @@ class EngineCore:
                 raise ValueError("the KV reservation is unknown or already ended")
             kv = _tensors(kv, getattr(eng, "runner", None), self._stage_maps)
             return eng.commit_import(plan, kv, params)
+        if method == "write_commit_import":  # the write began as the call arrived
+            key, _kv, params = args
+            with self._write_lock:
+                done = self._writing.get(key)
+            if done is not None and not done.is_set():
+                return _Deferred(done)
+            return self._call("commit_import", (key, None, params))
         if method == "cancel_import":
             plan = self._wait_written(args[0], end=True)  # never free blocks being written
             if plan is not None:
@@ -355,7 +413,10 @@ class EngineCore:
         trace = StepTrace.from_env(eng)  # None unless PAGEFLEET_STEP_TRACE is set
         while True:
             with self._cv:
-                while not (self._calls or self._stopping or self._gone or eng.has_unfinished()):
+                while not (
+                    self._calls or self._stopping or self._gone or eng.has_unfinished()
+                    or any(done.is_set() for done, _ in self._deferred)
+                ):  # fmt: skip
                     if trace is not None:  # idle: a reader of the trace sees every step so far
                         trace.flush()
                     self._cv.wait()
@@ -364,7 +425,7 @@ class EngineCore:
                     if trace is not None:
                         trace.flush()
                     return 0
-                calls = list(self._calls)
+                calls = self._ready_deferred() + list(self._calls)
                 self._calls.clear()
             if trace is not None and calls:
                 trace.calls(time.monotonic(), [c[1] for c in calls])
@@ -374,6 +435,9 @@ class EngineCore:
                 except Exception as exc:  # the caller's error: hand it back
                     self._reply(call_id, False, self._error(exc))
                 else:
+                    if isinstance(value, _Deferred):  # answered when its write has ended
+                        self._deferred.append((value.done, (call_id, method, args)))
+                        continue
                     self._reply(call_id, True, value)
             if not eng.has_unfinished():
                 if calls:  # e.g. an abort emptied the engine: publish the new load
@@ -394,6 +458,15 @@ class EngineCore:
             self._flush_events()
             packed = ipc.pack_outputs(outputs) if self.channel.remote else outputs
             self.send(("step", packed, now, stats))
+
+
+class _Deferred:
+    """``_call``'s answer for a commit whose KV write is still running."""
+
+    __slots__ = ("done",)
+
+    def __init__(self, done: threading.Event) -> None:
+        self.done = done
 
 
 def _tensors(kv: Any, runner: Any, maps: Any = None) -> Any:

@@ -114,10 +114,11 @@ class EngineLoop(EngineHandle):
         params: SamplingParams,
         queue: asyncio.Queue[StreamItem | BaseException],
         stage: KVStage | None = None,
+        write_first: bool = False,
     ) -> RequestStream:
         """Commit a pulled KV reservation (``kv``: a PulledKV, None when nothing was pulled)
-        and start its request (P/D decode). ``stage`` is for an engine in another process;
-        this one reads ``kv``'s buffer directly."""
+        and start its request (P/D decode). ``stage`` and ``write_first`` are for an engine
+        in another process; this one reads ``kv``'s buffer directly."""
         payload = None if kv is None else ("tensors", kv.tensors())
         return await self._admit(request_id, queue, "commit_import", (plan.key, payload, params))
 

@@ -290,16 +290,16 @@ class PDSide:
                 self._release_remote(tp)  # every block is in this pod's own cache
             times.append(time.monotonic())
             engine_saw_stage = True
-            if stage is not None and plan.num_pull_blocks:
-                # Copied into the reserved blocks on a thread of the engine process while
-                # it steps: no step waits for it (engine_core.side_write_import).
-                payload = ("stage", stage.path, plan.num_pull_blocks)
-                await loop.side("write_import", plan.key, payload)
-                kv, stage_arg = None, None  # the commit copies nothing more
-            else:
-                stage_arg = stage
+            # With a stage: copied into the reserved blocks on a thread of the engine
+            # process as the call arrives, while it steps (no step waits for it), and
+            # committed at the first step boundary after the copy, in the same call (no
+            # round trip through this process between the two). The trace's "written"
+            # is then the pull's end: its "commit" is the copy and the commit.
+            write_first = stage is not None and plan.num_pull_blocks > 0
             times.append(time.monotonic())
-            stream = await loop.add_import(rid, plan, kv, params, queue, stage=stage_arg)
+            stream = await loop.add_import(
+                rid, plan, kv, params, queue, stage=stage, write_first=write_first
+            )
             committed = True
             if self._trace is not None:
                 times.append(time.monotonic())

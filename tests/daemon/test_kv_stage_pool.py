@@ -62,14 +62,6 @@ class _Loop:
         self.writes = 0
         self.cancelled = 0
 
-    async def side(self, method, key, payload):
-        assert method == "write_import" and payload[0] == "stage"
-        with open(payload[1], "rb") as f:
-            assert f.read(1) == b"\x07", "the pulled bytes are in the stage"
-        self.writes += 1
-        if self.fail is not None and self.fail_in == "write":
-            raise self.fail
-
     async def reserve_import(self, rid, ids, lora_id):
         return SimpleNamespace(num_pull_blocks=2, first_block=0, num_blocks=2, key=rid)
 
@@ -81,11 +73,13 @@ class _Loop:
         self.created.append(stage.path)
         return stage
 
-    async def add_import(self, rid, plan, kv, params, queue, stage=None):
-        assert stage is None and kv is None, "the side write copied it: the commit copies none"
-        assert self.writes == 1, "one side-thread write of every layer before the commit"
-        self.writes = 0
-        if self.fail is not None:
+    async def add_import(self, rid, plan, kv, params, queue, stage=None, write_first=False):
+        # One call: the engine process copies the stage into the blocks, then commits.
+        assert stage is not None and write_first, "the stage goes to the engine to copy"
+        with open(stage.path, "rb") as f:
+            assert f.read(1) == b"\x07", "the pulled bytes are in the stage"
+        self.writes += 1
+        if self.fail is not None:  # the copy or the commit failed
             raise self.fail
         return "stream"
 
@@ -144,7 +138,6 @@ def test_a_committed_pull_gives_its_stage_back_a_failed_commit_does_not(tmp_path
     cases = [
         (ValueError("reservation expired"), "commit", None),
         (asyncio.CancelledError(), "commit", "cancelled"),
-        (ValueError("reservation expired"), "write", None),
     ]
     for fail, fail_in, want in cases:
         where = tmp_path / f"{type(fail).__name__}-{fail_in}"
