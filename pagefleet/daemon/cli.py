@@ -20,6 +20,8 @@ from pagefleet.daemon.termination import write_termination_message
 
 logger = logging.getLogger(__name__)
 
+HANDLER_SHUTDOWN_S = 3.0
+
 
 async def serve(config: DaemonConfig) -> None:
     """Run the daemon until a stop signal, then drain and clean up."""
@@ -32,7 +34,15 @@ async def serve(config: DaemonConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     # handler_cancellation: a client that hangs up cancels its handler, which aborts its
     # engine requests (their blocks go back to the pool at once).
-    runner = web.AppRunner(daemon.app, handler_cancellation=True, access_log=None)
+    # shutdown_timeout: by runner.cleanup every admitted request has ended (drain waits,
+    # then aborts); what is still open (a KV pull, a scrape) gets this long, not aiohttp's
+    # default 60 s, which could outlive the pod's termination grace.
+    runner = web.AppRunner(
+        daemon.app,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=HANDLER_SHUTDOWN_S,
+    )
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()  # /health answers while the model loads; /ready waits for it

@@ -37,6 +37,9 @@ from pagefleet.kvindex.redis_auth import PASSWORD_ENV, split_password
 
 logger = logging.getLogger(__name__)
 
+# The fleet's gateway: seconds open streams get on stop (its exit follows within ~5 s more).
+GATEWAY_DRAIN_S = 3.0
+
 
 def resolve_checkpoint_dir(spec: str) -> Path:
     """A checkpoint directory or GGUF file for ``spec`` (a path, a GGUF preset, or a tiny
@@ -348,6 +351,9 @@ class LocalFleet:
             argv += ["--weights", weights or self.spec.weights or ""]
         if self.spec.seed is not None:
             argv += ["--seed", str(self.spec.seed)]
+        # Its drain (plus its bounded cleanup and exit) fits inside stop()'s 10 s grace, so
+        # a stop with streams still open cuts them instead of waiting to be SIGKILLed.
+        argv += ["--drain-timeout", str(GATEWAY_DRAIN_S)]
         argv += self.spec.gateway_args + (args or [])
         child = Child(
             name, argv, f"http://{host}:{port}", self.log_dir / f"{name}.log", env=dict(env or {})

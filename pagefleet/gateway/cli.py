@@ -7,6 +7,7 @@ checkpoint directory or, for a preset name, from pagefleet.presets (torch-free).
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import json
 import logging
 import signal
@@ -68,6 +69,8 @@ class GatewayConfig(BaseModel):
     intake_workers: int = Field(2, ge=0)
     # Replicas share recent placements over Redis pub/sub (shared_placements.py).
     shared_placements: bool = True
+    # On SIGTERM: how long open requests (streams) may take to finish before they are cut.
+    drain_timeout_s: float = Field(20.0, ge=0)
 
     @model_validator(mode="after")
     def _check(self) -> GatewayConfig:
@@ -247,9 +250,28 @@ def build_gateway(config: GatewayConfig):  # -> Gateway (imports kept local for 
     return gateway
 
 
-async def serve(config: GatewayConfig) -> None:
+# After the drain: cancelled handlers unwinding and the app's cleanup (Redis, client
+# sessions, the intake workers), bounded so a stuck close cannot hold the exit.
+CLEANUP_S = 3.0
+# After that, asyncio's teardown and the interpreter's exit (thread joins, atexit): past
+# this the watchdog prints every thread's stack to the log and exits the process.
+EXIT_S = 2.0
+
+
+async def serve(config: GatewayConfig, *, exit_watchdog: bool = False) -> None:
+    """Serve until SIGTERM/SIGINT, then stop accepting, let open requests finish for up to
+    ``config.drain_timeout_s``, cut the rest and clean up. Invariant: the coroutine returns
+    within drain + CLEANUP_S of the signal; with ``exit_watchdog`` (the CLI, not in-process
+    callers) the process is gone within drain + CLEANUP_S + EXIT_S, stacks logged if late."""
     gateway = build_gateway(config)
-    runner = web.AppRunner(gateway.make_app(), handler_cancellation=True, access_log=None)
+    drain_s = config.drain_timeout_s
+    # shutdown_timeout is aiohttp's wait for open handlers on cleanup (then they are
+    # cancelled, which closes their upstream stream: the daemon aborts the request). Its
+    # default, 60 s, kept a gateway with one open stream alive past `pagefleet up`'s 10 s
+    # grace (SIGKILLed) and past a pod's termination grace.
+    runner = web.AppRunner(
+        gateway.make_app(), handler_cancellation=True, access_log=None, shutdown_timeout=drain_s
+    )
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()
@@ -265,7 +287,23 @@ async def serve(config: GatewayConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    await runner.cleanup()
+    if exit_watchdog:
+        # Covers what no timeout here can: asyncio.run's teardown and the interpreter's
+        # exit. Never cancelled: the process is ending either way.
+        faulthandler.dump_traceback_later(drain_s + CLEANUP_S + EXIT_S, exit=True)
+    await site.stop()  # no new connections from here on; the open ones may finish
+    server = runner.server
+    open_conns = len(server.connections) if server is not None else 0
+    logger.warning("stop signal: draining %d open connection(s) (up to %.0fs)", open_conns, drain_s)
+    try:
+        # aiohttp's Server.shutdown waits up to drain_s for the handlers, then cancels them
+        # and waits up to drain_s again: the outer bound keeps the whole at drain + CLEANUP_S.
+        await asyncio.wait_for(runner.cleanup(), drain_s + CLEANUP_S)
+    except TimeoutError:
+        logger.error(
+            "shutdown did not finish within %.0fs of the stop signal; exiting anyway",
+            drain_s + CLEANUP_S,
+        )
 
 
 def _split(value: str | None) -> list[str]:
@@ -452,6 +490,15 @@ def _split(value: str | None) -> list[str]:
     "before the index learns its blocks. Needs publish/subscribe rights on the channel "
     "'pf:{ns=NAMESPACE}:placements'.",
 )
+@click.option(
+    "--drain-timeout",
+    "drain_timeout_s",
+    default=20.0,
+    show_default=True,
+    type=float,
+    help="On SIGTERM: seconds open requests (streams) get to finish before they are cut; "
+    "keep it a few seconds below the pod's termination grace.",
+)
 @click.option("--seed", default=None, type=int, help="Seed the tie-break RNG (tests, benchmarks).")
 @click.option(
     "--log-level",
@@ -480,4 +527,4 @@ def command(**kw: object) -> None:
         )
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
-    asyncio.run(serve(config))
+    asyncio.run(serve(config, exit_watchdog=True))
