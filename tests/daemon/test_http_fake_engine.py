@@ -223,7 +223,11 @@ async def test_publisher_resyncs_after_outage(tiny_tokenizer):
             for p in ([5, 5, 5, 5], [6, 6, 6, 6, 6, 6, 6, 6]):  # served while the index is down
                 async with s.post(f"{d.base_url}/completions", json={"prompt": p}) as r:
                     assert r.status == 200
-            await asyncio.sleep(0.2)
+            # The publisher learns of the outage on its next write: wait for it (bounded).
+            for _ in range(250):
+                if not pub.in_sync.is_set():
+                    break
+                await asyncio.sleep(0.02)
             assert not pub.in_sync.is_set()
             index.down = False
             await asyncio.wait_for(pub.in_sync.wait(), 5)

@@ -148,7 +148,10 @@ async def test_redis_restart_triggers_resync(tmp_path):
             proc.terminate()
             proc.wait(10)
             await run_prompts(d.url, PROMPTS[1:])  # still serving with Redis gone
-            await asyncio.sleep(0.3)
+            # The publisher learns of the outage on its next write or heartbeat: wait for it.
+            deadline = time.monotonic() + 10
+            while pub.in_sync.is_set() and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
             assert not pub.in_sync.is_set()
             resyncs = pub.resyncs
             proc = _start_redis(port, str(tmp_path))  # back, and empty

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 import time
 from pathlib import Path
@@ -28,7 +29,14 @@ def test_stop_kills_stubborn_children_at_one_shared_deadline(
     for c in children:
         c.start()
     procs = [c.proc for c in children]
-    time.sleep(0.3)  # let the shells install their trap
+    # Each child's `sleep` runs only after its shell's trap (an ignored TERM survives the
+    # exec), and the watching shell ignores TERM from its own trap on: wait for both in all
+    # four, not for a fixed time a loaded machine can outlast.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not all(
+        _runs_in_group(p.pid, "sleep") and _ignores_term(p.pid) for p in procs if p is not None
+    ):
+        time.sleep(0.02)
     t0 = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="pagefleet.dev.local_fleet"):
         fleet.stop(grace_s=1.0)
@@ -38,6 +46,30 @@ def test_stop_kills_stubborn_children_at_one_shared_deadline(
     assert all(p is not None and p.poll() is not None for p in procs)
     killed = {r.getMessage().split()[0] for r in caplog.records if "killed" in r.getMessage()}
     assert killed == {"gateway", "daemon-0", "daemon-1", "daemon-2"}
+
+
+def _runs_in_group(pgid: int, comm: str) -> bool:
+    """A live ``comm`` process is in process group ``pgid``."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            name = (entry / "comm").read_text().strip()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid and name == comm:
+            return True
+    return False
+
+
+def _ignores_term(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    ignored = next(line for line in status.splitlines() if line.startswith("SigIgn:"))
+    return bool(int(ignored.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
 
 
 # Records each SIGTERM, then takes argv[2] seconds to finish (as a daemon drains), exits 0.
