@@ -19,7 +19,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -41,6 +41,9 @@ from pagefleet.daemon.serving import CLIENT_GONE, OpenAIServing
 from pagefleet.httpauth import AuthPolicy, Credentials
 from pagefleet.kvindex.events import KVEventBatch
 from pagefleet.kvindex.index import KVIndex, PodLoad
+
+if TYPE_CHECKING:
+    from pagefleet.kvindex.zmq_events import ZmqKVEventPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +94,7 @@ class Daemon:
         self.admission = Admission(config.max_inflight, self.metrics)
         self.engine_loop: EngineHandle | None = None
         self.publisher: KVEventPublisher | None = None
+        self.zmq_events: ZmqKVEventPublisher | None = None  # --kv-events-zmq
         self.serving = OpenAIServing(
             config, self.metrics, self.admission, self.live_loop, started_at=time.time()
         )
@@ -137,6 +141,14 @@ class Daemon:
             )
             sink = self.publisher.sink
         cfg = self.config
+        if cfg.kv_events_zmq:
+            from pagefleet.kvindex.zmq_events import ZmqKVEventPublisher
+
+            self.zmq_events = ZmqKVEventPublisher(
+                cfg.kv_events_zmq, replay_endpoint=cfg.kv_events_zmq_replay
+            )
+            self.zmq_events.start()
+            sink = _fan_out(sink, self.zmq_events.sink)
         hooks: dict[str, Any] = dict(
             on_step=self.metrics.update_stats, on_events=sink,
             on_death=lambda code: self.engine_died.set(),
@@ -176,6 +188,8 @@ class Daemon:
         await self.pd.stop()
         if self.publisher is not None:
             await self.publisher.close()
+        if self.zmq_events is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.zmq_events.close)
         if self.engine_loop is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.engine_loop.stop)
 
@@ -332,6 +346,18 @@ class Daemon:
                 "inflight": self.admission.inflight,
             }
         )
+
+
+def _fan_out(first: EventSink | None, second: EventSink) -> EventSink:
+    """One sink that hands each batch to both (the Redis publisher's, then ZeroMQ's)."""
+    if first is None:
+        return second
+
+    def both(batch: KVEventBatch) -> None:
+        first(batch)
+        second(batch)
+
+    return both
 
 
 def _redis_index(url: str, namespace: str) -> KVIndex:

@@ -128,6 +128,20 @@ async def serve(config: DaemonConfig) -> None:
     "or PAGEFLEET_REDIS_PASSWORD_FILE, PAGEFLEET_REDIS_CA_FILE (rediss://).",
 )
 @click.option(
+    "--kv-events-zmq",
+    default=None,
+    metavar="ENDPOINT",
+    help="Also publish KV events in vLLM's ZeroMQ format (PUB, msgpack) on this endpoint, "
+    "e.g. tcp://*:5557, for routers that read vLLM's KV events (needs pyzmq, msgpack).",
+)
+@click.option(
+    "--kv-events-zmq-replay",
+    default=None,
+    metavar="ENDPOINT",
+    help="With --kv-events-zmq: a ROUTER endpoint (e.g. tcp://*:5558) that sends recent "
+    "events again to a subscriber that missed some, as vLLM's replay socket does.",
+)
+@click.option(
     "--kv-namespace", default="", help="Block-key namespace (default: the served model name)."
 )
 @click.option(

@@ -38,6 +38,10 @@ class DaemonConfig(BaseModel):
     port: int = Field(default=8000, ge=0, le=65535)
     role: Role = "unified"
     redis_url: str | None = None
+    # Also publish KV events in vLLM's ZeroMQ format on this bound endpoint (e.g.
+    # tcp://*:5557), for routers that read vLLM's events (kvindex/zmq_events.py).
+    kv_events_zmq: str | None = None
+    kv_events_zmq_replay: str | None = None  # ROUTER endpoint serving recent events again
     kv_namespace: str = ""  # default: the served model name
     pod_name: str | None = None  # default: $POD_NAME, else hostname:port
     block_size: int = Field(default=16, ge=1)
