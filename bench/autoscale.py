@@ -917,62 +917,75 @@ def parser() -> argparse.ArgumentParser:
         help="replay a measurement instead of measuring: 'prefill_tok_s,step_base_ms,"
         "step_per_seq_ms' (as printed by a previous run)",
     )
+    ap.add_argument(
+        "--compare",
+        action="store_true",
+        help="compare planner variants and the HPA-like policy over --compare-traces x "
+        "--compare-seeds (a row per day, held-out days marked, a summary per group)",
+    )
+    ap.add_argument("--compare-traces", default=",".join(TRACES), help="with --compare")
+    ap.add_argument("--compare-seeds", default="0,1,2,3,4,5,6,7,8,9", help="with --compare")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="with --compare: one more planner variant, PlannerConfig fields as JSON "
+        "(e.g. 'k2={\"queue_variability\": 2.0}'); repeatable",
+    )
     return ap
 
 
-def main() -> None:
-    args = parser().parse_args()
-    t_start = time.perf_counter()
+@dataclass(slots=True)
+class Day:
+    """One simulated day and what every policy on it shares: the trace, the SLO, the
+    fleet settings, the static fleets run so far, the static-peak size (the fewest fixed
+    replicas holding the SLO for >= 99% of requests) and the planner's configuration."""
 
-    if args.engine_cost:
-        p_tok, base_ms, per_ms = (float(x) for x in args.engine_cost.split(","))
-        cost = EngineCost(p_tok, base_ms / 1000, per_ms / 1000)
-        measured: dict[str, Any] = {"replayed": args.engine_cost}
-    else:
-        cost, measured = measure_engine(args.quick)
-    t_measure = time.perf_counter() - t_start
-    duration = args.day_seconds or (1800.0 if args.quick else 5400.0)
-    make_day = TRACES[args.trace]
+    trace: list[Request]
+    rate: Callable[[float], float]
+    bursts: list[tuple[float, float]]
+    duration: float
+    cost: EngineCost
+    cfg: SimConfig
+    ttft_s: float
+    tpot_s: float
+    peak_rate: float
+    hi: int
+    planner_cfg: PlannerConfig
+    static: dict[int, Result] = field(default_factory=dict)
+    peak_n: int = 0
+    mean_n: int = 0
+
+    def run(self, policy: Policy, initial: int) -> Result:
+        return simulate(self.trace, self.rate, self.duration, self.cost, self.cfg, initial, policy)
+
+    def static_run(self, k: int) -> Result:
+        if k not in self.static:
+            self.static[k] = self.run(static_policy, k)
+        return self.static[k]
+
+
+def setup_day(
+    trace_name: str, seed: int, duration: float, cost: EngineCost, args: argparse.Namespace
+) -> Day:
+    """The day ``trace_name``/``seed`` at ``args.peak_replicas`` replicas' peak load, its
+    SLO from the engine's cost, its static-peak and static-mean sizes, the planner's
+    configuration (what a user sets from a measurement like this one)."""
+    make_day = TRACES[trace_name]
     sizing_batch = 16
     # SLO: TPOT of a replica running `sizing_batch` plus a prefill chunk's share; TTFT a
     # few mean prompts' prefill time (both from the measurement, so the machine cancels).
-    probe, _, _ = make_day(600.0, 1.0, args.seed)
+    probe, _, _ = make_day(600.0, 1.0, seed)
     tpot_s = 1.6 * cost.step(sizing_batch, 128)
     long_prompt = sorted(r.prompt for r in probe)[int(0.95 * (len(probe) - 1))]
     ttft_s = 2.5 * (long_prompt / cost.prefill_tok_s + cost.step(sizing_batch))
     peak_rate = args.peak_replicas * per_replica_rate(cost, probe, sizing_batch)
-    trace, rate, bursts = make_day(duration, peak_rate, args.seed)
+    trace, rate, bursts = make_day(duration, peak_rate, seed)
     # Slices short against a step, decisions every 10 s, 30 s start-up (all simulated time).
     dt = min(0.5, max(0.05, cost.step(sizing_batch) / 2))
     cfg = SimConfig(ttft_s=ttft_s, tpot_s=tpot_s, dt=dt)
     hi = 4 * math.ceil(args.peak_replicas)
-
-    def run(policy: Policy, initial: int) -> Result:
-        return simulate(trace, rate, duration, cost, cfg, initial, policy)
-
-    # Static at peak: the fewest fixed replicas that hold the SLO for >= 99% of requests
-    # (binary search; attainment grows with replicas).
-    static: dict[int, Result] = {}
-
-    def static_run(k: int) -> Result:
-        if k not in static:
-            static[k] = run(static_policy, k)
-        return static[k]
-
-    lo_n, hi_n = 1, hi
-    while lo_n < hi_n:
-        mid = (lo_n + hi_n) // 2
-        if static_run(mid).attainment >= 0.99:
-            hi_n = mid
-        else:
-            lo_n = mid + 1
-    n = lo_n
-    static_run(n)
-    peak_n = n
-    mean_rate = statistics.fmean(rate(t) for t in range(int(duration)))
-    mean_n = max(1, round(peak_n * mean_rate / peak_rate))
-    static_mean = static_run(mean_n)
-
     # Decode capacity at the SLO: the largest batch whose step (with a prefill chunk's share)
     # stays within the TPOT target, at most max_num_seqs.
     decode_batch = max(
@@ -1001,6 +1014,117 @@ def main() -> None:
         prefill_capacity_hint=cost.prefill_tok_s,
         decode_capacity_hint=decode_batch / cost.step(decode_batch),
     )
+    day = Day(trace, rate, bursts, duration, cost, cfg, ttft_s, tpot_s, peak_rate, hi, planner_cfg)
+    # Static at peak: the fewest fixed replicas that hold the SLO for >= 99% of requests
+    # (binary search; attainment grows with replicas).
+    lo_n, hi_n = 1, hi
+    while lo_n < hi_n:
+        mid = (lo_n + hi_n) // 2
+        if day.static_run(mid).attainment >= 0.99:
+            hi_n = mid
+        else:
+            lo_n = mid + 1
+    day.peak_n = lo_n
+    day.static_run(lo_n)
+    mean_rate = statistics.fmean(rate(t) for t in range(int(duration)))
+    day.mean_n = max(1, round(lo_n * mean_rate / peak_rate))
+    return day
+
+
+# Days some planner setting was ever chosen on (sessions 3-9); every other day is held out.
+TUNED_DAYS = {"synthetic": range(5), AZURE_CONV: range(5)}
+# The variants --compare runs by default: the planner as configured, and the scale-up rule
+# it replaced (no scale-up at all while a replica starts; sessions 1-9).
+COMPARE_VARIANTS: dict[str, dict[str, Any]] = {
+    "planner": {},
+    "wait-while-starting": {"count_starting": False},
+}
+
+
+def held_out(trace_name: str, seed: int) -> bool:
+    return seed not in TUNED_DAYS.get(trace_name, ())
+
+
+def compare(args: argparse.Namespace, cost: EngineCost, duration: float) -> None:
+    """--compare: the planner's variants (PlannerConfig fields changed) and the HPA-like
+    policy on every trace x seed asked for, each day as the single run sizes it (static
+    peak by search, the planner's configuration); prints a row per day, a summary per
+    (trace, tuned / held-out) group and the JSON as the last line. Deterministic for a
+    replayed --engine-cost."""
+    variants = dict(COMPARE_VARIANTS)
+    for spec in args.variant:
+        name, _, over = spec.partition("=")
+        variants[name] = json.loads(over or "{}")
+    traces = args.compare_traces.split(",")
+    seeds = [int(x) for x in args.compare_seeds.split(",")]
+    runs: dict[str, dict[str, list[float]]] = {name: {} for name in (*variants, "hpa")}
+    print("| day | " + " | ".join((*variants, "HPA-like")) + " |")
+    print("| --- " * (len(variants) + 2) + "|")
+    for trace_name in traces:
+        for seed in seeds:
+            day = setup_day(trace_name, seed, duration, cost, args)
+            peak_h = day.static[day.peak_n].replica_hours
+            key = f"{trace_name}/{seed}"
+            res = {
+                name: day.run(planner_policy(replace(day.planner_cfg, **over)), day.mean_n)
+                for name, over in variants.items()
+            }
+            res["hpa"] = day.run(
+                hpa_policy(1, day.hi, day.cfg.max_num_seqs, day.cfg.down_window_s), day.mean_n
+            )
+            for name, r in res.items():
+                runs[name][key] = [round(r.attainment, 4), round(r.replica_hours / peak_h, 4)]
+            mark = " (held out)" if held_out(trace_name, seed) else ""
+            cells = " | ".join(f"{a:.3f} / {f:.3f}" for a, f in (runs[n][key] for n in res))
+            print(f"| {key}{mark} | {cells} |", flush=True)
+    summary: dict[str, dict[str, str]] = {}
+    groups: dict[str, list[str]] = {}
+    for key in runs["hpa"]:
+        trace_name, seed = key.split("/")
+        group = f"{trace_name} {'held out' if held_out(trace_name, int(seed)) else 'tuned'}"
+        groups.setdefault(group, []).append(key)
+    print("\nper group: lowest attainment, runs below 0.95; mean fraction of static-peak "
+          "replica-hours; runs above the HPA-like policy's hours")  # fmt: skip
+    print("| variant | " + " | ".join(f"{g} ({len(k)})" for g, k in groups.items()) + " |")
+    print("| --- " * (len(groups) + 1) + "|")
+    for name in runs:
+        cells = []
+        for group, keys in groups.items():
+            vals = [runs[name][k] for k in keys]
+            low = min(a for a, _ in vals)
+            below = sum(a < 0.95 for a, _ in vals)
+            mean = statistics.fmean(f for _, f in vals)
+            above = sum(f > runs["hpa"][k][1] for k, (_, f) in zip(keys, vals, strict=True))
+            cells.append(f"{low:.3f}, {below} < 0.95; {mean:.3f}; {above}")
+            summary.setdefault(name, {})[group] = cells[-1]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    print(json.dumps({"compare_runs": runs, "compare_summary": summary, "variants": variants}))
+
+
+def main() -> None:
+    args = parser().parse_args()
+    t_start = time.perf_counter()
+
+    if args.engine_cost:
+        p_tok, base_ms, per_ms = (float(x) for x in args.engine_cost.split(","))
+        cost = EngineCost(p_tok, base_ms / 1000, per_ms / 1000)
+        measured: dict[str, Any] = {"replayed": args.engine_cost}
+    else:
+        cost, measured = measure_engine(args.quick)
+    t_measure = time.perf_counter() - t_start
+    duration = args.day_seconds or (1800.0 if args.quick else 5400.0)
+    if args.compare:
+        compare(args, cost, duration)
+        return
+    day = setup_day(args.trace, args.seed, duration, cost, args)
+    trace, rate, bursts, cfg = day.trace, day.rate, day.bursts, day.cfg
+    ttft_s, tpot_s, peak_rate, hi = day.ttft_s, day.tpot_s, day.peak_rate, day.hi
+    static, peak_n, mean_n, planner_cfg = day.static, day.peak_n, day.mean_n, day.planner_cfg
+    static_mean = day.static_run(mean_n)
+
+    def run(policy: Policy, initial: int) -> Result:
+        return simulate(trace, rate, duration, cost, cfg, initial, policy)
+
     # The bound: a perfect oracle at the capacity n_peak replicas have at the SLO with the
     # target's attainment (per replica; smaller fleets pool less, so this is optimistic).
     end = duration + max(120.0, 3 * (ttft_s + 100 * tpot_s))

@@ -24,7 +24,9 @@ How it thinks (capacity per replica at the SLO, not CPU utilisation):
   yet), by that work plus an explicit ``headroom`` (10%). A missed target asks for at
   least one more replica even when the capacity model disagrees.
 - Up fast, down slowly: after any change nothing moves for a short window; scale-up is
-  limited by a step and waits while earlier new replicas are not Ready yet; scale-down goes
+  limited by a step, and replicas asked for but not Ready yet count as capacity on its way
+  (while any starts, only a load that needs more than ready + starting adds more; a missed
+  SLO does not: it is the fleet those replicas join that missed); scale-down goes
   to the highest recommendation of a longer window (so a dip shorter than it moves
   nothing; a short one when the pod to be removed is idle), a step at a time, and never
   while any pod's data is unknown.
@@ -131,6 +133,13 @@ class PlannerConfig:
     # (the recommendation must still have stayed below the count for all of it). None: off.
     # Session 9 measured 10, 20, 30 and 60 s on three traces (docs/benchmarks.md).
     idle_release_s: float | None = 20.0
+    # While replicas asked for are not Ready yet, count them as capacity on its way: scale
+    # up further only as far as the load itself needs more than ready + starting (the
+    # planner's load figures are absolute rates and arrivals, not per Ready pod, so the
+    # starting ones are not counted twice), never for a missed SLO (the miss is the short
+    # fleet they are about to join). False: no scale-up at all while one starts (the rule
+    # until session 10, which left a surge's queue growing for a start-up or more).
+    count_starting: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas <= self.max_replicas:
@@ -673,13 +682,19 @@ def decide(
 
     if rec > current:
         if obs.ready < current:
-            return Decision(
-                current,
-                Reason.WAITING_FOR_REPLICAS,
-                f"load asks for {rec} but only {obs.ready}/{current} replicas are Ready ({why})",
-                new_state,
-                rec,
-            )
+            # Capacity on its way: current counts the starting replicas, so only the load's
+            # own figure (no miss bump) may ask for more than it.
+            load_rec = min(max(math.ceil(need - 1e-9), cfg.min_replicas), cfg.max_replicas)
+            if not cfg.count_starting or load_rec <= current:
+                return Decision(
+                    current,
+                    Reason.WAITING_FOR_REPLICAS,
+                    f"{'load asks for' if load_rec >= rec else 'a miss asks for'} {rec} but "
+                    f"only {obs.ready}/{current} replicas are Ready ({why})",
+                    new_state,
+                    rec,
+                )
+            rec = load_rec
         if since < cfg.scale_up_window_s:
             return Decision(
                 current,

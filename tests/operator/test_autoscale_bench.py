@@ -4,6 +4,7 @@ docs/ change only when asked)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -97,3 +98,26 @@ def test_the_ledger_closes_and_books_the_stated_headroom(bench):
     assert booked["utilization", 0.0] == 0.0
     assert booked["utilization", 0.5] > 0.01
     assert booked["queue", 0.0] > 0.0
+
+
+def test_compare_prints_every_variant_per_day_and_marks_held_out_days(bench, capsys):
+    """--compare runs each named variant and the HPA-like policy on every day asked for,
+    marks the days no setting was tuned on, and ends with one JSON object; a variant that
+    changes nothing equals the planner's own row (the comparison is deterministic)."""
+    assert not bench.held_out("synthetic", 4) and bench.held_out("synthetic", 5)
+    assert bench.held_out("two-peak", 0) and not bench.held_out("azure-conv", 0)
+    args = bench.parser().parse_args(
+        ["--compare", "--compare-traces", "two-peak", "--compare-seeds", "1",
+         "--peak-replicas", "2", "--variant", "same={}",
+         "--variant", 'k1={"queue_variability": 1.0}']
+    )  # fmt: skip
+    cost = bench.EngineCost(966.8, 0.02408, 0.002275)
+    bench.compare(args, cost, 240.0)
+    lines = capsys.readouterr().out.strip().splitlines()
+    out = json.loads(lines[-1])
+    runs = out["compare_runs"]
+    assert set(runs) == {"planner", "wait-while-starting", "same", "k1", "hpa"}
+    assert runs["same"] == runs["planner"]
+    assert all(0 < a <= 1 and f > 0 for r in runs.values() for a, f in r.values())
+    assert any("two-peak/1 (held out)" in line for line in lines)
+    assert set(out["compare_summary"]["planner"]) == {"two-peak held out"}
