@@ -138,9 +138,10 @@ def load_model(
         )
     model.eval()
     if target.type == "cpu":
-        column_major_linear_weights(model)  # faster small-row GEMMs (cpu_layout.py)
-        # Decode-sized GEMMs without MKL's per-call weight re-pack (kernels/mkl_packed.py).
+        # Decode-sized GEMMs without MKL's per-call weight re-pack (kernels/mkl_packed.py);
+        # packed first, straight from the loaded weights, which are then freed.
         pack_linear_weights(model, mkl_packed.load())
+        column_major_linear_weights(model)  # the rest: faster small-row GEMMs (cpu_layout.py)
     logger.info(
         "loaded %s (%d layers, hidden %d) from %s as %s on %s",
         config.architecture,

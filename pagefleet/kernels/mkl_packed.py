@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-_ROW_MAJOR, _NO_TRANS, _B_MATRIX, _PACKED = 101, 111, 162, 151
+_ROW_MAJOR, _NO_TRANS, _TRANS, _B_MATRIX, _PACKED = 101, 111, 112, 162, 151
 _c_int, _c_ptr = ctypes.c_int, ctypes.c_void_p
 # The row count the weight is packed for: the buffer's content does not depend on it.
 _PACK_ROWS = 64
@@ -63,11 +63,18 @@ class MklPackedGemm:
                 f"{tuple(weight.shape)} on {weight.device}; keep F.linear for it"
             )
         n, k = weight.shape
-        b = weight.detach().t().contiguous()  # B = W^T, [in, out] row-major
+        w = weight.detach()
+        # B = W^T. Packed from either layout in place (no temporary copy of the weight):
+        # row-major W is B transposed, column-major W (cpu_layout.py) is B row-major.
+        if w.is_contiguous():
+            trans, src, ld = _TRANS, w, k
+        else:
+            trans, src = _NO_TRANS, w.t().contiguous()
+            ld = n
         size = self._size(_B_MATRIX, _PACK_ROWS, n, k)
         buffer = torch.empty(-(-size // 4), dtype=torch.float32)
-        self._pack(_ROW_MAJOR, _B_MATRIX, _NO_TRANS, _PACK_ROWS, n, k, 1.0,
-                   b.data_ptr(), n, buffer.data_ptr())  # fmt: skip
+        self._pack(_ROW_MAJOR, _B_MATRIX, trans, _PACK_ROWS, n, k, 1.0,
+                   src.data_ptr(), ld, buffer.data_ptr())  # fmt: skip
         return PackedWeight(buffer, n, k)
 
     def linear(

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from pagefleet.engine.cpu_layout import linear_weight
 from pagefleet.engine.gguf_loader import SUPPORTED_TYPES
 from pagefleet.engine.loader import load_model, resolve_model
 from pagefleet.engine.model_config import ModelConfig
@@ -71,6 +72,9 @@ def _state(vocab_size: int, tie: bool = False, seed: int = 0) -> tuple[dict, dic
 def _ours(model: torch.nn.Module, cfg: dict, name: str) -> np.ndarray:
     """The HF-named tensor as our fused model holds it."""
     params = dict(model.named_parameters())
+    for mod_name, module in model.named_modules():  # packed ones hold no plain weight
+        if isinstance(module, torch.nn.Linear):
+            params[f"{mod_name}.weight"] = linear_weight(module)
     q = cfg["num_attention_heads"] * 64
     kv = cfg["num_key_value_heads"] * 64
     ffn = cfg["intermediate_size"]

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagefleet.engine.cpu_layout import PackedLinear, pack_linear_weights
+from pagefleet.engine.cpu_layout import PackedLinear, linear_weight, pack_linear_weights
 from pagefleet.kernels import mkl_packed
 
 
@@ -61,6 +61,10 @@ def test_strided_rows_and_a_column_major_weight(gemm: mkl_packed.MklPackedGemm) 
     x = torch.randn(5, 64, generator=g)[:, 16:48]  # rows of a wider tensor
     assert mkl_packed.usable(x, 32)
     _close(gemm.linear(x, gemm.pack(w)), F.linear(x, w))
+    # Packed straight from the row-major weight (as the loader does): the same buffer.
+    row_major = w.contiguous()
+    assert row_major.is_contiguous() and not w.is_contiguous()
+    assert torch.equal(gemm.linear(x, gemm.pack(row_major)), gemm.linear(x, gemm.pack(w)))
     assert not mkl_packed.usable(x.t(), 5)  # columns not contiguous
     assert not mkl_packed.usable(x.to(torch.bfloat16), 32)
     assert not mkl_packed.usable(x.unsqueeze(0), 32)
@@ -71,24 +75,49 @@ def test_pack_rejects_what_it_cannot_pack(gemm: mkl_packed.MklPackedGemm) -> Non
         gemm.pack(torch.zeros(4, 4, dtype=torch.bfloat16))
 
 
-def test_pack_linear_weights_keeps_parameters_and_values(
+def test_pack_linear_weights_keeps_names_frees_weights_and_values(
     gemm: mkl_packed.MklPackedGemm,
 ) -> None:
     torch.manual_seed(2)
     model = nn.Sequential(nn.Linear(16, 24), nn.ReLU(), nn.Linear(24, 8, bias=False))
     model.append(nn.Linear(8, 4).to(torch.bfloat16))  # not fp32: left alone
+    model.append(nn.Linear(4, 4))  # below min_elements: left alone
     names = [n for n, _ in model.named_parameters()]
+    shapes = [p.shape for p in model.parameters()]
+    w0 = model[0].weight.detach().clone()
     x = torch.randn(6, 16)
     with torch.inference_mode():
         ref = model[:3](x)
-    assert pack_linear_weights(model, gemm) == 2
-    assert pack_linear_weights(model, gemm) == 0  # already packed
-    assert pack_linear_weights(model, None) == 0
+    assert pack_linear_weights(model, gemm, min_elements=17) == 2
+    assert pack_linear_weights(model, gemm, min_elements=17) == 0  # already packed
+    assert pack_linear_weights(model, None, min_elements=0) == 0
     assert [n for n, _ in model.named_parameters()] == names
+    assert [p.shape for p in model.parameters()] == shapes
     assert isinstance(model[0], PackedLinear) and isinstance(model[0], nn.Linear)
-    assert type(model[3]) is nn.Linear
+    assert type(model[3]) is nn.Linear and type(model[4]) is nn.Linear
+    # The packed copy is the only one: the unpacked weight's storage is gone.
+    assert model[0].weight.is_meta and model[2].weight.is_meta
+    assert not model[4].weight.is_meta
+    # ... and its values still come back exactly, for inspection.
+    assert torch.equal(linear_weight(model[0]), w0)
+    assert torch.equal(linear_weight(model[4]), model[4].weight)
     with torch.inference_mode():
         _close(model[:3](x), ref)
-        # 3-D input: not the packed path's shape, F.linear's values exactly.
+        # Inputs that are not 2-D contiguous rows still go through the packed weight.
         x3 = x.view(2, 3, 16)
-        assert torch.equal(model[0](x3), F.linear(x3, model[0].weight, model[0].bias))
+        _close(model[0](x3), F.linear(x3, w0, model[0].bias))
+        xt = torch.randn(16, 5).t()  # rows 1 element apart: not the packed path's layout
+        _close(model[0](xt), F.linear(xt, w0, model[0].bias))
+        with pytest.raises(TypeError, match="cast the input to fp32"):
+            model[0](x.to(torch.bfloat16))
+
+
+def test_default_threshold_skips_small_weights_packs_large_ones(
+    gemm: mkl_packed.MklPackedGemm,
+) -> None:
+    # The test presets' projections (<= 131K elements) lose to F.linear when packed; the
+    # bench model's (>= 512 x 512) win (docs/benchmarks.md, engine speed, session 10).
+    small, large = nn.Linear(128, 1024, bias=False), nn.Linear(512, 512, bias=False)
+    model = nn.Sequential(small, large)
+    assert pack_linear_weights(model, gemm) == 1
+    assert type(small) is nn.Linear and isinstance(large, PackedLinear)

@@ -276,7 +276,7 @@ class LlamaForCausalLM(nn.Module):
         """fp32 logits ``[N, vocab]`` for the rows of ``hidden`` (select rows first)."""
         if self.lm_head is None:
             return F.linear(hidden, self.model.embed_tokens.weight).float()
-        return self.lm_head.forward(hidden).float()  # a PackedLinear on CPU (cpu_layout.py)
+        return self.lm_head.forward(hidden).float()  # PackedLinear if large (cpu_layout.py)
 
     def _shard_slices(self, fused: str, shard: int) -> tuple[int, int]:
         c = self.config
