@@ -405,9 +405,10 @@ async def test_prefill_pool_busy_per_its_heartbeat_means_local_prefill(fleet) ->
     """Saturation counts the prefill pod's own load (its Redis heartbeat), not only this
     gateway's in-flight requests: traffic this gateway never sent keeps it off the pool."""
     p, d, u = fleet["prefill"], fleet["decode"], fleet["unified"]
-    _, runner, url = await _gateway(
+    gateway, runner, url = await _gateway(
         [p.url], [d.url], redis_url=fleet["redis"], pd_max_prefill_inflight=2
     )
+    pod = p.daemon.config.pod
     gw, uni, direct = _client(url), _client(u.url), _client(p.url)
     busy: list[asyncio.Task] = []
     try:
@@ -424,8 +425,10 @@ async def test_prefill_pool_busy_per_its_heartbeat_means_local_prefill(fleet) ->
                 )  # fmt: skip
 
         busy.extend(asyncio.create_task(keep_busy(i)) for i in range(6))
-        await _until(lambda: _loaded(fleet["redis"], p.daemon.config.pod, at_least=2))
-        await asyncio.sleep(0.6)  # the gateway re-reads heartbeats every 0.25 s
+        await _until(lambda: _loaded(fleet["redis"], pod, at_least=2))
+        # Until the gateway itself has read such a heartbeat (it re-reads every 0.25 s; a
+        # fixed wait for that could end first on a loaded machine).
+        await _until(lambda: _gateway_sees(gateway, pod, at_least=2))
         exported0 = await _metric(p.url, _OUTCOME, outcome="exported")
         prompt = "Under load: " + PROMPT  # its own first block, cached nowhere yet
         assert await _complete(gw, prompt, False) == await _complete(uni, prompt, False)
@@ -436,8 +439,8 @@ async def test_prefill_pool_busy_per_its_heartbeat_means_local_prefill(fleet) ->
         for t in busy:
             t.cancel()
         await asyncio.gather(*busy, return_exceptions=True)
-        await _until(lambda: _loaded(fleet["redis"], p.daemon.config.pod, at_most=0))
-        await asyncio.sleep(0.6)  # the gateway re-reads heartbeats every 0.25 s
+        await _until(lambda: _loaded(fleet["redis"], pod, at_most=0))
+        await _until(lambda: _gateway_sees(gateway, pod, at_most=0))
         prompt = "At rest: " + PROMPT  # its own first block: nothing of it cached anywhere
         assert await _complete(gw, prompt, False) == await _complete(uni, prompt, False)
         assert await _metric(url, "pagefleet_gateway_pd_requests_total", path="remote") == 1
@@ -453,6 +456,13 @@ async def test_prefill_pool_busy_per_its_heartbeat_means_local_prefill(fleet) ->
 
 async def _loaded(redis_url: str, pod: str, at_least: int = 0, at_most: int = 10**9) -> bool:
     return at_least <= await _prefill_load(redis_url, pod) <= at_most
+
+
+async def _gateway_sees(gateway, pod: str, at_least: int = 0, at_most: int = 10**9) -> bool:
+    """The prefill pod's load (running + waiting) in the last heartbeat the gateway read."""
+    load = gateway.pd.prefill_router._loads.get(pod)
+    n = 0 if load is None else load.running + load.waiting
+    return at_least <= n <= at_most
 
 
 @pytest.mark.timeout(120)
