@@ -577,10 +577,14 @@ class KVExportServer:
         entry = self._awaited.pop(handle, None)
         if entry is not None:
             entry.event.set()
-        if len(self._settled) > 256:  # forget old outcomes (bounded memory)
-            cutoff = now - _SETTLED_TTL_S
-            for h in [h for h, (_, t) in self._settled.items() if t < cutoff]:
-                del self._settled[h]
+        # Forget outcomes older than _SETTLED_TTL_S: the dict is in settling order, so the
+        # oldest are first (amortised O(1) a call).
+        cutoff = now - _SETTLED_TTL_S
+        while self._settled:
+            oldest = next(iter(self._settled))
+            if self._settled[oldest][1] >= cutoff:
+                break
+            del self._settled[oldest]
 
     async def wait(self, request: web.Request) -> web.Response:
         """Answer when a handle is exported (200) or never will be (404), or at ``wait_s``
