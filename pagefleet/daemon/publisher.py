@@ -84,6 +84,7 @@ class KVEventPublisher:
         self._down_logged = False
         self._tasks: list[asyncio.Task[None]] = []
         self.in_sync = asyncio.Event()
+        self._ops_in_flight = 0  # index calls awaiting their answer
         self.events_applied = 0
         self.resyncs = 0
 
@@ -138,7 +139,18 @@ class KVEventPublisher:
 
     async def _op(self, coro: Awaitable[Any]) -> Any:
         # A hung connection must not stall publishing forever; a timeout counts as down.
-        return await asyncio.wait_for(coro, self._op_timeout_s)
+        self._ops_in_flight += 1
+        try:
+            return await asyncio.wait_for(coro, self._op_timeout_s)
+        finally:
+            self._ops_in_flight -= 1
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued and no index call awaiting its answer: every batch handed to
+        ``sink`` before this moment (and already on this loop) has been applied or failed.
+        An empty queue alone is not that: the last batch may still be on its way to Redis."""
+        return self._queue.empty() and self._ops_in_flight == 0
 
     def _mark_down(self, what: str, exc: BaseException) -> None:
         self._need_resync = True

@@ -166,9 +166,9 @@ async def test_publisher_mirrors_engine_and_clears(tiny_tokenizer):
 
 async def _settle(publisher, timeout=5.0) -> None:
     for _ in range(int(timeout / 0.02)):
-        if publisher._queue.empty() and not publisher._need_resync:
+        if publisher.idle and not publisher._need_resync:
             await asyncio.sleep(0.05)
-            if publisher._queue.empty():
+            if publisher.idle:
                 return
         await asyncio.sleep(0.02)
     raise AssertionError("publisher did not settle")

@@ -62,9 +62,9 @@ async def held_in_redis(url: str, pod: str, hashes: set[int]) -> tuple[int, int]
 async def settle(publisher, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if publisher.in_sync.is_set() and publisher._queue.empty():
+        if publisher.in_sync.is_set() and publisher.idle:
             await asyncio.sleep(0.1)
-            if publisher._queue.empty():
+            if publisher.idle:
                 return
         await asyncio.sleep(0.05)
     raise AssertionError("publisher did not settle")
