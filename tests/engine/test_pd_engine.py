@@ -111,7 +111,10 @@ def test_disaggregated_equals_unified(preset: str) -> None:
 
 
 def test_handle_expires_and_is_counted() -> None:
-    prefill = _engine("tiny", kv_transfer_timeout_s=5.0)
+    # The clock is passed in: "not yet" is asked far before the deadline (a 5 s timeout
+    # raced here: a prefill slower than 4 s under load made "now + 1" past it).
+    timeout = 3600.0
+    prefill = _engine("tiny", kv_transfer_timeout_s=timeout)
     run_prefill(prefill, "h", list(range(5, 45)))
     assert prefill.exports.handles() == ["h"]
     assert prefill.kv.pool.num_referenced_blocks == 5
@@ -119,7 +122,7 @@ def test_handle_expires_and_is_counted() -> None:
     import time
 
     assert prefill.collect_transfers(time.monotonic() + 1) == 0
-    assert prefill.collect_transfers(time.monotonic() + 6) == 1
+    assert prefill.collect_transfers(time.monotonic() + timeout + 1) == 1
     assert prefill.stats().kv_exports_expired_total == 1
     _no_leak(prefill)
     # A pull after expiry finds nothing; the decode side prefills locally instead.
