@@ -562,6 +562,14 @@ class KVExportServer:
 
     # -- handles announced before their prefill ends ----------------------------------------
 
+    def in_use(self, handle: str) -> bool:
+        """Whether ``handle`` names an export this pod runs, holds staged, or answered as
+        exported within the settled record: a new export under it would clobber that one."""
+        entry = self._awaited.get(handle)
+        if entry is not None and entry.expected:
+            return True
+        return handle in self._staged or self._settled.get(handle, (False, 0.0))[0]
+
     def expect(self, handle: str) -> None:
         """``handle``'s prefill was admitted here: a wait for it waits for ``settle``."""
         self._settled.pop(handle, None)
@@ -579,7 +587,7 @@ class KVExportServer:
             entry.event.set()
         # Forget outcomes older than _SETTLED_TTL_S: the dict is in settling order, so the
         # oldest are first (amortised O(1) a call).
-        cutoff = now - _SETTLED_TTL_S
+        cutoff = now - max(_SETTLED_TTL_S, self.stage_ttl_s + 10.0)
         while self._settled:
             oldest = next(iter(self._settled))
             if self._settled[oldest][1] >= cutoff:

@@ -103,6 +103,8 @@ class PDSide:
         )
         self._timer: asyncio.Task[None] | None = None
         self._releases: set[asyncio.Task[bool]] = set()
+        # Handles of exports whose HTTP request is running here (claim .. export_ended).
+        self._claimed: set[str] = set()
         # Pulls land in reused shared-memory stages (kv_stage.StagePool: a new one per pull
         # cost the decode core ~17 ms of CPU).
         self.stages = StagePool()
@@ -325,10 +327,21 @@ class PDSide:
             if not committed:
                 loop.post_cancel_import(plan)
 
+    def claim(self, rid: str) -> bool:
+        """Take handle ``rid`` for one export request; False when another request here runs
+        or holds it (a caller-named handle used twice). Each True is paired with one
+        ``export_ended``; a False must be answered without touching the handle's state, or
+        the second request would end the first one's stage and wait."""
+        if rid in self._claimed or self.export_server.in_use(rid):
+            return False
+        self._claimed.add(rid)
+        return True
+
     def export_ended(self, rid: str) -> None:
-        """The HTTP handler of exported request ``rid`` is done (answered, failed or
-        cancelled): a decode pod still waiting for its handle learns it will not come
+        """The HTTP handler of exported request ``rid`` (claimed) is done (answered, failed
+        or cancelled): a decode pod still waiting for its handle learns it will not come
         (no-op after ``response_params``)."""
+        self._claimed.discard(rid)
         self.export_server.settle(rid, exported=False)
 
     def _fallback(self, rid: str, reason: str, message: str, tp: KVTransferParams) -> None:

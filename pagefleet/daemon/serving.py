@@ -285,6 +285,13 @@ class OpenAIServing:
                 raise APIError(400, str(exc), param="kv_transfer_params") from None
             if job.transfer is not None and job.transfer.do_remote_decode:
                 job.handle = job.transfer.remote_request_id  # None: the pod names it
+                if not self.pd.claim(job.rid(0)):
+                    raise APIError(
+                        409,
+                        f"transfer handle {job.rid(0)!r} is already in use on this pod; "
+                        "name a fresh kv_transfer_params.remote_request_id",
+                        param="kv_transfer_params",
+                    )
                 try:
                     return await self._run(request, job, shape, req)
                 finally:  # a decode pod waiting for the handle learns if it never comes

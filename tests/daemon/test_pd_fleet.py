@@ -615,3 +615,37 @@ async def test_early_hand_over_waits_for_the_prefill_or_falls_back(fleet) -> Non
         await loop.invoke("collect_transfers", float("inf"))
         assert (await loop.stats()).kv_usage == 0
     server.unknown_grace_s = KVExportServer(lambda: None, lambda: None).unknown_grace_s
+
+
+@pytest.mark.timeout(120)
+async def test_a_handle_named_twice_is_refused_and_the_first_export_stays_whole(fleet) -> None:
+    """A caller-named handle that a running or exported request holds is a 409 for the
+    second request, which touches nothing of the first: the handle still reads as exported
+    to a decode pod that waits for it, and the decode pod pulls it and answers as unified
+    does. (Before, the refused duplicate settled the handle as never exported and dropped
+    the first request's stage.)"""
+    p, d, u = fleet["prefill"], fleet["decode"], fleet["unified"]
+    base = {"model": MODEL, "prompt": "Named twice: " + PROMPT, "max_tokens": 6, "temperature": 0.0}
+    _, want = await _post(u.url, base)
+    handle = f"twice-{uuid.uuid4().hex}"
+    kvp = {"do_remote_decode": True, "remote_request_id": handle}
+    pre = {**base, "max_tokens": 1, "kv_transfer_params": kvp}
+    # However the three interleave, one holds the handle and the others find it held
+    # (running, or already exported): the outcome does not depend on timing.
+    results = await asyncio.gather(*(_post(p.url, pre) for _ in range(3)))
+    assert sorted(status for status, _ in results) == [200, 409, 409], results
+    refused = next(body for status, body in results if status == 409)
+    assert handle in refused["error"]["message"]
+    tp = next(body for status, body in results if status == 200)["kv_transfer_params"]
+    assert tp["remote_request_id"] == handle
+    wait = {"handle": handle, "wait_s": 5}
+    async with aiohttp.ClientSession() as s, s.post(p.url + "/v1/kv/wait", json=wait) as r:
+        assert r.status == 200, await r.text()
+    pulled0 = await _metric(d.url, _OUTCOME, outcome="pulled")
+    status, got = await _post(d.url, {**base, "kv_transfer_params": tp})
+    assert status == 200, got
+    assert got["choices"][0]["text"] == want["choices"][0]["text"]
+    assert await _metric(d.url, _OUTCOME, outcome="pulled") == pulled0 + 1
+    # Once pulled, the name is still refused while the pod remembers it as exported.
+    status, again = await _post(p.url, pre)
+    assert status == 409, again
