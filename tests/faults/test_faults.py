@@ -82,9 +82,11 @@ def references(fleet: LocalFleet) -> dict[tuple[str, int], str]:
     return {}
 
 
-async def _reference(fleet: LocalFleet, refs: dict, prompt: str, n: int) -> str:
+async def _reference(fleet: LocalFleet, refs: dict, prompt: str, n: int, daemon: int = 0) -> str:
+    """The greedy answer from one daemon (every daemon loads the same seeded checkpoint);
+    the prompt's blocks are then cached on that daemon, which steers the gateway there."""
     if (prompt, n) not in refs:
-        url = fleet.daemon_urls[0] + "/v1/completions"
+        url = fleet.daemon_urls[daemon] + "/v1/completions"
         async with aiohttp.ClientSession() as s, s.post(url, json=_body(prompt, n)) as r:
             assert r.status == 200, await r.text()
             refs[(prompt, n)] = (await r.json())["choices"][0]["text"]
@@ -116,12 +118,16 @@ def _wait_healthy(fleet: LocalFleet, timeout_s: float = 120.0) -> float:
 async def _one(
     s: aiohttp.ClientSession, url: str, prompt: str, n: int, ref: str, stream: bool,
     deadline_s: float, started: asyncio.Event | None = None,
+    pod_seen: list[str] | None = None,
 ) -> Outcome:  # fmt: skip
-    """Send one request and classify its outcome."""
+    """Send one request and classify its outcome. ``pod_seen`` gets the serving pod as soon
+    as the response headers name it (a test can act on where a stream runs mid-stream)."""
     try:
         async with asyncio.timeout(deadline_s):
             async with s.post(url + "/v1/completions", json=_body(prompt, n, stream)) as r:
                 pod = r.headers.get("x-pagefleet-pod", "")
+                if pod_seen is not None:
+                    pod_seen.append(pod)
                 if r.status != 200:
                     body = await r.json(content_type=None)
                     ok_shape = isinstance(body.get("error", {}).get("message"), str)
@@ -225,19 +231,52 @@ async def test_1000_concurrent_requests_against_2_daemons(fleet, references) -> 
 async def test_sigkill_mid_stream_then_restart(fleet, references) -> None:
     _wait_healthy(fleet)
     long_n, short_n = 200, 6
-    ref_long = await _reference(fleet, references, PROMPTS[0], long_n)
+    # Two streamed prompts that share no block, so each group sticks to its own pod. One
+    # prompt for all ten streams left the spread to arrival timing: streams that arrived a
+    # little apart each had its first token before the next was routed, cache affinity kept
+    # them all on the holder, and the test had no survivor's streams to check.
+    # They differ in their first block, and no other test sends them (earlier tests leave
+    # their prompts cached on both pods).
+    group_prompts = [f"Group {g} of the SIGKILL streams: {PROMPTS[g]}" for g in (0, 1)]
+    # Each group's reference comes from its own daemon, which then holds that prompt's blocks:
+    # cache affinity sends group 0 to daemon 0 and group 1 to daemon 1.
+    refs_long = [
+        await _reference(fleet, references, p, long_n, daemon=g)
+        for g, p in enumerate(group_prompts)
+    ]
     ref_short = await _reference(fleet, references, PROMPTS[1], short_n)
-    victim = fleet.daemons[0]
-    victim_pod = victim.url.removeprefix("http://")
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         started = [asyncio.Event() for _ in range(10)]
-        streams = [
-            asyncio.create_task(
-                _one(s, fleet.gateway_url, PROMPTS[0], long_n, ref_long, True, 60, ev)
+        pods_seen: list[list[str]] = [[] for _ in range(10)]
+
+        def stream(i: int) -> asyncio.Task[Outcome]:
+            g = i % 2
+            return asyncio.create_task(
+                _one(
+                    s,
+                    fleet.gateway_url,
+                    group_prompts[g],
+                    long_n,
+                    refs_long[g],
+                    True,
+                    60,
+                    started[i],
+                    pods_seen[i],
+                )
             )
-            for ev in started
-        ]
+
+        # Each group's first stream runs before the next group is routed, so the second group
+        # also finds the first one's pod busy.
+        streams = [stream(0)]
+        await asyncio.wait_for(started[0].wait(), 60)
+        streams.append(stream(1))
+        await asyncio.wait_for(started[1].wait(), 60)
+        streams += [stream(i) for i in range(2, 10)]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+        first_pods = {seen[0] for seen in pods_seen if seen}
+        assert len(first_pods) == 2, f"both groups' streams ran on one pod: {first_pods}"
+        victim_pod = pods_seen[0][0]
+        victim = next(d for d in fleet.daemons if d.url.removeprefix("http://") == victim_pod)
         t_kill = time.monotonic()
         victim.kill()
         during = await asyncio.gather(
