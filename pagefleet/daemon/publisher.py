@@ -65,6 +65,7 @@ class KVEventPublisher:
         op_timeout_s: float = 5.0,
         backoff_initial_s: float = 0.2,
         backoff_max_s: float = 5.0,
+        snapshot_timeout_s: float = 10.0,
     ) -> None:
         self.index = index
         self.pod = pod
@@ -78,6 +79,8 @@ class KVEventPublisher:
         self._op_timeout_s = op_timeout_s
         self._backoff_initial_s = backoff_initial_s
         self._backoff_max_s = backoff_max_s
+        self._snapshot_timeout_s = snapshot_timeout_s
+        self.snapshot_timeouts = 0
         self._queue: asyncio.Queue[Item] = asyncio.Queue()
         self._need_resync = False
         self._last_resync = time.monotonic()
@@ -215,20 +218,25 @@ class KVEventPublisher:
         while True:
             token = object()
             try:
-                await self._snapshot(
-                    lambda hashes, token=token: self._put_threadsafe(_Snapshot(token, hashes))
+                # Bounded: an engine that never answers (lost in a step, or gone) must not
+                # hold the index out of sync forever; a late answer carries an old token and
+                # is dropped, and the next snapshot contains every batch dropped meanwhile.
+                async with asyncio.timeout(self._snapshot_timeout_s):
+                    snapshot = await self._take_snapshot(token)
+            except TimeoutError:
+                self.snapshot_timeouts += 1
+                logger.warning(
+                    "the engine did not deliver its block set within %.0f s; retrying the resync",
+                    self._snapshot_timeout_s,
                 )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self._backoff_max_s)
+                continue
             except Exception as exc:
                 logger.warning("cannot snapshot the engine's block set (%s); not resyncing", exc)
                 return await self._drain_until_stop()
-            snapshot: _Snapshot | None = None
-            while snapshot is None:
-                item = await self._queue.get()
-                if item is _STOP:
-                    return False
-                if isinstance(item, _Snapshot) and item.token is token:
-                    snapshot = item
-                # Batches before the snapshot are contained in it: drop them.
+            if snapshot is None:
+                return False
             try:
                 await self._op(self.index.resync(self.pod, snapshot.block_hashes))
             except Exception as exc:
@@ -243,6 +251,19 @@ class KVEventPublisher:
             self._need_resync = False
             self._mark_up()
             return True
+
+    async def _take_snapshot(self, token: object) -> _Snapshot | None:
+        """Ask the engine for its block set and wait for that answer in the queue (None:
+        asked to stop meanwhile). Batches before it are contained in it: dropped."""
+        await self._snapshot(
+            lambda hashes, token=token: self._put_threadsafe(_Snapshot(token, hashes))
+        )
+        while True:
+            item = await self._queue.get()
+            if item is _STOP:
+                return None
+            if isinstance(item, _Snapshot) and item.token is token:
+                return item
 
     async def _drain_until_stop(self) -> bool:
         while True:

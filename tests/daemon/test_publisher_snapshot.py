@@ -1,0 +1,68 @@
+"""The publisher's resync when the engine does not answer its snapshot request."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from pagefleet.daemon.publisher import KVEventPublisher
+from pagefleet.kvindex.index import PodLoad
+from pagefleet.kvindex.memory import MemoryKVIndex
+
+
+async def test_an_unanswered_snapshot_is_asked_again_and_the_resync_completes() -> None:
+    """The first request for the engine's block set is never answered (as if lost in a step);
+    the publisher must not wait on it forever: it asks again and resyncs the index."""
+    index = MemoryKVIndex()
+    asked: list[int] = []
+
+    async def snapshot(deliver: Callable[[set[int]], None]) -> None:
+        asked.append(len(asked))
+        if len(asked) > 1:  # the first request is swallowed
+            deliver({11, 22, 33})
+
+    pub = KVEventPublisher(
+        index,
+        "pod-a",
+        asyncio.get_running_loop(),
+        load_fn=PodLoad,
+        snapshot=snapshot,
+        heartbeat_s=0.05,
+        snapshot_timeout_s=0.2,
+        backoff_initial_s=0.01,
+    )
+    await pub.start()
+    try:
+        await asyncio.wait_for(pub.in_sync.wait(), 5)
+        await pub.resync_now()
+        # Cleared by the resync request, set again only once a snapshot reached the index.
+        await asyncio.wait_for(_until(lambda: pub.resyncs == 1), 5)
+        assert pub.snapshot_timeouts == 1 and len(asked) == 2
+        assert index.block_set("pod-a") == {11, 22, 33}
+        assert pub.in_sync.is_set()
+    finally:
+        await pub.close()
+
+
+async def test_stop_while_waiting_for_a_snapshot_ends_the_publisher() -> None:
+    """An engine that never answers and a daemon that stops: close() returns promptly."""
+    index = MemoryKVIndex()
+
+    async def snapshot(deliver: Callable[[set[int]], None]) -> None:
+        return None  # never delivers
+
+    pub = KVEventPublisher(
+        index, "pod-b", asyncio.get_running_loop(), load_fn=PodLoad, snapshot=snapshot,
+        heartbeat_s=0.05, snapshot_timeout_s=30.0,
+    )  # fmt: skip
+    await pub.start()
+    await asyncio.wait_for(pub.in_sync.wait(), 5)
+    await pub.resync_now()
+    await asyncio.sleep(0.1)
+    await asyncio.wait_for(pub.close(timeout_s=2.0), 3)
+    assert index.block_set("pod-b") == set()
+
+
+async def _until(cond: Callable[[], bool]) -> None:
+    while not cond():
+        await asyncio.sleep(0.01)
