@@ -39,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 # The fleet's gateway: seconds open streams get on stop (its exit follows within ~5 s more).
 GATEWAY_DRAIN_S = 3.0
+# The daemons' drain on stop: with its ~3 s of cleanup (handlers, engine, index) inside
+# stop()'s 10 s grace; the daemon's own 30 s default would end in a SIGKILL here.
+DAEMON_DRAIN_S = 6.0
 
 
 def resolve_checkpoint_dir(spec: str) -> Path:
@@ -299,6 +302,8 @@ class LocalFleet:
         if role != "unified":
             argv += ["--role", role]
             name = f"{role}-{i}"
+        # Before the spec's own arguments, so a caller's --drain-timeout wins.
+        argv += ["--drain-timeout", str(DAEMON_DRAIN_S)]
         argv += self.spec.daemon_args
         return Child(name, argv, f"http://{host}:{port}", self.log_dir / f"{name}.log")
 
