@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagefleet.kernels import mkl_packed
 from pagefleet.kernels.metadata import AttentionMetadata
 from pagefleet.kernels.torch_ref import (
     TorchAttentionBackend,
@@ -54,6 +55,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pf_store_kv.argtypes = [
         _c_ptr, _c_i64, _c_ptr, _c_i64, _c_ptr, _c_i64, _c_i64, _c_int, _c_ptr, _c_ptr,
     ]  # fmt: skip
+    lib.pf_set_blas.restype = None
+    lib.pf_set_blas.argtypes = [_c_ptr, _c_ptr]
     for name in ("pf_max_block_size", "pf_max_group", "pf_max_head_dim"):
         getattr(lib, name).restype = _c_int
         getattr(lib, name).argtypes = []
@@ -112,6 +115,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self._lib = bind(lib)
         # None: RMSNorm and SiLU x up stay torch ops (the inherited methods).
         self._ops = None if layer_ops is None else bind_layer_ops(layer_ops)
+        # Long prefill/extend chunks through MKL's GEMM (about 3x the kernel's own loops on
+        # the bench model's prompts: docs/benchmarks.md, engine speed, session 11); without
+        # MKL the kernel keeps its vector loops.
+        blas = mkl_packed.blas_addresses()
+        self._lib.pf_set_blas(*(blas or (None, None)))
         self._max_block = lib.pf_max_block_size()
         self._max_group = lib.pf_max_group()
         self._max_head_dim = lib.pf_max_head_dim()

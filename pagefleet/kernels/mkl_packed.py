@@ -118,3 +118,24 @@ def load() -> MklPackedGemm | None:
         return MklPackedGemm(lib)
     except (OSError, AttributeError):
         return None
+
+
+def blas_addresses() -> tuple[int, int | None] | None:
+    """Addresses of Fortran ``SGEMM`` and C ``MKL_Set_Num_Threads_Local`` in this process's
+    torch MKL (for the compiled attention kernel's chunk GEMMs), or None where torch has
+    no MKL or does not export ``SGEMM``; the second is None when only it is missing."""
+    if not torch.backends.mkl.is_available():
+        return None
+    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    try:
+        lib = ctypes.CDLL(path)
+        sgemm = ctypes.cast(lib.SGEMM, _c_ptr).value
+    except (OSError, AttributeError):
+        return None
+    try:
+        # The C entry point (an int by value); lowercase mkl_set_num_threads_local is the
+        # Fortran one, which takes a pointer.
+        local = ctypes.cast(lib.MKL_Set_Num_Threads_Local, _c_ptr).value
+    except AttributeError:
+        local = None
+    return (sgemm, local) if sgemm else None

@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from pagefleet.kernels import mkl_packed
 from pagefleet.kernels.cpu_attention import (
     LIBRARY,
     MAX_KERNEL_QUERY_LEN,
@@ -97,6 +98,38 @@ def test_kernel_matches_dense_attention_on_scattered_blocks(backend, hq, hkv, d,
     # The torch backend agrees to fp32 rounding too: same contract, other summation order.
     ref = paged_attention(q, k_cache, v_cache, meta, scale)
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-5)
+
+
+@pytest.mark.parametrize(("hq", "hkv", "d", "bs"), SHAPES[:4])
+def test_long_chunks_through_blas_agree_with_the_kernel_loops(backend, hq, hkv, d, bs):
+    """Chunks of more than 8 rows go through MKL's GEMM (pf_set_blas, set by the backend
+    where torch has MKL); without it the kernel's own loops run. Both are attention to fp32
+    rounding; bf16 caches are widened to fp32 before the GEMMs."""
+    blas = mkl_packed.blas_addresses()
+    if blas is None:
+        pytest.skip("this torch has no MKL SGEMM: the kernel's loops are the only path")
+    query_lens, seq_lens = [1, 1, 9, 64, 65, 150], [40, 7, 9, 64 + bs + 3, 65, 150 + 2 * bs]
+    meta = _step(query_lens, seq_lens, bs, num_blocks=256, seed=hq * d)
+    gen = torch.Generator().manual_seed(hq + hkv)
+    k_cache = torch.randn(256, bs, hkv, d, generator=gen)
+    v_cache = torch.randn(256, bs, hkv, d, generator=gen)
+    q = torch.randn(sum(query_lens), hq, d, generator=gen)
+    scale = d**-0.5
+    want = _dense(q, k_cache, v_cache, meta, scale)
+    try:
+        backend._lib.pf_set_blas(None, None)
+        loops = backend.attend(q, k_cache, v_cache, meta, scale)
+        loops_bf16 = backend.attend(q, k_cache.bfloat16(), v_cache.bfloat16(), meta, scale)
+    finally:
+        backend._lib.pf_set_blas(*blas)
+    gemm = backend.attend(q, k_cache, v_cache, meta, scale)
+    gemm_bf16 = backend.attend(q, k_cache.bfloat16(), v_cache.bfloat16(), meta, scale)
+    torch.testing.assert_close(gemm.double(), want, atol=2e-6, rtol=2e-5)
+    torch.testing.assert_close(loops.double(), want, atol=2e-6, rtol=2e-5)
+    torch.testing.assert_close(gemm, loops, atol=2e-6, rtol=2e-5)
+    torch.testing.assert_close(gemm_bf16, loops_bf16, atol=2e-6, rtol=2e-5)
+    # Decode rows never take the GEMM path: bit-identical either way.
+    assert torch.equal(gemm[:2], loops[:2])
 
 
 def test_forward_stores_kv_reads_strided_q_and_handles_bf16(backend):

@@ -13,7 +13,10 @@
 // times the `group` query heads sharing the KV head are M query vectors that share every
 // K/V row loaded. Softmax is online over blocks (running max, running sum, rescaled
 // accumulator), all in fp32; the causal mask is a per-vector count of valid tokens in the
-// block, so no -inf arithmetic is needed.
+// block, so no -inf arithmetic is needed. Chunks of more than kChunkMinRows rows go through
+// the process's MKL GEMM when the caller handed it in (pf_set_blas: attend_chunk_gemm),
+// else through attend_chunk's vector loops.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -49,13 +52,23 @@ inline float load<uint16_t>(const uint16_t* p, int i) { return bf16_to_f32(p[i])
 
 struct Item {
   int32_t seq, row0, rows, head0, heads;  // query rows [row0, row0+rows), KV heads [head0, +heads)
-  int32_t chunk;                          // 1: attend_chunk (heads == 1), 0: attend_item
+  int32_t chunk;  // 2: attend_chunk_gemm, 1: attend_chunk (both heads == 1), 0: attend_item
 };
 
 // Row strides (in elements) of q and out: q is usually a view into the fused qk tensor.
 struct Strides {
   int64_t q_row, out_row;
 };
+
+// Fortran SGEMM and MKL_Set_Num_Threads_Local of the MKL in the caller's process (torch's),
+// handed in by pf_set_blas; null: long chunks take attend_chunk's hand-written loops.
+// Column-major, every argument by pointer, as the Fortran ABI has it.
+using SgemmFn = void (*)(const char*, const char*, const int*, const int*, const int*,
+                         const float*, const float*, const int*, const float*, const int*,
+                         const float*, float*, const int*);
+using SetThreadsLocalFn = int (*)(int);
+SgemmFn g_sgemm = nullptr;
+SetThreadsLocalFn g_set_threads_local = nullptr;
 
 // Normalised output of query vector m (row it.row0 + m / per_row, query head
 // it.head0 * group + m % per_row): acc[m] / sum[m].
@@ -328,6 +341,104 @@ void attend_chunk(const Item& it, const float* q, const T* kc, const T* vc,
   write_out<kD>(it, group, group, m_count, acc, sum, out, st, d);
 }
 
+// A whole prefill/extend chunk of one sequence and one KV head through BLAS: its context's
+// K and V rows (this head's) gathered once into contiguous fp32 buffers, then per tile of
+// kGemmRows rows S = Q K^T and O = P V as GEMMs, with an exact (not online) softmax between
+// them. A chunk's attention is compute-bound (every key meets every query row), and MKL's
+// GEMM runs it at several times the rate of the vector loops of attend_chunk.
+constexpr int kGemmRows = 64;
+
+template <typename T>
+void gather_head(const T* cache, const int32_t* table, int bs, int64_t tok_stride,
+                 int64_t koff, int n, int d, float* dst) {
+  for (int p = 0; p < n; ++p) {
+    const T* src = cache + (static_cast<int64_t>(table[p / bs]) * bs + p % bs) * tok_stride + koff;
+    float* row = dst + static_cast<int64_t>(p) * d;
+    for (int i = 0; i < d; ++i) row[i] = load(src, i);
+  }
+}
+
+template <typename T>
+void attend_chunk_gemm(const Item& it, const float* q, const T* kc, const T* vc,
+                       const int32_t* tables, int table_w, const int32_t* qsl,
+                       const int32_t* seq_lens, float* out, Strides st, int hq, int hkv,
+                       int bs, int d, float scale) {
+  const int group = hq / hkv;
+  const int32_t seq_len = seq_lens[it.seq];
+  const int32_t qlen = qsl[it.seq + 1] - qsl[it.seq];
+  const int32_t first_pos = seq_len - qlen + (it.row0 - qsl[it.seq]);
+  const int32_t ctx_max = first_pos + it.rows;
+  const int32_t* table = tables + static_cast<int64_t>(it.seq) * table_w;
+  const int64_t tok_stride = static_cast<int64_t>(hkv) * d;
+  const int64_t koff = static_cast<int64_t>(it.head0) * d;
+  const int m_tile = kGemmRows * group;
+  // Per-thread scratch, grown as needed and kept: no allocation per call once warm.
+  thread_local std::vector<float> kbuf, vbuf, qbuf, sbuf, obuf;
+  const size_t ctx_elems = static_cast<size_t>(ctx_max) * d;
+  if (kbuf.size() < ctx_elems) {
+    kbuf.resize(ctx_elems);
+    vbuf.resize(ctx_elems);
+  }
+  if (qbuf.size() < static_cast<size_t>(m_tile) * d) {
+    qbuf.resize(static_cast<size_t>(m_tile) * d);
+    obuf.resize(static_cast<size_t>(m_tile) * d);
+  }
+  if (sbuf.size() < static_cast<size_t>(m_tile) * ctx_max) {
+    sbuf.resize(static_cast<size_t>(m_tile) * ctx_max);
+  }
+  gather_head(kc, table, bs, tok_stride, koff, ctx_max, d, kbuf.data());
+  gather_head(vc, table, bs, tok_stride, koff, ctx_max, d, vbuf.data());
+  // One thread per call: the caller's OpenMP team already spreads the items over the
+  // cores, and a fixed thread count keeps results independent of it.
+  const int prev_threads = g_set_threads_local ? g_set_threads_local(1) : 0;
+  const float one = 1.0f, zero = 0.0f;
+  for (int r0 = 0; r0 < it.rows; r0 += kGemmRows) {
+    const int rows = it.rows - r0 < kGemmRows ? it.rows - r0 : kGemmRows;
+    const int m_count = rows * group;
+    const int n = first_pos + r0 + rows;  // keys this tile's last row sees
+    // Vector m: row it.row0 + r0 + m / group, query head it.head0 * group + m % group.
+    for (int m = 0; m < m_count; ++m) {
+      const int row = it.row0 + r0 + m / group;
+      const int qh = it.head0 * group + m % group;
+      const float* src = q + row * st.q_row + static_cast<int64_t>(qh) * d;
+      float* dst = qbuf.data() + static_cast<int64_t>(m) * d;
+      for (int i = 0; i < d; ++i) dst[i] = src[i] * scale;
+    }
+    // Row-major S[m_count x n] = Q K^T is column-major S^T = K Q^T.
+    g_sgemm("T", "N", &n, &m_count, &d, &one, kbuf.data(), &d, qbuf.data(), &d, &zero,
+            sbuf.data(), &n);
+    for (int m = 0; m < m_count; ++m) {
+      float* srow = sbuf.data() + static_cast<int64_t>(m) * n;
+      const int valid = first_pos + r0 + m / group + 1;  // causal: keys 0..own position
+      float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+      for (int t = 0; t < valid; ++t) mx = srow[t] > mx ? srow[t] : mx;
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int t = 0; t < valid; ++t) {
+        const float p = pf::exp_clamped(srow[t] - mx);
+        srow[t] = p;
+        sum += p;
+      }
+      const float inv = 1.0f / sum;
+      // Normalised before P V (as SDPA's softmax is), masked keys weigh exactly 0.
+#pragma omp simd
+      for (int t = 0; t < valid; ++t) srow[t] *= inv;
+      for (int t = valid; t < n; ++t) srow[t] = 0.0f;
+    }
+    // Row-major O[m_count x d] = P V is column-major O^T = V^T P^T.
+    g_sgemm("N", "N", &d, &m_count, &n, &one, vbuf.data(), &d, sbuf.data(), &n, &zero,
+            obuf.data(), &d);
+    for (int m = 0; m < m_count; ++m) {
+      const int row = it.row0 + r0 + m / group;
+      const int qh = it.head0 * group + m % group;
+      std::memcpy(out + row * st.out_row + static_cast<int64_t>(qh) * d,
+                  obuf.data() + static_cast<int64_t>(m) * d, sizeof(float) * d);
+    }
+  }
+  if (g_set_threads_local) g_set_threads_local(prev_threads);
+}
+
 template <typename T, int D>
 void run(const std::vector<Item>& items, const float* q, const T* kc, const T* vc,
          const int32_t* tables, int table_w, const int32_t* qsl, const int32_t* seq_lens,
@@ -335,7 +446,10 @@ void run(const std::vector<Item>& items, const float* q, const T* kc, const T* v
   const int64_t n = static_cast<int64_t>(items.size());
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
   for (int64_t i = 0; i < n; ++i) {
-    if (items[i].chunk) {
+    if (items[i].chunk == 2) {
+      attend_chunk_gemm<T>(items[i], q, kc, vc, tables, table_w, qsl, seq_lens, out, st, hq,
+                           hkv, bs, d, scale);
+    } else if (items[i].chunk) {
       attend_chunk<T, D>(items[i], q, kc, vc, tables, table_w, qsl, seq_lens, out, st, hq,
                          hkv, bs, d, scale);
     } else {
@@ -422,6 +536,13 @@ void pf_store_kv(const char* k, int64_t k_row_stride, const char* v, int64_t v_r
   }
 }
 
+// Fortran SGEMM and MKL_Set_Num_Threads_Local (may be null) of the process's MKL: long
+// chunks then go through attend_chunk_gemm. Null sgemm: back to attend_chunk.
+void pf_set_blas(void* sgemm, void* set_threads_local) {
+  g_sgemm = reinterpret_cast<SgemmFn>(sgemm);
+  g_set_threads_local = reinterpret_cast<SetThreadsLocalFn>(set_threads_local);
+}
+
 // The limits a caller must respect (else pf_paged_attention returns non-zero).
 int pf_max_block_size() { return kMaxBlock; }
 int pf_max_group() { return kMaxVecs; }
@@ -457,9 +578,16 @@ int pf_paged_attention(const float* q, int64_t q_row_stride, const void* k_cache
   items.reserve(static_cast<size_t>(num_seqs) * ((hkv + heads - 1) / heads));
   // Long chunks: one KV head and as many rows as fit kMaxVecs vectors per item.
   const int32_t chunk_rows = kMaxVecs / group;
+  std::vector<Item> gemm_items;
   for (int s = 0; s < num_seqs; ++s) {
     const int32_t qlen = query_start_loc[s + 1] - query_start_loc[s];
     if (qlen > max_query_len) continue;
+    if (qlen > kChunkMinRows && g_sgemm != nullptr) {
+      // The whole chunk per KV head (its context gathered once); the biggest go first
+      // (below) so the dynamic schedule does not end on one thread's long item.
+      for (int h = 0; h < hkv; ++h) gemm_items.push_back({s, query_start_loc[s], qlen, h, 1, 2});
+      continue;
+    }
     if (qlen > kChunkMinRows) {
       for (int32_t r = query_start_loc[s]; r < query_start_loc[s + 1]; r += chunk_rows) {
         const int32_t left = query_start_loc[s + 1] - r;
@@ -476,6 +604,15 @@ int pf_paged_attention(const float* q, int64_t q_row_stride, const void* k_cache
             {s, r, left < tile ? left : tile, h, hkv - h < heads ? hkv - h : heads, 0});
       }
     }
+  }
+  if (!gemm_items.empty()) {
+    // Work of an item ~ rows x context; stable so equal items keep their order.
+    std::stable_sort(gemm_items.begin(), gemm_items.end(), [&](const Item& a, const Item& b) {
+      const int64_t wa = static_cast<int64_t>(a.rows) * seq_lens[a.seq];
+      const int64_t wb = static_cast<int64_t>(b.rows) * seq_lens[b.seq];
+      return wa > wb;
+    });
+    items.insert(items.begin(), gemm_items.begin(), gemm_items.end());
   }
   if (kv_dtype == 0) {
     return dispatch<float>(items, q, static_cast<const float*>(k_cache),
