@@ -33,9 +33,10 @@ LIBRARY = "paged_attention_cpu"
 # RMSNorm (+ residual add) and SiLU x up, fused (csrc/layer_ops_cpu.cpp).
 LAYER_OPS_LIBRARY = "layer_ops_cpu"
 # Chunks longer than this go to torch's SDPA (gathered context, one call per sequence).
-# Chunks of more than 8 rows take the kernel's chunk path, which scores each key against
-# 16 query vectors in one vector multiply-add (the session-5 kernel, one dot product per
-# vector and key, was 1.6x slower than SDPA at 64 rows; see docs/benchmarks.md, session 6).
+# Chunks of more than 8 rows take the kernel's chunk path: MKL's GEMM per tile where torch
+# has MKL (session 11), else loops that score each key against 16 query vectors in one
+# vector multiply-add (the session-5 kernel, one dot product per vector and key, was 1.6x
+# slower than SDPA at 64 rows; see docs/benchmarks.md, session 6).
 MAX_KERNEL_QUERY_LEN = 1024
 _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _c_ptr, _c_int, _c_i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
