@@ -308,6 +308,7 @@ def main() -> None:
             _wait(g.url, "/ready")
         if "sglang" in doors:
             wait_peer_ready(children[-1], MODEL)
+            doors["sglang"] = children[-1].url  # restarted on other ports if one was taken
         busy = [
             subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)
         ]

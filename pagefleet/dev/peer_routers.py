@@ -7,7 +7,9 @@ designs, not our tuning of them.
 
 Invariant: every router this module starts runs as a ``Child`` the caller stops, listens on
 loopback only, and its Prometheus exporter gets its own free port (both default to the same
-one, and a second router would crash on it).
+one, and a second router would crash on it). A free port is only free when it is picked:
+another process can bind it before the router does, so a router that exits on "Address
+already in use" is started again on fresh ports (:func:`wait_peer_ready`).
 """
 
 from __future__ import annotations
@@ -84,11 +86,45 @@ def spawn_peer(
     return child
 
 
-def wait_peer_ready(child: Child, model: str, timeout_s: float = 120.0) -> None:
-    """Block until the router lists ``model`` (its workers registered), or raise."""
+# What both routers log when a port they were given is taken (Rust's io::Error text).
+_PORT_TAKEN = "Address already in use"
+
+
+def _with_fresh_ports(child: Child) -> None:
+    """Point ``child``'s listening and Prometheus ports at newly picked free ones."""
+    argv = list(child.argv)
+    for flag in ("--port", "--prometheus-port"):
+        argv[argv.index(flag) + 1] = str(free_port())
+    child.argv = argv
+    child.url = f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"
+
+
+def _log_since(child: Child, offset: int) -> str:
+    try:
+        with child.log_path.open("rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def wait_peer_ready(
+    child: Child, model: str, timeout_s: float = 120.0, port_retries: int = 3
+) -> None:
+    """Block until the router lists ``model`` (its workers registered), or raise. A router
+    that lost one of its ports to another process between ``free_port()`` and its bind is
+    restarted on fresh ports, up to ``port_retries`` times; ``child.url`` follows."""
     deadline = time.monotonic() + timeout_s
+    log_from = 0  # the log is appended to: read only what this start of the router wrote
     while True:
         if not child.alive:
+            if port_retries > 0 and _PORT_TAKEN in _log_since(child, log_from):
+                port_retries -= 1
+                child.stop()
+                log_from = child.log_path.stat().st_size
+                _with_fresh_ports(child)
+                child.start()
+                continue
             raise RuntimeError(f"{child.name} exited; its log ends:\n{child.log_tail()}")
         try:
             with urllib.request.urlopen(child.url + "/v1/models", timeout=2) as r:
