@@ -33,7 +33,10 @@ sent one at a time after the runs (`--quick`: after the chat run only). Where ea
 request's TTFT went (`ttft_breakdown`: the front door's hop in and out, the daemon's
 HTTP layer, queue and prefill, per door, hits and misses) comes from the daemons'
 `--request-log` joined to the client's stamps (bench/ttft_breakdown.py; `--dump` writes
-every request's parts). Last line: one JSON object.
+every request's parts). `cpu_s` is the user + system CPU seconds each door's processes, the
+daemons (with their engine processes), Redis and this client used over each run
+(/proc/<pid>/stat by process group): what a front door takes from daemons sharing its cores.
+Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import os
 import sys
 import time
 import urllib.request
@@ -197,6 +201,29 @@ def overhead_probe(
     asyncio.run(run_workload(gateway_url, model, convs, 1, progress=False))
     after = histogram_buckets(gateway_url, OVERHEAD)
     return quantiles(Counter({b: after[b] - before.get(b, 0.0) for b in after}), (0.5, 0.99))
+
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pgids: set[int]) -> dict[int, float]:
+    """User + system CPU seconds of the live processes of each process group in ``pgids``
+    (every Child is a group: the router or daemon and what it forked, e.g. a daemon's
+    engine process), from /proc/<pid>/stat."""
+    out = dict.fromkeys(pgids, 0.0)
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # Fields after the command's closing paren (the command may hold spaces).
+        rest = stat[stat.rindex(b")") + 2 :].split()
+        if int(rest[2]) in out:
+            out[int(rest[2])] += (int(rest[11]) + int(rest[12])) / _TICK
+    return out
 
 
 def reachable(
@@ -413,6 +440,17 @@ class Bench:
         before = self._last or [scrape(u) for u in self.fleet.daemon_urls]
         _, self._trace_pos = read_trace(self.trace_path, self._trace_pos)
         n = len(door)
+        # CPU by process group over the run: the door, the daemons, Redis, this client.
+        groups = {
+            "door": {c.proc.pid for c in door if c.proc},
+            "daemons": {c.proc.pid for c in self.fleet.daemons if c.proc},
+        }
+        # A LocalRedis is spawned as its own group too (pagefleet.dev.process.spawn).
+        redis_proc = getattr(getattr(self.fleet, "_redis", None), "_proc", None)
+        if redis_proc is not None:
+            groups["redis"] = {redis_proc.pid}
+        every = set().union(*groups.values())
+        cpu0, client0 = cpu_s(every), time.process_time()
 
         async def drive() -> tuple[list[RequestResult], float]:
             # Replicas: conversation i through replica i % n, the concurrency split evenly.
@@ -433,6 +471,7 @@ class Bench:
             return [r for res, _ in parts for r in res], max(w for _, w in parts)
 
         results, wall = asyncio.run(drive())
+        cpu1, client1 = cpu_s(every), time.process_time()
         after = self.settled(before, sum(1 for r in results if r.ok))
         report = summarize(results, wall)
         delta = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before, strict=True)]
@@ -440,6 +479,9 @@ class Bench:
         report["pod_share"] = [round(d["requests"] / served, 3) for d in delta]
         report["max_pod_share"] = max(report["pod_share"])
         report["evictions_per_pod"] = [int(d["evictions"]) for d in delta]
+        report["cpu_s"] = {
+            name: round(sum(cpu1[g] - cpu0[g] for g in gs), 2) for name, gs in groups.items()
+        } | {"client": round(client1 - client0, 2)}
         if ids is not None:
             report.update(miss_breakdown(results, ids, self.fleet.namespace))
             trace, self._trace_pos = read_trace(self.trace_path, self._trace_pos)
@@ -501,6 +543,7 @@ def shape_keys(reports: dict[str, dict[str, Any]], ideal: float, suffix: str) ->
         ),
         "max_pod_share": {d: r["max_pod_share"] for d, r in reports.items()},
         "evictions": {d: sum(r["evictions_per_pod"]) for d, r in reports.items()},
+        "cpu_s": {d: r["cpu_s"] for d, r in reports.items()},
         "ttft_breakdown": {d: r.get("ttft_breakdown") for d, r in reports.items()},
         "lost_frac_inflight": {d: r.get("lost_frac_inflight") for d, r in reports.items()},
         "lost_frac_done": {d: r.get("lost_frac_done") for d, r in reports.items()},
@@ -739,7 +782,7 @@ def main() -> None:
                     f"{r['evictions_per_pod']}  lost inflight/done "
                     f"{r['lost_frac_inflight']}/{r['lost_frac_done']}  blind "
                     f"{r['blind_requests']}  moved {r['moved_turns']}  "
-                    f"{r.get('placements', '')}",
+                    f"{r.get('placements', '')}  cpu_s {r['cpu_s']}",
                     flush=True,
                 )
                 for cls, med in r["ttft_breakdown"].items():
