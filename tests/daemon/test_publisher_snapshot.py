@@ -66,3 +66,31 @@ async def test_stop_while_waiting_for_a_snapshot_ends_the_publisher() -> None:
 async def _until(cond: Callable[[], bool]) -> None:
     while not cond():
         await asyncio.sleep(0.01)
+
+
+async def test_a_cancel_that_lands_as_an_index_call_ends_still_stops_the_heartbeat() -> None:
+    """close() cancels the heartbeat task; when that cancel lands in the loop turn where the
+    task's index call completes (ordering injected here: the call itself cancels the task),
+    the task must still end. Python 3.11's asyncio.wait_for returned the call's result then
+    and dropped the cancel: the task slept and beat on, and close() awaited it forever (the
+    CI hang of test_publisher_resyncs_after_outage)."""
+    pub: KVEventPublisher | None = None
+
+    class CancelledAsItAnswers(MemoryKVIndex):
+        async def heartbeat(self, pod, load, ttl_s):
+            await super().heartbeat(pod, load, ttl_s)
+            assert pub is not None
+            pub._tasks[1].cancel()
+
+    async def snapshot(deliver: Callable[[set[int]], None]) -> None:
+        deliver(set())
+
+    pub = KVEventPublisher(
+        CancelledAsItAnswers(), "pod-c", asyncio.get_running_loop(), load_fn=PodLoad,
+        snapshot=snapshot, heartbeat_s=0.05,
+    )  # fmt: skip
+    await pub.start()
+    heartbeat = pub._tasks[1]
+    done, _ = await asyncio.wait([heartbeat], timeout=2.0)
+    assert heartbeat in done and heartbeat.cancelled(), "the cancel was swallowed"
+    await asyncio.wait_for(pub.close(), 5)
