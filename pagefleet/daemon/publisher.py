@@ -125,8 +125,9 @@ class KVEventPublisher:
             await asyncio.wait_for(apply_task, timeout_s)
         except (TimeoutError, asyncio.CancelledError):
             apply_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await heartbeat_task
+        # Bounded as a second line: a task that swallowed its cancel must not hold close().
+        with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+            await asyncio.wait_for(asyncio.shield(heartbeat_task), timeout_s)
         try:
             await self._op(self.index.clear_pod(self.pod))
         except Exception as exc:
@@ -142,9 +143,13 @@ class KVEventPublisher:
 
     async def _op(self, coro: Awaitable[Any]) -> Any:
         # A hung connection must not stall publishing forever; a timeout counts as down.
+        # asyncio.timeout, not wait_for: on 3.11 wait_for returns the call's result and
+        # drops a cancel that lands in the turn the call completes, so close() cancelled
+        # the heartbeat task, which beat on, and waited for it forever.
         self._ops_in_flight += 1
         try:
-            return await asyncio.wait_for(coro, self._op_timeout_s)
+            async with asyncio.timeout(self._op_timeout_s):
+                return await coro
         finally:
             self._ops_in_flight -= 1
 
