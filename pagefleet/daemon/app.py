@@ -172,7 +172,8 @@ class Daemon:
         grace = self.config.drain_timeout_s if grace_s is None else grace_s
         idle = self.admission.idle
         try:
-            await asyncio.wait_for(idle.wait(), grace)
+            async with asyncio.timeout(grace):
+                await idle.wait()
         except TimeoutError:
             logger.warning(
                 "drain grace (%.1fs) over: aborting %d requests", grace, self.admission.inflight
@@ -180,7 +181,8 @@ class Daemon:
             if self.engine_loop is not None:
                 self.engine_loop.abort_all()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(idle.wait(), 5.0)
+                async with asyncio.timeout(5.0):
+                    await idle.wait()
 
     async def stop(self) -> None:
         """Remove the pod from the index and stop the engine thread."""

@@ -298,7 +298,8 @@ async def serve(config: GatewayConfig, *, exit_watchdog: bool = False) -> None:
     try:
         # aiohttp's Server.shutdown waits up to drain_s for the handlers, then cancels them
         # and waits up to drain_s again: the outer bound keeps the whole at drain + CLEANUP_S.
-        await asyncio.wait_for(runner.cleanup(), drain_s + CLEANUP_S)
+        async with asyncio.timeout(drain_s + CLEANUP_S):
+            await runner.cleanup()
     except TimeoutError:
         logger.error(
             "shutdown did not finish within %.0fs of the stop signal; exiting anyway",

@@ -190,7 +190,8 @@ class Router:
         if self.index is None:
             return
         try:
-            pods = await asyncio.wait_for(self.index.pods(), self.lookup_timeout_s * 5)
+            async with asyncio.timeout(self.lookup_timeout_s * 5):
+                pods = await self.index.pods()
         except Exception as exc:
             if self._loads:
                 logger.warning("index heartbeat read failed (%s); routing on in-flight counts", exc)

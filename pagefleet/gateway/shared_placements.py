@@ -109,7 +109,8 @@ class SharedPlacements:
             asyncio.create_task(self._publish(), name="gateway-placements-publish"),
         ]
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._subscribed.wait(), wait_s)
+            async with asyncio.timeout(wait_s):
+                await self._subscribed.wait()
 
     async def close(self, wait_s: float = 3.0) -> None:
         """Stop both loops within ``wait_s``. A cancel alone is not enough: redis-py's

@@ -78,7 +78,8 @@ async def read_heartbeats(
     )
     index = RedisKVIndex(client, namespace=kv_namespace, owns_client=True, auto_gc_interval_s=None)
     try:
-        return await asyncio.wait_for(index.pods(), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            return await index.pods()
     finally:
         await index.close()
 
