@@ -131,6 +131,18 @@ def test_register_wires_every_trigger():
     assert triggers == {("create", None, None), ("update", spec_field, None), (None, None, True)}
 
 
+def test_a_deletion_does_not_wait_a_minute_for_a_timer_mid_pass():
+    # kopf keeps the finalizer until the timers stop; a sync pass caught mid-run cannot be
+    # cancelled, and with kopf's defaults the next look came 60 s later (the CI run where
+    # the children's garbage collection missed its 60 s).
+    settings = kopf.OperatorSettings()
+    assert settings.background.cancellation_polling == 60  # the default this guards against
+    handlers.configure(settings=settings)
+    assert settings.background.cancellation_polling <= 1.0
+    wait = settings.background.instant_exit_timeout
+    assert wait is not None and 0 < wait <= 1.0
+
+
 @pytest.fixture
 def recorded(monkeypatch) -> list[tuple[str, str, str]]:
     events: list[tuple[str, str, str]] = []
