@@ -151,6 +151,9 @@ class Gateway:
 
     def __post_init__(self) -> None:
         self.router.metrics = self.metrics
+        # The policy is known now: its decision series exists (at zero) from the first
+        # scrape, so a burst that falls between two scrapes still shows as a rate.
+        self.metrics.decision_seconds.labels(policy=self.router.policy.name)
         if self.intake is None:
             self.intake = IntakePool(
                 self.tokenizer, self.proxy.max_model_len, workers=self.proxy.intake_workers

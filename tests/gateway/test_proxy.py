@@ -328,6 +328,11 @@ async def test_bad_body_is_rejected_at_the_gateway(make_fleet) -> None:
 async def test_plain_endpoints_and_metrics(make_fleet) -> None:
     fleet = await make_fleet(["ok"])
     client = openai.AsyncOpenAI(base_url=fleet.url + "/v1", api_key="x", max_retries=0)
+    async with aiohttp.ClientSession() as s, s.get(fleet.url + "/metrics") as r:
+        before = await r.text()
+    # The decision series exists before the first request (a rate needs an earlier sample).
+    count = 'pagefleet_gateway_routing_decision_seconds_count{policy="cache_aware"}'
+    assert f"{count} 0.0" in before
     models = await client.models.list()
     assert [m.id for m in models.data] == ["tiny"]
     await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3)
@@ -341,7 +346,7 @@ async def test_plain_endpoints_and_metrics(make_fleet) -> None:
             text = await r.text()
     pod = fleet.upstreams[0].pod
     assert f'pagefleet_gateway_requests_total{{pod="{pod}",policy="cache_aware"}} 1.0' in text
-    assert "pagefleet_gateway_routing_decision_seconds_count" in text
+    assert f"{count} 1.0" in text
     assert f'pagefleet_gateway_upstream_latency_seconds_count{{pod="{pod}"}} 1.0' in text
 
 
