@@ -121,13 +121,18 @@ class KVEventPublisher:
         apply_task, heartbeat_task = self._tasks
         heartbeat_task.cancel()
         self._queue.put_nowait(_STOP)
-        try:
-            await asyncio.wait_for(apply_task, timeout_s)
-        except (TimeoutError, asyncio.CancelledError):
+        # asyncio.wait, not wait_for: on a timeout 3.11's wait_for cancels the task and then
+        # waits for it without a bound, so a task that swallowed its cancel held close().
+        done, _ = await asyncio.wait({apply_task}, timeout=timeout_s)
+        if not done:
             apply_task.cancel()
-        # Bounded as a second line: a task that swallowed its cancel must not hold close().
-        with contextlib.suppress(asyncio.CancelledError, TimeoutError):
-            await asyncio.wait_for(asyncio.shield(heartbeat_task), timeout_s)
+        for task in (apply_task, heartbeat_task):
+            done, _ = await asyncio.wait({task}, timeout=timeout_s)
+            if not done:
+                task.cancel()  # once more; it is left behind rather than awaited forever
+                logger.warning("%s did not stop within %.1f s", task.get_name(), timeout_s)
+            elif not task.cancelled() and task.exception() is not None:
+                logger.warning("%s ended with %r", task.get_name(), task.exception())
         try:
             await self._op(self.index.clear_pod(self.pod))
         except Exception as exc:

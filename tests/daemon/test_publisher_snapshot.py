@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from collections.abc import Callable
 
 from pagefleet.daemon.publisher import KVEventPublisher
@@ -94,3 +96,33 @@ async def test_a_cancel_that_lands_as_an_index_call_ends_still_stops_the_heartbe
     done, _ = await asyncio.wait([heartbeat], timeout=2.0)
     assert heartbeat in done and heartbeat.cancelled(), "the cancel was swallowed"
     await asyncio.wait_for(pub.close(), 5)
+
+
+async def test_close_is_bounded_when_a_task_swallows_its_cancel(caplog) -> None:
+    """close() bounds its waits even for a task that ignores cancellation (an index call
+    that hangs inside a suppressing handler, a library bug): on Python 3.11, wait_for's
+    timeout cancelled the task and then awaited it without a bound."""
+    release = asyncio.Event()
+
+    class Stubborn(KVEventPublisher):
+        async def _apply_loop(self) -> None:
+            while not release.is_set():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await release.wait()
+
+    async def snapshot(deliver: Callable[[set[int]], None]) -> None:
+        deliver(set())
+
+    pub = Stubborn(
+        MemoryKVIndex(), "pod-d", asyncio.get_running_loop(), load_fn=PodLoad,
+        snapshot=snapshot, heartbeat_s=0.05,
+    )  # fmt: skip
+    await pub.start()
+    await asyncio.sleep(0.05)
+    t0 = time.monotonic()
+    try:
+        await asyncio.wait_for(asyncio.shield(pub.close(timeout_s=0.2)), 5)
+    finally:
+        release.set()
+    assert time.monotonic() - t0 < 2.0
+    assert "did not stop" in caplog.text
