@@ -60,7 +60,9 @@ def _dump(nodeid: str) -> None:
     # The loops are found through the collector because they are private to
     # pytest-asyncio's runners; their tasks are read on each loop's own thread (an idle
     # loop runs the callback at once; a blocked one shows in the thread dump below).
-    loops = [o for o in gc.get_objects() if isinstance(o, asyncio.AbstractEventLoop)]
+    # type(), not isinstance: the latter reads __class__, which raises ReferenceError on a
+    # dead weakref.proxy among the collected objects and would end the dump right here.
+    loops = [o for o in gc.get_objects() if issubclass(type(o), asyncio.AbstractEventLoop)]
     for loop in loops:
         if not loop.is_running():
             continue
