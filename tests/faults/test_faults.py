@@ -294,12 +294,17 @@ async def test_sigkill_mid_stream_then_restart(fleet, references) -> None:
     # after its last failure; 30 requests now take ~1 s, so wait that window out first.
     await asyncio.sleep(6.0)
     back = Counter()
+    # Each prompt's reference is computed on the restarted daemon itself, so its blocks are
+    # cached there and cache affinity sends the request back to it once it is re-admitted.
+    # (A reference from daemon 0 steered every request to daemon 0: the test passed only when
+    # the victim was daemon 0, which depends on which pod group 0's first stream reached.)
+    victim_index = fleet.daemons.index(victim)
     async with aiohttp.ClientSession() as s:
         for i in range(30):
             # Prompts new to both daemons: a repeated one is a cache hit on the survivor and
             # rightly stays there, which says nothing about the restarted pod's re-admission.
             p = f"After the restart, request {i}: " + PROMPTS[2 + i % 6]
-            ref = await _reference(fleet, references, p, 4)
+            ref = await _reference(fleet, references, p, 4, daemon=victim_index)
             o = await _one(s, fleet.gateway_url, p, 4, ref, False, 30)
             back[(o.kind, o.pod == victim_pod)] += 1
     _report("sigkill", streams_on_victim=len(on_victim),
