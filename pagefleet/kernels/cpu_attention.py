@@ -58,6 +58,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     ]  # fmt: skip
     lib.pf_set_blas.restype = None
     lib.pf_set_blas.argtypes = [_c_ptr, _c_ptr]
+    lib.pf_scratch_bytes.restype = _c_i64
+    lib.pf_scratch_bytes.argtypes = []
     for name in ("pf_max_block_size", "pf_max_group", "pf_max_head_dim"):
         getattr(lib, name).restype = _c_int
         getattr(lib, name).argtypes = []

@@ -132,6 +132,33 @@ def test_long_chunks_through_blas_agree_with_the_kernel_loops(backend, hq, hkv, 
     assert torch.equal(gemm[:2], loops[:2])
 
 
+def test_long_context_scratch_is_given_back_after_the_call(backend):
+    """The GEMM path gathers a chunk's whole context per thread; past 4 MB a buffer (8K
+    tokens at head_dim 128) it must not stay resident on every thread after the call."""
+    blas = mkl_packed.blas_addresses()
+    if blas is None:
+        pytest.skip("this torch has no MKL SGEMM: the GEMM path and its scratch never run")
+    d, bs = 128, 16
+    gen = torch.Generator().manual_seed(3)
+    # Warm: a short context's scratch is kept between calls.
+    meta = _step([16], [200], bs, num_blocks=16, seed=1)
+    k_cache, v_cache = torch.randn(2, 16, bs, 1, d, generator=gen)
+    backend.attend(torch.randn(16, 1, d, generator=gen), k_cache, v_cache, meta, d**-0.5)
+    kept = backend._lib.pf_scratch_bytes()
+    assert kept > 0
+    # 9000 tokens: 1.15M floats each for K and V, above the 1M floats a thread keeps.
+    meta = _step([16], [9000], bs, num_blocks=600, seed=2)
+    k_cache, v_cache = torch.randn(2, 600, bs, 1, d, generator=gen)
+    q = torch.randn(16, 1, d, generator=gen)
+    out = backend.attend(q, k_cache, v_cache, meta, d**-0.5)
+    torch.testing.assert_close(
+        out.double(), _dense(q, k_cache, v_cache, meta, d**-0.5), atol=2e-6, rtol=2e-5
+    )
+    # The K and V buffers (4.6 MB each) went back; the 64 x 9000 score tile (2.3 MB) is
+    # under the cap and stays, as a short context's buffers do.
+    assert backend._lib.pf_scratch_bytes() - kept < 9000 * d * 4
+
+
 def test_forward_stores_kv_reads_strided_q_and_handles_bf16(backend):
     """The model hands q as a view into the fused qk tensor (row stride > heads x D) and
     new K/V to store first; a bf16 pool is read as bf16 and accumulated in fp32."""

@@ -17,6 +17,7 @@
 // the process's MKL GEMM when the caller handed it in (pf_set_blas: attend_chunk_gemm),
 // else through attend_chunk's vector loops.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -349,6 +350,29 @@ void attend_chunk(const Item& it, const float* q, const T* kc, const T* vc,
 // A tile is kGemmVecs query vectors (rows x the KV head's group): the score tile, and so
 // the per-thread scratch, stays 64 x context floats whatever the GQA group.
 constexpr int kGemmVecs = 64;
+// Scratch a thread keeps between calls, per buffer (1M floats, 4 MB: a context of 8K tokens
+// at head_dim 128). A longer context's buffers are given back after the call: kept, 32K
+// tokens would hold ~40 MB on every OpenMP thread for the life of the process, which a pod
+// sized for weights and KV pool does not have. Regrowing them costs a page-in per call, small
+// beside a GEMM over that many keys.
+constexpr size_t kScratchKeepFloats = size_t{1} << 20;
+// Bytes of GEMM scratch currently held by all threads (pf_scratch_bytes; tests read it).
+std::atomic<int64_t> g_scratch_bytes{0};
+
+// Grow v to at least n floats, counting what its capacity adds.
+void grow(std::vector<float>& v, size_t n) {
+  if (v.size() >= n) return;
+  const size_t before = v.capacity();
+  v.resize(n);
+  g_scratch_bytes += static_cast<int64_t>((v.capacity() - before) * sizeof(float));
+}
+
+// Give v's memory back when it holds more than a thread keeps between calls.
+void trim(std::vector<float>& v) {
+  if (v.capacity() <= kScratchKeepFloats) return;
+  g_scratch_bytes -= static_cast<int64_t>(v.capacity() * sizeof(float));
+  std::vector<float>().swap(v);
+}
 
 template <typename T>
 void gather_head(const T* cache, const int32_t* table, int bs, int64_t tok_stride,
@@ -375,20 +399,15 @@ void attend_chunk_gemm(const Item& it, const float* q, const T* kc, const T* vc,
   const int64_t koff = static_cast<int64_t>(it.head0) * d;
   const int tile_rows = group < kGemmVecs ? kGemmVecs / group : 1;
   const int m_tile = tile_rows * group;
-  // Per-thread scratch, grown as needed and kept: no allocation per call once warm.
+  // Per-thread scratch, grown as needed and kept up to kScratchKeepFloats a buffer: no
+  // allocation per call once warm, for contexts up to that size.
   thread_local std::vector<float> kbuf, vbuf, qbuf, sbuf, obuf;
   const size_t ctx_elems = static_cast<size_t>(ctx_max) * d;
-  if (kbuf.size() < ctx_elems) {
-    kbuf.resize(ctx_elems);
-    vbuf.resize(ctx_elems);
-  }
-  if (qbuf.size() < static_cast<size_t>(m_tile) * d) {
-    qbuf.resize(static_cast<size_t>(m_tile) * d);
-    obuf.resize(static_cast<size_t>(m_tile) * d);
-  }
-  if (sbuf.size() < static_cast<size_t>(m_tile) * ctx_max) {
-    sbuf.resize(static_cast<size_t>(m_tile) * ctx_max);
-  }
+  grow(kbuf, ctx_elems);
+  grow(vbuf, ctx_elems);
+  grow(qbuf, static_cast<size_t>(m_tile) * d);
+  grow(obuf, static_cast<size_t>(m_tile) * d);
+  grow(sbuf, static_cast<size_t>(m_tile) * ctx_max);
   gather_head(kc, table, bs, tok_stride, koff, ctx_max, d, kbuf.data());
   gather_head(vc, table, bs, tok_stride, koff, ctx_max, d, vbuf.data());
   // One thread per call: the caller's OpenMP team already spreads the items over the
@@ -440,6 +459,9 @@ void attend_chunk_gemm(const Item& it, const float* q, const T* kc, const T* vc,
     }
   }
   if (g_set_threads_local) g_set_threads_local(prev_threads);
+  trim(kbuf);
+  trim(vbuf);
+  trim(sbuf);
 }
 
 template <typename T, int D>
@@ -545,6 +567,10 @@ void pf_set_blas(void* sgemm, void* set_threads_local) {
   g_sgemm = reinterpret_cast<SgemmFn>(sgemm);
   g_set_threads_local = reinterpret_cast<SetThreadsLocalFn>(set_threads_local);
 }
+
+// Bytes of chunk-GEMM scratch all threads hold between calls (at most a few times
+// kScratchKeepFloats floats per thread, whatever the longest context seen).
+int64_t pf_scratch_bytes() { return g_scratch_bytes.load(); }
 
 // The limits a caller must respect (else pf_paged_attention returns non-zero).
 int pf_max_block_size() { return kMaxBlock; }
