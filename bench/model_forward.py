@@ -29,19 +29,17 @@ import torch
 # The shape bench/throughput.py uses: big enough that compute matters, small for 2 cores.
 from bench_models import LLAMA_4x512
 
-from pagefleet.kernels.torch_ref import rotate_half
+from pagefleet.kernels.torch_ref import TorchAttentionBackend
 
 
-class NoAttention:
-    """Stands in for the backend to measure everything but attention."""
+class NoAttention(TorchAttentionBackend):
+    """The torch backend with attention left out, to measure everything but attention: the
+    layer ops it also serves (RoPE, norms, SiLU x up) stay the model's work."""
 
     name = "none"
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):  # type: ignore[no-untyped-def]
         return q.clone()
-
-    def rotate_half(self, x, cos, sin):  # type: ignore[no-untyped-def]
-        return rotate_half(x, cos, sin)  # RoPE is the model's work, not attention's
 
 
 def main() -> None:
