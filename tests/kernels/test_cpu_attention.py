@@ -199,6 +199,31 @@ def test_threads_split_work_without_changing_results(backend):
     assert torch.equal(one, many)
 
 
+@pytest.mark.parametrize(("hq", "hkv"), [(9, 3), (4, 1), (8, 8)])
+def test_a_long_chunk_split_over_threads_is_bit_identical(backend, hq, hkv):
+    """One long prompt has only hkv GEMM items; with several threads they are split at tile
+    boundaries so no thread idles. The tiles are those of the unsplit item, so the output is
+    bit-identical to one thread's (and is attention)."""
+    if mkl_packed.blas_addresses() is None:
+        pytest.skip("this torch has no MKL SGEMM: long chunks take the kernel's loops")
+    d, bs = 32, 16
+    meta = _step([1, 250], [40, 250 + 37], bs, num_blocks=64, seed=hq)
+    gen = torch.Generator().manual_seed(hkv)
+    k_cache, v_cache = torch.randn(2, 64, bs, hkv, d, generator=gen)
+    q = torch.randn(251, hq, d, generator=gen)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 4):
+            torch.set_num_threads(threads)
+            outs.append(backend.attend(q, k_cache, v_cache, meta, d**-0.5))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    want = _dense(q, k_cache, v_cache, meta, d**-0.5)
+    torch.testing.assert_close(outs[0].double(), want, atol=2e-6, rtol=2e-5)
+
+
 def test_uncovered_dtype_goes_to_the_torch_path(backend):
     meta = _step([1, 2], [9, 6], bs=4, num_blocks=16, seed=1)
     gen = torch.Generator().manual_seed(2)

@@ -634,13 +634,37 @@ int pf_paged_attention(const float* q, int64_t q_row_stride, const void* k_cache
       }
     }
   }
+  if (threads > 1 && !gemm_items.empty() &&
+      static_cast<int64_t>(gemm_items.size()) < 4 * static_cast<int64_t>(threads)) {
+    // Few whole-chunk items (one long prompt, few KV heads: 3 for SmolLM2 on 2 threads, 8
+    // for Llama-3-8B on a 32-core pod) leave threads idle: split each at tile boundaries
+    // into about 4 items per thread. The tiles, so every GEMM's shape and every row's
+    // result, are those of the unsplit item; each piece gathers only the context it sees.
+    const int32_t tile_rows = group < kGemmVecs ? kGemmVecs / group : 1;
+    const int64_t per = (4 * static_cast<int64_t>(threads) + gemm_items.size() - 1) /
+                        static_cast<int64_t>(gemm_items.size());
+    std::vector<Item> split;
+    for (const Item& it : gemm_items) {
+      const int32_t tiles = (it.rows + tile_rows - 1) / tile_rows;
+      const int32_t pieces = static_cast<int32_t>(per < tiles ? per : tiles);
+      const int32_t step = (tiles + pieces - 1) / pieces * tile_rows;
+      for (int32_t r = 0; r < it.rows; r += step) {
+        const int32_t rows = it.rows - r < step ? it.rows - r : step;
+        split.push_back({it.seq, it.row0 + r, rows, it.head0, 1, 2});
+      }
+    }
+    gemm_items.swap(split);
+  }
   if (!gemm_items.empty()) {
-    // Work of an item ~ rows x context; stable so equal items keep their order.
-    std::stable_sort(gemm_items.begin(), gemm_items.end(), [&](const Item& a, const Item& b) {
-      const int64_t wa = static_cast<int64_t>(a.rows) * seq_lens[a.seq];
-      const int64_t wb = static_cast<int64_t>(b.rows) * seq_lens[b.seq];
-      return wa > wb;
-    });
+    // Work of an item ~ rows x the context its last row sees; stable so equal items keep
+    // their order.
+    const auto work = [&](const Item& it) {
+      const int32_t qlen = query_start_loc[it.seq + 1] - query_start_loc[it.seq];
+      const int64_t ctx = seq_lens[it.seq] - qlen + (it.row0 - query_start_loc[it.seq]) + it.rows;
+      return static_cast<int64_t>(it.rows) * ctx;
+    };
+    std::stable_sort(gemm_items.begin(), gemm_items.end(),
+                     [&](const Item& a, const Item& b) { return work(a) > work(b); });
     items.insert(items.begin(), gemm_items.begin(), gemm_items.end());
   }
   if (kv_dtype == 0) {
