@@ -276,6 +276,7 @@ async def test_sigkill_mid_stream_then_restart(fleet, references) -> None:
         first_pods = {seen[0] for seen in pods_seen if seen}
         assert len(first_pods) == 2, f"both groups' streams ran on one pod: {first_pods}"
         victim_pod = pods_seen[0][0]
+        assert victim_pod, f"stream 0 named no pod (x-pagefleet-pod): {pods_seen[0]}"
         victim = next(d for d in fleet.daemons if d.url.removeprefix("http://") == victim_pod)
         t_kill = time.monotonic()
         victim.kill()
