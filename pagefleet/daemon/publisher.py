@@ -123,14 +123,13 @@ class KVEventPublisher:
         self._queue.put_nowait(_STOP)
         # asyncio.wait, not wait_for: on a timeout 3.11's wait_for cancels the task and then
         # waits for it without a bound, so a task that swallowed its cancel held close().
-        done, _ = await asyncio.wait({apply_task}, timeout=timeout_s)
-        if not done:
-            apply_task.cancel()
         for task in (apply_task, heartbeat_task):
             done, _ = await asyncio.wait({task}, timeout=timeout_s)
-            if not done:
-                task.cancel()  # once more; it is left behind rather than awaited forever
-                logger.warning("%s did not stop within %.1f s", task.get_name(), timeout_s)
+            if not done:  # cancel (the heartbeat: once more) and wait once more, bounded
+                task.cancel()
+                done, _ = await asyncio.wait({task}, timeout=timeout_s)
+            if not done:  # left behind rather than awaited forever
+                logger.warning("%s did not stop within %.1f s", task.get_name(), 2 * timeout_s)
             elif not task.cancelled() and task.exception() is not None:
                 logger.warning("%s ended with %r", task.get_name(), task.exception())
         try:

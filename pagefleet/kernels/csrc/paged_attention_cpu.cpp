@@ -56,6 +56,11 @@ struct Item {
   int32_t chunk;  // 2: attend_chunk_gemm, 1: attend_chunk (both heads == 1), 0: attend_item
 };
 
+// Position of the item's first query row in its sequence (it attends to 0..that).
+inline int32_t first_position(const Item& it, const int32_t* qsl, const int32_t* seq_lens) {
+  return seq_lens[it.seq] - (qsl[it.seq + 1] - qsl[it.seq]) + (it.row0 - qsl[it.seq]);
+}
+
 // Row strides (in elements) of q and out: q is usually a view into the fused qk tensor.
 struct Strides {
   int64_t q_row, out_row;
@@ -95,9 +100,7 @@ void attend_item(const Item& it, const float* q, const T* kc, const T* vc,
   const int group = hq / hkv;
   const int per_row = it.heads * group;  // query vectors per row
   const int m_count = it.rows * per_row;
-  const int32_t seq_len = seq_lens[it.seq];
-  const int32_t qlen = qsl[it.seq + 1] - qsl[it.seq];
-  const int32_t first_pos = seq_len - qlen + (it.row0 - qsl[it.seq]);
+  const int32_t first_pos = first_position(it, qsl, seq_lens);
   const int32_t* table = tables + static_cast<int64_t>(it.seq) * table_w;
   const int64_t tok_stride = static_cast<int64_t>(hkv) * d;
 
@@ -212,9 +215,7 @@ void attend_chunk(const Item& it, const float* q, const T* kc, const T* vc,
   const int group = hq / hkv;
   const int m_count = it.rows * group;
   const int m_pad = (m_count + kLanes - 1) / kLanes * kLanes;
-  const int32_t seq_len = seq_lens[it.seq];
-  const int32_t qlen = qsl[it.seq + 1] - qsl[it.seq];
-  const int32_t first_pos = seq_len - qlen + (it.row0 - qsl[it.seq]);
+  const int32_t first_pos = first_position(it, qsl, seq_lens);
   const int32_t* table = tables + static_cast<int64_t>(it.seq) * table_w;
   const int64_t tok_stride = static_cast<int64_t>(hkv) * d;
   const int64_t koff = static_cast<int64_t>(it.head0) * d;
@@ -350,6 +351,10 @@ void attend_chunk(const Item& it, const float* q, const T* kc, const T* vc,
 // A tile is kGemmVecs query vectors (rows x the KV head's group): the score tile, and so
 // the per-thread scratch, stays 64 x context floats whatever the GQA group.
 constexpr int kGemmVecs = 64;
+
+// Query rows per GEMM tile. The chunk split in pf_paged_attention cuts at multiples of it,
+// so a split item runs exactly the unsplit item's tiles.
+inline int32_t gemm_tile_rows(int group) { return group < kGemmVecs ? kGemmVecs / group : 1; }
 // Scratch a thread keeps between calls, per buffer (1M floats, 4 MB: a context of 8K tokens
 // at head_dim 128). A longer context's buffers are given back after the call: kept, 32K
 // tokens would hold ~40 MB on every OpenMP thread for the life of the process, which a pod
@@ -390,14 +395,12 @@ void attend_chunk_gemm(const Item& it, const float* q, const T* kc, const T* vc,
                        const int32_t* seq_lens, float* out, Strides st, int hq, int hkv,
                        int bs, int d, float scale) {
   const int group = hq / hkv;
-  const int32_t seq_len = seq_lens[it.seq];
-  const int32_t qlen = qsl[it.seq + 1] - qsl[it.seq];
-  const int32_t first_pos = seq_len - qlen + (it.row0 - qsl[it.seq]);
+  const int32_t first_pos = first_position(it, qsl, seq_lens);
   const int32_t ctx_max = first_pos + it.rows;
   const int32_t* table = tables + static_cast<int64_t>(it.seq) * table_w;
   const int64_t tok_stride = static_cast<int64_t>(hkv) * d;
   const int64_t koff = static_cast<int64_t>(it.head0) * d;
-  const int tile_rows = group < kGemmVecs ? kGemmVecs / group : 1;
+  const int tile_rows = gemm_tile_rows(group);
   const int m_tile = tile_rows * group;
   // Per-thread scratch, grown as needed and kept up to kScratchKeepFloats a buffer: no
   // allocation per call once warm, for contexts up to that size.
@@ -640,7 +643,7 @@ int pf_paged_attention(const float* q, int64_t q_row_stride, const void* k_cache
     // for Llama-3-8B on a 32-core pod) leave threads idle: split each at tile boundaries
     // into about 4 items per thread. The tiles, so every GEMM's shape and every row's
     // result, are those of the unsplit item; each piece gathers only the context it sees.
-    const int32_t tile_rows = group < kGemmVecs ? kGemmVecs / group : 1;
+    const int32_t tile_rows = gemm_tile_rows(group);
     const int64_t per = (4 * static_cast<int64_t>(threads) + gemm_items.size() - 1) /
                         static_cast<int64_t>(gemm_items.size());
     std::vector<Item> split;
@@ -659,8 +662,7 @@ int pf_paged_attention(const float* q, int64_t q_row_stride, const void* k_cache
     // Work of an item ~ rows x the context its last row sees; stable so equal items keep
     // their order.
     const auto work = [&](const Item& it) {
-      const int32_t qlen = query_start_loc[it.seq + 1] - query_start_loc[it.seq];
-      const int64_t ctx = seq_lens[it.seq] - qlen + (it.row0 - query_start_loc[it.seq]) + it.rows;
+      const int64_t ctx = first_position(it, query_start_loc, seq_lens) + it.rows;
       return static_cast<int64_t>(it.rows) * ctx;
     };
     std::stable_sort(gemm_items.begin(), gemm_items.end(),
