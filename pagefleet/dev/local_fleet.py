@@ -90,6 +90,9 @@ class Child:
     proc: subprocess.Popen[bytes] | None = None
     env: dict[str, str] = field(default_factory=dict)  # on top of this process's own
     terminated: bool = False  # SIGTERM sent (terminate) and the child not stopped yet
+    # The log's size when this start began: logs are appended to, so what this start of the
+    # child wrote begins here (an earlier run's lines come before it).
+    log_start: int = 0
 
     def start(self) -> None:
         env = dict(os.environ)
@@ -97,6 +100,10 @@ class Child:
         # N daemons on a small box do not oversubscribe the CPU.
         env.setdefault("OMP_NUM_THREADS", "1")
         env.update(self.env)
+        try:
+            self.log_start = self.log_path.stat().st_size
+        except FileNotFoundError:
+            self.log_start = 0
         self.proc = process.spawn(self.argv, self.log_path, env=env)
         self.terminated = False
 

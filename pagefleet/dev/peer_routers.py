@@ -115,13 +115,13 @@ def wait_peer_ready(
     that lost one of its ports to another process between ``free_port()`` and its bind is
     restarted on fresh ports, up to ``port_retries`` times; ``child.url`` follows."""
     deadline = time.monotonic() + timeout_s
-    log_from = 0  # the log is appended to: read only what this start of the router wrote
     while True:
         if not child.alive:
-            if port_retries > 0 and _PORT_TAKEN in _log_since(child, log_from):
+            # Only what this start of the router wrote: an earlier run's port clash, further
+            # up the same appended log, must not turn another exit into a retry.
+            if port_retries > 0 and _PORT_TAKEN in _log_since(child, child.log_start):
                 port_retries -= 1
                 child.stop()
-                log_from = child.log_path.stat().st_size
                 _with_fresh_ports(child)
                 child.start()
                 continue

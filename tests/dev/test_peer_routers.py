@@ -61,3 +61,22 @@ def test_other_exit_is_not_retried(tmp_path: Path) -> None:
         assert child.argv[child.argv.index("--port") + 1] == "1"
     finally:
         child.stop()
+
+
+def test_an_earlier_runs_port_clash_in_the_log_is_not_retried(tmp_path: Path) -> None:
+    log = tmp_path / "r.log"  # the log is appended to: an earlier run's lines stay in it
+    log.write_text("Error: Address already in use (os error 98)\n")
+    argv = [sys.executable, "-c", "print('boom'); raise SystemExit(1)", "--port", "1",
+            "--prometheus-port", "2"]  # fmt: skip
+    child = Child("fake-router", argv, "http://127.0.0.1:1", log)
+    child.start()
+    try:
+        try:
+            wait_peer_ready(child, "m", timeout_s=30)
+        except RuntimeError as e:
+            assert "boom" in str(e)
+        else:
+            raise AssertionError("a router that exited for another reason must raise")
+        assert child.argv[child.argv.index("--port") + 1] == "1", "retried on fresh ports"
+    finally:
+        child.stop()
