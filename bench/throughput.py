@@ -12,7 +12,11 @@ always faster: padding and waiting for the longest request).
 ``engine_mfu`` places the engine against the machine: model FLOPs per generated token
 (2 x matmul parameters + attention over the mean context) x engine tokens/s, divided by
 this machine's fp32 matmul FLOP/s measured in the same run at the model's own shapes.
-A cProfile of a few engine steps says where the rest of the time goes.
+A cProfile of a few engine steps says where the rest of the time goes. The roofline
+(``engine_mfu_roofline``) bounds what any kernels could reach on the engine's own schedule:
+every recorded step at least its FLOPs at that matmul rate and at least its bytes (all
+weights once, the fp32 K/V of every key attended) at the read bandwidth measured over a
+buffer the size of the KV pool plus the weights.
 
     python bench/throughput.py            # full: batch sizes 1..16
     python bench/throughput.py --quick    # fewer baseline batch sizes, < 60 s
@@ -78,9 +82,26 @@ def run_engine(
     # Warm-up: first calls allocate and pick kernels.
     engine.generate([reqs[0][0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in reqs]
+    # Each step's shape (new tokens, keys attended, rows sampled) for the roofline below.
+    steps: list[tuple[int, int, int]] = []
+    execute = engine.runner.execute
+
+    def recording_execute(sched: Any, kv: Any) -> Any:
+        items = sched.scheduled
+        steps.append(
+            (
+                sum(it.num_new_tokens for it in items),
+                sum(it.start + it.num_new_tokens for it in items),
+                sum(len(it.samplers) for it in items),
+            )
+        )
+        return execute(sched, kv)
+
+    engine.runner.execute = recording_execute  # type: ignore[method-assign]
     t0, c0 = time.perf_counter(), time.process_time()
     results = engine.generate([p for p, _ in reqs], params)
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+    engine.runner.execute = execute  # type: ignore[method-assign]
     generated = sum(len(r.outputs[0].token_ids) for r in results)
     assert generated == sum(o for _, o in reqs), "engine produced a different token count"
 
@@ -107,6 +128,7 @@ def run_engine(
         "generated": generated,
         "steps": engine.stats().steps_total,
         "profile": prof,
+        "step_shapes": steps,
         "tokens": [r.outputs[0].token_ids for r in results],
     }
 
@@ -171,19 +193,66 @@ def matmul_flops_per_s(shape: dict[str, Any], rows: int) -> tuple[float, float]:
 
 
 def flops_per_token(shape: dict[str, Any], vocab: int, mean_ctx: float) -> float:
-    h, i, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
-    kv = shape["num_key_value_heads"] * (h // shape["num_attention_heads"])
-    per_layer = h * h + 2 * h * kv + h * h + 3 * h * i  # q, k, v, o, gate, up, down
+    h, layers = shape["hidden_size"], shape["num_hidden_layers"]
+    per_layer = layer_matmul_params(shape)
     attn = 2 * 2 * mean_ctx * h  # q.k and p.v over the context
     return 2 * (layers * per_layer + h * vocab) + layers * attn
+
+
+def layer_matmul_params(shape: dict[str, Any]) -> int:
+    """Projection weights of one layer (q, k, v, o, gate, up, down)."""
+    h, i = shape["hidden_size"], shape["intermediate_size"]
+    kv = shape["num_key_value_heads"] * (h // shape["num_attention_heads"])
+    return h * h + 2 * h * kv + h * h + 3 * h * i
+
+
+def kv_bytes_per_key(shape: dict[str, Any]) -> int:
+    """fp32 K and V of one token over all layers."""
+    h = shape["hidden_size"]
+    kv = shape["num_key_value_heads"] * (h // shape["num_attention_heads"])
+    return 4 * 2 * kv * shape["num_hidden_layers"]
+
+
+def stream_bytes_per_s(nbytes: int) -> float:
+    """Read bandwidth over a buffer of ``nbytes`` (a sum, the best of 5), at torch's thread
+    count: what a step gets when its K/V and weights (about that size together) do not stay
+    in cache between steps. Smaller buffers read faster (cache levels)."""
+    x = torch.ones(max(nbytes // 4, 1 << 20))
+    x.sum()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best
+
+
+def roofline_s(
+    shape: dict[str, Any],
+    vocab: int,
+    steps: list[tuple[int, int, int]],
+    flops_per_s: float,
+    bytes_per_s: float,
+) -> float:
+    """The least time the recorded steps could take on this machine: each step at least its
+    FLOPs at the matmul rate and at least its bytes (every weight once, the K/V of every key
+    each sequence attends) at the read bandwidth. A floor for this schedule, not a model."""
+    h, layers = shape["hidden_size"], shape["num_hidden_layers"]
+    per_layer = layer_matmul_params(shape)
+    weights = 4 * (layers * per_layer + h * vocab)
+    total = 0.0
+    for tokens, keys, rows in steps:
+        flops = 2 * (layers * per_layer * tokens + h * vocab * rows) + 4 * h * layers * keys
+        nbytes = weights + kv_bytes_per_key(shape) * keys
+        total += max(flops / flops_per_s, nbytes / bytes_per_s)
+    return total
 
 
 def workload_matmul_flops(shape: dict[str, Any], vocab: int, reqs: list) -> float:
     """Projection FLOPs any exact engine must spend on ``reqs``: every prompt and output
     token through every layer, the LM head for every output token (attention excluded)."""
-    h, i, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
-    kv = shape["num_key_value_heads"] * (h // shape["num_attention_heads"])
-    per_layer = h * h + 2 * h * kv + h * h + 3 * h * i
+    h, layers = shape["hidden_size"], shape["num_hidden_layers"]
+    per_layer = layer_matmul_params(shape)
     tokens = sum(len(p) + o for p, o in reqs)
     return 2 * (layers * per_layer * tokens + h * vocab * sum(o for _, o in reqs))
 
@@ -281,6 +350,21 @@ def main() -> None:
         f"{mfu:.3f} (HF static {fpt * best['tok_s'] / peak:.3f}); per CPU-second: engine "
         f"{mfu_cpu:.3f}, HF static {hf_mfu_cpu:.3f}"
     )
+    # Roofline of the engine's own schedule: how far this machine's matmul rate and read
+    # bandwidth would let any kernels take it, the schedule (batching) held as it ran.
+    pool_bytes = args.kv_tokens * kv_bytes_per_key(shape)
+    weight_bytes = 4 * (
+        shape["num_hidden_layers"] * layer_matmul_params(shape)
+        + shape["hidden_size"] * tok.vocab_size
+    )
+    bw = stream_bytes_per_s(pool_bytes + weight_bytes)
+    floor_s = roofline_s(shape, tok.vocab_size, eng["step_shapes"], peak, bw)
+    mfu_roof = fpt * eng["generated"] / floor_s / peak
+    print(
+        f"roofline of the engine's schedule ({len(eng['step_shapes'])} steps; fp32 K/V pool "
+        f"{pool_bytes / 2**20:.0f} MiB read at {bw / 1e9:.1f} GB/s): at least {floor_s:.2f} s "
+        f"vs {eng['elapsed_s']:.2f} s taken; engine MFU at most {mfu_roof:.3f} on this machine"
+    )
     print(f"greedy outputs identical to the best HF run: {same}/{len(reqs)}")
     if args.profile:
         print(profile_summary(eng["profile"]))
@@ -324,6 +408,9 @@ def main() -> None:
                 "engine_mfu_cpu_time": round(mfu_cpu, 4),
                 "hf_static_mfu_cpu_time": round(hf_mfu_cpu, 4),
                 "matmul_gflops": round(peak / 1e9, 1),
+                "read_gb_per_s": round(bw / 1e9, 1),
+                "engine_roofline_s": round(floor_s, 2),
+                "engine_mfu_roofline": round(mfu_roof, 4),
                 "matmul_gflops_per_cpu_s": round(peak_cpu / 1e9, 1),
                 "outputs_identical": same,
                 "engine_cpu_floor_s": round(floor_cpu_s, 2),
