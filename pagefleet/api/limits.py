@@ -31,3 +31,12 @@ def context_length_error(
             "max_tokens",
         )
     return None
+
+
+def body_not_decoded(exc: Exception) -> str:
+    """The 400's message for a body that its ``Content-Encoding`` does not decode (aiohttp's
+    ``RequestPayloadError``): the same words from the daemon and the gateway."""
+    return (
+        f"request body could not be decoded ({exc}); send it uncompressed or with a "
+        "Content-Encoding that matches it"
+    )

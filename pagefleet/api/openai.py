@@ -62,19 +62,24 @@ _UNION_FORMS = {
 }
 
 
+# The tags pydantic puts in an error's location for the union member it tried ("prompt.str",
+# "tool_choice.literal['none','auto','required']", "content.list[ContentPart]").
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "bytes", "none"})
+_UNION_TAG_PREFIXES = (
+    "list[", "dict[", "tuple[", "set[", "literal[", "nullable[", "function-", "tagged-union[",
+    "constrained-",
+)  # fmt: skip
+
+
+def _is_union_tag(item: str) -> bool:
+    # Model names (ContentPart, NamedToolChoice) start upper-case; every field of the API is
+    # snake_case. Exact tags only: "stream" and "strict" are fields, not the "str" tag.
+    return item in _UNION_TAGS or item.startswith(_UNION_TAG_PREFIXES) or item[:1].isupper()
+
+
 def _loc_to_param(loc: tuple[int | str, ...]) -> str | None:
-    # Pydantic adds the union member's name to the location ("prompt.str"); drop those tags
-    # so the caller sees the field path they sent.
-    parts: list[str] = []
-    for item in loc:
-        if isinstance(item, int):
-            parts.append(str(item))
-        elif item.startswith(("list[", "str", "int", "float", "function-", "tagged-union[")) or (
-            item in {"ContentPart", "ChatMessage"}
-        ):
-            continue
-        else:
-            parts.append(item)
+    """The field path the caller sent, from a pydantic error location (union tags dropped)."""
+    parts = [str(item) for item in loc if isinstance(item, int) or not _is_union_tag(item)]
     return ".".join(parts) or None
 
 
@@ -134,6 +139,7 @@ IGNORED_FIELDS = frozenset(
         "bootstrap_room",
         "return_text_in_logprobs",
         "stream_reasoning",
+        "session_id",  # the gateway's session policy reads it (docs/gateway.md)
     }
 )
 

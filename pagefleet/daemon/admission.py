@@ -1,7 +1,8 @@
 """Admission: who may start generating, and how many requests are in flight.
 
 Invariants:
-- at most ``max_num_seqs + max_queue`` engine requests are in flight; past that, 429;
+- at most ``max_num_seqs + max_queue`` engine requests are in flight; past that, 429 (a
+  single request larger than that limit is a 400: no retry would ever admit it);
 - nothing is admitted while not ready or draining (503 with Retry-After);
 - ``idle`` is set exactly when nothing is in flight, so a drain can wait for it.
 """
@@ -38,6 +39,16 @@ class Admission:
                 type="server_error",
                 code="unavailable",
                 headers={"Retry-After": "1"},
+            )
+        if n_requests > self.max_inflight:
+            # Never admissible, however idle the daemon: a 429 would have clients (the
+            # openai client does by itself) and the gateway retry it forever.
+            raise APIError(
+                400,
+                f"{n_requests} prompts in one request, but this server admits at most "
+                f"{self.max_inflight} at a time (max_num_seqs + max_queue); split the batch",
+                param="prompt",
+                code="too_many_prompts",
             )
         if self.inflight + n_requests > self.max_inflight:
             self._metrics.rejected("queue_full")

@@ -22,8 +22,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 import pagefleet
+from pagefleet.api.limits import body_not_decoded
 from pagefleet.api.openai import RequestValidationError
 from pagefleet.api.openapi import daemon_openapi
 from pagefleet.daemon import quiet_preface
@@ -259,6 +261,9 @@ class Daemon:
         except RequestValidationError as exc:
             self.metrics.rejected("invalid")
             return APIError(400, exc.message, param=exc.param).response()
+        except RequestPayloadError as exc:
+            self.metrics.rejected("invalid")
+            return APIError(400, body_not_decoded(exc)).response()
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise

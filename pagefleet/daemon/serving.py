@@ -143,6 +143,7 @@ class OpenAIServing:
         out = []
         for p in req.prompts():
             if isinstance(p, list):
+                self._check_token_ids(p, tok.vocab_size, "prompt")
                 out.append(
                     {"prompt": tok.decode(p, skip_special_tokens=False), "prompt_token_ids": p}
                 )
@@ -164,8 +165,7 @@ class OpenAIServing:
         req = parse_body(DetokenizeRequest, await request.read())
         self._check_model(req.model)
         tok = self._tokenizer()
-        if any(t >= tok.vocab_size for t in req.tokens):
-            raise APIError(400, f"token ids must be < vocab size {tok.vocab_size}", param="tokens")
+        self._check_token_ids(req.tokens, tok.vocab_size, "tokens")
         return json_model(
             DetokenizeResponse(prompt=tok.decode(req.tokens, skip_special_tokens=False))
         )
@@ -491,16 +491,20 @@ class OpenAIServing:
                     param=name,
                 )
 
+    @staticmethod
+    def _check_token_ids(ids: list[int], vocab: int, param: str) -> None:
+        """Every id names a token of the model (else the tokenizer would drop or choke on it)."""
+        if any(t >= vocab for t in ids):
+            what = "prompt token ids" if param == "prompt" else "token ids"
+            raise APIError(400, f"{what} must be < vocab size {vocab}", param=param)
+
     def _check_lengths(self, prompts: list[list[int]], max_tokens: int | None) -> None:
         limit = self.max_model_len()
         vocab = self._tokenizer().vocab_size
         for ids in prompts:
             if not ids:
                 raise APIError(400, "prompt is empty after tokenization", param="prompt")
-            if any(t >= vocab for t in ids):
-                raise APIError(
-                    400, f"prompt token ids must be < vocab size {vocab}", param="prompt"
-                )
+            self._check_token_ids(ids, vocab, "prompt")
             if len(ids) >= limit:
                 raise APIError(
                     400,

@@ -61,6 +61,10 @@ class Intake:
     error: IntakeError | None = None
 
 
+# No vocabulary is this large, and the prefix index's block hashes take 32-bit ids.
+_ID_LIMIT = 2**32
+
+
 def _too_long(
     tok: PromptTokenizer | None,
     text: str | None,
@@ -71,6 +75,12 @@ def _too_long(
 ) -> tuple[list[int] | None, IntakeError | None]:
     """Ids of one prompt (when computed) and a context-length error (when it cannot fit)."""
     if ids is not None:
+        # Ids the model cannot have are the daemon's 400 too; refused here before they reach
+        # the block hashes (which pack each id in 32 bits) without a tokenizer as well.
+        vocab = tok.tokenizer.vocab_size if tok is not None else _ID_LIMIT
+        if any(t >= vocab for t in ids):
+            msg = f"prompt token ids must be < vocab size {vocab}"
+            return None, IntakeError(400, msg, "prompt")
         err = context_length_error(len(ids), max_tokens, limit) if limit else None
         return ids, _ctx(err)
     if tok is None or text is None or encode is None:

@@ -30,8 +30,9 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
-from pagefleet.api.limits import DEFAULT_MAX_BODY_BYTES
+from pagefleet.api.limits import DEFAULT_MAX_BODY_BYTES, body_not_decoded
 from pagefleet.api.openapi import gateway_openapi
 from pagefleet.gateway.discovery import Endpoint
 from pagefleet.gateway.intake import Intake, IntakePool
@@ -63,8 +64,10 @@ _DROP_REQUEST_HEADERS = {
     "upgrade",
     "content-length",
     "accept-encoding",
+    # request.read() has already decoded a compressed body: forward it as what it now is.
+    "content-encoding",
 }
-_DROP_RESPONSE_HEADERS = _DROP_REQUEST_HEADERS | {"content-encoding", "date", "server"}
+_DROP_RESPONSE_HEADERS = _DROP_REQUEST_HEADERS | {"date", "server"}
 _DONE = b"data: [DONE]"
 # Errors that mean the client is gone while we write to it.
 _CLIENT_GONE = (ConnectionError, RuntimeError, aiohttp.ClientConnectionResetError)
@@ -211,9 +214,12 @@ class Gateway:
     async def _errors_middleware(
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[Any]]
     ) -> web.StreamResponse:
-        """aiohttp's own errors (404, 405, 413) in OpenAI's shape, like the daemon's."""
+        """aiohttp's own errors (404, 405, 413), an undecodable body and any bug in
+        OpenAI's shape, like the daemon's."""
         try:
             return await handler(request)
+        except RequestPayloadError as exc:
+            return error_response(400, body_not_decoded(exc), "invalid_request_error")
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
@@ -226,6 +232,15 @@ class Gateway:
             else:
                 msg, code = exc.reason or "bad request", None
             return error_response(exc.status, msg, "invalid_request_error", code)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("unhandled error serving %s %s", request.method, request.path)
+            return error_response(
+                500,
+                "internal error in the gateway; see its log (the request was not answered)",
+                "server_error",
+            )
 
     def _too_large(self) -> web.Response:
         return error_response(

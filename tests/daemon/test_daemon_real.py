@@ -300,6 +300,12 @@ async def test_what_the_peer_routers_ask_of_a_worker(live, caplog):
             f"{live.base_url}/completions/render", json={"model": "other", "prompt": "x"}
         ) as r:
             assert r.status == 404 and "error" in await r.json()
+        # Ids past the vocabulary: the 400 the generation endpoints give, not a silently
+        # shortened text (5000) or a 500 from the tokenizer (2**64).
+        for bad in ([5000, 3], [2**64]):
+            body = {"model": MODEL, "prompt": bad}
+            async with s.post(f"{live.base_url}/completions/render", json=body) as r:
+                assert r.status == 400 and (await r.json())["error"]["param"] == "prompt"
     # An HTTP/2 connection preface: a plain 400, and no stack trace at ERROR.
     caplog.clear()
     host, port = live.url.removeprefix("http://").split(":")

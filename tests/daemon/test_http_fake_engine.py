@@ -8,6 +8,7 @@ user-facing checks against the real engine on the tiny model.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import threading
 import time
@@ -78,6 +79,12 @@ async def test_stream_framing_and_usage(tiny_tokenizer):
         (b'{"prompt": "x", "max_tokens": 100000}', 400, "max_tokens"),
         (b'{"prompt": [1, 2, 99999999]}', 400, "prompt"),
         (b'{"prompt": "x", "model": "nope"}', 404, "model"),
+        # Field names that begin like pydantic's union tags ("str") keep their name.
+        (b'{"prompt": "x", "stream": "yes"}', 400, "stream"),
+        (b'{"prompt": "x", "stream_options": "yes"}', 400, "stream_options"),
+        # More prompts than the daemon ever admits (max_num_seqs 4 + max_queue 4): a 400,
+        # not a 429 that every retry would meet again.
+        (b'{"prompt": ["a", "b", "c", "d", "e", "f", "g", "h", "i"]}', 400, "prompt"),
     ],
 )
 async def test_bad_input(tiny_tokenizer, body, status, param):
@@ -250,6 +257,7 @@ async def test_unsupported_fields_are_refused_ignorable_ones_pass_and_long_promp
             {"no_stop_trim": True, "user": "u"},
             {"metadata": {"k": "v"}, "request_id": "x"},
             {"use_beam_search": False},
+            {"session_id": "abc"},  # the gateway's session policy reads it from the body
         ):
             body = {"prompt": [1, 2], "max_tokens": 1, **extra}
             async with s.post(f"{d.base_url}/completions", json=body) as r:
@@ -372,3 +380,17 @@ async def test_hung_engine_thread_fails_health_and_ends_the_daemon(tiny_tokenize
             assert "the engine thread hung" in d.daemon.engine_loop.end_reason()
     finally:
         release.set()
+
+
+async def test_a_body_its_content_encoding_does_not_decode_is_a_400(tiny_tokenizer):
+    body = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+    gz = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
+    async with (
+        live_daemon(fake_config(), fake_engine_factory(tiny_tokenizer, [])) as d,
+        aiohttp.ClientSession() as s,
+    ):
+        async with s.post(f"{d.base_url}/completions", data=gzip.compress(body), headers=gz) as r:
+            assert r.status == 200
+        async with s.post(f"{d.base_url}/completions", data=body, headers=gz) as r:
+            assert r.status == 400  # was a 500 "see the daemon's log"
+            assert "Content-Encoding" in (await r.json())["error"]["message"]

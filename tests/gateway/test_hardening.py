@@ -9,6 +9,7 @@ as clean 200s and waited 300 s for a hung pod.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import os
 import statistics
@@ -26,6 +27,7 @@ from aiohttp import web
 
 from pagefleet.dev.process import free_port
 from pagefleet.gateway.discovery import StaticDiscovery
+from pagefleet.gateway.intake import inspect
 from pagefleet.gateway.policies import Candidate, RouteRequest, make_policy
 from pagefleet.gateway.router import Router
 from pagefleet.gateway.server import POD_HEADER, Gateway, ProxySettings
@@ -341,6 +343,50 @@ async def test_unknown_route_and_bad_json_are_openai_shaped(make_fleet) -> None:
         async with s.get(fleet.url + "/openapi.json") as r:
             doc = await r.json()
             assert "/v1/completions" in doc["paths"]
+
+
+async def test_compressed_bodies_are_forwarded_decoded_and_undecodable_ones_are_400s(
+    make_fleet,
+) -> None:
+    fleet = await make_fleet(["ok"])
+    body = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+    gz = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
+    async with aiohttp.ClientSession() as s:
+        # aiohttp decodes the body on read: forwarding it still marked gzip made the daemon
+        # fail to decompress plain JSON (a 500 for a request the daemon itself accepts).
+        async with s.post(fleet.url + "/v1/completions", data=gzip.compress(body), headers=gz) as r:
+            assert r.status == 200, await r.text()
+        sent = {k.lower() for k in fleet.upstreams[0].headers[-1]}
+        assert "content-encoding" not in sent
+        hits = fleet.upstreams[0].hits
+        async with s.post(fleet.url + "/v1/completions", data=body, headers=gz) as r:
+            assert r.status == 400
+            err = (await r.json())["error"]
+            assert "Content-Encoding" in err["message"], err
+        assert fleet.upstreams[0].hits == hits
+
+
+async def test_token_ids_no_model_has_are_a_400_and_a_bug_is_an_openai_shaped_500(
+    make_fleet, monkeypatch
+) -> None:
+    # The block hashes pack ids in 32 bits: 2**32 in a full block was a struct.error and a
+    # plain-text 500 ("Server got itself in trouble").
+    refused = inspect("completion", json.dumps({"prompt": [1] * 15 + [2**32]}).encode(), None, None)
+    assert refused.error is not None and refused.error.status == 400
+    assert refused.error.param == "prompt"
+    fleet = await make_fleet(["ok"])
+
+    async def broken(*_a, **_k):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(Router, "route", broken)  # slots: patched on the class
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(fleet.url + "/v1/completions", json={"prompt": "hi"}) as r,
+    ):
+        assert r.status == 500
+        body = await r.json()
+        assert _is_openai_error(body) and body["error"]["type"] == "server_error"
 
 
 # -- API keys -----------------------------------------------------------------------------
