@@ -6,6 +6,7 @@ Invariant: a SamplingParams that constructed without error is valid; every bad v
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from pagefleet.engine.guided_spec import GuidedSpec
@@ -58,10 +59,12 @@ class SamplingParams:
                 "detokenize=False cannot be combined with stop strings or beam search (the "
                 "engine needs the text for them)"
             )
-        if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        # Written so NaN fails them too (every comparison with NaN is false): a NaN
+        # temperature passed "< 0" and then broke the step of every request in its batch.
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an integer of at least 1, got {self.n!r}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
@@ -72,12 +75,21 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} and "
+                f"max_tokens={self.max_tokens}"
+            )
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if not self.repetition_penalty > 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
+            raise ValueError(
+                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}"
+            )
+        if not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty}")
         bad_bias = next((v for v in self.logit_bias.values() if not -100 <= v <= 100), None)
         if bad_bias is not None:
             raise ValueError(f"logit_bias values must be in [-100, 100], got {bad_bias}")

@@ -151,7 +151,18 @@ class Scheduler:
             while not self.kv.allocate_slots(seq, num_new):
                 if self._release_waiting_imports():
                     continue  # blocks held by queued imports come back first
-                victim = self.running.pop()
+                # Held beams wait for their siblings anyway, so they give up blocks first:
+                # else a recomputed beam that outgrows its blocks preempts itself every
+                # step (skipping the waiting phase, where held beams are preempted) while
+                # the held ones keep theirs, and the request never advances.
+                j = self._newest_held()
+                if j is None:
+                    victim = self.running.pop()
+                else:
+                    victim = self.running.pop(j)
+                    del decodes_behind[j]  # a held beam is not counted in it
+                    if j < i:
+                        i -= 1
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
@@ -288,14 +299,20 @@ class Scheduler:
         Without this, beams whose candidates are in could keep the blocks a sibling needs
         to produce its own, and the step after would schedule nothing, forever. A held
         beam keeps its candidates: it is recomputed only if the selection keeps it."""
+        j = self._newest_held()
+        if j is None:
+            return False
+        seq = self.running.pop(j)
+        self._preempt(seq)
+        preempted.append(seq)
+        return True
+
+    def _newest_held(self) -> int | None:
+        """Index in ``running`` of the newest held beam, or None."""
         for j in range(len(self.running) - 1, -1, -1):
-            seq = self.running[j]
-            if seq.held:
-                del self.running[j]
-                self._preempt(seq)
-                preempted.append(seq)
-                return True
-        return False
+            if self.running[j].held:
+                return j
+        return None
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Queue ``child`` (a copy of ``parent``'s tokens) right after ``parent``.

@@ -187,6 +187,33 @@ def test_beam_search_preempted_and_chunked_still_exact() -> None:
     assert sum(held_preemptions) > 0, "no held beam had to make room for a sibling"
 
 
+def test_a_recomputed_beam_that_outgrows_its_blocks_takes_them_from_held_beams() -> None:
+    """Prefix caching off and chunked prefill: a preempted beam comes back with a chunk that
+    fits beside its held siblings, then needs one more block. It used to preempt itself
+    every step (the waiting phase, where held beams make room, was skipped) while the held
+    beams kept theirs: the search never advanced. It must end, as on a pool with room."""
+    params = SamplingParams(n=3, use_beam_search=True, temperature=0.0, max_tokens=30)
+    outs = []
+    for blocks in (12, 64):
+        engine = _engine(
+            "tiny", [], block_size=4, num_gpu_blocks=blocks, max_model_len=48,
+            max_num_batched_tokens=8, max_num_seqs=3, enable_prefix_caching=False,
+        )  # fmt: skip
+        engine.add_request("b", [11, 12, 13, 14], params)
+        got: dict[int, list[int]] = {}
+        for _ in range(600):
+            if not engine.has_unfinished():
+                break
+            for out in engine.step():
+                for d in out.deltas:
+                    got.setdefault(d.index, []).extend(d.new_token_ids)
+            engine.check_integrity()
+        assert not engine.has_unfinished(), f"no end after 600 steps on {blocks} blocks"
+        assert engine.kv.pool.num_referenced_blocks == 0
+        outs.append(got)
+    assert outs[0] == outs[1] and len(outs[0]) == 3
+
+
 def test_beam_kv_usage_far_below_independent_sequences() -> None:
     """Beams share the prompt's blocks: the peak of referenced blocks over a 4-beam search
     of a 160-token prompt stays far below 4 times one sequence's own peak (measured, both

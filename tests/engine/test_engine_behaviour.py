@@ -42,6 +42,24 @@ def test_add_request_rejects_bad_input_without_admitting(fake_engine) -> None:
     assert eng.stats().num_waiting == 1
 
 
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        # NaN passed "temperature < 0"; the next step's sampler raised, and the batch's other
+        # sequences were left computed with no token appended: every later step failed.
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"n": 2.5}, "n"),  # the fork at the end of the prompt raised TypeError mid-step
+        ({"min_tokens": 5, "max_tokens": 3}, "min_tokens"),
+    ],
+)
+def test_sampling_params_refuse_what_would_break_a_step(kw, field) -> None:
+    with pytest.raises(ValueError, match=rf"^{field} "):
+        SamplingParams(**kw)
+
+
 def test_finish_reasons(fake_engine) -> None:
     eng = fake_engine(max_model_len=24)
     eng.add_request("len", [5, 6], SamplingParams(max_tokens=3, **GREEDY))

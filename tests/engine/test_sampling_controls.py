@@ -69,7 +69,7 @@ CASES = [
     SamplingParams(frequency_penalty=0.9),
     SamplingParams(presence_penalty=-1.2),
     SamplingParams(logit_bias={5: 30.0, 17: -100.0, 250: 2.5}),
-    SamplingParams(min_tokens=30, stop_token_ids=[7, 8]),
+    SamplingParams(min_tokens=30, max_tokens=64, stop_token_ids=[7, 8]),
     SamplingParams(min_tokens=2, stop_token_ids=[7]),  # already reached: nothing banned
     SamplingParams(bad_words_token_ids=[[11], [40, 41], [3, 4, 5]]),
     SamplingParams(),
@@ -79,6 +79,7 @@ CASES = [
         presence_penalty=0.4,
         logit_bias={9: 5.0},
         min_tokens=20,
+        max_tokens=64,
         stop_token_ids=[12],
         bad_words_token_ids=[[4, 5], [99]],
     ),
