@@ -1,11 +1,15 @@
 """A caller cancelled while its engine call is in flight (the HTTP client went away) leaves
 nothing behind in the engine: the call still arrives and takes effect there, so its effect
-is undone once the reply comes (engine_handle.py ``_admit``).
+is undone once the reply comes (engine_handle.py ``_admit``, engine_client.py
+``ClientKVSource.acquire``).
 
 - an admitted request nobody reads is aborted, not run to ``max_tokens`` (a plain request,
-  and a decode pod's import commit).
+  and a decode pod's import commit);
+- an export handle's reader counted for a cancelled acquire is released, so the handle can
+  expire (a handle with readers never does) and its blocks return to the pool.
 
-The real engine runs on a thread (``EngineLoop``).
+The real engine runs on a thread (``EngineLoop``); the side calls a pull makes in the
+engine process (``ClientKVSource``) reach the same ``EngineCore`` through it.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any
 import pytest
 
 from pagefleet.daemon.config import DaemonConfig
+from pagefleet.daemon.engine_client import ClientKVSource
 from pagefleet.daemon.engine_handle import EngineHandle
 from pagefleet.daemon.engine_loop import EngineLoop
 from pagefleet.dev.process import free_port
@@ -130,3 +135,38 @@ async def test_the_abort_waits_for_the_admission_reply_and_follows_only_a_succes
     await _cancel_after_send(refused._admit("x", None, "add_request", ()))
     await refused.reply("add_request", False, ValueError("duplicate request id"))
     assert refused.aborts() == []
+
+
+async def test_a_cancelled_acquire_releases_the_reader_its_reply_counted() -> None:
+    async with _engine_thread() as handle:
+        stream = await handle.add_request(
+            "h", PROMPT, SamplingParams(max_tokens=1, temperature=0.0), kv_export=True
+        )
+        while not (await stream.get()).output.finished:
+            pass
+        assert await handle.export_handles() == ["h"]
+        # As in the engine process: acquire is a side call (answered by a side thread).
+        src = ClientKVSource(handle)  # type: ignore[arg-type]
+        await _cancel_after_send(src.acquire("h"))
+        entry = await src.acquire("h")  # what a later release does: found, read, ended
+        assert entry is not None
+        src.release("h", consumed=True)
+
+        async def collected() -> bool:
+            await handle.invoke("collect_transfers", time.monotonic())
+            return await handle.export_handles() == []
+
+        assert await _until(collected), "a reader nobody releases pins the handle forever"
+        stats = await handle.stats()
+        assert stats.num_free_blocks == stats.num_blocks
+        await handle.invoke("check_integrity")
+
+
+async def test_a_cancelled_acquire_releases_nothing_when_the_handle_was_not_found() -> None:
+    wire = _Wire()
+    src = ClientKVSource(wire)  # type: ignore[arg-type]
+    await _cancel_after_send(src.acquire("gone"))
+    await wire.reply("acquire", True, None)
+    await _cancel_after_send(src.acquire("failed"))
+    await wire.reply("acquire", False, RuntimeError("engine error"))
+    assert [m for m in wire.sent if m[1] == "release"] == []
