@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import multiprocessing
 import os
@@ -195,7 +196,21 @@ class ClientKVSource(KVSource):
         return self._client.kv_layout()
 
     async def acquire(self, handle: str) -> Any:
-        return await self._client.side("acquire", handle)
+        """Start reading ``handle`` (an ExportedKV) or None. Cancel-safe: the engine process
+        counts the reader as the call arrives, and a handle with readers never expires, so
+        an entry whose reply comes after this await was cancelled is released here."""
+        call = self._client._start_call("acquire", (handle,), kind="side")
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            call.add_done_callback(functools.partial(self._release_late, handle))
+            raise
+
+    def _release_late(self, handle: str, call: asyncio.Future[Any]) -> None:
+        """End the read a cancelled ``acquire`` started, if it found the handle (not
+        consumed: nobody has the bytes)."""
+        if not call.cancelled() and call.exception() is None and call.result() is not None:
+            self.release(handle, consumed=False)
 
     async def read_layer(self, block_ids: list[int], layer: int) -> tuple[Any, Any]:
         return await self._client.side("read_layer", block_ids, layer)

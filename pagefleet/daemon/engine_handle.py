@@ -14,6 +14,8 @@ the engine reaches ``_gone`` once. Not thread-safe: call it from the event loop 
 
 Invariants:
 - each request id has at most one live RequestStream, fed in engine order, then removed;
+- a request the engine admits for a caller cancelled before the reply is aborted: the
+  engine never runs a request that no stream reads;
 - when the engine ends for any reason but ``stop``, every live stream and pending call gets
   EngineDeadError, ``dead`` is set and ``on_death(exitcode)`` runs once: the daemon exits
   non-zero instead of serving errors forever;
@@ -25,6 +27,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
@@ -236,6 +239,9 @@ class EngineHandle:
         args: tuple[Any, ...],
         text: RequestText | None = None,
     ) -> RequestStream:
+        """Register ``request_id``'s stream and admit it with the engine's ``method``. A
+        caller cancelled before the engine's reply leaves nothing running: the request is
+        aborted once admitted."""
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
         stream = RequestStream(request_id) if queue is None else RequestStream(request_id, queue)
@@ -244,12 +250,31 @@ class EngineHandle:
         if text is not None:
             self._texts[request_id] = text
         try:
-            await self._call(method, args)
+            call = self._start_call(method, args)
         except BaseException:
             self._streams.pop(request_id, None)
             self._texts.pop(request_id, None)
             raise
+        try:
+            # Shielded: once sent, the engine admits the request whatever becomes of this
+            # await. A caller cancelled meanwhile (its client went away) never gets the
+            # stream to abort, so the request is aborted here once the engine has admitted
+            # it. Not before: an abort that arrives first finds nothing, and an import's
+            # deferred write-and-commit would then start the request anyway.
+            await asyncio.shield(call)
+        except BaseException as exc:
+            self._streams.pop(request_id, None)
+            self._texts.pop(request_id, None)
+            if isinstance(exc, asyncio.CancelledError):
+                call.add_done_callback(functools.partial(self._abort_admitted, request_id))
+            raise
         return stream
+
+    def _abort_admitted(self, request_id: str, call: asyncio.Future[Any]) -> None:
+        """``call`` admitted ``request_id`` for a caller that was cancelled meanwhile: abort
+        the request, which nobody reads (no-op if the engine refused it or ended)."""
+        if not call.cancelled() and call.exception() is None:
+            self._post("abort", (request_id,))
 
     def abort(self, request_id: str) -> None:
         """Abort a request if still live; its blocks return to the pool on the next step."""
@@ -352,6 +377,18 @@ class EngineHandle:
         on_reply: Callable[[Any], None] | None = None,
         kind: str = "call",
     ) -> Any:
+        return await self._start_call(method, args, on_reply, kind)
+
+    def _start_call(
+        self,
+        method: str,
+        args: tuple[Any, ...],
+        on_reply: Callable[[Any], None] | None = None,
+        kind: str = "call",
+    ) -> asyncio.Future[Any]:
+        """Send a call ("call": with this turn's others; "side": now); the future gets its
+        reply. Cancelling the future does not unsend the call: a caller whose call has
+        effects to undo (``_admit``, ``acquire``) awaits it shielded."""
         if self.dead:
             raise EngineDeadError("the engine is not running; retry on another replica")
         call_id = next(self._ids)
@@ -360,13 +397,13 @@ class EngineHandle:
         self._pending[call_id] = (fut, on_reply)
         if kind == "call":
             self._queue_call((call_id, method, args))
-            return await fut
+            return fut
         try:
             self._send((kind, call_id, method, args))
         except BaseException:
             self._pending.pop(call_id, None)
             raise
-        return await fut
+        return fut
 
     def _heard(self) -> None:
         """A message arrived from the engine (any thread: a float store)."""

@@ -487,7 +487,9 @@ class KVSource(ABC):
 
     @abstractmethod
     async def acquire(self, handle: str) -> Any:
-        """Start reading ``handle`` (an ExportedKV) or None; pair with ``release``."""
+        """Start reading ``handle`` (an ExportedKV) or None; pair with ``release``.
+        Cancel-safe: a cancelled acquire leaves no reader counted (a handle with readers
+        never expires)."""
 
     @abstractmethod
     async def read_layer(self, block_ids: list[int], layer: int) -> tuple[Any, Any]:
@@ -510,6 +512,7 @@ class LocalKVSource(KVSource):
         return self.engine.runner.kv_layout()
 
     async def acquire(self, handle: str) -> Any:
+        # No await: cancelled before it runs or not at all, so it is cancel-safe.
         return self.engine.exports.acquire(handle, time.monotonic())
 
     async def read_layer(self, block_ids: list[int], layer: int) -> tuple[Any, Any]:
