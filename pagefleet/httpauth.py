@@ -7,8 +7,11 @@ Configuration (environment only, so no secret ever appears on a command line):
   with one key per line (blank lines and ``#`` comments ignored). Both may be set.
 - ``PAGEFLEET_ADMIN_TOKEN`` or ``PAGEFLEET_ADMIN_TOKEN_FILE``: the admin token, for the
   state-changing and introspection endpoints (``/reset_prefix_cache``, ``/get_server_info``).
-- ``PAGEFLEET_UPSTREAM_API_KEY`` or ``PAGEFLEET_UPSTREAM_API_KEY_FILE`` (gateway only): the
-  key the gateway presents to daemons that require one (clients' keys are never forwarded).
+- ``PAGEFLEET_UPSTREAM_API_KEY`` or ``PAGEFLEET_UPSTREAM_API_KEY_FILE``: the key presented
+  to daemons that require one -- by the gateway on every request it sends a daemon (clients'
+  keys are never forwarded), and by a decode daemon on its ``/v1/kv/*`` calls to a prefill
+  daemon (``/v1/kv/*`` stays behind the client keys: KV bytes are tenant data). One Secret
+  serves both.
 
 Invariants:
 - keys live in memory only as SHA-256 digests; a presented key is hashed once and compared
@@ -47,13 +50,29 @@ ADMIN_PATHS = frozenset({"/reset_prefix_cache", "/get_server_info", "/server_inf
 
 
 def upstream_key_from_env(env: Mapping[str, str] | None = None) -> str | None:
-    """The key the gateway sends to daemons, or None (daemons without keys)."""
+    """The key sent to daemons (by the gateway, and by a daemon to another daemon's
+    ``/v1/kv/*``), or None (daemons without keys)."""
     env = os.environ if env is None else env
     key = env.get(ENV_UPSTREAM, "").strip()
     if not key and env.get(ENV_UPSTREAM_FILE):
         lines = _read_lines(env[ENV_UPSTREAM_FILE])
         key = lines[0] if lines else ""
     return key or None
+
+
+def bearer_header(key: str | None) -> dict[str, str]:
+    """The ``Authorization`` header a request to a daemon carries: ``Bearer <key>``, or
+    none without a key."""
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def upstream_refused_hint(component: str, key_sent: bool) -> str:
+    """Why a daemon answered 401 to ``component``'s call and what to set (logged once)."""
+    why = "the key it sends is not one they accept" if key_sent else "it sends no key"
+    return (
+        f"{why}: set {ENV_UPSTREAM} (or {ENV_UPSTREAM_FILE}) on the {component} to a key "
+        f"listed in the daemons' {ENV_KEYS}"
+    )
 
 
 def _digest(key: str) -> bytes:

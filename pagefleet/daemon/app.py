@@ -40,7 +40,7 @@ from pagefleet.daemon.metrics import LABELS, DaemonMetrics
 from pagefleet.daemon.pd import PDSide
 from pagefleet.daemon.publisher import KVEventPublisher
 from pagefleet.daemon.serving import CLIENT_GONE, OpenAIServing
-from pagefleet.httpauth import AuthPolicy, Credentials
+from pagefleet.httpauth import AuthPolicy, Credentials, upstream_key_from_env
 from pagefleet.kvindex.events import KVEventBatch
 from pagefleet.kvindex.index import KVIndex, PodLoad
 
@@ -70,8 +70,14 @@ class Daemon:
         index: KVIndex | None = None,
         credentials: Credentials | None = None,
         engine_process: bool | None = None,
+        upstream_key: str | None = None,
     ) -> None:
         """``credentials``: API keys and admin token (default: from the PAGEFLEET_* env).
+
+        ``upstream_key``: the key this daemon presents to other daemons' ``/v1/kv/*`` (a
+        decode pod's wait, pull and release on a prefill pod with API keys); default: the
+        gateway's setting, PAGEFLEET_UPSTREAM_API_KEY(_FILE), so one Secret serves both;
+        "": none.
 
         ``engine_process``: run the engine in its own process (EngineClient) rather than a
         thread of this one (EngineLoop). None: ``config.engine_process``, except with a
@@ -108,6 +114,7 @@ class Daemon:
         self.pd = PDSide(
             config, self.metrics.registry, LABELS, self.metrics.label_values,
             lambda: self.engine_loop,
+            upstream_key=upstream_key_from_env() if upstream_key is None else upstream_key or None,
         )  # fmt: skip
         self.serving.pd = self.pd
         self.app = self._build_app()

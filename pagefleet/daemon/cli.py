@@ -263,7 +263,12 @@ async def serve(config: DaemonConfig) -> None:
     "[default: /dev/termination-log, when that file exists (Kubernetes creates it)].",
 )
 def command(**kwargs: object) -> None:
-    """Run one inference daemon: the engine plus the OpenAI-compatible API."""
+    """Run one inference daemon: the engine plus the OpenAI-compatible API.
+
+    API keys come from the environment, never flags: PAGEFLEET_API_KEYS (and/or _FILE);
+    a decode daemon presents PAGEFLEET_UPSTREAM_API_KEY (or _FILE) to prefill daemons that
+    require one, as the gateway does.
+    """
     logging.basicConfig(
         level=str(kwargs["log_level"]).upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -17,6 +17,11 @@ the prefill runs); it then waits for the handle with ``POST /v1/kv/wait`` (``{"h
 "wait_s"}``), which answers 200 once the prefill has exported it, 404 once it never will
 (the prefill failed or was released), 408 at ``wait_s``.
 
+A prefill pod that requires API keys (``PAGEFLEET_API_KEYS``) serves these paths to those
+keys only, as any other (KV bytes are tenant data): the decode pod presents its upstream key
+(``PAGEFLEET_UPSTREAM_API_KEY``, the one the gateway sends) on every call, and says once in
+its log what to set when a prefill pod answers 401.
+
 A decode pod that will not pull a handle after all (its own cache holds every block, or it
 prefills locally) says so with ``POST /v1/kv/release`` (``{"handle": ...}``): the prefill
 pod unpins the blocks at once instead of at the handle's deadline.
@@ -58,6 +63,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pagefleet.daemon import kv_wire
 from pagefleet.daemon.kv_stage import KVStage, StagePool
+from pagefleet.httpauth import bearer_header, upstream_refused_hint
 
 logger = logging.getLogger(__name__)
 
@@ -344,14 +350,36 @@ class KVTransfer(ABC):
 
 
 class TcpKVTransfer(KVTransfer):
-    """Pull over HTTP/TCP from the prefill daemon's ``/v1/kv/pull`` (runs everywhere)."""
+    """Pull over HTTP/TCP from the prefill daemon's ``/v1/kv/pull`` (runs everywhere).
+
+    ``api_key``: presented (``Authorization: Bearer``) on every call to a prefill pod, for
+    prefill pods that require one; None sends no credentials."""
 
     name = "tcp"
 
-    def __init__(self, timeout_s: float = 10.0, metrics: KVTransferMetrics | None = None):
+    def __init__(
+        self,
+        timeout_s: float = 10.0,
+        metrics: KVTransferMetrics | None = None,
+        api_key: str | None = None,
+    ):
         self.timeout_s = timeout_s
         self.metrics = metrics
+        self._auth = bearer_header(api_key)
+        self._warned_refused = False
         self._session: ClientSession | None = None
+
+    def _refused(self, url: str) -> None:
+        """A prefill pod answered 401: say once what to set (the request falls back to a
+        local prefill, which would otherwise go unexplained, on every P/D request)."""
+        if self._warned_refused:
+            return
+        self._warned_refused = True
+        logger.warning(
+            "the prefill pod refused this decode pod's KV call %s (401), so P/D requests "
+            "prefill locally: %s",
+            url, upstream_refused_hint("decode daemons", bool(self._auth)),
+        )  # fmt: skip
 
     def _client(self) -> ClientSession:
         if self._session is None or self._session.closed:
@@ -377,7 +405,9 @@ class TcpKVTransfer(KVTransfer):
             url = self._url(params, RELEASE_PATH)
             body = ReleaseRequest(handle=params.remote_request_id or "").model_dump()
             async with asyncio.timeout(min(self.timeout_s, 2.0)):
-                async with self._client().post(url, json=body) as resp:
+                async with self._client().post(url, json=body, headers=self._auth) as resp:
+                    if resp.status == 401:
+                        self._refused(url)
                     return resp.status == 200
         except (KVPullError, TimeoutError, ClientError, OSError, ValidationError) as exc:
             logger.debug("releasing KV handle %s failed: %s", params.remote_request_id, exc)
@@ -389,8 +419,9 @@ class TcpKVTransfer(KVTransfer):
         try:
             async with asyncio.timeout(wait_s + min(self.timeout_s, 3.0)):
                 async with self._client().post(
-                    url, json=body, timeout=ClientTimeout(total=None, sock_connect=3.0)
-                ) as resp:
+                    url, json=body, headers=self._auth,
+                    timeout=ClientTimeout(total=None, sock_connect=3.0),
+                ) as resp:  # fmt: skip
                     if resp.status == 200:
                         return
                     text = (await resp.text())[:300]
@@ -398,6 +429,8 @@ class TcpKVTransfer(KVTransfer):
             raise KVPullError("timeout", f"no KV handle at {url} within {wait_s}s") from None
         except (ClientError, OSError) as exc:
             raise KVPullError("unreachable", f"cannot wait for KV at {url}: {exc}") from None
+        if resp.status == 401:
+            self._refused(url)
         reason = {404: "not_found", 408: "timeout", 400: "bad_params"}.get(
             resp.status, f"http_{resp.status}"
         )
@@ -421,8 +454,10 @@ class TcpKVTransfer(KVTransfer):
                 # The payload lands in ``into`` (or one buffer) straight from the socket.
                 resp = await kv_wire.post(
                     params.remote_host or "", params.remote_port or 0, PULL_PATH,
-                    body.encode(), min(self.timeout_s, 3.0),
+                    body.encode(), min(self.timeout_s, 3.0), self._auth,
                 )  # fmt: skip
+                if resp.status == 401:
+                    self._refused(url)
                 if resp.status != 200:
                     raw = await resp.read_exactly(min(resp.remaining, 4096))
                     text = raw.decode(errors="replace")[:300]

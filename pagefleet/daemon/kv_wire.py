@@ -7,9 +7,10 @@ pull against ~25 ms with ``sock_recv_into`` (loopback, the 2-core VM, docs/bench
 session 6), and the decode pod's HTTP process shares its core with the engine stepping
 every stream: CPU a pull takes is taken from decode steps.
 
-Only what ``/v1/kv/pull`` needs: one POST, ``Connection: close``, a response that carries a
-Content-Length (the export server always sends one). Errors are the standard ones the
-caller maps to pull-failure reasons: OSError (unreachable), TimeoutError,
+Only what ``/v1/kv/pull`` needs: one POST (with the caller's extra headers: its
+``Authorization`` for a prefill pod that requires a key), ``Connection: close``, a response
+that carries a Content-Length (the export server always sends one). Errors are the standard
+ones the caller maps to pull-failure reasons: OSError (unreachable), TimeoutError,
 IncompleteReadError (the stream ended early), ValueError (not the response expected).
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Mapping
 
 _MAX_HEAD = 64 << 10
 _RECV = 1 << 16
@@ -66,9 +68,19 @@ class WireResponse:
 
 
 async def post(
-    host: str, port: int, path: str, body: bytes, connect_timeout_s: float
+    host: str,
+    port: int,
+    path: str,
+    body: bytes,
+    connect_timeout_s: float,
+    headers: Mapping[str, str] | None = None,
 ) -> WireResponse:
-    """POST ``body`` (JSON) to ``host:port`` ``path``; the response with its head read."""
+    """POST ``body`` (JSON) to ``host:port`` ``path`` with ``headers`` besides the ones it
+    always sends; the response with its head read."""
+    fields = list((headers or {}).items())
+    if any(c in k + v for k, v in fields for c in "\r\n\0"):
+        raise ValueError("a header name or value holds a line break")  # never split the head
+    extra = "".join(f"{k}: {v}\r\n" for k, v in fields)
     loop = asyncio.get_running_loop()
     host = host.strip("[]")  # an IPv6 literal as written in a URL
     infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
@@ -81,7 +93,7 @@ async def post(
         where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         head = (
             f"POST {path} HTTP/1.1\r\nHost: {where}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            f"{extra}Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
         ).encode()
         await loop.sock_sendall(sock, head + body)
         buf = bytearray()

@@ -89,14 +89,17 @@ class PDSide:
         label_values: list[str],
         engine_loop: Callable[[], EngineHandle | None],
         transfer: KVTransfer | None = None,
+        upstream_key: str | None = None,
     ) -> None:
+        """``upstream_key``: what this pod presents to the prefill pods' ``/v1/kv/*``
+        (they require one when they have API keys); None: nothing."""
         self.config = config
         self._engine_loop = engine_loop
         self.metrics = KVTransferMetrics(
             registry, labels, label_values, self._expired_total, self._active_handles
         )
         self.transfer = transfer or TcpKVTransfer(
-            timeout_s=config.kv_pull_timeout_s, metrics=self.metrics
+            timeout_s=config.kv_pull_timeout_s, metrics=self.metrics, api_key=upstream_key
         )
         self.export_server = KVExportServer(
             self._kv_source, self._collect, self.metrics, config.kv_transfer_timeout_s

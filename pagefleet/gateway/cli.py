@@ -512,6 +512,8 @@ def command(**kw: object) -> None:
 
     API keys come from the environment, never flags: PAGEFLEET_API_KEYS (comma separated)
     and/or PAGEFLEET_API_KEYS_FILE (one per line). Without them every client is served.
+    Daemons that require keys get PAGEFLEET_UPSTREAM_API_KEY (or _FILE) on every request,
+    prefill and KV release included.
     """
     logging.basicConfig(
         level=str(kw["log_level"]).upper(),

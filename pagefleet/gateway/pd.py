@@ -30,6 +30,11 @@ load). Then:
    at once instead of at the handle's deadline. A handle already pulled answers 404, which
    is harmless.
 
+Every request to a daemon here (prefill, release) carries the headers the gateway gives
+``prepare`` and ``release_later``: with ``PAGEFLEET_UPSTREAM_API_KEY`` set, its
+``Authorization`` (a release carries nothing else of the client's request). A prefill
+pod that answers 401 is logged once, with the setting to fix.
+
 The client sees one ordinary OpenAI response from the decode pod (usage included), since
 the decode pod serves the original request.
 """
@@ -49,6 +54,7 @@ import aiohttp
 from prometheus_client import Counter, Histogram
 
 from pagefleet.gateway.router import Router, RoutingDecision
+from pagefleet.httpauth import upstream_refused_hint
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +97,7 @@ class PDOrchestrator:
     # Early prefills running, by handle (a release of one waits for it: a handle released
     # before its prefill exported it would stay pinned until its deadline).
     _prefills: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    _warned_refused: bool = False
 
     def __post_init__(self) -> None:
         kw = {"registry": self.registry} if self.registry is not None else {"registry": None}
@@ -131,6 +138,19 @@ class PDOrchestrator:
 
     def _count(self, path: str, reason: str) -> None:
         self._decisions.labels(path=path, reason=reason).inc()
+
+    def _refused(self, pod: str, headers: dict[str, str]) -> None:
+        """A daemon answered 401: say once what to set (every P/D request prefills locally
+        until then, which is otherwise silent)."""
+        if self._warned_refused:
+            return
+        self._warned_refused = True
+        sent = any(k.lower() == "authorization" for k in headers)
+        logger.warning(
+            "prefill pod %s refused the gateway's P/D request (401), so every request "
+            "prefills on its decode pod: %s",
+            pod, upstream_refused_hint("gateway", sent),
+        )  # fmt: skip
 
     async def prepare(
         self,
@@ -226,17 +246,24 @@ class PDOrchestrator:
         got = await self._prefill(session, ep, path, original, headers, handle)
         if got is None:
             self._count("local", "prefill_failed")
-            await self._release(session, params, wait=False)
+            await self._release(session, params, headers, wait=False)
 
-    def release_later(self, session: aiohttp.ClientSession, params: dict[str, Any]) -> None:
+    def release_later(
+        self, session: aiohttp.ClientSession, params: dict[str, Any], headers: dict[str, str]
+    ) -> None:
         """Free ``params``' handle on its prefill pod in the background: no decode pod will
-        pull it. Never raises; ``close`` waits for it."""
-        task = asyncio.get_running_loop().create_task(self._release(session, params))
+        pull it. ``headers``: those the request's other calls to daemons carried (only
+        their ``Authorization`` goes). Never raises; ``close`` waits for it."""
+        task = asyncio.get_running_loop().create_task(self._release(session, params, headers))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 
     async def _release(
-        self, session: aiohttp.ClientSession, params: dict[str, Any], wait: bool = True
+        self,
+        session: aiohttp.ClientSession,
+        params: dict[str, Any],
+        headers: dict[str, str],
+        wait: bool = True,
     ) -> None:
         host, port = params.get("remote_host"), params.get("remote_port")
         handle = params.get("remote_request_id")
@@ -246,10 +273,13 @@ class PDOrchestrator:
         if ":" in str(host) and not str(host).startswith("["):
             host = f"[{host}]"  # IPv6 literal
         url = f"http://{host}:{port}/v1/kv/release"
+        auth = {k: v for k, v in headers.items() if k.lower() == "authorization"}
         try:
             async with asyncio.timeout(self.settings.release_timeout_s):
-                async with session.post(url, json={"handle": handle}) as resp:
+                async with session.post(url, json={"handle": handle}, headers=auth) as resp:
                     result = {200: "released", 404: "gone"}.get(resp.status, "failed")
+                    if resp.status == 401:
+                        self._refused(f"{host}:{port}", auth)
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             logger.info("releasing prefill handle %s at %s failed: %s", handle, url, exc)
             result = "failed"
@@ -280,6 +310,8 @@ class PDOrchestrator:
         try:
             async with asyncio.timeout(self.settings.prefill_timeout_s):
                 async with session.post(ep.url + path, json=req, headers=headers) as resp:
+                    if resp.status == 401:
+                        self._refused(ep.pod, headers)
                     if resp.status != 200:
                         logger.info(
                             "prefill pod %s answered %d; the decode pod prefills locally",

@@ -40,7 +40,7 @@ from pagefleet.gateway.metrics import GatewayMetrics
 from pagefleet.gateway.pd import PDOrchestrator
 from pagefleet.gateway.prompts import PromptTokenizer
 from pagefleet.gateway.router import Router, RoutingDecision, Ticket
-from pagefleet.httpauth import AuthPolicy, Credentials
+from pagefleet.httpauth import AuthPolicy, Credentials, bearer_header
 
 logger = logging.getLogger(__name__)
 
@@ -363,14 +363,10 @@ class Gateway:
         self.metrics.arrival_prompt_tokens.inc(max(0, uncached))
         if self.pd is not None:
             assert self._session is not None, "gateway used before startup"
-            headers = {
-                k: v
-                for k, v in request.headers.items()
-                if k.lower() not in _DROP_REQUEST_HEADERS and k.lower() != "authorization"
-            }
             prepared = await self.pd.prepare(
-                self._session, path, body, intake.token_ids, decision, headers
-            )
+                self._session, path, body, intake.token_ids, decision,
+                self._upstream_headers(request),
+            )  # fmt: skip
             if prepared.params is not None:
                 return await self._forward_handle(
                     request, prepared.body, prepared.params, path, intake.stream, decision,
@@ -378,6 +374,19 @@ class Gateway:
                 )  # fmt: skip
             body = prepared.body
         return await self._forward(request, body, path, intake.stream, decision, t_arrival)
+
+    def _upstream_headers(self, request: web.Request) -> dict[str, str]:
+        """The headers of every request this gateway sends a daemon for ``request`` (the
+        proxied one, and on the P/D path the prefill and the handle's release): the
+        client's, less hop-by-hop ones and its credentials -- the gateway's key is not the
+        daemon's, never forward it -- plus the upstream key when one is configured."""
+        headers = {
+            k: v
+            for k, v in request.headers.items()
+            if k.lower() not in _DROP_REQUEST_HEADERS and k.lower() != "authorization"
+        }
+        headers.update(bearer_header(self.upstream_key))
+        return headers
 
     async def _forward_handle(
         self,
@@ -401,7 +410,7 @@ class Gateway:
             return resp
         finally:
             if not served:
-                self.pd.release_later(self._session, params)
+                self.pd.release_later(self._session, params, self._upstream_headers(request))
 
     async def _forward(
         self,
@@ -413,13 +422,7 @@ class Gateway:
         t_arrival: float,
     ) -> web.StreamResponse:
         assert self._session is not None, "gateway used before startup"
-        headers = {
-            k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST_HEADERS
-        }
-        # The gateway's key is not the daemon's: never forward the client's credentials.
-        headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
-        if self.upstream_key:
-            headers["Authorization"] = f"Bearer {self.upstream_key}"
+        headers = self._upstream_headers(request)
         attempts = decision.ranked[: max(1, self.proxy.max_attempts)]
         last_error = "no attempt made"
         hung = False

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import uuid
 
@@ -19,6 +20,7 @@ import openai
 import pytest
 import pytest_asyncio
 from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
 
 from pagefleet.daemon.config import DaemonConfig
 from pagefleet.daemon.engine_client import ClientKVSource
@@ -179,6 +181,15 @@ async def test_completions_and_streaming_chat_equal_unified(fleet, monkeypatch) 
     assert not fleet["prefill"].daemon.pd.export_server._staged, "a pulled handle's stage held"
     left = [p for p in stages if os.path.exists(p) and p not in kept + kept_p]
     assert not left, "a KV stage file was left behind"
+
+
+async def _post_as(url: str, body: dict, key: str) -> tuple[int, dict]:
+    auth = {"Authorization": f"Bearer {key}"}
+    async with (
+        aiohttp.ClientSession(headers=auth) as s,
+        s.post(url + "/v1/completions", json=body) as r,
+    ):
+        return r.status, await r.json()
 
 
 async def _post(url: str, body: dict) -> tuple[int, dict]:
@@ -649,3 +660,84 @@ async def test_a_handle_named_twice_is_refused_and_the_first_export_stays_whole(
     # Once pulled, the name is still refused while the pod remembers it as exported.
     status, again = await _post(p.url, pre)
     assert status == 409, again
+
+
+@pytest.mark.timeout(120)
+async def test_pd_with_api_keys_on_the_daemons_still_pulls(fleet, monkeypatch, caplog) -> None:
+    """Daemons that require API keys (PAGEFLEET_API_KEYS), and the one upstream key
+    (PAGEFLEET_UPSTREAM_API_KEY) on the gateway and the daemons, as documented: a request
+    through the gateway goes through a real KV pull and answers as unified does; the
+    gateway releases a handle with the key too. (Before, the gateway's prefill and release
+    and the decode pod's wait and pull all got 401: every request prefilled locally.)"""
+    fleet_key, client_key = "sk-pd-daemons", "sk-pd-client"
+    monkeypatch.setenv("PAGEFLEET_API_KEYS", fleet_key)
+    monkeypatch.setenv("PAGEFLEET_UPSTREAM_API_KEY", fleet_key)
+    stack = contextlib.AsyncExitStack()
+    try:
+        p = await stack.enter_async_context(live_daemon(_config("prefill")))
+        d = await stack.enter_async_context(live_daemon(_config("decode")))
+        monkeypatch.setenv("PAGEFLEET_API_KEYS", client_key)  # the gateway's clients' keys
+        gw, runner, url = await _gateway([p.url], [d.url])
+        stack.push_async_callback(runner.cleanup)
+        # The daemons do require a key, and the client's is not one of theirs.
+        for auth in ({}, {"Authorization": f"Bearer {client_key}"}):
+            async with (
+                aiohttp.ClientSession(headers=auth) as s,
+                s.post(p.url + "/v1/kv/wait", json={"handle": "x", "wait_s": 1}) as r,
+            ):
+                assert r.status == 401
+
+        body = {"model": MODEL, "prompt": "Behind keys: " + PROMPT, "max_tokens": 8,
+                "temperature": 0.0}  # fmt: skip
+        _, want = await _post(fleet["unified"].url, body)
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=client_key, max_retries=0)
+        try:
+            got = await client.completions.create(**body)
+        finally:
+            await client.close()
+        assert got.choices[0].text == want["choices"][0]["text"]
+        assert got.usage.completion_tokens == want["usage"]["completion_tokens"]
+        assert await _metric(d.url, _OUTCOME, outcome="pulled") == 1, "no KV pull"
+        assert await _metric(d.url, "pagefleet:kv_transfer_pulls_failed_total") == 0
+        assert await _metric(d.url, "pagefleet:kv_transfer_blocks_total", direction="received")
+        pd_total = "pagefleet_gateway_pd_requests_total"
+        assert await _metric(url, pd_total, path="remote") == 1
+        assert await _metric(url, pd_total, reason="prefill_failed") == 0
+
+        # A handle no decode pod will pull: the gateway's release, with the headers its
+        # requests to daemons carry for a client's request, frees it.
+        pre = {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+        status, exported = await _post_as(p.url, pre, fleet_key)
+        assert status == 200, exported
+        tp = exported["kv_transfer_params"]
+        asked = make_mocked_request(
+            "POST", "/v1/completions", headers={"Authorization": f"Bearer {client_key}"}
+        )
+        gw.pd.release_later(gw._session, tp, gw._upstream_headers(asked))
+
+        async def released() -> bool:
+            total = "pagefleet_gateway_pd_handles_released_total"
+            return await _metric(url, total, result="released") == 1
+
+        await _until(released, timeout=5.0)
+        assert tp["remote_request_id"] not in await p.daemon.engine_loop.export_handles()
+
+        # A gateway without the upstream key: refused, and its log says once what to set.
+        monkeypatch.delenv("PAGEFLEET_UPSTREAM_API_KEY")
+        _, bare, bare_url = await _gateway([p.url], [d.url])
+        stack.push_async_callback(bare.cleanup)
+        with caplog.at_level(logging.WARNING, "pagefleet.gateway.pd"):
+            for i in range(2):
+                other = {**body, "prompt": f"{i} {PROMPT}"}
+                status, _ = await _post_as(bare_url, other, client_key)
+                assert status == 401  # the decode pod's answer, passed through
+
+            async def both_refused() -> bool:  # both early prefills have ended
+                return await _metric(bare_url, pd_total, reason="prefill_failed") == 2
+
+            await _until(both_refused, timeout=10.0)
+        hints = [r.getMessage() for r in caplog.records if "401" in r.getMessage()]
+        assert len(hints) == 1 and "PAGEFLEET_UPSTREAM_API_KEY" in hints[0], hints
+    finally:
+        async with asyncio.timeout(_TEARDOWN_BOUND_S):
+            await stack.aclose()
