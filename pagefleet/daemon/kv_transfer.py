@@ -643,23 +643,27 @@ class KVExportServer:
         t0 = time.monotonic()
         deadline = t0 + req.wait_s
         entry = None
-        while req.handle not in self._settled:
-            entry = self._awaited.get(req.handle)
-            if entry is None:
-                entry = self._awaited[req.handle] = _Awaited(asyncio.Event(), t0)
-            now = time.monotonic()
-            grace = entry.since + self.unknown_grace_s
-            end = deadline if entry.expected else min(deadline, grace)
-            if now >= end:
-                break
-            # Re-checked at least every 0.5 s: the handle may become expected meanwhile.
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(min(end - now, 0.5)):
-                    await entry.event.wait()
+        try:
+            while req.handle not in self._settled:
+                entry = self._awaited.get(req.handle)
+                if entry is None:
+                    entry = self._awaited[req.handle] = _Awaited(asyncio.Event(), t0)
+                now = time.monotonic()
+                grace = entry.since + self.unknown_grace_s
+                end = deadline if entry.expected else min(deadline, grace)
+                if now >= end:
+                    break
+                # Re-checked at least every 0.5 s: the handle may become expected meanwhile.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(min(end - now, 0.5)):
+                        await entry.event.wait()
+        finally:
+            # Nobody announced it: forget the wait, also when its caller went away mid-wait
+            # (else each such handle stayed in _awaited for the life of the pod).
+            if entry is not None and not entry.expected and self._awaited.get(req.handle) is entry:
+                del self._awaited[req.handle]
         settled = self._settled.get(req.handle)
         if settled is None:
-            if entry is not None and not entry.expected and self._awaited.get(req.handle) is entry:
-                del self._awaited[req.handle]  # nobody announced it: forget the wait
             if time.monotonic() >= deadline:
                 return _error(408, f"KV handle {req.handle!r} not ready within {req.wait_s}s")
             return _error(

@@ -196,3 +196,42 @@ def test_pull_into_a_shared_memory_stage_and_stage_lifetime(tmp_path) -> None:
     asyncio.run(main())
     assert KVStage.create(1024, str(tmp_path / "missing")) is None
     assert KVStage.create(0, str(tmp_path)) is None
+
+
+def test_a_wait_whose_caller_leaves_forgets_the_unknown_handle() -> None:
+    """A decode pod that gives up on /v1/kv/wait for a handle this pod never heard of (its
+    own timeout, a cut connection) must not leave the handle in the wait table for good."""
+
+    async def run() -> None:
+        server = KVExportServer(lambda: None, lambda: None)
+        server.unknown_grace_s = 30.0  # the caller leaves long before the grace ends
+        app = web.Application()
+        server.add_routes(app)
+        runner = web.AppRunner(app, handler_cancellation=True)
+        await runner.setup()
+        port = _free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            _reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            body = b'{"handle": "never-announced", "wait_s": 20}'
+            writer.write(
+                b"POST /v1/kv/wait HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            await writer.drain()
+            for _ in range(100):  # the handler is in its wait
+                if server._awaited:
+                    break
+                await asyncio.sleep(0.02)
+            assert server._awaited, "the wait never started"
+            writer.close()  # the caller goes away mid-wait
+            for _ in range(100):
+                if not server._awaited:
+                    break
+                await asyncio.sleep(0.02)
+            assert not server._awaited, "the abandoned wait stayed in the table"
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(run())
