@@ -315,7 +315,19 @@ class EngineHandle:
         await self._call("snapshot", (), on_reply=deliver)
 
     async def reserve_import(self, request_id: str, prompt: list[int], lora_id: str | None) -> Any:
-        return await self._call("reserve_import", (request_id, prompt, lora_id))
+        """Reserve blocks for a pulled prompt (None: none free). A caller cancelled before
+        the reply leaves no reservation: the plan the late reply brings is cancelled (it
+        would hold its blocks to the deadline and stay in the engine's plan table)."""
+        call = self._start_call("reserve_import", (request_id, prompt, lora_id))
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            call.add_done_callback(self._cancel_late_plan)
+            raise
+
+    def _cancel_late_plan(self, call: asyncio.Future[Any]) -> None:
+        if not call.cancelled() and call.exception() is None and call.result() is not None:
+            self.post_cancel_import(call.result())
 
     def post_cancel_import(self, plan: Any) -> None:
         self._post("cancel_import", (plan.key,))

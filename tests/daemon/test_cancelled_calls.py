@@ -6,7 +6,8 @@ is undone once the reply comes (engine_handle.py ``_admit``, engine_client.py
 - an admitted request nobody reads is aborted, not run to ``max_tokens`` (a plain request,
   and a decode pod's import commit);
 - an export handle's reader counted for a cancelled acquire is released, so the handle can
-  expire (a handle with readers never does) and its blocks return to the pool.
+  expire (a handle with readers never does) and its blocks return to the pool;
+- a reservation made for a cancelled reserve_import is cancelled (blocks back at once).
 
 The real engine runs on a thread (``EngineLoop``); the side calls a pull makes in the
 engine process (``ClientKVSource``) reach the same ``EngineCore`` through it.
@@ -170,3 +171,18 @@ async def test_a_cancelled_acquire_releases_nothing_when_the_handle_was_not_foun
     await _cancel_after_send(src.acquire("failed"))
     await wire.reply("acquire", False, RuntimeError("engine error"))
     assert [m for m in wire.sent if m[1] == "release"] == []
+
+
+async def test_a_cancelled_reservation_is_cancelled_when_its_reply_comes() -> None:
+    """A decode pod whose client leaves while reserve_import is in flight: the engine still
+    reserves; the late plan is cancelled, so its blocks come back now (not at the deadline)
+    and the engine's plan table does not keep it."""
+    async with _engine_thread() as handle:
+        free = (await handle.stats()).num_free_blocks
+        await _cancel_after_send(handle.reserve_import("r", PROMPT, None))
+
+        async def released() -> bool:
+            s = await handle.stats()
+            return s.num_free_blocks == free and not handle._core._plans
+
+        assert await _until(released), "the reservation outlived its cancelled caller"
