@@ -51,7 +51,7 @@ _WRITE_MARGIN_S = 5.0
 _CALLS = frozenset(
     {
         "add_request", "abort", "stats", "reset_prefix_cache", "cached_block_hashes",
-        "collect_transfers", "check_integrity",
+        "collect_transfers", "check_integrity", "release_export",
     }
 )  # fmt: skip
 

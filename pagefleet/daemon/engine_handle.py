@@ -332,6 +332,10 @@ class EngineHandle:
     def post_cancel_import(self, plan: Any) -> None:
         self._post("cancel_import", (plan.key,))
 
+    def post_release_export(self, handle: str) -> None:
+        """Free transfer handle ``handle`` (no-op if gone; a running read keeps it to its end)."""
+        self._post("release_export", (handle,))
+
     def post_collect_transfers(self) -> None:
         self._post("collect_transfers", ())
 

@@ -704,6 +704,14 @@ class KVExportServer:
             self._staged[handle] = _Staged(stage, time.monotonic())
         return stage
 
+    def exported(self, handle: str) -> bool:
+        """Whether ``handle`` settled as exported (its parameters were handed out)."""
+        return self._settled.get(handle, (False, 0.0))[0]
+
+    def forget_stage(self, handle: str) -> None:
+        """Drop ``handle``'s export stage, if any: no pull will read it."""
+        self._drop_staged(handle)
+
     def staged(self, handle: str, filled: bool) -> None:
         """The engine says whether it filled ``handle``'s stage (it never writes it after
         the request's finish reached this process)."""

@@ -342,10 +342,19 @@ class PDSide:
 
     def export_ended(self, rid: str) -> None:
         """The HTTP handler of exported request ``rid`` (claimed) is done (answered, failed
-        or cancelled): a decode pod still waiting for its handle learns it will not come
-        (no-op after ``response_params``)."""
+        or cancelled): a decode pod still waiting for its handle learns it will not come,
+        and an export nobody was told of is freed now. After ``response_params`` handed it
+        out, the handle stays for its decode pod."""
         self._claimed.discard(rid)
-        self.export_server.settle(rid, exported=False)
+        self.export_server.settle(rid, exported=False)  # the first settle counts
+        if not self.export_server.exported(rid):
+            # Never handed out (a streamed request, a failure) or released while its prefill
+            # ran (the release found no handle yet): no pull can come, and the blocks
+            # stayed pinned to the transfer timeout.
+            self.export_server.forget_stage(rid)
+            loop = self._loaded()
+            if loop is not None:
+                loop.post_release_export(rid)
 
     def _fallback(self, rid: str, reason: str, message: str, tp: KVTransferParams) -> None:
         self.metrics.failed(reason)

@@ -9,7 +9,10 @@ the answers through the gateway equal a unified pod's, and they really went thro
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+
+import aiohttp
 
 from .conftest import live_daemon
 from .test_pd_fleet import MODEL, PROMPT, _client, _config, _gateway, _metric
@@ -47,3 +50,27 @@ async def test_pd_with_engine_threads_equals_unified() -> None:
         assert pulled >= 2
         assert d.daemon.pd.stages.idle_paths() == [], "an engine thread needs no stage"
         await d.daemon.engine_loop.invoke("check_integrity")
+
+
+async def test_an_export_nobody_was_told_of_is_freed_when_its_request_ends() -> None:
+    """A prefill request streamed with do_remote_decode answers no kv_transfer_params, so no
+    decode pod can pull its KV: the export is freed as the request ends (it stayed pinned
+    to the transfer timeout, 30 s by default, holding the prefill pod's blocks). One
+    answered whole keeps its handle for the decode pod."""
+    config = _config("prefill").model_copy(update={"engine_process": False})
+    async with live_daemon(config) as p, aiohttp.ClientSession() as s:
+        loop = p.daemon.engine_loop
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1,
+                "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip
+        async with s.post(f"{p.url}/v1/completions", json={**body, "stream": True}) as r:
+            assert r.status == 200
+            await r.read()
+        for _ in range(50):
+            if not await loop.export_handles():
+                break
+            await asyncio.sleep(0.05)
+        assert await loop.export_handles() == [], "a streamed export stayed pinned"
+        async with s.post(f"{p.url}/v1/completions", json=body) as r:
+            handle = (await r.json())["kv_transfer_params"]["remote_request_id"]
+        assert await loop.export_handles() == [handle]
+        await loop.invoke("check_integrity")
