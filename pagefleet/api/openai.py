@@ -254,6 +254,16 @@ class _SamplingFields(_Lenient):
             raise ValueError("stop strings must be non-empty")
         return v
 
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(
+        cls, v: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
+        # As vLLM: options of a stream on a request that is not one are a mistake to report.
+        if v is not None and not info.data.get("stream", False):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return v
+
     @field_validator("logit_bias")
     @classmethod
     def _check_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:

@@ -303,8 +303,11 @@ class OpenAIServing:
     ) -> web.StreamResponse:
         """Admit ``job``, run it and answer, whole or streamed."""
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return await self._stream(request, job, shape, include_usage)
+            opts = req.stream_options
+            include_usage = bool(opts and opts.include_usage)
+            # vLLM's continuous_usage_stats: every chunk carries the usage so far.
+            continuous = include_usage and bool(opts and opts.continuous_usage_stats)
+            return await self._stream(request, job, shape, include_usage, continuous)
         async with self._admitted(job):
             while job.live:
                 for item in await _next_outputs(job):
@@ -320,8 +323,18 @@ class OpenAIServing:
         return json_model(resp)
 
     async def _stream(
-        self, request: web.Request, job: Job, shape: ResponseShape, include_usage: bool
+        self,
+        request: web.Request,
+        job: Job,
+        shape: ResponseShape,
+        include_usage: bool,
+        continuous: bool = False,
     ) -> web.StreamResponse:
+        def usage() -> bytes | None:
+            if continuous:
+                return job.usage().model_dump_json().encode()
+            return b"null" if include_usage else None
+
         created = int(time.time())
         model = self.config.model_name
         resp = web.StreamResponse(
@@ -333,13 +346,13 @@ class OpenAIServing:
                 try:
                     for chunk in shape.opening_chunks(job, created, model):
                         body = chunk.model_dump_json(exclude_none=True).encode()
-                        await resp.write(_event(body, include_usage))
+                        await resp.write(_event(body, usage()))
                     while job.live:
                         # Every chunk of the outputs that queued up while this stream was
                         # behind leaves in one write: one syscall and one HTTP chunk, not
                         # one per token (each is still its own SSE event).
                         events = [
-                            _event(shape.chunk_json(job, created, model, ch, delta), include_usage)
+                            _event(shape.chunk_json(job, created, model, ch, delta), usage())
                             for item in await _next_outputs(job)
                             for ch, delta in job.absorb(item, self.metrics)
                             if delta.new_text or delta.finish_reason is not None or delta.logprobs
@@ -551,9 +564,10 @@ async def _offload(fn: Callable[[], Any], size: int) -> Any:
 CLIENT_GONE = (ConnectionError, ClientConnectionResetError)
 
 
-def _event(body: bytes, include_usage: bool) -> bytes:
-    """One SSE event carrying the chunk ``body`` (compact JSON, null fields left out)."""
-    if include_usage:
-        # With include_usage, OpenAI sends "usage": null on every chunk but the last.
-        body = body[:-1] + b',"usage":null}'
+def _event(body: bytes, usage: bytes | None) -> bytes:
+    """One SSE event carrying the chunk ``body`` (compact JSON, null fields left out) and,
+    when given, ``usage``: with include_usage, OpenAI sends "usage": null on every chunk
+    but the last; with continuous_usage_stats, vLLM sends the usage so far."""
+    if usage is not None:
+        body = body[:-1] + b',"usage":' + usage + b"}"
     return b"data: " + body + b"\n\n"

@@ -66,6 +66,26 @@ async def test_stream_framing_and_usage(tiny_tokenizer):
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
 
 
+async def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(tiny_tokenizer):
+    async with (
+        live_daemon(fake_config(), fake_engine_factory(tiny_tokenizer, [])) as d,
+        aiohttp.ClientSession() as s,
+    ):
+        opts = {"include_usage": True, "continuous_usage_stats": True}
+        body = {"prompt": "hi", "stream": True, "max_tokens": 4, "stream_options": opts}
+        async with s.post(f"{d.base_url}/completions", json=body) as r:
+            raw = (await r.read()).decode()
+        chunks = [json.loads(e[6:]) for e in raw.split("\n\n") if e and e != "data: [DONE]"]
+        counts = [c["usage"]["completion_tokens"] for c in chunks]
+        assert all(c["usage"]["prompt_tokens"] > 0 for c in chunks)
+        assert counts == sorted(counts) and counts[-1] == 4 and counts[0] < 4
+        # Options of a stream on a request that is not streamed: a 400, as vLLM answers.
+        body = {"prompt": "hi", "max_tokens": 4, "stream_options": opts}
+        async with s.post(f"{d.base_url}/completions", json=body) as r:
+            assert r.status == 400
+            assert (await r.json())["error"]["param"] == "stream_options"
+
+
 @pytest.mark.parametrize(
     ("body", "status", "param"),
     [
