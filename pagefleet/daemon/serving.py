@@ -447,7 +447,7 @@ class OpenAIServing:
             guided = req.guided()
         except ValueError as exc:
             raise APIError(400, str(exc), param="response_format") from None
-        spec = None if guided is None else GuidedSpec(guided[0], guided[1])  # type: ignore[arg-type]
+        spec = None if guided is None else GuidedSpec(guided[0], guided[1], guided[2])  # type: ignore[arg-type]
         beam = req.use_beam_search
         self._check_beam_fields(req)
         temperature = req.temperature

@@ -217,7 +217,7 @@ class LLMEngine(Generic[TokenizerT]):
             try:
                 self.grammars().compiled(params.guided)  # a bad spec fails here, not mid-step
             except GrammarError as exc:
-                raise InvalidRequestError(str(exc), param="response_format") from None
+                raise InvalidRequestError(str(exc), param=params.guided.source) from None
         metrics = RequestMetrics(
             arrival_time=time.monotonic() if arrival_time is None else arrival_time
         )

@@ -8,7 +8,7 @@ torch (1.4 s and ~200 MB of a start-up that serves no model).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 GuidedKind = Literal["json", "json_object", "regex", "choice", "grammar"]
@@ -21,6 +21,8 @@ class GuidedSpec:
 
     kind: GuidedKind
     spec: str = ""
+    # The request field it came from, for the 400 a bad spec gets; not part of the key.
+    source: str = field(default="response_format", compare=False)
 
     @staticmethod
     def choice(options: list[str]) -> GuidedSpec:

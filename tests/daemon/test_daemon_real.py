@@ -389,10 +389,14 @@ async def test_structured_output_through_the_openai_client(client):
         extra_body={"guided_regex": r"\d{3}-[a-c]{2}"},
     )  # fmt: skip
     assert re.fullmatch(r"\d{3}-[a-c]{2}", regex.choices[0].text)
-    for extra in ({"guided_regex": "(", "guided_choice": ["a"]}, {"guided_json": "{bad"}):
+    for extra, param in (
+        ({"guided_regex": "(", "guided_choice": ["a"]}, "response_format"),  # two at once
+        ({"guided_json": "{bad"}, "guided_json"),  # a bad spec: the field that sent it
+        ({"guided_regex": "("}, "guided_regex"),
+    ):
         with pytest.raises(openai.BadRequestError) as e:
             await client.completions.create(model=MODEL, prompt=PROMPT, extra_body=extra)
-        assert e.value.body["param"] == "response_format"
+        assert e.value.body["param"] == param, extra
 
 
 async def test_tools_need_a_template_that_shows_them(client):
