@@ -156,6 +156,7 @@ class OpenAIServing:
         req = parse_body(ChatCompletionRequest, await request.read())
         self._check_model(req.model)
         tok = self._tokenizer()
+        _check_text_only(req)  # as the chat endpoint: an image part is refused, not dropped
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         ids = self._chat_prompt_ids(messages, req.add_generation_prompt, req.chat_template_kwargs)
         text = tok.decode(ids, skip_special_tokens=False)
@@ -194,11 +195,7 @@ class OpenAIServing:
         req = parse_body(ChatCompletionRequest, await request.read())
         self._reject_unsupported(req)
         self._check_model(req.model)
-        for i, m in enumerate(req.messages):
-            if isinstance(m.content, list) and any(p.type != "text" for p in m.content):
-                raise APIError(
-                    400, "only text content parts are supported", param=f"messages.{i}.content"
-                )
+        _check_text_only(req)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         template_kwargs = dict(req.chat_template_kwargs or {})
         tool_schema = self._tools(req, template_kwargs)
@@ -562,6 +559,15 @@ async def _offload(fn: Callable[[], Any], size: int) -> Any:
 
 # Raised by a write to a connection the client already closed.
 CLIENT_GONE = (ConnectionError, ClientConnectionResetError)
+
+
+def _check_text_only(req: ChatCompletionRequest) -> None:
+    """The model reads text: a message with another kind of content part is a 400."""
+    for i, m in enumerate(req.messages):
+        if isinstance(m.content, list) and any(p.type != "text" for p in m.content):
+            raise APIError(
+                400, "only text content parts are supported", param=f"messages.{i}.content"
+            )
 
 
 def _event(body: bytes, usage: bytes | None) -> bytes:

@@ -414,3 +414,16 @@ async def test_a_body_its_content_encoding_does_not_decode_is_a_400(tiny_tokeniz
         async with s.post(f"{d.base_url}/completions", data=body, headers=gz) as r:
             assert r.status == 400  # was a 500 "see the daemon's log"
             assert "Content-Encoding" in (await r.json())["error"]["message"]
+
+
+async def test_a_non_text_content_part_is_refused_by_chat_and_its_render(tiny_tokenizer):
+    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}]}
+    async with (
+        live_daemon(fake_config(), fake_engine_factory(tiny_tokenizer, [])) as d,
+        aiohttp.ClientSession() as s,
+    ):
+        for path in ("/chat/completions", "/chat/completions/render"):
+            async with s.post(d.base_url + path, json=body) as r:
+                assert r.status == 400, path  # render dropped the image to "" silently
+                assert (await r.json())["error"]["param"] == "messages.0.content"
