@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import logging
 import re
+from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 
 from pagefleet.tokenizer import Tokenizer
 
@@ -34,18 +36,24 @@ class SegmentCachedEncoder:
         self,
         tokenizer: Tokenizer,
         max_entries: int = 4096,
+        max_tokens: int = 1 << 20,
         min_chars: int = 1,
         verify_first: int = 16,
         verify_every: int = 256,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_entries = max_entries
+        # Pieces are bounded by their tokens too: unique long pieces (RAG documents, tool
+        # outputs) would otherwise fill max_entries at megabytes each. Stored as 4-byte
+        # arrays, this budget is ~4 MB of ids.
+        self.max_tokens = max_tokens
+        self.cached_tokens = 0
         self.min_chars = min_chars
         self.verify_first = verify_first
         self.verify_every = verify_every
         self.calls = 0
         self.hits = 0
-        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._cache: OrderedDict[str, array[int]] = OrderedDict()
         raw = tokenizer._tok
         specials = {
             t.content: i
@@ -101,6 +109,7 @@ class SegmentCachedEncoder:
             if whole != ids:
                 self.enabled = False
                 self._cache.clear()
+                self.cached_tokens = 0
                 logger.warning(
                     "piecewise tokenization differs from a whole encode for this tokenizer; "
                     "the gateway now tokenizes whole prompts (slower, same routing)"
@@ -108,7 +117,10 @@ class SegmentCachedEncoder:
                 return whole
         return ids
 
-    def _piece(self, piece: str) -> list[int]:
+    def _piece(self, piece: str) -> Sequence[int]:
+        """The piece's ids. Invariant: at most ``max_entries`` pieces and ``max_tokens``
+        ids are cached (least recently used out first; a piece over the budget alone is
+        not cached)."""
         if len(piece) < self.min_chars:
             return self.tokenizer.encode(piece, add_special_tokens=False)
         got = self._cache.get(piece)
@@ -116,11 +128,14 @@ class SegmentCachedEncoder:
             self._cache.move_to_end(piece)
             self.hits += 1
             return got
-        got = self.tokenizer.encode(piece, add_special_tokens=False)
-        self._cache[piece] = got
-        if len(self._cache) > self.max_entries:
-            self._cache.popitem(last=False)
-        return got
+        ids = self.tokenizer.encode(piece, add_special_tokens=False)
+        if len(ids) > self.max_tokens:
+            return ids
+        self._cache[piece] = array("I", ids)
+        self.cached_tokens += len(ids)
+        while len(self._cache) > self.max_entries or self.cached_tokens > self.max_tokens:
+            self.cached_tokens -= len(self._cache.popitem(last=False)[1])
+        return ids
 
 
 def _find(seq: list[int], sub: list[int]) -> int:

@@ -47,3 +47,21 @@ def test_a_mismatch_turns_the_cache_off_and_returns_the_whole_encode(caplog) -> 
     enc._cache["user\nhello world"] = [7, 7, 7]  # a piece that no longer matches
     assert enc.encode(text, True) == want
     assert not enc.enabled and "piecewise tokenization differs" in caplog.text
+
+
+def test_the_cache_is_bounded_by_tokens_and_keeps_what_repeats() -> None:
+    """Unique long pieces (documents pasted into a chat) fill a token budget, not
+    ``max_entries`` pieces of any size: 200 of them at ~10k tokens each held 114 MiB."""
+    tok = load_tokenizer(sorted(PRESETS)[0])
+    enc = SegmentCachedEncoder(tok, max_tokens=20_000, verify_every=1)
+    system = "<|im_start|>system\nyou are a careful assistant<|im_end|>\n"
+    for i in range(40):
+        doc = " ".join(f"word{i}x{j}" for j in range(600))  # thousands of tokens, once
+        text = system + f"<|im_start|>user\n{doc}<|im_end|>\n"
+        assert enc.encode(text, True) == tok.encode(text, add_special_tokens=True)
+        assert enc.cached_tokens <= enc.max_tokens
+    assert enc.enabled and sum(len(v) for v in enc._cache.values()) == enc.cached_tokens
+    assert "system\nyou are a careful assistant" in enc._cache  # hit every call: kept
+    huge = "<|im_start|>user\n" + "z " * 30_000 + "<|im_end|>\n"  # over the budget alone
+    assert enc.encode(huge, False) == tok.encode(huge, add_special_tokens=False)
+    assert enc.cached_tokens <= enc.max_tokens
