@@ -194,19 +194,22 @@ class KVEventPublisher:
             self._mark_up()
         except Exception as exc:
             self._mark_down("clearing stale entries", exc)
+        held: Item | None = None  # an item read while merging batches, handled next
         while True:
-            periodic = (
-                self._resync_interval_s > 0
-                and time.monotonic() - self._last_resync > self._resync_interval_s
-            )
-            if self._need_resync or periodic:
+            # A held item first: it may be the stop, which a recovery waiting on the queue
+            # would never see.
+            if held is None and (self._need_resync or self._periodic_due()):
                 if not await self._recover():
                     return
                 continue
-            item = await self._queue.get()
+            item, held = (held, None) if held is not None else (await self._queue.get(), None)
             if item is _STOP:
                 return
             if isinstance(item, KVEventBatch):
+                # Every batch already queued goes in the same call: with Redis slower than
+                # the engine's steps, one call a batch fell behind for good (the backlog
+                # grew by the step rate, in_sync still set).
+                item, held = self._merge_queued(item)
                 try:
                     await self._op(self.index.apply(self.pod, item))
                 except Exception as exc:
@@ -217,6 +220,27 @@ class KVEventPublisher:
                     self._metrics.kv_events_published.inc(len(item.events))
                 self._mark_up()
             # A stale _Snapshot (from an abandoned recovery) or a _Wake: nothing to apply.
+
+    def _merge_queued(self, first: KVEventBatch) -> tuple[KVEventBatch, Item | None]:
+        """``first`` and the batches queued behind it as one batch (events in order), and
+        the first other item met, which the caller handles next."""
+        events: list[Any] | None = None
+        last = first
+        while not self._queue.empty():
+            nxt = self._queue.get_nowait()
+            if not isinstance(nxt, KVEventBatch):
+                return self._joined(first, last, events), nxt
+            if events is None:
+                events = list(first.events)
+            events.extend(nxt.events)
+            last = nxt
+        return self._joined(first, last, events), None
+
+    @staticmethod
+    def _joined(first: KVEventBatch, last: KVEventBatch, events: list[Any] | None) -> KVEventBatch:
+        if events is None:
+            return first
+        return KVEventBatch(ts=last.ts, seq=last.seq, events=events)
 
     async def _recover(self) -> bool:
         """Replace the pod's set with a fresh engine snapshot; retry with backoff.
@@ -289,6 +313,16 @@ class KVEventPublisher:
                 self._mark_down("sending the heartbeat", exc)
                 self._queue.put_nowait(_Wake())
             else:
-                if self._need_resync:
-                    self._queue.put_nowait(_Wake())  # the index is back: resync now
+                # The index is back, or a periodic resync is due: wake the apply loop, which
+                # checks only between items (an idle engine sends none, and the periodic
+                # resync is what repairs keys Redis dropped without an error: a flush, an
+                # eviction, a failover to a replica that was behind).
+                if self._need_resync or self._periodic_due():
+                    self._queue.put_nowait(_Wake())
             await asyncio.sleep(self._heartbeat_s)
+
+    def _periodic_due(self) -> bool:
+        return (
+            self._resync_interval_s > 0
+            and time.monotonic() - self._last_resync > self._resync_interval_s
+        )

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 
 from pagefleet.daemon.publisher import KVEventPublisher
+from pagefleet.kvindex.events import BlockStored, KVEventBatch
 from pagefleet.kvindex.index import PodLoad
 from pagefleet.kvindex.memory import MemoryKVIndex
 
@@ -126,3 +127,73 @@ async def test_close_is_bounded_when_a_task_swallows_its_cancel(caplog) -> None:
         release.set()
     assert time.monotonic() - t0 < 2.0
     assert "did not stop" in caplog.text
+
+
+def _blocks(seq: int, n: int = 1) -> KVEventBatch:
+    return KVEventBatch(
+        time.time(), seq, [BlockStored([seq * 100 + i for i in range(n)], None, [], 16)]
+    )
+
+
+async def test_the_periodic_resync_runs_while_the_engine_is_idle() -> None:
+    """The periodic resync repairs an index that lost the pod's keys without an error (a
+    Redis flush, an eviction, a failover to a lagging replica). It was checked only between
+    queued items: an idle engine queues none, so the pod looked live and held nothing."""
+    index = MemoryKVIndex()
+    held: set[int] = set()
+
+    async def snapshot(deliver: Callable[[set[int]], None]) -> None:
+        deliver(set(held))
+
+    pub = KVEventPublisher(index, "pod-a", asyncio.get_running_loop(), load_fn=PodLoad,
+                           snapshot=snapshot, heartbeat_s=0.05, resync_interval_s=0.2)  # fmt: skip
+    await pub.start()
+    try:
+        await asyncio.wait_for(pub.in_sync.wait(), 5)
+        held.update({100})
+        pub.sink(_blocks(1))
+        await _until(lambda: pub.events_applied == 1)
+        await index.clear_pod("pod-a")  # the index lost the pod's entries
+        before = pub.resyncs
+        await asyncio.wait_for(_until(lambda: pub.resyncs > before), 3)
+        assert index.block_set("pod-a") == {100}
+    finally:
+        await pub.close()
+
+
+class _SlowIndex(MemoryKVIndex):
+    """Each apply takes a round trip longer than the engine's steps (a loaded Redis)."""
+
+    calls = 0
+
+    async def apply(self, pod: str, batch: KVEventBatch) -> None:
+        self.calls += 1
+        await asyncio.sleep(0.01)
+        await super().apply(pod, batch)
+
+
+async def test_batches_queued_behind_a_slow_index_go_in_one_call() -> None:
+    """One index call a batch, at 10 ms a call, fell behind a batch every 5 ms for good;
+    the queued batches now go together, in order, and the backlog stays small."""
+    index = _SlowIndex()
+
+    async def snapshot(deliver: Callable[[set[int]], None]) -> None:
+        deliver(set())
+
+    pub = KVEventPublisher(index, "pod-a", asyncio.get_running_loop(), load_fn=PodLoad,
+                           snapshot=snapshot, heartbeat_s=0.1)  # fmt: skip
+    await pub.start()
+    try:
+        await asyncio.wait_for(pub.in_sync.wait(), 5)
+        sizes = []
+        for seq in range(1, 301):
+            pub.sink(_blocks(seq))
+            await asyncio.sleep(0.005)
+            if seq % 100 == 0:
+                sizes.append(pub._queue.qsize())
+        await _until(lambda: pub.events_applied == 300)
+        assert max(sizes) < 20, f"the backlog grew: {sizes}"
+        assert index.calls < 300
+        assert len(index.block_set("pod-a")) == 300
+    finally:
+        await pub.close()
