@@ -9,12 +9,14 @@ what the index cannot know yet. When the memory holds a whole earlier prompt tha
 extends by at most an eighth (a conversation's next turn), the index is not asked.
 Replicas differ only by their own recent traffic.
 
-Health: a pod that failed a request is ranked last for ``eject_s``; one that hung (timed
-out, or its discovery probe did) is also signalled to every request waiting on it, which
-then moves on. While heartbeats can be read, a pod without a live heartbeat ranks after
-every pod with one (it may be frozen: no load figures is not the same as idle). Values
-read from the index are range-checked: a forged or corrupt entry is clamped or dropped,
-never trusted to make a pod look infinitely attractive.
+Health: a pod that failed or timed out a request is ranked last for ``eject_s``; one that
+its discovery probe declares unreachable is also signalled to every request waiting on it,
+which then moves on. One request's timeout cuts no other request: it may have waited in a
+busy pod's queue while the pod's other streams flow. While heartbeats can be read, a pod
+without a live heartbeat ranks after every pod with one (it may be frozen: no load figures
+is not the same as idle). Values read from the index are range-checked: a forged or
+corrupt entry is clamped or dropped, never trusted to make a pod look infinitely
+attractive.
 """
 
 from __future__ import annotations
@@ -280,10 +282,21 @@ class Router:
         self._ejected.pop(ep.pod, None)
 
     def mark_hung(self, ep: Endpoint) -> None:
-        """A pod timed out: rank it last and release every request waiting on it."""
-        self._pod_unreachable(ep.pod)
+        """One request to ``ep`` timed out: rank the pod last for ``eject_s``, as
+        :meth:`mark_failed` does, and leave its other requests alone.
+
+        A timeout is that request's verdict, not the pod's: a request that waited in a
+        busy daemon's queue past its timeout says nothing of the streams the pod sends
+        meanwhile, and cutting them would turn one slow request into many broken ones.
+        Only the discovery probe judges the whole pod (:meth:`_pod_unreachable`). Its
+        placements are kept: a slow pod still holds its cache."""
+        self._ejected[ep.pod] = time.monotonic() + self.eject_s
+        if self.metrics is not None:
+            self.metrics.unhealthy.labels(pod=ep.pod).inc()
 
     def _pod_unreachable(self, pod: str) -> None:
+        """The discovery probe found ``pod`` unreachable: rank it last and release every
+        request waiting on it (its watchers), streams included."""
         self._ejected[pod] = time.monotonic() + self.eject_s
         if self.metrics is not None:
             self.metrics.unhealthy.labels(pod=pod).inc()
@@ -291,7 +304,8 @@ class Router:
             cb()
 
     def watch(self, pod: str, on_hung: Callable[[], None]) -> Callable[[], None]:
-        """Call ``on_hung`` if ``pod`` is marked hung; returns the function that unwatches."""
+        """Call ``on_hung`` if the discovery probe declares ``pod`` unreachable; returns the
+        function that unwatches."""
         watchers = self._watchers.setdefault(pod, set())
         watchers.add(on_hung)
 

@@ -96,11 +96,12 @@ def error_response(
 class ProxySettings:
     max_attempts: int = 3
     connect_timeout_s: float = 3.0
-    # Streams: from forwarding to the first body byte. Past it the pod counts as hung:
-    # marked unhealthy, and the request moves to the next pod (nothing reached the client).
+    # Streams: from forwarding to the first body byte. Past it the pod is ranked last for
+    # new requests and this request moves to the next pod (nothing reached the client);
+    # the pod's other requests go on (it may be busy, not frozen: the probe judges that).
     first_byte_timeout_s: float = 60.0
-    # Streams: the longest silence between two chunks; past it the pod counts as hung and
-    # the client gets an error event.
+    # Streams: the longest silence between two chunks; past it the client gets an error
+    # event and the pod is ranked last for new requests.
     inter_chunk_timeout_s: float = 30.0
     # Non-streamed answers arrive whole at the end: only a total limit applies (a hung
     # pod is caught sooner by the discovery probe, which releases its requests).
@@ -114,7 +115,9 @@ class ProxySettings:
 
 
 class _Attempt:
-    """One try on one pod; the router's hang signal for the pod cuts its waits short."""
+    """One try on one pod; the discovery probe's verdict that the pod is unreachable (the
+    router's watch signal) cuts its waits short. Another request's timeout on the same
+    pod does not: that is no sign this one is stuck."""
 
     __slots__ = ("down", "upstream")
 
