@@ -3,8 +3,11 @@
 Invariants:
 - A request is retried on the next-ranked pod only while nothing has reached the client:
   connection refused/reset, a 503 or 429 from the pod (draining, or its queue is full:
-  nothing was computed), a timeout before the first byte, or a stream that dies before its
-  first body byte. After the first byte the stream is passed through as is.
+  nothing was computed), a stream's timeout before its first byte, or a stream that dies
+  before its first body byte. After the first byte the stream is passed through as is.
+- A non-streamed request that runs out of ``request_timeout_s`` is a 504, never re-sent:
+  its pod took it and may still be generating, so another pod would compute it again and
+  the client would wait that long once more.
 - A stream that breaks after its first byte (pod killed, hung past the inter-chunk
   timeout) ends with an SSE ``error`` event in OpenAI's shape and no ``[DONE]``; a
   non-streamed answer is either complete or an error status with an error body. A
@@ -104,7 +107,8 @@ class ProxySettings:
     # event and the pod is ranked last for new requests.
     inter_chunk_timeout_s: float = 30.0
     # Non-streamed answers arrive whole at the end: only a total limit applies (a hung
-    # pod is caught sooner by the discovery probe, which releases its requests).
+    # pod is caught sooner by the discovery probe, which releases its requests). Past it
+    # the request ends with a 504 and is not re-sent: the pod may still be generating it.
     request_timeout_s: float = 600.0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_concurrency: int = 1024
@@ -134,6 +138,10 @@ class _Attempt:
 
 class _Failed(Exception):
     """An attempt failed before anything reached the client; the message says why."""
+
+
+class _TimedOut(_Failed):
+    """The pod's response headers did not come within the attempt's budget."""
 
 
 @dataclass(slots=True)
@@ -507,7 +515,7 @@ class Gateway:
         except TimeoutError:
             self.router.mark_hung(ep)
             msg = f"timed out after {timeout:.1f}s waiting for the pod's response"
-            raise _Failed(msg) from None
+            raise _TimedOut(msg) from None
         except asyncio.CancelledError:
             if interrupted and task.uncancel() == 0:
                 raise _Failed("pod marked unhealthy while waiting for its response") from None
@@ -542,7 +550,12 @@ class Gateway:
         ``pre_s``: the gateway's own time before this attempt (parse, tokenize, route)."""
         t0 = time.perf_counter()
         budget = self.proxy.first_byte_timeout_s if stream else self.proxy.request_timeout_s
-        upstream = await self._send(ep, path, body, headers, budget, attempt)
+        try:
+            upstream = await self._send(ep, path, body, headers, budget, attempt)
+        except _TimedOut:
+            if stream:
+                raise  # no first byte yet: the next pod may answer in time
+            return self._not_answered(ep, budget)
         try:
             out_headers = {
                 k: v for k, v in upstream.headers.items() if k.lower() not in _DROP_RESPONSE_HEADERS
@@ -562,6 +575,8 @@ class Gateway:
                         payload = await upstream.read()
                 except TimeoutError:
                     self.router.mark_hung(ep)
+                    if not stream:
+                        return self._not_answered(ep, budget)
                     return f"timed out after {budget:.1f}s reading the pod's answer"
                 except (aiohttp.ClientError, OSError) as exc:
                     self.router.mark_failed(ep)
@@ -605,6 +620,20 @@ class Gateway:
             upstream.release()
             if not upstream.closed:
                 upstream.close()
+
+    def _not_answered(self, ep: Endpoint, budget: float) -> web.Response:
+        """The 504 of a non-streamed request whose pod did not answer within ``budget``
+        (``request_timeout_s``). Final: the pod took the request and may still be
+        generating, so re-sending it would compute it again, for as long again."""
+        return error_response(
+            504,
+            f"model pod {ep.pod} did not answer within {budget:.1f}s (the gateway's "
+            "--request-timeout); the request was not re-sent to another pod, which would "
+            "compute it again",
+            "upstream_error",
+            code="upstream_timeout",
+            headers={POD_HEADER: ep.pod},
+        )
 
     async def _pump(
         self,

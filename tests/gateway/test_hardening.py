@@ -272,6 +272,23 @@ async def test_one_requests_timeout_does_not_cut_the_pods_other_streams(make_fle
     assert up.pod in fleet.gateway.router._ejected
 
 
+async def test_non_streamed_request_past_its_timeout_is_a_504_not_re_sent(make_fleet) -> None:
+    # A long generation that outlasts --request-timeout was re-sent to the next pod with
+    # the same budget: the work and the wait again, up to --max-attempts times.
+    fleet = await make_fleet(["hang", "hang"], request_timeout_s=0.4)
+    async with aiohttp.ClientSession() as s:
+        t0 = time.monotonic()
+        async with s.post(fleet.url + "/v1/completions", json={"prompt": "hi"}) as r:
+            assert r.status == 504
+            body = await r.json()
+            pod = r.headers.get(POD_HEADER)
+        took = time.monotonic() - t0
+    assert sum(u.hits for u in fleet.upstreams) == 1
+    assert took < 0.8
+    assert _is_openai_error(body) and body["error"]["code"] == "upstream_timeout"
+    assert pod in [u.pod for u in fleet.upstreams]  # the pod that did not answer
+
+
 async def test_stall_mid_stream_is_detected_at_the_inter_chunk_timeout(make_fleet) -> None:
     fleet = await make_fleet(["stall"], inter_chunk_timeout_s=0.5)
     async with aiohttp.ClientSession() as s:
