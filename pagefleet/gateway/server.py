@@ -72,6 +72,9 @@ _DROP_REQUEST_HEADERS = {
 }
 _DROP_RESPONSE_HEADERS = _DROP_REQUEST_HEADERS | {"date", "server"}
 _DONE = b"data: [DONE]"
+# A 429/503's body is read, for the log only, at most this long: it is a few hundred bytes
+# sent with the headers, and the client session has no read timeout of its own.
+_REFUSAL_BODY_WAIT_S = 1.0
 # Errors that mean the client is gone while we write to it.
 _CLIENT_GONE = (ConnectionError, RuntimeError, aiohttp.ClientConnectionResetError)
 
@@ -565,10 +568,17 @@ class Gateway:
             out_headers[HIT_HEADER] = str(predicted_hit)
             if route:
                 out_headers[ROUTE_HEADER] = route
+            left = max(0.001, budget - (time.perf_counter() - t0))
             if upstream.status in (429, 503) and more_left:
                 self.router.mark_failed(ep)
-                return f"HTTP {upstream.status} from pod: {(await upstream.read())[:200]!r}"
-            left = max(0.001, budget - (time.perf_counter() - t0))
+                # A bounded start of the body: a pod that sends the headers and then
+                # stalls must not hold the request (it waited forever here).
+                try:
+                    async with asyncio.timeout(min(left, _REFUSAL_BODY_WAIT_S)):
+                        head = await upstream.content.read(200)
+                except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                    head = f"(body not read: {type(exc).__name__})".encode()
+                return f"HTTP {upstream.status} from pod: {head!r}"
             if upstream.status >= 400 or not stream:
                 try:
                     async with asyncio.timeout(left):

@@ -87,6 +87,10 @@ class Upstream:
         b = self.behaviour
         if b == "hang" or body.get("prompt") == "hang":  # this request only, or all
             await asyncio.sleep(3600)
+        if b == "503stall":  # a refusal's headers, then a body that never comes
+            resp = web.StreamResponse(status=503, headers={"Content-Length": "100"})
+            await resp.prepare(request)
+            await asyncio.sleep(3600)
         if not body.get("stream"):
             if b == "cut":  # promise more than is sent, then drop the connection
                 resp = web.StreamResponse(headers={"Content-Length": "1000"})
@@ -287,6 +291,23 @@ async def test_non_streamed_request_past_its_timeout_is_a_504_not_re_sent(make_f
     assert took < 0.8
     assert _is_openai_error(body) and body["error"]["code"] == "upstream_timeout"
     assert pod in [u.pod for u in fleet.upstreams]  # the pod that did not answer
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_503_whose_body_stalls_moves_on_in_bounded_time(make_fleet, stream) -> None:
+    # The 503's body was awaited with no timeout: the request hung for as long as the pod.
+    fleet = await make_fleet(["503stall", "ok"], first_byte_timeout_s=0.5)
+    async with aiohttp.ClientSession() as s:
+        for _ in range(2):  # round robin: one of the two starts on the stalling pod
+            t0 = time.monotonic()
+            async with (
+                asyncio.timeout(3.0),
+                s.post(fleet.url + "/v1/completions", json={"prompt": "hi", "stream": stream}) as r,
+            ):
+                assert r.status == 200 and r.headers[POD_HEADER] == fleet.upstreams[1].pod
+                await r.read()
+            assert time.monotonic() - t0 < 2.0
+    assert fleet.upstreams[0].hits == 1
 
 
 async def test_stall_mid_stream_is_detected_at_the_inter_chunk_timeout(make_fleet) -> None:
