@@ -47,6 +47,8 @@ logger = logging.getLogger(__name__)
 _KEY_CACHE_MAX = 131_072
 # In-flight changes remembered per pod, to line heartbeats up with our own traffic.
 _HISTORY_LEN = 512
+# How often route() looks for pods that left discovery idle, to drop their state.
+_SWEEP_S = 1.0
 # Weight of the newest request in the mean predicted work per request.
 _WORK_EWMA = 0.1
 # The index is not asked when this gateway's recent placements already match a prompt
@@ -151,6 +153,7 @@ class Router:
     _key_cache: dict[tuple[int, tuple[int, ...], str | None], int] = field(default_factory=dict)
     _loads_ok: bool = False  # the last heartbeat read succeeded
     _watchers: dict[str, set[Callable[[], None]]] = field(default_factory=dict)
+    _sweep_at: float = 0.0  # monotonic time of the next sweep for pods that left
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
@@ -243,6 +246,31 @@ class Router:
                 ticket.prefilling = False
         if keys and self.placement_ttl_s > 0:
             self.placements.end(keys, ep.pod)
+        if ep.pod not in self.inflight and not self._discovered(ep.pod):
+            self._forget(ep.pod)  # its last request ended after it left discovery
+
+    def _discovered(self, pod: str) -> bool:
+        return any(e.pod == pod for e in self.discovery.endpoints())
+
+    def _forget(self, pod: str) -> None:
+        """Drop what this router keeps per pod (in-flight history, ejection, placements,
+        metric series) for ``pod``, which has left discovery with nothing in flight.
+
+        Invariant: per-pod state is bounded by the pods in discovery plus those with
+        requests in flight; pod names change on every rollout, so state kept for every
+        name ever seen grows without end. A pod that comes back starts afresh."""
+        self._history.pop(pod, None)
+        self._ejected.pop(pod, None)
+        self.placements.forget_pod(pod)
+        if self.metrics is not None:
+            self.metrics.forget_pod(pod)
+
+    def _sweep(self, live: set[str]) -> None:
+        """Forget the pods that left discovery while nothing was in flight to them (the
+        release of their last request found them still there)."""
+        for pod in self._history.keys() | self._ejected.keys():
+            if pod not in live and pod not in self.inflight:
+                self._forget(pod)
 
     def _dec_prefilling(self, pod: str, work: int = 0) -> None:
         n = self.prefilling.get(pod, 0) - 1
@@ -431,6 +459,10 @@ class Router:
         """Rank the ready pods for a prompt (``None``: prompt unknown, route on load)."""
         t0 = time.perf_counter()
         endpoints = self.discovery.endpoints()
+        now = time.monotonic()
+        if now >= self._sweep_at:
+            self._sweep_at = now + _SWEEP_S
+            self._sweep({ep.pod for ep in endpoints})
         tokens = list(token_ids or [])
         keys: list[int] = []
         matched: dict[str, int] = {}

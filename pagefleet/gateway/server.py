@@ -449,6 +449,7 @@ class Gateway:
             self.metrics.inflight.labels(pod=ep.pod).inc()
             attempt = _Attempt(asyncio.get_running_loop())
             unwatch = self.router.watch(ep.pod, attempt.pod_down)
+            result: web.StreamResponse | str | None = None
             try:
                 result = await self._try_pod(
                     request, ep, path, body, headers, stream, decision,
@@ -460,16 +461,20 @@ class Gateway:
                 result = str(exc)
             finally:
                 unwatch()
-                self.router.release(ep, decision.keys, ticket)
+                # The pod's series before the release: a release may drop them for good
+                # (the pod left discovery) and nothing may bring them back after it.
                 self.metrics.inflight.labels(pod=ep.pod).dec()
+                if isinstance(result, str):
+                    self.metrics.retries.labels(pod=ep.pod).inc()
+                self.router.release(ep, decision.keys, ticket)
             if isinstance(result, web.StreamResponse):
                 self.metrics.placements.labels(
                     placement=decision.placement(scored), reason=scored.reason
                 ).inc()
                 return result
+            assert result is not None
             last_error = result
             hung = hung or "timed out" in result
-            self.metrics.retries.labels(pod=ep.pod).inc()
             logger.info(
                 "pod %s failed before the first byte (%s); %s",
                 ep.pod,
