@@ -434,7 +434,7 @@ def _split(value: str | None) -> list[str]:
     default=60.0,
     show_default=True,
     type=float,
-    help="Streams: seconds to the first byte before the pod counts as hung (retried).",
+    help="Streams: seconds to the first byte before the request moves to the next pod.",
 )
 @click.option(
     "--inter-chunk-timeout",
@@ -442,7 +442,7 @@ def _split(value: str | None) -> list[str]:
     default=30.0,
     show_default=True,
     type=float,
-    help="Streams: longest silence between chunks before the pod counts as hung.",
+    help="Streams: longest silence between chunks before the stream ends with an error.",
 )
 @click.option(
     "--request-timeout",

@@ -1,7 +1,8 @@
 """Prometheus metrics of one gateway, in its own registry (no process-global state).
 
 Names are prefixed ``pagefleet_gateway_``; labels stay low-cardinality (policy, pod, status
-class), pods being bounded by the fleet size.
+class), pods being bounded by the fleet size: a pod's series are removed once it has left
+discovery with nothing in flight (``forget_pod``), as pod names change on every rollout.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 
 _LATENCY_BUCKETS = (
     0.005,
@@ -170,5 +172,33 @@ class GatewayMetrics:
             registry=r,
         )
 
+    def forget_pod(self, pod: str) -> None:
+        """Remove every series labelled with ``pod`` (a pod that left for good)."""
+        for metric in (
+            self.requests,
+            self.responses,
+            self.retries,
+            self.upstream_ttft_seconds,
+            self.upstream_latency_seconds,
+            self.inflight,
+            self.broken_streams,
+            self.unhealthy,
+        ):
+            _remove_pod_series(metric, pod)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _remove_pod_series(metric: MetricWrapperBase, pod: str) -> None:
+    """Remove ``metric``'s series whose ``pod`` label is ``pod``, whatever its other labels."""
+    remove_by_labels = getattr(metric, "remove_by_labels", None)
+    if remove_by_labels is not None:
+        remove_by_labels({"pod": pod})
+        return
+    # Older prometheus-client releases (the pin allows them) match whole label sets only:
+    # walk the series the metric holds.
+    at = metric._labelnames.index("pod")
+    for values in list(metric._metrics):
+        if values[at] == pod:
+            metric.remove(*values)

@@ -211,6 +211,8 @@ class PlacementMemory:
                 # Sent again since: the newer entry ages it out.
                 if seen.get(k) == t:
                     del seen[k]
+            if not seen:
+                del self._seen[pod]  # pods come and go (rollouts): no empty table per name
         q = self._expiry
         while q and q[0][0] <= now:
             until, ended, pod = q.popleft()

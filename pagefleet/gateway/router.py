@@ -9,12 +9,14 @@ what the index cannot know yet. When the memory holds a whole earlier prompt tha
 extends by at most an eighth (a conversation's next turn), the index is not asked.
 Replicas differ only by their own recent traffic.
 
-Health: a pod that failed a request is ranked last for ``eject_s``; one that hung (timed
-out, or its discovery probe did) is also signalled to every request waiting on it, which
-then moves on. While heartbeats can be read, a pod without a live heartbeat ranks after
-every pod with one (it may be frozen: no load figures is not the same as idle). Values
-read from the index are range-checked: a forged or corrupt entry is clamped or dropped,
-never trusted to make a pod look infinitely attractive.
+Health: a pod that failed or timed out a request is ranked last for ``eject_s``; one that
+its discovery probe declares unreachable is also signalled to every request waiting on it,
+which then moves on. One request's timeout cuts no other request: it may have waited in a
+busy pod's queue while the pod's other streams flow. While heartbeats can be read, a pod
+without a live heartbeat ranks after every pod with one (it may be frozen: no load figures
+is not the same as idle). Values read from the index are range-checked: a forged or
+corrupt entry is clamped or dropped, never trusted to make a pod look infinitely
+attractive.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ logger = logging.getLogger(__name__)
 _KEY_CACHE_MAX = 131_072
 # In-flight changes remembered per pod, to line heartbeats up with our own traffic.
 _HISTORY_LEN = 512
+# How often route() looks for pods that left discovery idle, to drop their state.
+_SWEEP_S = 1.0
 # Weight of the newest request in the mean predicted work per request.
 _WORK_EWMA = 0.1
 # The index is not asked when this gateway's recent placements already match a prompt
@@ -149,6 +153,7 @@ class Router:
     _key_cache: dict[tuple[int, tuple[int, ...], str | None], int] = field(default_factory=dict)
     _loads_ok: bool = False  # the last heartbeat read succeeded
     _watchers: dict[str, set[Callable[[], None]]] = field(default_factory=dict)
+    _sweep_at: float = 0.0  # monotonic time of the next sweep for pods that left
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
@@ -241,6 +246,31 @@ class Router:
                 ticket.prefilling = False
         if keys and self.placement_ttl_s > 0:
             self.placements.end(keys, ep.pod)
+        if ep.pod not in self.inflight and not self._discovered(ep.pod):
+            self._forget(ep.pod)  # its last request ended after it left discovery
+
+    def _discovered(self, pod: str) -> bool:
+        return any(e.pod == pod for e in self.discovery.endpoints())
+
+    def _forget(self, pod: str) -> None:
+        """Drop what this router keeps per pod (in-flight history, ejection, placements,
+        metric series) for ``pod``, which has left discovery with nothing in flight.
+
+        Invariant: per-pod state is bounded by the pods in discovery plus those with
+        requests in flight; pod names change on every rollout, so state kept for every
+        name ever seen grows without end. A pod that comes back starts afresh."""
+        self._history.pop(pod, None)
+        self._ejected.pop(pod, None)
+        self.placements.forget_pod(pod)
+        if self.metrics is not None:
+            self.metrics.forget_pod(pod)
+
+    def _sweep(self, live: set[str]) -> None:
+        """Forget the pods that left discovery while nothing was in flight to them (the
+        release of their last request found them still there)."""
+        for pod in self._history.keys() | self._ejected.keys():
+            if pod not in live and pod not in self.inflight:
+                self._forget(pod)
 
     def _dec_prefilling(self, pod: str, work: int = 0) -> None:
         n = self.prefilling.get(pod, 0) - 1
@@ -280,10 +310,21 @@ class Router:
         self._ejected.pop(ep.pod, None)
 
     def mark_hung(self, ep: Endpoint) -> None:
-        """A pod timed out: rank it last and release every request waiting on it."""
-        self._pod_unreachable(ep.pod)
+        """One request to ``ep`` timed out: rank the pod last for ``eject_s``, as
+        :meth:`mark_failed` does, and leave its other requests alone.
+
+        A timeout is that request's verdict, not the pod's: a request that waited in a
+        busy daemon's queue past its timeout says nothing of the streams the pod sends
+        meanwhile, and cutting them would turn one slow request into many broken ones.
+        Only the discovery probe judges the whole pod (:meth:`_pod_unreachable`). Its
+        placements are kept: a slow pod still holds its cache."""
+        self._ejected[ep.pod] = time.monotonic() + self.eject_s
+        if self.metrics is not None:
+            self.metrics.unhealthy.labels(pod=ep.pod).inc()
 
     def _pod_unreachable(self, pod: str) -> None:
+        """The discovery probe found ``pod`` unreachable: rank it last and release every
+        request waiting on it (its watchers), streams included."""
         self._ejected[pod] = time.monotonic() + self.eject_s
         if self.metrics is not None:
             self.metrics.unhealthy.labels(pod=pod).inc()
@@ -291,7 +332,8 @@ class Router:
             cb()
 
     def watch(self, pod: str, on_hung: Callable[[], None]) -> Callable[[], None]:
-        """Call ``on_hung`` if ``pod`` is marked hung; returns the function that unwatches."""
+        """Call ``on_hung`` if the discovery probe declares ``pod`` unreachable; returns the
+        function that unwatches."""
         watchers = self._watchers.setdefault(pod, set())
         watchers.add(on_hung)
 
@@ -417,6 +459,10 @@ class Router:
         """Rank the ready pods for a prompt (``None``: prompt unknown, route on load)."""
         t0 = time.perf_counter()
         endpoints = self.discovery.endpoints()
+        now = time.monotonic()
+        if now >= self._sweep_at:
+            self._sweep_at = now + _SWEEP_S
+            self._sweep({ep.pod for ep in endpoints})
         tokens = list(token_ids or [])
         keys: list[int] = []
         matched: dict[str, int] = {}

@@ -3,8 +3,11 @@
 Invariants:
 - A request is retried on the next-ranked pod only while nothing has reached the client:
   connection refused/reset, a 503 or 429 from the pod (draining, or its queue is full:
-  nothing was computed), a timeout before the first byte, or a stream that dies before its
-  first body byte. After the first byte the stream is passed through as is.
+  nothing was computed), a stream's timeout before its first byte, or a stream that dies
+  before its first body byte. After the first byte the stream is passed through as is.
+- A non-streamed request that runs out of ``request_timeout_s`` is a 504, never re-sent:
+  its pod took it and may still be generating, so another pod would compute it again and
+  the client would wait that long once more.
 - A stream that breaks after its first byte (pod killed, hung past the inter-chunk
   timeout) ends with an SSE ``error`` event in OpenAI's shape and no ``[DONE]``; a
   non-streamed answer is either complete or an error status with an error body. A
@@ -69,6 +72,9 @@ _DROP_REQUEST_HEADERS = {
 }
 _DROP_RESPONSE_HEADERS = _DROP_REQUEST_HEADERS | {"date", "server"}
 _DONE = b"data: [DONE]"
+# A 429/503's body is read, for the log only, at most this long: it is a few hundred bytes
+# sent with the headers, and the client session has no read timeout of its own.
+_REFUSAL_BODY_WAIT_S = 1.0
 # Errors that mean the client is gone while we write to it.
 _CLIENT_GONE = (ConnectionError, RuntimeError, aiohttp.ClientConnectionResetError)
 
@@ -96,14 +102,16 @@ def error_response(
 class ProxySettings:
     max_attempts: int = 3
     connect_timeout_s: float = 3.0
-    # Streams: from forwarding to the first body byte. Past it the pod counts as hung:
-    # marked unhealthy, and the request moves to the next pod (nothing reached the client).
+    # Streams: from forwarding to the first body byte. Past it the pod is ranked last for
+    # new requests and this request moves to the next pod (nothing reached the client);
+    # the pod's other requests go on (it may be busy, not frozen: the probe judges that).
     first_byte_timeout_s: float = 60.0
-    # Streams: the longest silence between two chunks; past it the pod counts as hung and
-    # the client gets an error event.
+    # Streams: the longest silence between two chunks; past it the client gets an error
+    # event and the pod is ranked last for new requests.
     inter_chunk_timeout_s: float = 30.0
     # Non-streamed answers arrive whole at the end: only a total limit applies (a hung
-    # pod is caught sooner by the discovery probe, which releases its requests).
+    # pod is caught sooner by the discovery probe, which releases its requests). Past it
+    # the request ends with a 504 and is not re-sent: the pod may still be generating it.
     request_timeout_s: float = 600.0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_concurrency: int = 1024
@@ -114,7 +122,9 @@ class ProxySettings:
 
 
 class _Attempt:
-    """One try on one pod; the router's hang signal for the pod cuts its waits short."""
+    """One try on one pod; the discovery probe's verdict that the pod is unreachable (the
+    router's watch signal) cuts its waits short. Another request's timeout on the same
+    pod does not: that is no sign this one is stuck."""
 
     __slots__ = ("down", "upstream")
 
@@ -131,6 +141,10 @@ class _Attempt:
 
 class _Failed(Exception):
     """An attempt failed before anything reached the client; the message says why."""
+
+
+class _TimedOut(_Failed):
+    """The pod's response headers did not come within the attempt's budget."""
 
 
 @dataclass(slots=True)
@@ -435,6 +449,7 @@ class Gateway:
             self.metrics.inflight.labels(pod=ep.pod).inc()
             attempt = _Attempt(asyncio.get_running_loop())
             unwatch = self.router.watch(ep.pod, attempt.pod_down)
+            result: web.StreamResponse | str | None = None
             try:
                 result = await self._try_pod(
                     request, ep, path, body, headers, stream, decision,
@@ -446,16 +461,20 @@ class Gateway:
                 result = str(exc)
             finally:
                 unwatch()
-                self.router.release(ep, decision.keys, ticket)
+                # The pod's series before the release: a release may drop them for good
+                # (the pod left discovery) and nothing may bring them back after it.
                 self.metrics.inflight.labels(pod=ep.pod).dec()
+                if isinstance(result, str):
+                    self.metrics.retries.labels(pod=ep.pod).inc()
+                self.router.release(ep, decision.keys, ticket)
             if isinstance(result, web.StreamResponse):
                 self.metrics.placements.labels(
                     placement=decision.placement(scored), reason=scored.reason
                 ).inc()
                 return result
+            assert result is not None
             last_error = result
             hung = hung or "timed out" in result
-            self.metrics.retries.labels(pod=ep.pod).inc()
             logger.info(
                 "pod %s failed before the first byte (%s); %s",
                 ep.pod,
@@ -504,7 +523,7 @@ class Gateway:
         except TimeoutError:
             self.router.mark_hung(ep)
             msg = f"timed out after {timeout:.1f}s waiting for the pod's response"
-            raise _Failed(msg) from None
+            raise _TimedOut(msg) from None
         except asyncio.CancelledError:
             if interrupted and task.uncancel() == 0:
                 raise _Failed("pod marked unhealthy while waiting for its response") from None
@@ -539,7 +558,12 @@ class Gateway:
         ``pre_s``: the gateway's own time before this attempt (parse, tokenize, route)."""
         t0 = time.perf_counter()
         budget = self.proxy.first_byte_timeout_s if stream else self.proxy.request_timeout_s
-        upstream = await self._send(ep, path, body, headers, budget, attempt)
+        try:
+            upstream = await self._send(ep, path, body, headers, budget, attempt)
+        except _TimedOut:
+            if stream:
+                raise  # no first byte yet: the next pod may answer in time
+            return self._not_answered(ep, budget)
         try:
             out_headers = {
                 k: v for k, v in upstream.headers.items() if k.lower() not in _DROP_RESPONSE_HEADERS
@@ -549,16 +573,25 @@ class Gateway:
             out_headers[HIT_HEADER] = str(predicted_hit)
             if route:
                 out_headers[ROUTE_HEADER] = route
+            left = max(0.001, budget - (time.perf_counter() - t0))
             if upstream.status in (429, 503) and more_left:
                 self.router.mark_failed(ep)
-                return f"HTTP {upstream.status} from pod: {(await upstream.read())[:200]!r}"
-            left = max(0.001, budget - (time.perf_counter() - t0))
+                # A bounded start of the body: a pod that sends the headers and then
+                # stalls must not hold the request (it waited forever here).
+                try:
+                    async with asyncio.timeout(min(left, _REFUSAL_BODY_WAIT_S)):
+                        head = await upstream.content.read(200)
+                except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                    head = f"(body not read: {type(exc).__name__})".encode()
+                return f"HTTP {upstream.status} from pod: {head!r}"
             if upstream.status >= 400 or not stream:
                 try:
                     async with asyncio.timeout(left):
                         payload = await upstream.read()
                 except TimeoutError:
                     self.router.mark_hung(ep)
+                    if not stream:
+                        return self._not_answered(ep, budget)
                     return f"timed out after {budget:.1f}s reading the pod's answer"
                 except (aiohttp.ClientError, OSError) as exc:
                     self.router.mark_failed(ep)
@@ -602,6 +635,20 @@ class Gateway:
             upstream.release()
             if not upstream.closed:
                 upstream.close()
+
+    def _not_answered(self, ep: Endpoint, budget: float) -> web.Response:
+        """The 504 of a non-streamed request whose pod did not answer within ``budget``
+        (``request_timeout_s``). Final: the pod took the request and may still be
+        generating, so re-sending it would compute it again, for as long again."""
+        return error_response(
+            504,
+            f"model pod {ep.pod} did not answer within {budget:.1f}s (the gateway's "
+            "--request-timeout); the request was not re-sent to another pod, which would "
+            "compute it again",
+            "upstream_error",
+            code="upstream_timeout",
+            headers={POD_HEADER: ep.pod},
+        )
 
     async def _pump(
         self,

@@ -21,9 +21,13 @@ again and asks anew. A replica that starts beside a lone one is thus seen within
 time, and a single gateway pays nothing per request (measured: the publish and its own
 echo cost CPU and wake-ups on the request path).
 
-Invariant: sharing never fails a request. A Redis error (down, or an ACL user without
-pub/sub rights) pauses it with one warning per outage, the replica routes on its own
-memory as without sharing, and it retries every ``retry_s`` (a restarted Redis resumes it).
+Invariant: sharing never fails a request, and never holds more than ``max_queued``
+placements in memory. A Redis error (down, or an ACL user without pub/sub rights) or a
+publish that gets no answer within ``publish_timeout_s`` (a paused or partitioned Redis
+that accepts and never answers) pauses it with one warning per outage, the replica routes
+on its own memory as without sharing, and it retries every ``retry_s`` (a restarted Redis
+resumes it). While a publish is outstanding, placements beyond ``max_queued`` drop the
+oldest (counted in ``dropped``): a placement is worth sharing only for moments.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import contextlib
 import logging
 import struct
 import uuid
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -74,6 +79,8 @@ class SharedPlacements:
         horizon_s: float = 10.0,
         retry_s: float = 5.0,
         alone_recheck_s: float = 1.0,
+        publish_timeout_s: float = 1.0,
+        max_queued: int = 512,
     ) -> None:
         self.client = client
         self.channel = channel
@@ -85,7 +92,12 @@ class SharedPlacements:
         self._alone_until = 0.0  # no other replica listened at the last publish
         self.replica = uuid.uuid4().bytes
         self.received = 0  # other replicas' placements folded in
-        self._out: list[bytes] = []
+        # A publish round trip takes milliseconds; one that takes longer counts as failed.
+        self.publish_timeout_s = publish_timeout_s
+        self.dropped = 0  # placements dropped unpublished: the queue was full
+        # Placements waiting for the publisher: the oldest drop first beyond ``max_queued``
+        # (a Redis that never answers held every placement in memory for the whole hang).
+        self._out: deque[bytes] = deque(maxlen=max_queued)
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._subscribed = asyncio.Event()
@@ -99,6 +111,8 @@ class SharedPlacements:
         if self._alone_until and self.memory.clock() < self._alone_until:
             return
         self._alone_until = 0.0
+        if len(self._out) == self._out.maxlen:
+            self.dropped += 1  # the append below pushes out the oldest
         self._out.append(encode(self.replica, pod, keys))
         self._wake.set()
 
@@ -154,17 +168,22 @@ class SharedPlacements:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            batch, self._out = self._out, []
+            batch, self._out = self._out, deque(maxlen=self._out.maxlen)
             if not batch:
                 continue
             try:
-                async with self.client.pipeline(transaction=False) as pipe:
+                async with (
+                    asyncio.timeout(self.publish_timeout_s),
+                    self.client.pipeline(transaction=False) as pipe,
+                ):
                     for msg in batch:
                         pipe.publish(self.channel, msg)
                     receivers = await pipe.execute()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                if isinstance(exc, TimeoutError) and not str(exc):
+                    exc = TimeoutError(f"no answer within {self.publish_timeout_s:.1f} s")
                 self._failed("publish", exc)
                 await asyncio.sleep(self.retry_s)
                 self._broken = False  # publish again; the next failure warns again

@@ -52,6 +52,10 @@ CHUNK = 1024
 LOOKUP_SEGMENT = 4096
 # Hash removals per gc() script call (a few ms of Redis time, like every other call).
 GC_BUDGET = 2048
+# Connect and per-reply read limits of clients made by ``from_url``: every call answers in
+# milliseconds (scripts are bounded above), so a Redis silent this long is hung, and the
+# call fails instead of waiting forever (older redis-py releases set no limit at all).
+SOCKET_TIMEOUT_S = 5.0
 
 
 def suggest_bucket_bits(expected_blocks: int, per_bucket: int = 64) -> int:
@@ -155,7 +159,13 @@ class RedisKVIndex:
         ``credentials`` (ACL user, password, CA for rediss://) win over the URL's; None
         reads them from the environment (``redis_auth.credentials_from_env``)."""
         creds = credentials_from_env() if credentials is None else credentials
-        client = aredis.Redis.from_url(url, decode_responses=False, **creds.client_kwargs(url))
+        client = aredis.Redis.from_url(
+            url,
+            decode_responses=False,
+            socket_timeout=SOCKET_TIMEOUT_S,
+            socket_connect_timeout=SOCKET_TIMEOUT_S,
+            **creds.client_kwargs(url),
+        )
         return cls(client, namespace=namespace, bucket_bits=bucket_bits, owns_client=True, **kwargs)
 
     # -- writes -------------------------------------------------------------------------

@@ -61,6 +61,9 @@ class Upstream:
     ready_hang: bool = False
     port: int = 0
     hits: int = 0
+    # A stream's chunks before [DONE], and the pause after each
+    chunks: int = 3
+    gap_s: float = 0.02
     headers: list[dict[str, str]] = field(default_factory=list)
     runner: web.AppRunner | None = None
 
@@ -82,7 +85,11 @@ class Upstream:
         self.headers.append(dict(request.headers))
         body = await request.json()
         b = self.behaviour
-        if b == "hang":
+        if b == "hang" or body.get("prompt") == "hang":  # this request only, or all
+            await asyncio.sleep(3600)
+        if b == "503stall":  # a refusal's headers, then a body that never comes
+            resp = web.StreamResponse(status=503, headers={"Content-Length": "100"})
+            await resp.prepare(request)
             await asyncio.sleep(3600)
         if not body.get("stream"):
             if b == "cut":  # promise more than is sent, then drop the connection
@@ -95,9 +102,9 @@ class Upstream:
             return web.json_response(DONE_BODY)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        for _ in range(3):
+        for _ in range(self.chunks):
             await resp.write(f"data: {json.dumps(CHUNK)}\n\n".encode())
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(self.gap_s)
         if b == "cut":
             assert request.transport is not None
             request.transport.close()
@@ -238,6 +245,69 @@ async def test_hang_before_first_byte_moves_on_and_marks_the_pod(make_fleet) -> 
             async with s.post(fleet.url + "/v1/completions", json={"prompt": "hi"}) as r:
                 assert r.status == 200
     assert hung.hits == 1
+
+
+async def test_one_requests_timeout_does_not_cut_the_pods_other_streams(make_fleet) -> None:
+    # A request queued in a busy pod past the first-byte timeout fails alone: the stream
+    # the pod is sending meanwhile completes (it was cut when a timeout counted as a hang
+    # of the whole pod), and the pod is ranked last for new requests.
+    fleet = await make_fleet(["ok"], first_byte_timeout_s=0.3)
+    up = fleet.upstreams[0]
+    up.chunks, up.gap_s = 10, 0.08
+    async with aiohttp.ClientSession() as s:
+
+        async def flowing() -> bytes:
+            body = {"prompt": "hi", "stream": True}
+            async with s.post(fleet.url + "/v1/completions", json=body) as r:
+                assert r.status == 200
+                return await r.read()
+
+        async def queued() -> int:
+            await asyncio.sleep(0.1)  # the other stream is flowing by now
+            body = {"prompt": "hang", "stream": True}
+            async with s.post(fleet.url + "/v1/completions", json=body) as r:
+                await r.read()
+                return r.status
+
+        raw, status = await asyncio.gather(flowing(), queued())
+    assert status == 504
+    assert raw.endswith(b"data: [DONE]\n\n") and b"upstream_stream_broken" not in raw
+    assert fleet.gateway.metrics.unhealthy.labels(pod=up.pod)._value.get() == 1
+    assert up.pod in fleet.gateway.router._ejected
+
+
+async def test_non_streamed_request_past_its_timeout_is_a_504_not_re_sent(make_fleet) -> None:
+    # A long generation that outlasts --request-timeout was re-sent to the next pod with
+    # the same budget: the work and the wait again, up to --max-attempts times.
+    fleet = await make_fleet(["hang", "hang"], request_timeout_s=0.4)
+    async with aiohttp.ClientSession() as s:
+        t0 = time.monotonic()
+        async with s.post(fleet.url + "/v1/completions", json={"prompt": "hi"}) as r:
+            assert r.status == 504
+            body = await r.json()
+            pod = r.headers.get(POD_HEADER)
+        took = time.monotonic() - t0
+    assert sum(u.hits for u in fleet.upstreams) == 1
+    assert took < 0.8
+    assert _is_openai_error(body) and body["error"]["code"] == "upstream_timeout"
+    assert pod in [u.pod for u in fleet.upstreams]  # the pod that did not answer
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_503_whose_body_stalls_moves_on_in_bounded_time(make_fleet, stream) -> None:
+    # The 503's body was awaited with no timeout: the request hung for as long as the pod.
+    fleet = await make_fleet(["503stall", "ok"], first_byte_timeout_s=0.5)
+    async with aiohttp.ClientSession() as s:
+        for _ in range(2):  # round robin: one of the two starts on the stalling pod
+            t0 = time.monotonic()
+            async with (
+                asyncio.timeout(3.0),
+                s.post(fleet.url + "/v1/completions", json={"prompt": "hi", "stream": stream}) as r,
+            ):
+                assert r.status == 200 and r.headers[POD_HEADER] == fleet.upstreams[1].pod
+                await r.read()
+            assert time.monotonic() - t0 < 2.0
+    assert fleet.upstreams[0].hits == 1
 
 
 async def test_stall_mid_stream_is_detected_at_the_inter_chunk_timeout(make_fleet) -> None:

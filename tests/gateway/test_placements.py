@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import random
 import time
@@ -493,6 +494,45 @@ async def test_sharing_pauses_while_redis_is_down_and_resumes_after() -> None:
         for r in rs:
             await r.close()
         server.stop()
+
+
+async def test_sharing_pauses_and_queues_boundedly_while_redis_hangs() -> None:
+    """Redis accepts and never answers (paused, partitioned): the publish times out and
+    pauses sharing as an error does, and placements taken meanwhile are capped (every one
+    was queued in memory for as long as the hang lasted)."""
+    from pagefleet.gateway.shared_placements import SharedPlacements
+    from pagefleet.kvindex.redis_auth import RedisCredentials
+    from pagefleet.kvindex.redis_index import RedisKVIndex
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError):
+            while await reader.read(65536):
+                pass
+        writer.close()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    index = RedisKVIndex.from_url(
+        f"redis://127.0.0.1:{port}", namespace=NS, credentials=RedisCredentials()
+    )
+    # The defaults: 1 s to answer a publish, 512 placements queued at most.
+    shared = SharedPlacements(index.client, index.prefix + "placements", PlacementMemory())
+    await shared.start(wait_s=0.1)
+    keys = list(range(1, 257))  # a 4k-token prompt: ~2 KB a message
+    try:
+        t0 = time.monotonic()
+        for i in range(2000):
+            shared.sent(keys, "pod-a")
+            if i % 100 == 0:
+                await asyncio.sleep(0.01)
+            assert len(shared._out) <= 512
+        assert shared.dropped > 0
+        await asyncio.sleep(max(0.0, 1.3 - (time.monotonic() - t0)))  # past the timeout
+        assert shared._broken and shared.published == 0 and not shared._out
+    finally:
+        await shared.close(wait_s=1.0)
+        await index.close()
+        server.close()
 
 
 async def test_a_lone_replica_stops_publishing_until_another_listens(redis_url: str) -> None:

@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 
 from pagefleet.gateway.discovery import Endpoint, StaticDiscovery
+from pagefleet.gateway.metrics import GatewayMetrics
 from pagefleet.gateway.policies import (
     CacheAwarePolicy,
     Candidate,
@@ -20,7 +21,7 @@ from pagefleet.gateway.policies import (
     SessionPolicy,
     make_policy,
 )
-from pagefleet.gateway.router import Router
+from pagefleet.gateway.router import Router, Ticket
 from pagefleet.kvindex.events import BlockStored, KVEventBatch
 from pagefleet.kvindex.hashing import block_hashes
 from pagefleet.kvindex.index import PodLoad
@@ -381,6 +382,63 @@ async def test_failed_pod_is_ranked_last_until_ejection_expires() -> None:
         assert time.monotonic() - t0 >= eject_s
     finally:
         await router.close()
+
+
+class _Rollout:
+    """A discovery whose pods the test replaces, as a rollout does (new names each time)."""
+
+    def __init__(self) -> None:
+        self.eps: list[Endpoint] = []
+
+    def endpoints(self) -> list[Endpoint]:
+        return list(self.eps)
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_pods_that_left_discovery_are_forgotten_once_idle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Per-pod state (in-flight history, ejections, placements, metric series) was kept for
+    # every pod name ever seen: it grew with every rollout.
+    # route() looks for pods that left idle once a second: on every call here
+    monkeypatch.setattr("pagefleet.gateway.router._SWEEP_S", 0.0, raising=False)
+    disc = _Rollout()
+    metrics = GatewayMetrics()
+    router = Router(
+        discovery=disc, policy=make_policy("cache_aware"), block_size=BS, kv_namespace=NS,
+        seed=0, metrics=metrics,
+    )  # fmt: skip
+    held: tuple[Endpoint, list[int], Ticket] | None = None
+    for gen in range(20):
+        disc.eps = [Endpoint(f"decode-{gen}-{i}", f"http://10.0.{gen}.{i}:8000") for i in range(3)]
+        if held is not None:
+            ep, keys, ticket = held  # sent before the rollout, ends after it
+            assert ep.pod in router._history
+            router.release(ep, keys, ticket)
+            assert ep.pod not in router._history
+        for i, ep in enumerate(disc.eps):
+            keys = router.block_keys(_prompt(gen * 3 + i, 4 * BS))
+            ticket = router.acquire(ep, keys, work=BS)
+            metrics.requests.labels(policy="cache_aware", pod=ep.pod).inc()
+            metrics.responses.labels(pod=ep.pod, code="200").inc()
+            router.first_token(ticket)
+            if i == 0:
+                held = (ep, keys, ticket)
+            else:
+                router.release(ep, keys, ticket)
+        router.mark_failed(disc.eps[1])
+        await router.route(_prompt(999, 4 * BS))
+    live = {ep.pod for ep in disc.eps}
+    assert set(router._history) <= live and set(router._ejected) <= live
+    assert set(router.placements._seen) <= live
+    text = metrics.render().decode()
+    assert 'pod="decode-0-' not in text and 'pod="decode-18-' not in text
+    assert 'pod="decode-19-1"' in text  # the live pods' series stay
 
 
 async def test_heartbeat_load_is_not_double_counted_with_own_inflight() -> None:
