@@ -13,7 +13,14 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 
 GROUP = "pagefleet.io"
@@ -241,10 +248,54 @@ class Toleration(_Model):
 
 
 class EnvVar(_Model):
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1, max_length=256)
     """Environment variable name."""
     value: str = ""
     """Environment variable value."""
+
+
+# Variables the operator itself sets from the pod's identity or from Secrets the spec names
+# elsewhere: a user value would break the daemon's identity in the index or bypass the
+# secretKeyRef (the names pagefleet.operator.builders and pagefleet.kvindex.redis_auth use).
+RESERVED_ENV_NAMES = (
+    "POD_IP",
+    "POD_NAME",
+    "POD_NAMESPACE",
+    "PAGEFLEET_API_KEYS",
+    "PAGEFLEET_ADMIN_TOKEN",
+    "PAGEFLEET_REDIS_USERNAME",
+    "PAGEFLEET_REDIS_PASSWORD",
+)
+MAX_ENV = 128  # bounds the CEL rules' cost (the API server refuses an unbounded estimate)
+ENV_UNIQUE = CelRule(
+    "self.all(e, self.exists_one(f, f.name == e.name))",
+    "env: each variable name may appear only once",
+)
+ENV_RESERVED = CelRule(
+    "self.all(e, !(e.name in [" + ", ".join(f"'{n}'" for n in RESERVED_ENV_NAMES) + "]))",
+    "env: " + ", ".join(RESERVED_ENV_NAMES) + " are set by the operator; set credentials "
+    "with index.passwordSecretRef, index.username, router.apiKeysSecret or adminTokenSecret",
+)
+
+
+def _check_env(env: list[EnvVar]) -> list[EnvVar]:
+    names = [e.name for e in env]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"{ENV_UNIQUE.message} (repeated: {', '.join(repeated)})")
+    reserved = [n for n in names if n in RESERVED_ENV_NAMES]
+    if reserved:
+        raise ValueError(f"{ENV_RESERVED.message} (got: {', '.join(reserved)})")
+    return env
+
+
+# Extra variables of a container; the operator's own defaults (cache directories, TMPDIR)
+# give way to a user value of the same name.
+EnvList = Annotated[
+    list[EnvVar],
+    AfterValidator(_check_env),
+    Field(max_length=MAX_ENV, json_schema_extra=_cel(ENV_UNIQUE, ENV_RESERVED)),
+]
 
 
 class RoleSpec(_Model):
@@ -267,8 +318,9 @@ class RoleSpec(_Model):
     """Schedule the role's pods only on nodes with these labels."""
     tolerations: list[Toleration] = Field(default_factory=list)
     """Taints the role's pods tolerate (e.g. dedicated GPU nodes)."""
-    env: list[EnvVar] = Field(default_factory=list)
-    """Extra environment variables for the daemon container."""
+    env: EnvList = Field(default_factory=list)
+    """Extra environment variables for the daemon container (a name the operator sets too,
+    such as HF_HOME or TMPDIR, takes the value given here)."""
     cost_per_hour: float | None = Field(default=None, ge=0)
     """Dollars per hour one of this role's pods costs; its daemons then report cost per 1M
     input and output tokens on /metrics (pagefleet:cost_per_million_*_tokens_dollars)."""
@@ -364,8 +416,9 @@ class RouterSpec(_Model):
     prefix aside); shorter ones the decode pod prefills itself (--pd-min-uncached-tokens)."""
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
     """CPU and memory requests/limits of each gateway pod."""
-    env: list[EnvVar] = Field(default_factory=list)
-    """Extra environment variables for the gateway container."""
+    env: EnvList = Field(default_factory=list)
+    """Extra environment variables for the gateway container (a name the operator sets too
+    takes the value given here)."""
     api_keys_secret: APIKeysSecretRef | None = None
     """Secret with the client API keys: the gateway then answers 401 to requests without
     `Authorization: Bearer <key>` (/health, /ready, /metrics stay open). Unset: no keys."""

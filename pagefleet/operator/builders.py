@@ -272,6 +272,21 @@ def _gateway_secret_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
     return env
 
 
+def _merge_env(base: list[Manifest], extra: list[Manifest]) -> list[Manifest]:
+    """`base` with `extra` merged in by name: a name in both keeps base's position with
+    extra's value, new names follow in order. The API server (server-side apply keys env
+    by name) refuses a container that lists one name twice."""
+    out = list(base)
+    index = {e["name"]: i for i, e in enumerate(out)}
+    for e in extra:
+        if e["name"] in index:
+            out[index[e["name"]]] = e
+        else:
+            index[e["name"]] = len(out)
+            out.append(e)
+    return out
+
+
 def _volumes(spec: InferenceServiceSpec, names: Names) -> tuple[list[Manifest], list[Manifest]]:
     volumes: list[Manifest] = [{"name": "config", "configMap": {"name": names.config}}]
     mounts: list[Manifest] = [{"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True}]
@@ -394,11 +409,9 @@ def build_role(
     if role in ("prefill", "decode"):
         stage_volume, stage_mount = kv_stage_volume()
         volumes, mounts = [*volumes, stage_volume], [*mounts, stage_mount]
-    env = (
-        _common_env(spec)
-        + _daemon_secret_env(spec)
-        + cache_env()
-        + [e.model_dump() for e in role_spec.env]
+    env = _merge_env(
+        _common_env(spec) + _daemon_secret_env(spec) + cache_env(),
+        [e.model_dump() for e in role_spec.env],
     )
     container: Manifest = {
         "name": "daemon",
@@ -459,10 +472,10 @@ def build_gateway(
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy.value,
         "command": gateway_command(spec, names, roles, redis_url),
-        "env": _common_env(spec)
-        + _gateway_secret_env(spec)
-        + cache_env()
-        + [e.model_dump() for e in spec.router.env],
+        "env": _merge_env(
+            _common_env(spec) + _gateway_secret_env(spec) + cache_env(),
+            [e.model_dump() for e in spec.router.env],
+        ),
         "securityContext": container_security_context(),
         # The daemon writes its fatal start-up error to /dev/termination-log; anything that
         # dies without a word still leaves the tail of its log as the message.
