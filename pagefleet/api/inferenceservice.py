@@ -10,6 +10,7 @@ the API server) — and a test keeps the two lists in sync.
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
 from typing import Annotated, Any
 
@@ -78,6 +79,40 @@ class PVCSource(_Model):
     """Mount the claim read-only."""
 
 
+# Directories the operator mounts its own volumes at in the daemon and gateway containers
+# (pagefleet.operator.hardening and builders; a test keeps the two in sync). The model
+# volume may sit at none of them, nor above or below one: the kubelet cannot mount two
+# volumes at one path, and server-side apply refuses a container that lists it twice.
+RESERVED_MOUNT_PATHS = (
+    "/tmp",
+    "/var/cache/pagefleet",
+    "/etc/pagefleet",
+    "/dev/shm",
+    "/var/run/secrets/kubernetes.io/serviceaccount",
+)
+# An absolute path in its plain form: no empty, `.` or `..` segment, no trailing slash.
+# ([.] rather than a backslash escape, which a CEL string literal would not take.)
+_PLAIN_PATH = "^(/([^/.][^/]*|[.][^/.][^/]*|[.][.][^/]+))+$"
+MOUNT_PATH_PLAIN = CelRule(
+    f"self.mountPath.matches('{_PLAIN_PATH}')",
+    "model.source.mountPath must be an absolute directory path without empty, '.' or '..' "
+    "segments or a trailing '/' (e.g. /models)",
+)
+MOUNT_PATH_FREE = CelRule(
+    "!(has(self.persistentVolumeClaim) || has(self.hostPath)) || ["
+    + ", ".join(f"'{p}'" for p in RESERVED_MOUNT_PATHS)
+    + "].all(r, self.mountPath != r && !self.mountPath.startsWith(r + '/')"
+    " && !r.startsWith(self.mountPath + '/'))",
+    "model.source.mountPath must not be, contain or lie under a directory the operator "
+    "mounts its own volumes at (" + ", ".join(RESERVED_MOUNT_PATHS) + "); use e.g. /models",
+)
+
+
+def _overlaps(a: str, b: str) -> bool:
+    """Whether directory `a` is `b`, or lies under or above it."""
+    return a == b or a.startswith(b + "/") or b.startswith(a + "/")
+
+
 class ModelSource(_Model):
     model_config = ConfigDict(
         json_schema_extra=_cel(
@@ -91,6 +126,8 @@ class ModelSource(_Model):
                 "model.source.path must lie under model.source.mountPath when a volume "
                 "(persistentVolumeClaim or hostPath) is mounted",
             ),
+            MOUNT_PATH_PLAIN,
+            MOUNT_PATH_FREE,
         )
     )
 
@@ -115,6 +152,10 @@ class ModelSource(_Model):
                 "model.source.path must lie under model.source.mountPath when a volume "
                 "(persistentVolumeClaim or hostPath) is mounted"
             )
+        if re.fullmatch(_PLAIN_PATH, self.mount_path) is None:
+            raise ValueError(MOUNT_PATH_PLAIN.message)
+        if has_volume and any(_overlaps(self.mount_path, r) for r in RESERVED_MOUNT_PATHS):
+            raise ValueError(MOUNT_PATH_FREE.message)
         return self
 
 

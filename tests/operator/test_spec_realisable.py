@@ -11,7 +11,15 @@ import pytest
 from fake_kube import REDIS
 from pydantic import ValidationError
 
-from pagefleet.api.inferenceservice import RESERVED_ENV_NAMES, RouterSpec, parse_spec
+from pagefleet.api.inferenceservice import (
+    MOUNT_PATH_FREE,
+    MOUNT_PATH_PLAIN,
+    RESERVED_ENV_NAMES,
+    RESERVED_MOUNT_PATHS,
+    ModelSource,
+    RouterSpec,
+    parse_spec,
+)
 from pagefleet.operator.builders import (
     ADMIN_TOKEN_ENV,
     API_KEYS_ENV,
@@ -96,3 +104,41 @@ def test_env_cel_rules_match_the_pydantic_validator():
     rules = RouterSpec.model_json_schema()["properties"]["env"]["x-kubernetes-validations"]
     assert [r["message"] for r in rules][0] == "env: each variable name may appear only once"
     assert any("are set by the operator" in r["message"] for r in rules)
+
+
+# ---------------------------------------------------------------------------- mounts
+
+
+def _model_on_volume(mount: str) -> dict[str, Any]:
+    source = {"path": f"{mount}/m", "mountPath": mount, "persistentVolumeClaim": {"claimName": "w"}}
+    return _spec(model={"source": source})
+
+
+@pytest.mark.parametrize("mount", [*RESERVED_MOUNT_PATHS, "/var/cache", "/etc", "/tmp/models", "/"])
+def test_model_mount_on_or_around_an_operator_mount_is_refused(mount):
+    with pytest.raises(ValidationError, match="must not be, contain or lie under|without empty"):
+        parse_spec(_model_on_volume(mount))
+
+
+@pytest.mark.parametrize("mount", ["/tmp/", "//models", "/models/../tmp", "/models/."])
+def test_model_mount_path_must_be_plain(mount):
+    with pytest.raises(ValidationError, match="without empty, '.' or '..' segments"):
+        parse_spec(_model_on_volume(mount))
+
+
+@pytest.mark.parametrize("mount", ["/models", "/var/cache-models", "/mnt/.weights", "/tmpfs"])
+def test_model_mount_elsewhere_is_accepted(mount):
+    for deploy, c in _containers(_model_on_volume(mount)).items():
+        assert mount in [m["mountPath"] for m in c["volumeMounts"]], deploy
+
+
+def test_reserved_mount_paths_cover_every_operator_mount():
+    containers = _containers(_model_on_volume("/models"))
+    mounts = {m["mountPath"] for c in containers.values() for m in c["volumeMounts"]}
+    assert mounts - {"/models"} == set(RESERVED_MOUNT_PATHS)
+
+
+def test_mount_cel_rules_are_the_pydantic_ones():
+    rules = ModelSource.model_json_schema()["x-kubernetes-validations"]
+    assert [MOUNT_PATH_PLAIN.as_schema(), MOUNT_PATH_FREE.as_schema()] == rules[-2:]
+    assert "\\" not in MOUNT_PATH_PLAIN.rule  # a CEL string literal takes no regex escapes
