@@ -68,6 +68,31 @@ def _cel(*rules: CelRule) -> dict[str, Any]:
     return {"x-kubernetes-validations": [r.as_schema() for r in rules]}
 
 
+# ----------------------------------------------------------------------------------- name
+
+# Children are named `<name>-<suffix>` (pagefleet.operator.naming), and Services must be
+# DNS-1035 labels of at most 63 characters: the longest suffix, "-gateway" (as "-unified"
+# and "-prefill"), leaves 55. Label values (the name itself) fit 63 as well. The API server
+# allows far more in a custom resource's name (a DNS-1123 subdomain: dots, 253 characters).
+MAX_NAME_LENGTH = 55
+_DNS1035_LABEL = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
+NAME_RULE = CelRule(
+    f"self.metadata.name.size() <= {MAX_NAME_LENGTH}"
+    f" && self.metadata.name.matches('{_DNS1035_LABEL}')",
+    f"metadata.name must be at most {MAX_NAME_LENGTH} characters of lowercase letters, digits "
+    "and '-', starting with a letter and ending with a letter or digit (no '.'): the operator "
+    "names the Services it creates after it; recreate the InferenceService under such a name",
+)
+
+
+def name_problem(name: str) -> str | None:
+    """NAME_RULE's message when `name` breaks it, else None (the API server checks the same
+    rule at creation; the operator checks again for objects stored before the rule)."""
+    if len(name) <= MAX_NAME_LENGTH and re.fullmatch(_DNS1035_LABEL, name):
+        return None
+    return f"{NAME_RULE.message} (got {name!r}, {len(name)} characters)"
+
+
 # ---------------------------------------------------------------------------------- model
 
 

@@ -4,6 +4,7 @@ that cannot must be refused up front, with a message that says what to change)."
 from __future__ import annotations
 
 import copy
+import re
 from collections import Counter
 from typing import Any
 
@@ -11,15 +12,20 @@ import pytest
 from fake_kube import REDIS
 from pydantic import ValidationError
 
+from pagefleet.api.crd import build_crd
 from pagefleet.api.inferenceservice import (
+    MAX_NAME_LENGTH,
     MOUNT_PATH_FREE,
     MOUNT_PATH_PLAIN,
+    NAME_RULE,
     RESERVED_ENV_NAMES,
     RESERVED_MOUNT_PATHS,
     ModelSource,
     RouterSpec,
+    name_problem,
     parse_spec,
 )
+from pagefleet.kvindex.redis_auth import USERNAME_ENV
 from pagefleet.operator.builders import (
     ADMIN_TOKEN_ENV,
     API_KEYS_ENV,
@@ -27,7 +33,6 @@ from pagefleet.operator.builders import (
     Owner,
     build_children,
 )
-from pagefleet.kvindex.redis_auth import USERNAME_ENV
 from pagefleet.operator.hardening import cache_env
 
 OWNER = Owner(name="llama", namespace="ml", uid="uid-1")
@@ -102,7 +107,7 @@ def test_reserved_env_names_cover_what_the_operator_sets_from_identity_and_secre
 
 def test_env_cel_rules_match_the_pydantic_validator():
     rules = RouterSpec.model_json_schema()["properties"]["env"]["x-kubernetes-validations"]
-    assert [r["message"] for r in rules][0] == "env: each variable name may appear only once"
+    assert rules[0]["message"] == "env: each variable name may appear only once"
     assert any("are set by the operator" in r["message"] for r in rules)
 
 
@@ -116,13 +121,13 @@ def _model_on_volume(mount: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("mount", [*RESERVED_MOUNT_PATHS, "/var/cache", "/etc", "/tmp/models", "/"])
 def test_model_mount_on_or_around_an_operator_mount_is_refused(mount):
-    with pytest.raises(ValidationError, match="must not be, contain or lie under|without empty"):
+    with pytest.raises(ValidationError, match=r"must not be, contain or lie under|without empty"):
         parse_spec(_model_on_volume(mount))
 
 
 @pytest.mark.parametrize("mount", ["/tmp/", "//models", "/models/../tmp", "/models/."])
 def test_model_mount_path_must_be_plain(mount):
-    with pytest.raises(ValidationError, match="without empty, '.' or '..' segments"):
+    with pytest.raises(ValidationError, match=r"without empty, '\.' or '\.\.' segments"):
         parse_spec(_model_on_volume(mount))
 
 
@@ -142,3 +147,31 @@ def test_mount_cel_rules_are_the_pydantic_ones():
     rules = ModelSource.model_json_schema()["x-kubernetes-validations"]
     assert [MOUNT_PATH_PLAIN.as_schema(), MOUNT_PATH_FREE.as_schema()] == rules[-2:]
     assert "\\" not in MOUNT_PATH_PLAIN.rule  # a CEL string literal takes no regex escapes
+
+
+# ----------------------------------------------------------------------------- names
+
+_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+
+
+@pytest.mark.parametrize("roles", [BASE["roles"], {"unified": {}}], ids=["pd", "unified"])
+def test_the_longest_allowed_name_gives_valid_child_names_and_labels(roles):
+    name = "n" * MAX_NAME_LENGTH
+    assert name_problem(name) is None
+    owner = Owner(name=name, namespace="ml", uid="u")
+    for obj in build_children(parse_spec(_spec(roles=roles)), owner, BuildSettings()):
+        meta = obj["metadata"]
+        assert len(meta["name"]) <= 63 and _DNS1035.match(meta["name"]), meta["name"]
+        for value in meta["labels"].values():
+            assert len(value) <= 63 and _LABEL_VALUE.match(value), (obj["kind"], value)
+
+
+@pytest.mark.parametrize("name", ["llama.v3", "n" * (MAX_NAME_LENGTH + 1), "7b", "a-", "A"])
+def test_names_children_cannot_carry_are_named_by_the_rule(name):
+    assert name_problem(name) == f"{NAME_RULE.message} (got {name!r}, {len(name)} characters)"
+
+
+def test_the_crd_checks_the_name_at_its_root():
+    root = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    assert root["x-kubernetes-validations"] == [NAME_RULE.as_schema()]
