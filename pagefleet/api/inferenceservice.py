@@ -147,7 +147,7 @@ class ModelSource(_Model):
             ),
             CelRule(
                 "!(has(self.persistentVolumeClaim) || has(self.hostPath))"
-                " || self.path.startsWith(self.mountPath)",
+                " || self.path == self.mountPath || self.path.startsWith(self.mountPath + '/')",
                 "model.source.path must lie under model.source.mountPath when a volume "
                 "(persistentVolumeClaim or hostPath) is mounted",
             ),
@@ -172,7 +172,8 @@ class ModelSource(_Model):
         if self.persistent_volume_claim is not None and self.host_path is not None:
             raise ValueError("model.source: set at most one of persistentVolumeClaim and hostPath")
         has_volume = self.persistent_volume_claim is not None or self.host_path is not None
-        if has_volume and not self.path.startswith(self.mount_path):
+        inside = self.path == self.mount_path or self.path.startswith(self.mount_path + "/")
+        if has_volume and not inside:
             raise ValueError(
                 "model.source.path must lie under model.source.mountPath when a volume "
                 "(persistentVolumeClaim or hostPath) is mounted"
@@ -300,7 +301,31 @@ class ResourceRequirements(_Model):
     """Maximum resources per pod."""
 
 
+TOLERATION_RULES = (
+    CelRule(
+        "(has(self.key) && self.key != '') || (has(self.operator) && self.operator == 'Exists')",
+        "toleration: an empty key needs operator Exists (it then tolerates every taint); "
+        "set key, or operator: Exists",
+    ),
+    CelRule(
+        "!(has(self.operator) && self.operator == 'Exists') || !has(self.value)"
+        " || self.value == ''",
+        "toleration: value must be empty when operator is Exists (use operator: Equal to "
+        "match a value)",
+    ),
+    CelRule(
+        "!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+        "toleration: tolerationSeconds applies only to effect NoExecute",
+    ),
+)
+
+
 class Toleration(_Model):
+    """Checked as the API server checks a pod's tolerations, so that a bad one is refused
+    with the InferenceService rather than with every Deployment built from it."""
+
+    model_config = ConfigDict(json_schema_extra=_cel(*TOLERATION_RULES))
+
     key: str | None = None
     """Taint key the toleration applies to; empty with operator Exists matches all."""
     operator: str | None = Field(default=None, pattern="^(Exists|Equal)$")
@@ -311,6 +336,18 @@ class Toleration(_Model):
     """Taint effect to match; empty matches all effects."""
     toleration_seconds: int | None = None
     """How long a NoExecute toleration keeps the pod bound after the taint appears."""
+
+    @model_validator(mode="after")
+    def _as_the_api_server(self) -> Toleration:
+        broken = (  # one per rule, in TOLERATION_RULES' order
+            not self.key and self.operator != "Exists",
+            self.operator == "Exists" and bool(self.value),
+            self.toleration_seconds is not None and self.effect != "NoExecute",
+        )
+        for rule, wrong in zip(TOLERATION_RULES, broken, strict=True):
+            if wrong:
+                raise ValueError(rule.message)
+        return self
 
 
 class EnvVar(_Model):

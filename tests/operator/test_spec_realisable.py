@@ -20,8 +20,10 @@ from pagefleet.api.inferenceservice import (
     NAME_RULE,
     RESERVED_ENV_NAMES,
     RESERVED_MOUNT_PATHS,
+    TOLERATION_RULES,
     ModelSource,
     RouterSpec,
+    Toleration,
     name_problem,
     parse_spec,
 )
@@ -175,3 +177,63 @@ def test_names_children_cannot_carry_are_named_by_the_rule(name):
 def test_the_crd_checks_the_name_at_its_root():
     root = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     assert root["x-kubernetes-validations"] == [NAME_RULE.as_schema()]
+
+
+# ------------------------------------------------------------------ path, tolerations
+
+
+@pytest.mark.parametrize(
+    ("path", "ok"),
+    [("/models/llama", True), ("/models", True), ("/models-old/llama", False), ("/mod", False)],
+)
+def test_the_model_path_must_lie_inside_the_mounted_volume(path, ok):
+    source = {"path": path, "mountPath": "/models", "persistentVolumeClaim": {"claimName": "w"}}
+    if ok:
+        parse_spec(_spec(model={"source": source}))
+    else:
+        with pytest.raises(ValidationError, match=r"must lie under model\.source\.mountPath"):
+            parse_spec(_spec(model={"source": source}))
+
+
+@pytest.mark.parametrize(
+    ("toleration", "message"),
+    [
+        ({"key": "gpu", "operator": "Exists", "value": "yes"}, "value must be empty when"),
+        ({"key": "gpu", "value": "yes", "tolerationSeconds": 30}, "only to effect NoExecute"),
+        (
+            {"key": "gpu", "effect": "NoSchedule", "tolerationSeconds": 30},
+            "only to effect NoExecute",
+        ),
+        ({"operator": "Equal", "value": "yes"}, "an empty key needs operator Exists"),
+        ({"key": "", "value": "yes"}, "an empty key needs operator Exists"),
+    ],
+)
+def test_tolerations_the_api_server_refuses_are_refused_by_the_spec(toleration, message):
+    with pytest.raises(ValidationError, match=message):
+        parse_spec(_spec(roles={"unified": {"tolerations": [toleration]}}))
+
+
+@pytest.mark.parametrize(
+    "toleration",
+    [
+        {"operator": "Exists"},
+        {"key": "gpu", "operator": "Exists", "effect": "NoSchedule"},
+        {"key": "gpu", "value": "a100"},
+        {"key": "gpu", "operator": "Equal", "effect": "NoExecute", "tolerationSeconds": 60},
+    ],
+)
+def test_valid_tolerations_reach_the_pods(toleration):
+    spec = _spec(roles={"unified": {"tolerations": [toleration]}})
+    (deploy,) = [
+        o
+        for o in build_children(parse_spec(spec), OWNER, BuildSettings())
+        if o["metadata"]["name"] == "llama-unified" and o["kind"] == "Deployment"
+    ]
+    assert deploy["spec"]["template"]["spec"]["tolerations"] == [toleration]
+
+
+def test_toleration_and_model_source_cel_rules_are_the_pydantic_ones():
+    rules = Toleration.model_json_schema()["x-kubernetes-validations"]
+    assert rules == [r.as_schema() for r in TOLERATION_RULES]
+    source_rules = [r["rule"] for r in ModelSource.model_json_schema()["x-kubernetes-validations"]]
+    assert any("self.path.startsWith(self.mountPath + '/')" in r for r in source_rules)
