@@ -609,8 +609,10 @@ class InferenceServiceSpec(_Model):
     """The cache-aware gateway in front of the daemons."""
     index: IndexSpec = Field(default_factory=IndexSpec)
     """The Redis-backed global prefix index."""
-    slo: SLOSpec = Field(default_factory=SLOSpec)
-    """Latency targets the autoscaler and the alert rules hold the service to."""
+    slo: SLOSpec | None = None
+    """Latency targets the autoscaler holds autoscaled roles to. Unset: no targets, and the
+    autoscaler holds each autoscaled role at its count (reason SLOMissing); `slo: {}` takes
+    the default targets."""
     admin_token_secret: AdminTokenSecretRef | None = None
     """Secret with the admin token that the gateway and the daemons require on their
     admin endpoints (/reset_prefix_cache, /get_server_info). Unset: a gateway with API keys

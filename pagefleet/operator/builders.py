@@ -182,7 +182,11 @@ def _config_data(spec: InferenceServiceSpec, names: Names) -> dict[str, str]:
     return {
         "engine.json": json.dumps(engine, indent=2, sort_keys=True) + "\n",
         "router.json": json.dumps(router, indent=2, sort_keys=True) + "\n",
-        "slo.json": json.dumps(spec.slo.model_dump(by_alias=True, mode="json"), sort_keys=True)
+        # null when spec.slo is unset: the service has no latency targets.
+        "slo.json": json.dumps(
+            spec.slo.model_dump(by_alias=True, mode="json") if spec.slo is not None else None,
+            sort_keys=True,
+        )
         + "\n",
     }
 
