@@ -20,6 +20,7 @@ from pydantic.json_schema import GenerateJsonSchema
 from pagefleet.api.inferenceservice import (
     GROUP,
     KIND,
+    NAME_RULE,
     PLURAL,
     SHORT_NAMES,
     SINGULAR,
@@ -160,6 +161,8 @@ def build_crd() -> dict[str, Any]:
             "or prefill + decode roles), a cache-aware gateway, and a Redis prefix index."
         ),
         "required": ["spec"],
+        # Only the root may look at metadata.name (the children's names derive from it).
+        "x-kubernetes-validations": [NAME_RULE.as_schema()],
         "properties": {
             "apiVersion": {"type": "string", "description": "API version of this object."},
             "kind": {"type": "string", "description": "Kind of this object."},

@@ -10,10 +10,18 @@ the API server) — and a test keeps the two lists in sync.
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 
 GROUP = "pagefleet.io"
@@ -60,6 +68,31 @@ def _cel(*rules: CelRule) -> dict[str, Any]:
     return {"x-kubernetes-validations": [r.as_schema() for r in rules]}
 
 
+# ----------------------------------------------------------------------------------- name
+
+# Children are named `<name>-<suffix>` (pagefleet.operator.naming), and Services must be
+# DNS-1035 labels of at most 63 characters: the longest suffix, "-gateway" (as "-unified"
+# and "-prefill"), leaves 55. Label values (the name itself) fit 63 as well. The API server
+# allows far more in a custom resource's name (a DNS-1123 subdomain: dots, 253 characters).
+MAX_NAME_LENGTH = 55
+_DNS1035_LABEL = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
+NAME_RULE = CelRule(
+    f"self.metadata.name.size() <= {MAX_NAME_LENGTH}"
+    f" && self.metadata.name.matches('{_DNS1035_LABEL}')",
+    f"metadata.name must be at most {MAX_NAME_LENGTH} characters of lowercase letters, digits "
+    "and '-', starting with a letter and ending with a letter or digit (no '.'): the operator "
+    "names the Services it creates after it; recreate the InferenceService under such a name",
+)
+
+
+def name_problem(name: str) -> str | None:
+    """NAME_RULE's message when `name` breaks it, else None (the API server checks the same
+    rule at creation; the operator checks again for objects stored before the rule)."""
+    if len(name) <= MAX_NAME_LENGTH and re.fullmatch(_DNS1035_LABEL, name):
+        return None
+    return f"{NAME_RULE.message} (got {name!r}, {len(name)} characters)"
+
+
 # ---------------------------------------------------------------------------------- model
 
 
@@ -71,6 +104,40 @@ class PVCSource(_Model):
     """Mount the claim read-only."""
 
 
+# Directories the operator mounts its own volumes at in the daemon and gateway containers
+# (pagefleet.operator.hardening and builders; a test keeps the two in sync). The model
+# volume may sit at none of them, nor above or below one: the kubelet cannot mount two
+# volumes at one path, and server-side apply refuses a container that lists it twice.
+RESERVED_MOUNT_PATHS = (
+    "/tmp",
+    "/var/cache/pagefleet",
+    "/etc/pagefleet",
+    "/dev/shm",
+    "/var/run/secrets/kubernetes.io/serviceaccount",
+)
+# An absolute path in its plain form: no empty, `.` or `..` segment, no trailing slash.
+# ([.] rather than a backslash escape, which a CEL string literal would not take.)
+_PLAIN_PATH = "^(/([^/.][^/]*|[.][^/.][^/]*|[.][.][^/]+))+$"
+MOUNT_PATH_PLAIN = CelRule(
+    f"self.mountPath.matches('{_PLAIN_PATH}')",
+    "model.source.mountPath must be an absolute directory path without empty, '.' or '..' "
+    "segments or a trailing '/' (e.g. /models)",
+)
+MOUNT_PATH_FREE = CelRule(
+    "!(has(self.persistentVolumeClaim) || has(self.hostPath)) || ["
+    + ", ".join(f"'{p}'" for p in RESERVED_MOUNT_PATHS)
+    + "].all(r, self.mountPath != r && !self.mountPath.startsWith(r + '/')"
+    " && !r.startsWith(self.mountPath + '/'))",
+    "model.source.mountPath must not be, contain or lie under a directory the operator "
+    "mounts its own volumes at (" + ", ".join(RESERVED_MOUNT_PATHS) + "); use e.g. /models",
+)
+
+
+def _overlaps(a: str, b: str) -> bool:
+    """Whether directory `a` is `b`, or lies under or above it."""
+    return a == b or a.startswith(b + "/") or b.startswith(a + "/")
+
+
 class ModelSource(_Model):
     model_config = ConfigDict(
         json_schema_extra=_cel(
@@ -80,10 +147,12 @@ class ModelSource(_Model):
             ),
             CelRule(
                 "!(has(self.persistentVolumeClaim) || has(self.hostPath))"
-                " || self.path.startsWith(self.mountPath)",
+                " || self.path == self.mountPath || self.path.startsWith(self.mountPath + '/')",
                 "model.source.path must lie under model.source.mountPath when a volume "
                 "(persistentVolumeClaim or hostPath) is mounted",
             ),
+            MOUNT_PATH_PLAIN,
+            MOUNT_PATH_FREE,
         )
     )
 
@@ -103,11 +172,16 @@ class ModelSource(_Model):
         if self.persistent_volume_claim is not None and self.host_path is not None:
             raise ValueError("model.source: set at most one of persistentVolumeClaim and hostPath")
         has_volume = self.persistent_volume_claim is not None or self.host_path is not None
-        if has_volume and not self.path.startswith(self.mount_path):
+        inside = self.path == self.mount_path or self.path.startswith(self.mount_path + "/")
+        if has_volume and not inside:
             raise ValueError(
                 "model.source.path must lie under model.source.mountPath when a volume "
                 "(persistentVolumeClaim or hostPath) is mounted"
             )
+        if re.fullmatch(_PLAIN_PATH, self.mount_path) is None:
+            raise ValueError(MOUNT_PATH_PLAIN.message)
+        if has_volume and any(_overlaps(self.mount_path, r) for r in RESERVED_MOUNT_PATHS):
+            raise ValueError(MOUNT_PATH_FREE.message)
         return self
 
 
@@ -227,7 +301,31 @@ class ResourceRequirements(_Model):
     """Maximum resources per pod."""
 
 
+TOLERATION_RULES = (
+    CelRule(
+        "(has(self.key) && self.key != '') || (has(self.operator) && self.operator == 'Exists')",
+        "toleration: an empty key needs operator Exists (it then tolerates every taint); "
+        "set key, or operator: Exists",
+    ),
+    CelRule(
+        "!(has(self.operator) && self.operator == 'Exists') || !has(self.value)"
+        " || self.value == ''",
+        "toleration: value must be empty when operator is Exists (use operator: Equal to "
+        "match a value)",
+    ),
+    CelRule(
+        "!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+        "toleration: tolerationSeconds applies only to effect NoExecute",
+    ),
+)
+
+
 class Toleration(_Model):
+    """Checked as the API server checks a pod's tolerations, so that a bad one is refused
+    with the InferenceService rather than with every Deployment built from it."""
+
+    model_config = ConfigDict(json_schema_extra=_cel(*TOLERATION_RULES))
+
     key: str | None = None
     """Taint key the toleration applies to; empty with operator Exists matches all."""
     operator: str | None = Field(default=None, pattern="^(Exists|Equal)$")
@@ -239,12 +337,68 @@ class Toleration(_Model):
     toleration_seconds: int | None = None
     """How long a NoExecute toleration keeps the pod bound after the taint appears."""
 
+    @model_validator(mode="after")
+    def _as_the_api_server(self) -> Toleration:
+        broken = (  # one per rule, in TOLERATION_RULES' order
+            not self.key and self.operator != "Exists",
+            self.operator == "Exists" and bool(self.value),
+            self.toleration_seconds is not None and self.effect != "NoExecute",
+        )
+        for rule, wrong in zip(TOLERATION_RULES, broken, strict=True):
+            if wrong:
+                raise ValueError(rule.message)
+        return self
+
 
 class EnvVar(_Model):
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1, max_length=256)
     """Environment variable name."""
     value: str = ""
     """Environment variable value."""
+
+
+# Variables the operator itself sets from the pod's identity or from Secrets the spec names
+# elsewhere: a user value would break the daemon's identity in the index or bypass the
+# secretKeyRef (the names pagefleet.operator.builders and pagefleet.kvindex.redis_auth use).
+RESERVED_ENV_NAMES = (
+    "POD_IP",
+    "POD_NAME",
+    "POD_NAMESPACE",
+    "PAGEFLEET_API_KEYS",
+    "PAGEFLEET_ADMIN_TOKEN",
+    "PAGEFLEET_REDIS_USERNAME",
+    "PAGEFLEET_REDIS_PASSWORD",
+)
+MAX_ENV = 128  # bounds the CEL rules' cost (the API server refuses an unbounded estimate)
+ENV_UNIQUE = CelRule(
+    "self.all(e, self.exists_one(f, f.name == e.name))",
+    "env: each variable name may appear only once",
+)
+ENV_RESERVED = CelRule(
+    "self.all(e, !(e.name in [" + ", ".join(f"'{n}'" for n in RESERVED_ENV_NAMES) + "]))",
+    "env: " + ", ".join(RESERVED_ENV_NAMES) + " are set by the operator; set credentials "
+    "with index.passwordSecretRef, index.username, router.apiKeysSecret or adminTokenSecret",
+)
+
+
+def _check_env(env: list[EnvVar]) -> list[EnvVar]:
+    names = [e.name for e in env]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"{ENV_UNIQUE.message} (repeated: {', '.join(repeated)})")
+    reserved = [n for n in names if n in RESERVED_ENV_NAMES]
+    if reserved:
+        raise ValueError(f"{ENV_RESERVED.message} (got: {', '.join(reserved)})")
+    return env
+
+
+# Extra variables of a container; the operator's own defaults (cache directories, TMPDIR)
+# give way to a user value of the same name.
+EnvList = Annotated[
+    list[EnvVar],
+    AfterValidator(_check_env),
+    Field(max_length=MAX_ENV, json_schema_extra=_cel(ENV_UNIQUE, ENV_RESERVED)),
+]
 
 
 class RoleSpec(_Model):
@@ -267,8 +421,9 @@ class RoleSpec(_Model):
     """Schedule the role's pods only on nodes with these labels."""
     tolerations: list[Toleration] = Field(default_factory=list)
     """Taints the role's pods tolerate (e.g. dedicated GPU nodes)."""
-    env: list[EnvVar] = Field(default_factory=list)
-    """Extra environment variables for the daemon container."""
+    env: EnvList = Field(default_factory=list)
+    """Extra environment variables for the daemon container (a name the operator sets too,
+    such as HF_HOME or TMPDIR, takes the value given here)."""
     cost_per_hour: float | None = Field(default=None, ge=0)
     """Dollars per hour one of this role's pods costs; its daemons then report cost per 1M
     input and output tokens on /metrics (pagefleet:cost_per_million_*_tokens_dollars)."""
@@ -364,8 +519,9 @@ class RouterSpec(_Model):
     prefix aside); shorter ones the decode pod prefills itself (--pd-min-uncached-tokens)."""
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
     """CPU and memory requests/limits of each gateway pod."""
-    env: list[EnvVar] = Field(default_factory=list)
-    """Extra environment variables for the gateway container."""
+    env: EnvList = Field(default_factory=list)
+    """Extra environment variables for the gateway container (a name the operator sets too
+    takes the value given here)."""
     api_keys_secret: APIKeysSecretRef | None = None
     """Secret with the client API keys: the gateway then answers 401 to requests without
     `Authorization: Bearer <key>` (/health, /ready, /metrics stay open). Unset: no keys."""
@@ -453,8 +609,10 @@ class InferenceServiceSpec(_Model):
     """The cache-aware gateway in front of the daemons."""
     index: IndexSpec = Field(default_factory=IndexSpec)
     """The Redis-backed global prefix index."""
-    slo: SLOSpec = Field(default_factory=SLOSpec)
-    """Latency targets the autoscaler and the alert rules hold the service to."""
+    slo: SLOSpec | None = None
+    """Latency targets the autoscaler holds autoscaled roles to. Unset: no targets, and the
+    autoscaler holds each autoscaled role at its count (reason SLOMissing); `slo: {}` takes
+    the default targets."""
     admin_token_secret: AdminTokenSecretRef | None = None
     """Secret with the admin token that the gateway and the daemons require on their
     admin endpoints (/reset_prefix_cache, /get_server_info). Unset: a gateway with API keys

@@ -31,7 +31,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from pagefleet.api.inferenceservice import InferenceServiceSpec, RoleSpec, parse_spec
+from pagefleet.api.inferenceservice import InferenceServiceSpec, RoleSpec, SLOSpec, parse_spec
 from pagefleet.kvindex.redis_auth import RedisCredentials
 from pagefleet.operator.builders import (
     BUNDLED_GATEWAY_USER,
@@ -144,6 +144,12 @@ def _pod_ready(pod: Manifest) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
 
 
+def slo_targets(spec: InferenceServiceSpec) -> SLOSpec:
+    """spec.slo, or the default targets when it is unset: the pods' latencies are still
+    read at a percentile, though the planner then gets no targets (has_slo is False)."""
+    return spec.slo if spec.slo is not None else SLOSpec()
+
+
 def planner_config(
     role: str, spec: InferenceServiceSpec, has_slo: bool, observation_window_s: float = 30.0
 ) -> PlannerConfig:
@@ -151,13 +157,14 @@ def planner_config(
     ``observation_window_s``: the span of the rates and percentiles it is fed."""
     auto = dict(spec.roles.items())[role].autoscaling
     assert auto is not None, f"role {role} has no autoscaling"
+    slo = slo_targets(spec)
     return PlannerConfig(
         role=role,
         min_replicas=auto.min_replicas,
         max_replicas=auto.max_replicas,
-        ttft_s=spec.slo.ttft_ms / 1000 if has_slo else None,
-        tpot_s=spec.slo.tpot_ms / 1000 if has_slo else None,
-        slo_quantile=spec.slo.percentile / 100 if has_slo else 0.95,
+        ttft_s=slo.ttft_ms / 1000 if has_slo else None,
+        tpot_s=slo.tpot_ms / 1000 if has_slo else None,
+        slo_quantile=slo.percentile / 100 if has_slo else 0.95,
         max_num_seqs=spec.engine.max_num_seqs,
         target_utilization=auto.target_utilization,
         scale_up_window_s=auto.scale_up_window_seconds,
@@ -220,7 +227,7 @@ class Autoscaler:
         ]
         if not due:
             return []
-        has_slo = bool((body.get("spec") or {}).get("slo"))
+        has_slo = spec.slo is not None
         names = Names(name, namespace)
         try:
             redis_url: str | None = resolve_redis_url(spec, self.build)
@@ -439,7 +446,7 @@ class Autoscaler:
         mem.snapshots = seen
         current = int((deploy.get("spec") or {}).get("replicas", 1))
         ready = sum(1 for p in pods if _pod_ready(p))
-        inputs = observe_role(current, ready, reports, spec.slo.percentile, arrivals, role)
+        inputs = observe_role(current, ready, reports, slo_targets(spec).percentile, arrivals, role)
         return self._decide(namespace, name, role, spec, has_slo, inputs, now)
 
     def _arrivals(
@@ -508,7 +515,7 @@ class Autoscaler:
                         int((deploys[names.role(r)].get("spec") or {}).get("replicas", 1)),
                         [p["metadata"]["name"] for p in pods_by_role.get(r, []) if _pod_ready(p)],
                         self.settings.rate_window_s,
-                        spec.slo.percentile,
+                        slo_targets(spec).percentile,
                         self.settings.scrape_timeout_s,
                         cached,
                     )

@@ -182,7 +182,11 @@ def _config_data(spec: InferenceServiceSpec, names: Names) -> dict[str, str]:
     return {
         "engine.json": json.dumps(engine, indent=2, sort_keys=True) + "\n",
         "router.json": json.dumps(router, indent=2, sort_keys=True) + "\n",
-        "slo.json": json.dumps(spec.slo.model_dump(by_alias=True, mode="json"), sort_keys=True)
+        # null when spec.slo is unset: the service has no latency targets.
+        "slo.json": json.dumps(
+            spec.slo.model_dump(by_alias=True, mode="json") if spec.slo is not None else None,
+            sort_keys=True,
+        )
         + "\n",
     }
 
@@ -270,6 +274,21 @@ def _gateway_secret_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
     if spec.admin_token_secret is not None:
         env.append(_secret_env(ADMIN_TOKEN_ENV, spec.admin_token_secret))
     return env
+
+
+def _merge_env(base: list[Manifest], extra: list[Manifest]) -> list[Manifest]:
+    """`base` with `extra` merged in by name: a name in both keeps base's position with
+    extra's value, new names follow in order. The API server (server-side apply keys env
+    by name) refuses a container that lists one name twice."""
+    out = list(base)
+    index = {e["name"]: i for i, e in enumerate(out)}
+    for e in extra:
+        if e["name"] in index:
+            out[index[e["name"]]] = e
+        else:
+            index[e["name"]] = len(out)
+            out.append(e)
+    return out
 
 
 def _volumes(spec: InferenceServiceSpec, names: Names) -> tuple[list[Manifest], list[Manifest]]:
@@ -394,11 +413,9 @@ def build_role(
     if role in ("prefill", "decode"):
         stage_volume, stage_mount = kv_stage_volume()
         volumes, mounts = [*volumes, stage_volume], [*mounts, stage_mount]
-    env = (
-        _common_env(spec)
-        + _daemon_secret_env(spec)
-        + cache_env()
-        + [e.model_dump() for e in role_spec.env]
+    env = _merge_env(
+        _common_env(spec) + _daemon_secret_env(spec) + cache_env(),
+        [e.model_dump() for e in role_spec.env],
     )
     container: Manifest = {
         "name": "daemon",
@@ -459,10 +476,10 @@ def build_gateway(
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy.value,
         "command": gateway_command(spec, names, roles, redis_url),
-        "env": _common_env(spec)
-        + _gateway_secret_env(spec)
-        + cache_env()
-        + [e.model_dump() for e in spec.router.env],
+        "env": _merge_env(
+            _common_env(spec) + _gateway_secret_env(spec) + cache_env(),
+            [e.model_dump() for e in spec.router.env],
+        ),
         "securityContext": container_security_context(),
         # The daemon writes its fatal start-up error to /dev/termination-log; anything that
         # dies without a word still leaves the tail of its log as the message.

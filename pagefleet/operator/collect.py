@@ -42,6 +42,8 @@ async def _scrape_one(session: aiohttp.ClientSession, target: PodTarget) -> Scra
         return Scrape(target.parse(text, time.monotonic()))
     except MetricsError as exc:
         return Scrape(None, f"{target.url}: {exc}")
+    except UnicodeDecodeError as exc:  # bytes that are not text in the declared charset
+        return Scrape(None, f"{target.url}: the body is not text: {type(exc).__name__}: {exc}")
     except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         return Scrape(None, f"GET {target.url}: {type(exc).__name__}: {exc}".rstrip(": "))
 

@@ -7,7 +7,9 @@
   InferenceService's status without re-applying anything.
 
 Handlers are sync (kopf runs them in its thread pool) and serialise per InferenceService
-with a lock from the memo, since the timer, a child event and a spec update may race.
+with a lock from the memo, since the timer, a child event and a spec update may race; each
+re-reads the InferenceService under that lock, so none works from a body another pass has
+since superseded.
 """
 
 from __future__ import annotations
@@ -67,6 +69,18 @@ def _recorder(body: dict[str, Any]) -> Recorder:
     return record
 
 
+def _current(ctx: OperatorContext, namespace: str, name: str) -> dict[str, Any] | None:
+    """The InferenceService as stored now, or None when it is gone or being deleted.
+
+    Call with its lock held: the body kopf handed over (or one read before the lock) may
+    predate a pass that held the lock meanwhile, and a pass from it would put an older
+    spec back on the children or report an older observedGeneration."""
+    obj = ctx.kube.get(INFERENCE_SERVICE, namespace, name)
+    if obj is None or obj["metadata"].get("deletionTimestamp"):
+        return None  # children go with it through their owner references
+    return obj
+
+
 def _run_pass(ctx: OperatorContext, body: dict[str, Any], handler: str = "reconcile") -> None:
     meta = body["metadata"]
     if meta.get("deletionTimestamp"):
@@ -74,7 +88,10 @@ def _run_pass(ctx: OperatorContext, body: dict[str, Any], handler: str = "reconc
     started = time.perf_counter()
     with ctx.lock(meta["namespace"], meta["name"]):
         try:
-            reconcile(ctx.kube, body, ctx.settings, _recorder(body))
+            current = _current(ctx, meta["namespace"], meta["name"])
+            if current is None:
+                return
+            reconcile(ctx.kube, current, ctx.settings, _recorder(current))
         except KubeError as exc:
             _count(ctx, handler, started, failed=True)
             # Transient (conflict, throttling, API down): kopf retries the handler later.
@@ -115,7 +132,9 @@ def on_autoscale(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     failed = False
     with ctx.lock(meta["namespace"], meta["name"]):
         try:
-            ctx.autoscaler.tick(raw, _recorder(raw))
+            current = _current(ctx, meta["namespace"], meta["name"])
+            if current is not None:
+                ctx.autoscaler.tick(current, _recorder(current))
         except Exception:  # a bug here must not stop the operator's other handlers
             failed = True
             log.exception("autoscaler tick of %s/%s failed", meta["namespace"], meta["name"])
@@ -139,14 +158,13 @@ def on_child_event(
         return
     ctx = _ctx(memo)
     try:
-        parent = ctx.kube.get(INFERENCE_SERVICE, namespace, owner)
-        if parent is None or parent["metadata"].get("deletionTimestamp"):
-            return  # being garbage-collected with its owner: nothing to restore
         if event["type"] == "DELETED":
-            _run_pass(ctx, parent)
+            _run_pass(ctx, {"metadata": {"namespace": namespace, "name": owner}})
             return
         with ctx.lock(namespace, owner):
-            refresh_status(ctx.kube, parent)
+            parent = _current(ctx, namespace, owner)
+            if parent is not None:  # else garbage-collected with its owner: nothing to do
+                refresh_status(ctx.kube, parent)
     except KubeError as exc:
         # Event handlers are not retried; the resync timer catches up.
         log.warning("refreshing %s/%s after a child event failed: %s", namespace, owner, exc)

@@ -28,8 +28,9 @@ GATEWAY_PORT = 8080
 
 @dataclass(frozen=True, slots=True)
 class Names:
-    """Child object names of one InferenceService (all within 63 characters of DNS-1035
-    as long as the InferenceService's name is at most 44 characters)."""
+    """Child object names of one InferenceService (all DNS-1035 labels within 63
+    characters for a name that passes pagefleet.api.inferenceservice.NAME_RULE, which
+    the CRD and reconcile enforce)."""
 
     service: str
     namespace: str

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from pagefleet.api.inferenceservice import InferenceServiceSpec, parse_spec
+from pagefleet.api.inferenceservice import InferenceServiceSpec, name_problem, parse_spec
 from pagefleet.operator.builders import BuildSettings, Owner, SpecError, build_children
 from pagefleet.operator.kube import (
     CHILD_KINDS,
@@ -124,6 +124,9 @@ def reconcile(
     prev_status = body.get("status") or {}
     steady = prev_status.get("observedGeneration") == generation
 
+    problem = name_problem(name)
+    if problem is not None:  # stored before the CRD had the rule: no child could be valid
+        return _degrade(kube, body, "InvalidName", problem, record)
     try:
         spec: InferenceServiceSpec = parse_spec(body.get("spec") or {})
     except ValidationError as exc:

@@ -850,3 +850,16 @@ def test_own_redis_with_requirepass_is_read_with_the_secret_the_spec_names(
         assert out.inputs.observation.running == 2  # the heartbeat, read with the password
         assert out.decision.reason.value == "ScaledUp" and replicas(kube) >= 2
         assert scaling_active(kube)["status"] == "True"
+
+
+def test_an_empty_slo_means_the_default_targets(redis: str, servers: MetricsServers) -> None:
+    # `slo: {}` is how a user asks for the default targets (spec.slo itself has no default).
+    kube, clock, events = FakeKube(), Clock(), []
+    world(kube, redis, 2, [("chat-a", "127.0.0.2")])
+    obj = kube.obj("InferenceService", NS, NAME)
+    assert obj is not None
+    obj["spec"]["slo"] = {}
+    servers.add("chat-a", "127.0.0.2")
+    heartbeat(redis, "chat-a", running=0)
+    tick(make(kube, clock), kube, events)
+    assert scaling_active(kube)["reason"] != "SLOMissing"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import threading
 from typing import Any
 
 import kmock
@@ -28,6 +29,7 @@ from pagefleet.operator.kube import (
     KubeError,
     RestKube,
 )
+from pagefleet.operator.reconcile import reconcile
 
 pytestmark = pytest.mark.kmock(cls=kmock.KubernetesScaffold)
 
@@ -208,6 +210,72 @@ def test_child_deletion_event_restores_and_modification_refreshes_status(ctx, re
     )
     status = kube.obj("InferenceService", "ml", "llama")["status"]
     assert next(c for c in status["conditions"] if c["type"] == "Ready")["status"] == "True"
+
+
+def _max_num_seqs(kube: FakeKube) -> str:
+    deploy = kube.obj("Deployment", "ml", "llama-unified")
+    cmd = deploy["spec"]["template"]["spec"]["containers"][0]["command"]
+    return cmd[cmd.index("--max-num-seqs") + 1]
+
+
+def _edit(kube: FakeKube, max_num_seqs: int) -> dict[str, Any]:
+    obj = kube.obj("InferenceService", "ml", "llama")
+    obj["spec"]["engine"] = {"maxNumSeqs": max_num_seqs}
+    obj["metadata"]["generation"] += 1
+    return copy.deepcopy(obj)
+
+
+def test_a_pass_from_a_stale_body_uses_the_stored_spec(ctx):
+    # kopf hands a timer the body it had when the timer fired; an update pass for a newer
+    # generation may hold the lock meanwhile. The late pass must not roll the pods back.
+    kube: FakeKube = ctx.kube  # type: ignore[assignment]
+    memo = kopf.Memo(ctx=ctx)
+    _add_is(kube)
+    stale = copy.deepcopy(_edit(kube, 16))
+    handlers.on_change(body=kopf.Body(copy.deepcopy(stale)), memo=memo)
+    handlers.on_change(body=kopf.Body(_edit(kube, 32)), memo=memo)
+    assert _max_num_seqs(kube) == "32"
+    handlers.on_resync(body=kopf.Body(stale), memo=memo)
+    assert _max_num_seqs(kube) == "32"
+    assert kube.obj("InferenceService", "ml", "llama")["status"]["observedGeneration"] == 3
+
+
+def test_a_status_refresh_that_waited_on_the_lock_reports_the_newer_generation(ctx):
+    kube: FakeKube = ctx.kube  # type: ignore[assignment]
+    memo = kopf.Memo(ctx=ctx)
+    _add_is(kube)
+    handlers.on_change(body=kopf.Body(_edit(kube, 16)), memo=memo)
+    kube.mark_deployments_ready()
+    read_parent = threading.Event()
+    get = kube.get
+
+    def watched_get(kind, namespace, name):
+        out = get(kind, namespace, name)
+        if kind is INFERENCE_SERVICE:
+            read_parent.set()
+        return out
+
+    kube.get = watched_get  # type: ignore[method-assign]
+    lock = ctx.lock("ml", "llama")
+    lock.acquire()  # an update pass is running
+    event = threading.Thread(
+        target=handlers.on_child_event,
+        kwargs={
+            "event": {"type": "MODIFIED"},
+            "namespace": "ml",
+            "labels": {"pagefleet.io/service": "llama"},
+            "memo": memo,
+        },
+    )
+    event.start()
+    read_parent.wait(0.5)  # (before the fix the handler read its parent here, unlocked)
+    reconcile(kube, _edit(kube, 32), ctx.settings, lambda *_: None)  # the update pass
+    assert kube.obj("InferenceService", "ml", "llama")["status"]["observedGeneration"] == 3
+    lock.release()
+    event.join(5)
+    status = kube.obj("InferenceService", "ml", "llama")["status"]
+    assert status["observedGeneration"] == 3
+    assert {c["observedGeneration"] for c in status["conditions"]} == {3}
 
 
 def test_transient_api_errors_become_kopf_retries(ctx):

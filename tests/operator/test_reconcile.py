@@ -245,3 +245,25 @@ def test_api_rejection_is_degraded_and_transient_errors_raise(kube, unified_spec
     # and the next good pass recovers
     reconcile(kube, body(kube), SETTINGS, Recorder())
     assert cond(kube, "Degraded")["status"] == "False"
+
+
+@pytest.mark.parametrize("name", ["llama.v3", "m" * 56, "Llama"])
+def test_a_name_no_child_could_carry_is_degraded_before_anything_is_applied(
+    kube, unified_spec, name
+):
+    kube.add(
+        {
+            "apiVersion": "pagefleet.io/v1alpha1",
+            "kind": "InferenceService",
+            "metadata": {"name": name, "namespace": "ml", "generation": 1},
+            "spec": copy.deepcopy(unified_spec),
+        }
+    )
+    rec = Recorder()
+    result = reconcile(kube, copy.deepcopy(kube.obj("InferenceService", "ml", name)), SETTINGS, rec)
+    assert result.degraded and "at most 55 characters" in result.degraded
+    assert kube.names("Deployment") == [] and kube.names("Service") == []
+    status = kube.obj("InferenceService", "ml", name)["status"]
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "InvalidName")
+    assert rec.reasons() == ["InvalidName"]

@@ -176,3 +176,14 @@ def test_examples_are_valid(path):
     for doc in services:
         assert doc["apiVersion"] == "pagefleet.io/v1alpha1"
         parse_spec(doc["spec"])
+
+
+def test_an_omitted_slo_stays_unset_and_an_empty_one_takes_the_defaults():
+    # The API server fills a missing field's default, then the defaults inside it: a default
+    # on spec.slo would make every stored object have an SLO, and SLOMissing unreachable.
+    slo = _schema()["properties"]["spec"]["properties"]["slo"]
+    assert "default" not in slo
+    assert slo["properties"]["ttftMs"]["default"] == 2000
+    assert parse_spec(BASE).slo is None
+    targets = parse_spec({**BASE, "slo": {}}).slo
+    assert targets is not None and (targets.ttft_ms, targets.tpot_ms) == (2000, 100)
