@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 from pagefleet.dev.local_fleet import Child, free_port
 from pagefleet.dev.peer_routers import wait_peer_ready
 
@@ -46,37 +48,18 @@ def test_port_taken_restarts_on_fresh_ports(tmp_path: Path) -> None:
         child.stop()
 
 
-def test_other_exit_is_not_retried(tmp_path: Path) -> None:
-    argv = [sys.executable, "-c", "print('boom'); raise SystemExit(1)", "--port", "1",
-            "--prometheus-port", "2"]  # fmt: skip
-    child = Child("fake-router", argv, "http://127.0.0.1:1", tmp_path / "r.log")
-    child.start()
-    try:
-        try:
-            wait_peer_ready(child, "m", timeout_s=30)
-        except RuntimeError as e:
-            assert "boom" in str(e)
-        else:
-            raise AssertionError("a router that exited for another reason must raise")
-        assert child.argv[child.argv.index("--port") + 1] == "1"
-    finally:
-        child.stop()
-
-
-def test_an_earlier_runs_port_clash_in_the_log_is_not_retried(tmp_path: Path) -> None:
-    log = tmp_path / "r.log"  # the log is appended to: an earlier run's lines stay in it
-    log.write_text("Error: Address already in use (os error 98)\n")
+@pytest.mark.parametrize("earlier_clash", [False, True])
+def test_other_exit_is_not_retried(tmp_path: Path, earlier_clash: bool) -> None:
+    log = tmp_path / "r.log"
+    if earlier_clash:  # the log is appended to: an earlier run's lines stay in it
+        log.write_text("Error: Address already in use (os error 98)\n")
     argv = [sys.executable, "-c", "print('boom'); raise SystemExit(1)", "--port", "1",
             "--prometheus-port", "2"]  # fmt: skip
     child = Child("fake-router", argv, "http://127.0.0.1:1", log)
     child.start()
     try:
-        try:
+        with pytest.raises(RuntimeError, match="boom"):
             wait_peer_ready(child, "m", timeout_s=30)
-        except RuntimeError as e:
-            assert "boom" in str(e)
-        else:
-            raise AssertionError("a router that exited for another reason must raise")
         assert child.argv[child.argv.index("--port") + 1] == "1", "retried on fresh ports"
     finally:
         child.stop()
