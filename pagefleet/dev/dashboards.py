@@ -75,21 +75,24 @@ def _quantiles(metric: str, by: str) -> tuple[Query, ...]:
     )
 
 
-def _within(metric: str, le_var: str) -> str:
+# Each request counts once (as in the chart's SLO rules): in a prefill/decode service both
+# pods record a TTFT and a TPOT, so TTFT is read where prompts run and TPOT where tokens
+# stream.
+_SKIP_ROLE = {"ttft_slo": "decode", "tpot_slo": "prefill"}
+
+
+def _within(metric: str, le_var: str, window: str = RATE) -> str:
+    skip = f'role!="{_SKIP_ROLE[le_var]}"'
     return (
-        f"sum(rate({metric}_bucket{sel(le=f'${le_var}')}[{RATE}]))"
-        f" / sum(rate({metric}_count{sel()}[{RATE}]))"
+        f"sum(rate({metric}_bucket{sel(le=f'${le_var}')[:-1]}, {skip}}}[{window}]))"
+        f" / sum(rate({metric}_count{sel()[:-1]}, {skip}}}[{window}]))"
     )
 
 
 def _burn(metric: str, le_var: str, window: str) -> str:
     # Error ratio over the window divided by the error budget (1 - objective): 1 spends the
     # budget exactly over the SLO period, 14.4 spends a 30-day budget in ~2 days.
-    within = (
-        f"sum(rate({metric}_bucket{sel(le=f'${le_var}')}[{window}]))"
-        f" / sum(rate({metric}_count{sel()}[{window}]))"
-    )
-    return f"(1 - {within}) / (1 - $slo_percentile / 100)"
+    return f"(1 - {_within(metric, le_var, window)}) / (1 - $slo_percentile / 100)"
 
 
 TTFT = "vllm:time_to_first_token_seconds"
@@ -248,7 +251,8 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
             PanelSpec(
                 "429 and 503 rates",
                 "Daemons refusing before admission (queue_full = 429, draining/not_ready = "
-                "503) and gateway responses with those codes.",
+                "503), pods' answers with those codes through the gateway, and the gateway's "
+                "own (concurrency = 429, no_endpoints/intake_failed = 503).",
                 "reqps",
                 (
                     Query(
@@ -262,6 +266,13 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                         + f', code=~"429|503"}}[{RATE}]))',
                         "gateway {{code}}",
                         empty_unless="pagefleet_gateway_responses",
+                    ),
+                    Query(
+                        "sum by (reason) (rate(pagefleet_gateway_rejected_requests_total"
+                        + sel()[:-1]
+                        + f', reason=~"concurrency|no_endpoints|intake_failed"}}[{RATE}]))',
+                        "gateway refused {{reason}}",
+                        empty_unless="pagefleet_gateway_rejected_requests",
                     ),
                 ),
             ),

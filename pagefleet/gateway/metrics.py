@@ -130,8 +130,8 @@ class GatewayMetrics:
         )
         self.rejected = Counter(
             p + "rejected_requests",
-            "Requests the gateway refused itself, by reason (concurrency, too_large, "
-            "context_length, invalid).",
+            "Requests the gateway answered itself without a pod, by reason: 429 concurrency; "
+            "503 no_endpoints, intake_failed; 413 too_large; 400 context_length, invalid.",
             ["reason"],
             registry=r,
         )

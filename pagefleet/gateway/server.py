@@ -347,6 +347,7 @@ class Gateway:
         try:
             intake: Intake = await self.intake.inspect(kind, body)
         except RuntimeError as exc:
+            self.metrics.rejected.labels(reason="intake_failed").inc()
             return error_response(
                 503, str(exc), "server_error", code="intake_failed", headers={"Retry-After": "1"}
             )
@@ -362,6 +363,7 @@ class Gateway:
         decision = await self.router.route(intake.token_ids, session_key=session_key)
         self.metrics.decision_seconds.labels(policy=decision.policy).observe(decision.decision_s)
         if not decision.ranked:
+            self.metrics.rejected.labels(reason="no_endpoints").inc()
             return error_response(
                 503,
                 "no ready model endpoints behind this gateway; check the daemons and "

@@ -51,8 +51,18 @@ def test_slo_targets_are_the_dashboard_buckets() -> None:
             "metrics.podMonitor.interval: Does not match",
         ),
         (["--set", "operator.watchNamespaces={Team_A}"], "operator.watchNamespaces.0: Does not"),
+        # PromQL reads an integer with a leading zero as octal: 010 would be a factor of 8.
+        (["--set-string", "alerts.fastBurn.factor=010"], "alerts.fastBurn.factor"),
     ],
-    ids=["resync-zero", "not-bool", "unknown-key", "ttft-not-a-bucket", "duration", "ns-name"],
+    ids=[
+        "resync-zero",
+        "not-bool",
+        "unknown-key",
+        "ttft-not-a-bucket",
+        "duration",
+        "ns-name",
+        "octal-factor",
+    ],
 )
 def test_bad_values_fail_with_the_value_named(args: list[str], message: str) -> None:
     res = helm_template(*args, check=False)

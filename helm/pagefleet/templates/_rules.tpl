@@ -6,6 +6,9 @@ Goodput is read from the daemons' histogram buckets: the share of requests whose
 (TPOT) was at most the target is bucket{le=target} / count, so a target must be a bucket
 boundary (values.schema.json enumerates them). Burn-rate alerts follow the multiwindow
 scheme: error ratio over a long and a short window both above factor x (1 - objective).
+Each request counts once: in a prefill/decode service both pods record a TTFT and a TPOT,
+so TTFT is read where prompts run (role != decode) and TPOT where tokens stream (role !=
+prefill); counted on both, a miss in one pool would top out at a 0.5 error ratio.
 */ -}}
 {{- define "pagefleet.sloRuleGroups" -}}
 {{- $a := .Values.alerts -}}
@@ -15,9 +18,9 @@ groups:
   - name: pagefleet-slo-recording
     rules:
       {{- range $w := list "5m" "30m" "1h" "6h" }}
-      {{- range $sli := list (list "ttft" "vllm:time_to_first_token_seconds" $a.slo.ttftSeconds) (list "tpot" "vllm:request_time_per_output_token_seconds" $a.slo.tpotSeconds) }}
+      {{- range $sli := list (list "ttft" "vllm:time_to_first_token_seconds" $a.slo.ttftSeconds "decode") (list "tpot" "vllm:request_time_per_output_token_seconds" $a.slo.tpotSeconds "prefill") }}
       - record: pagefleet:{{ index $sli 0 }}_slo_error_ratio:rate{{ $w }}
-        expr: 1 - sum by ({{ $by }}) (rate({{ index $sli 1 }}_bucket{le="{{ index $sli 2 }}"}[{{ $w }}])) / sum by ({{ $by }}) (rate({{ index $sli 1 }}_count[{{ $w }}]))
+        expr: 1 - sum by ({{ $by }}) (rate({{ index $sli 1 }}_bucket{le="{{ index $sli 2 }}", role!="{{ index $sli 3 }}"}[{{ $w }}])) / sum by ({{ $by }}) (rate({{ index $sli 1 }}_count{role!="{{ index $sli 3 }}"}[{{ $w }}]))
       {{- end }}
       {{- end }}
       - record: pagefleet:ttft_seconds:p95_5m
