@@ -79,10 +79,14 @@ class IncrementalDetokenizer:
     def _check_stop(self) -> str | None:
         if not self._stops:
             return None
-        lo = max(0, len(self.text) - self._added - self._max_stop + 1)
+        # Only a match that takes in this token's text: per stop string, starting at most
+        # len(s) - 1 characters before it. One window for all (the longest string's) found
+        # a short string wholly inside text checked before -- or never checked, during
+        # min_tokens, and already streamed -- and cut the text back under what was sent.
+        new_from = len(self.text) - self._added
         best: tuple[int, str] | None = None
         for s in self._stops:
-            idx = self.text.find(s, lo)
+            idx = self.text.find(s, max(0, new_from - len(s) + 1))
             if idx >= 0 and (best is None or idx < best[0]):
                 best = (idx, s)
         if best is None:

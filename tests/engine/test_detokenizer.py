@@ -98,3 +98,19 @@ def test_detokenize_false_leaves_the_text_to_the_caller(fake_engine) -> None:
     assert any(o.text for r in on for o in r.outputs)
     with pytest.raises(ValueError, match="detokenize"):
         SamplingParams(stop=["x"], detokenize=False)
+
+
+def test_a_short_stop_string_in_text_before_the_check_began_does_not_stop() -> None:
+    """Each stop string is looked for only where it takes in the new token's text. With one
+    window for all (the longest string's), "0" -- sent during min_tokens, never checked --
+    matched once checks began, cut the text back under what was streamed and ended the
+    output; adding a stop string that never occurs changed the answer."""
+    for stops in (["0"], ["0", "zzzz"]):
+        params = SamplingParams(stop=stops, min_tokens=2)
+        detok = IncrementalDetokenizer(ByteTokenizer(), [72], params)
+        sent = ""
+        for i, t in enumerate(b"00 pedd"):
+            stopped = detok.add_token(t, check_stop=i >= 2)
+            sent += detok.take_delta(finished=False)
+            assert stopped is None, (stops, i, stopped)
+        assert sent == "00 pedd", stops
