@@ -248,7 +248,12 @@ def completion_logprobs(lps: list[TokenLogprob], offset: int) -> CompletionLogpr
     for lp in lps:
         out.tokens.append(lp.token)
         out.token_logprobs.append(lp.logprob)
-        out.top_logprobs.append({t: v for _, t, v in lp.top})
+        # Distinct tokens can show the same text (each partial UTF-8 token is U+FFFD):
+        # the first, highest-ranked one keeps the key.
+        top: dict[str, float] = {}
+        for _, t, v in lp.top:
+            top.setdefault(t, v)
+        out.top_logprobs.append(top)
         out.text_offset.append(offset)
         offset += len(lp.token)
     return out

@@ -28,6 +28,7 @@ from pydantic import BaseModel
 
 from pagefleet.api.openai import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
@@ -124,10 +125,11 @@ class OpenAIServing:
         self._check_model(req.model)
         tok = self._tokenizer()
         if req.messages is not None:
+            # The prompt chat completions would build from these messages (the raw dump
+            # failed on content parts and null content, which chat accepts).
+            _check_text_only(req)
             ids = self._chat_prompt_ids(
-                [m.model_dump(exclude_none=True) for m in req.messages],
-                req.add_generation_prompt,
-                None,
+                _template_messages(req.messages), req.add_generation_prompt, None
             )
         else:
             ids = tok.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
@@ -157,7 +159,7 @@ class OpenAIServing:
         self._check_model(req.model)
         tok = self._tokenizer()
         _check_text_only(req)  # as the chat endpoint: an image part is refused, not dropped
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = _template_messages(req.messages)
         ids = self._chat_prompt_ids(messages, req.add_generation_prompt, req.chat_template_kwargs)
         text = tok.decode(ids, skip_special_tokens=False)
         return web.json_response([messages, [{"prompt": text, "prompt_token_ids": ids}]])
@@ -196,7 +198,7 @@ class OpenAIServing:
         self._reject_unsupported(req)
         self._check_model(req.model)
         _check_text_only(req)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = _template_messages(req.messages)
         template_kwargs = dict(req.chat_template_kwargs or {})
         tool_schema = self._tools(req, template_kwargs)
         prompt = await _offload(
@@ -263,9 +265,14 @@ class OpenAIServing:
             params.guided = GuidedSpec("json", tool_schema)
         self.admission.check(len(prompts))
         texts = None
-        if echo:
+        if echo and isinstance(req, CompletionRequest):  # echo is a completions field
+            # The prompt as sent: a text prompt is its own echo (a re-encode and decode
+            # dropped its special tokens), token ids decode with their special tokens.
             tok = self._tokenizer()
-            texts = [tok.decode(p) for p in prompts]
+            texts = [
+                p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False)
+                for p in req.prompts()
+            ]
         job = Job(
             f"{shape.id_prefix}-{uuid.uuid4().hex}",
             prompts,
@@ -561,9 +568,14 @@ async def _offload(fn: Callable[[], Any], size: int) -> Any:
 CLIENT_GONE = (ConnectionError, ClientConnectionResetError)
 
 
-def _check_text_only(req: ChatCompletionRequest) -> None:
+def _template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """What the chat template reads of each message: its role and its text."""
+    return [{"role": m.role, "content": m.text()} for m in messages]
+
+
+def _check_text_only(req: ChatCompletionRequest | TokenizeRequest) -> None:
     """The model reads text: a message with another kind of content part is a 400."""
-    for i, m in enumerate(req.messages):
+    for i, m in enumerate(req.messages or []):
         if isinstance(m.content, list) and any(p.type != "text" for p in m.content):
             raise APIError(
                 400, "only text content parts are supported", param=f"messages.{i}.content"

@@ -584,3 +584,30 @@ async def test_request_log_names_each_prompt_and_orders_its_times(client, live):
         assert t0 <= x["http"] <= x["arrival"] <= x["scheduled"] <= x["first_token"]
         assert x["first_token"] <= x["finished"] <= time.monotonic()
     assert mine[1]["cached"] == again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+async def test_echo_top_logprobs_and_tokenize_give_what_was_sent(client, live):
+    """echo returns the prompt as sent (a re-encode and decode dropped its special tokens);
+    the sampled token keeps its own logprob in top_logprobs when other tokens show the same
+    text (every partial UTF-8 token is U+FFFD: the lowest-ranked one overwrote it); and
+    /tokenize of chat messages counts the prompt chat builds (content parts were a 400)."""
+    prompt = "Hello <|im_end|> world"
+    r = await client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=1, temperature=0, echo=True
+    )
+    assert r.choices[0].text.startswith(prompt), r.choices[0].text
+    r = await client.completions.create(
+        model=MODEL, prompt="Unicode: ", max_tokens=12, temperature=0, logprobs=5
+    )
+    lp = r.choices[0].logprobs
+    for i, top in enumerate(lp.top_logprobs):
+        assert top[lp.tokens[i]] == pytest.approx(lp.token_logprobs[i]), (i, lp.tokens[i], top)
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    chat = await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1)
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(f"{live.url}/tokenize", json={"model": MODEL, "messages": msgs}) as t,
+    ):
+        body = await t.json()
+        assert t.status == 200, body
+    assert body["count"] == chat.usage.prompt_tokens
