@@ -70,6 +70,12 @@ async def serve(config: DaemonConfig) -> None:
     await daemon.drain()
     await daemon.stop()
     await runner.cleanup()
+    if daemon.engine_died.is_set():
+        # It ended unasked during the drain (a stop never sets this): a crash, which the
+        # pod's exit status and termination message must say, not a clean exit 0.
+        handle = daemon.engine_loop
+        why = handle.end_reason() if handle is not None else "the engine ended"
+        raise click.ClickException(f"{why} during the drain; exiting")
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

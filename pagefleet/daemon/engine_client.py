@@ -12,6 +12,11 @@ minus the working directory, so a stray module there cannot shadow ours in the e
 
 A hung engine process (liveness.py) is killed: SIGKILL works on a stopped process too, and
 closes the pipe, which takes the death path.
+
+Writes to the pipe go through a writer thread, never the event loop: an engine process that
+stops reading (stopped, deadlocked) would otherwise block the loop in a send once the
+socket buffer filled, and with it the watchdog that kills such a process, /health and the
+SIGTERM handler.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import functools
 import logging
 import multiprocessing
 import os
+import queue
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -54,7 +60,8 @@ class EngineClient(EngineHandle):
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._send_lock = threading.Lock()  # stop() sends from an executor thread
+        # Encoded messages for the writer thread, in send order; None ends it.
+        self._out: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(_PRELOAD)
         parent, child = ctx.Pipe(duplex=True)
@@ -69,6 +76,7 @@ class EngineClient(EngineHandle):
         child.close()  # only the child holds its end: its death closes the pipe
         self._conn = parent
         threading.Thread(target=self._read, name="engine-client-recv", daemon=True).start()
+        threading.Thread(target=self._write, name="engine-client-send", daemon=True).start()
         self._schedule_watch()
 
     @property
@@ -96,6 +104,7 @@ class EngineClient(EngineHandle):
         with contextlib.suppress(EngineDeadError):
             self._send(("stop",))
         self._proc.join(timeout)
+        self._out.put(None)  # the writer ends (after the stop, if it was still sending)
         if self._proc.is_alive():
             logger.warning("engine process %d did not stop in %ss; killing it", self.pid, timeout)
             self._proc.kill()
@@ -145,14 +154,19 @@ class EngineClient(EngineHandle):
     # -- the wire --------------------------------------------------------------------------
 
     def _send(self, msg: tuple[Any, ...]) -> None:
+        """Queue ``msg`` for the writer thread (any thread; never blocks on the pipe)."""
         if self.dead or self._conn is None:
             raise EngineDeadError("the engine is not running; retry on another replica")
-        data = ipc.dumps(msg)
-        try:
-            with self._send_lock:
+        self._out.put(ipc.dumps(msg))
+
+    def _write(self) -> None:
+        """Writer thread: every queued message to the pipe, in order. A failed write means
+        the process is gone: the reader's end of the pipe takes the death path."""
+        while (data := self._out.get()) is not None:
+            try:
                 self._conn.send_bytes(data)
-        except OSError as exc:
-            raise EngineDeadError(f"the engine process is gone: {exc}") from None
+            except (OSError, ValueError):  # ValueError: the pipe was closed here
+                return
 
     def _read(self) -> None:
         """Reader thread: every message to the event loop, in order; then the pipe's end."""

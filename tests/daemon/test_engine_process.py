@@ -341,6 +341,50 @@ async def test_hung_engine_process_fails_health_and_the_daemon_exits_nonzero(tmp
         assert "engine process hung" in d.term.read_text(), d.term.read_text()
 
 
+async def test_a_stopped_engine_behind_megabytes_of_calls_is_still_killed(tmp_path):
+    """Calls written on the event loop blocked it once the pipe's buffer filled toward a
+    stopped engine: the watchdog (on that loop) never ran, /health never answered, SIGTERM
+    was never handled, and the daemon hung for good. Writes go through a thread now."""
+    timeout = 1.5
+    args = ("--engine-hang-timeout", str(timeout), "--max-model-len", "4000",
+            "--num-gpu-blocks", "520")  # fmt: skip
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn) as s, cli_daemon(s, tmp_path, *args) as d:
+        os.kill(d.engine_pid, signal.SIGSTOP)
+        # 200 prompts of 3000 ids: ~1.8 MB pickled toward a pipe nobody reads.
+        posts = [
+            asyncio.ensure_future(s.post(f"{d.base}/v1/completions", json={
+                "prompt": [300 + (j * 7 + i) % 700 for j in range(3000)], "max_tokens": 4}))
+            for i in range(200)
+        ]  # fmt: skip
+        t0 = time.monotonic()
+        rc = await d.exit_code()
+        waited = time.monotonic() - t0
+        for p in posts:
+            p.cancel()
+        await asyncio.gather(*posts, return_exceptions=True)
+        assert rc != 0, d.output()
+        assert waited < timeout + 10, f"the daemon exited {waited:.1f}s after"
+        assert "engine process hung" in d.term.read_text(), d.term.read_text()
+
+
+async def test_an_engine_that_dies_during_the_drain_is_a_nonzero_exit(tmp_path):
+    """SIGTERM, then the engine process is killed mid-drain: the pod must report the crash
+    (exit status, termination message), not a clean exit 0."""
+    args = ("--max-model-len", "4000", "--num-gpu-blocks", "520")
+    long_stream = {**STREAM, "max_tokens": 3500}  # still decoding when the engine dies
+    async with aiohttp.ClientSession() as s, cli_daemon(s, tmp_path, *args) as d:
+        async with s.post(f"{d.base}/v1/completions", json=long_stream) as r:
+            assert (await r.content.readline()).startswith(b"data: ")
+            d.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)
+            os.kill(d.engine_pid, signal.SIGKILL)
+            await stream_ends_unfinished(r)
+        rc = await d.exit_code()
+        assert rc != 0, d.output()
+        assert "during the drain" in d.term.read_text(), d.term.read_text()
+
+
 async def test_text_made_in_the_http_process_matches_the_engines_own(monkeypatch):
     """With the engine in its own process, requests without stop strings are decoded in the
     HTTP process (text_outputs.py): the text must equal the engine's own detokenizer's, for
