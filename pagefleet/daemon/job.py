@@ -34,6 +34,10 @@ class Choice:
     # chat streaming of a forced tool call: its id once announced, argument chars sent
     tool_call_id: str | None = None
     tool_args_sent: int = 0
+    # Streamed completions logprobs: characters of the tokens whose logprobs were sent, so
+    # each token's text_offset is the non-streamed one (a chunk's text can start earlier
+    # than its first token's, when text held back by an earlier token arrives with it).
+    logprob_chars_sent: int = 0
 
 
 @dataclass(slots=True)

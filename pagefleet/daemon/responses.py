@@ -134,8 +134,10 @@ class CompletionShape:
     ) -> CompletionStreamResponse:
         lp = None
         if job.params.logprobs is not None and delta.logprobs:
-            start = job.text_base(ch.index) + len(ch.text) - len(delta.new_text)
-            lp = completion_logprobs(delta.logprobs, start)
+            lp = completion_logprobs(
+                delta.logprobs, job.text_base(ch.index) + ch.logprob_chars_sent
+            )
+            ch.logprob_chars_sent += sum(len(t.token) for t in delta.logprobs)
         return CompletionStreamResponse(
             id=job.base_id, created=created, model=model,
             choices=[CompletionChoice(

@@ -611,3 +611,16 @@ async def test_echo_top_logprobs_and_tokenize_give_what_was_sent(client, live):
         body = await t.json()
         assert t.status == 200, body
     assert body["count"] == chat.usage.prompt_tokens
+
+
+async def test_streamed_text_offsets_equal_the_non_streamed_ones(client):
+    """A token whose text was held back (an incomplete character) arrives in a later chunk
+    with the next token's text: each token keeps its own offset, as in the whole answer."""
+    kw = dict(model=MODEL, prompt="Unicode: ", max_tokens=12, temperature=0, logprobs=1)
+    whole = (await client.completions.create(**kw)).choices[0].logprobs.text_offset
+    streamed = []
+    async for chunk in await client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            if c.logprobs:
+                streamed += c.logprobs.text_offset
+    assert streamed == whole
