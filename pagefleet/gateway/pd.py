@@ -191,6 +191,10 @@ class PDOrchestrator:
             return None, "bad_body"
         if not isinstance(original, dict) or "kv_transfer_params" in original:
             return None, "caller_params"
+        prompt = original.get("prompt")
+        if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list)):
+            # A transfer handle carries one prompt's KV: the prefill pod refuses the batch.
+            return None, "multi_prompt"
         return original, ""
 
     async def _remote_prefill(
@@ -253,7 +257,12 @@ class PDOrchestrator:
     ) -> None:
         """Free ``params``' handle on its prefill pod in the background: no decode pod will
         pull it. ``headers``: those the request's other calls to daemons carried (only
-        their ``Authorization`` goes). Never raises; ``close`` waits for it."""
+        their ``Authorization`` goes). An early prefill still running is cancelled: its
+        work would be thrown away, and it held a prefill slot to its end (a client that
+        left, a decode pod that refused). Never raises; ``close`` waits for it."""
+        early = self._prefills.get(str(params.get("remote_request_id")))
+        if early is not None and not early.done():
+            early.cancel()  # the prefill pod sees the disconnect and frees the handle
         task = asyncio.get_running_loop().create_task(self._release(session, params, headers))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
@@ -317,7 +326,10 @@ class PDOrchestrator:
                             "prefill pod %s answered %d; the decode pod prefills locally",
                             ep.pod, resp.status,
                         )  # fmt: skip
-                        self.prefill_router.mark_failed(ep)
+                        if resp.status >= 500 or resp.status == 429:
+                            # The pod is failing or full; a 4xx is about this request and
+                            # says nothing of the pod (the unified path does not eject).
+                            self.prefill_router.mark_failed(ep)
                         return None
                     data = await resp.json()
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:

@@ -1,0 +1,127 @@
+"""The gateway's P/D leg against scripted stand-in pods (a review's findings).
+
+- a client that leaves while its early remote prefill runs cancels that prefill (it ran to
+  its end on the prefill pod, holding one of --pd-max-prefill-inflight slots);
+- a request with several prompts is prefilled on the decode pod (a transfer handle carries
+  one prompt: the prefill pod refused it with a 400, and that 400 ejected the pod).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from pagefleet.dev.process import free_port
+
+from .test_pd_fleet import MODEL, PROMPT, _gateway
+
+Script = Callable[["Pod", web.Request, dict[str, Any]], Awaitable[web.StreamResponse]]
+
+
+class Pod:
+    """A stand-in daemon: scripted generation endpoints; /v1/kv/* that log what they get."""
+
+    def __init__(self, gen: Script) -> None:
+        self.gen = gen
+        self.log: list[tuple[str, Any]] = []
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        app = web.Application()
+        app.router.add_get("/ready", lambda _: web.json_response({"ready": True}))
+        app.router.add_post("/v1/completions", self._gen)
+        app.router.add_post("/v1/kv/release", self._release)
+        app.router.add_post("/v1/kv/wait", self._wait)
+        self.runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0)
+
+    async def _gen(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.log.append(("gen", body))
+        try:
+            return await self.gen(self, request, body)
+        except asyncio.CancelledError:
+            self.log.append(("gen_cancelled", None))
+            raise
+
+    async def _release(self, request: web.Request) -> web.Response:
+        self.log.append(("release", await request.json()))
+        return web.json_response({"released": True})
+
+    async def _wait(self, request: web.Request) -> web.Response:
+        await asyncio.sleep(3600)
+        return web.json_response({})
+
+    async def __aenter__(self) -> Pod:
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.runner.cleanup()
+
+
+async def _slow_prefill(pod: Pod, request: web.Request, body: dict[str, Any]) -> web.Response:
+    await asyncio.sleep(3.0)  # a long prompt, or one queued behind others
+    return web.json_response({"choices": [{"text": "x"}]})
+
+
+async def _hang(pod: Pod, request: web.Request, body: dict[str, Any]) -> web.Response:
+    await asyncio.sleep(3600)
+    return web.json_response({})
+
+
+async def _refuse(pod: Pod, request: web.Request, body: dict[str, Any]) -> web.Response:
+    err = {"error": {"message": "needs one prompt", "type": "invalid_request_error"}}
+    return web.json_response(err, status=400)
+
+
+async def _answer(pod: Pod, request: web.Request, body: dict[str, Any]) -> web.Response:
+    return web.json_response({
+        "id": "c", "object": "text_completion", "created": 1, "model": MODEL,
+        "choices": [{"index": 0, "text": "ok", "finish_reason": "length", "logprobs": None}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+    })  # fmt: skip
+
+
+async def test_a_client_that_leaves_cancels_its_early_prefill() -> None:
+    async with Pod(_slow_prefill) as p, Pod(_hang) as d:
+        gw, runner, url = await _gateway([p.url], [d.url])
+        try:
+            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+            with pytest.raises(TimeoutError):
+                async with (
+                    aiohttp.ClientSession() as s,
+                    asyncio.timeout(0.5),
+                    s.post(url + "/v1/completions", json=body) as r,
+                ):
+                    await r.read()
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 2.0 and ("gen_cancelled", None) not in p.log:
+                await asyncio.sleep(0.05)  # well before the prefill's own 3 s end
+            assert ("gen_cancelled", None) in p.log, p.log
+            ranked = (await gw.pd.prefill_router.route([1, 2, 3])).ranked
+            assert [c.queue for c in ranked] == [0], "the abandoned prefill holds a slot"
+        finally:
+            await runner.cleanup()
+
+
+async def test_several_prompts_are_prefilled_on_the_decode_pod_and_eject_nothing() -> None:
+    async with Pod(_refuse) as p, Pod(_answer) as d:
+        gw, runner, url = await _gateway([p.url], [d.url])
+        try:
+            body = {"model": MODEL, "prompt": [PROMPT, PROMPT + " again"], "max_tokens": 4}
+            async with (
+                aiohttp.ClientSession() as s,
+                s.post(url + "/v1/completions", json=body) as r,
+            ):
+                assert r.status == 200
+            await asyncio.sleep(0.2)
+            assert not [b for w, b in p.log if w == "gen"], "sent for a remote prefill"
+            assert not gw.pd.prefill_router._ejected
+        finally:
+            await runner.cleanup()
