@@ -162,11 +162,14 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if t == 0:
             return out.to(q.dtype)
         args = _step_args(meta)
+        # Held in a local for the call: a temporary's storage (a non-contiguous pool's copy)
+        # is freed as soon as data_ptr() returns, and the kernel would read freed memory.
+        vc = v_cache.contiguous()
         rc = self._lib.pf_paged_attention(
             qf.data_ptr(),
             qf.stride(0),
             k_cache.data_ptr(),
-            v_cache.contiguous().data_ptr(),
+            vc.data_ptr(),
             _KV_DTYPES[k_cache.dtype],
             args.tables.data_ptr(),
             args.tables.shape[1],

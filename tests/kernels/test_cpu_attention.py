@@ -265,3 +265,19 @@ def test_store_writes_the_slots_torch_writes(backend):
     backend.store(k, v, pools[0], pools[1], slots)
     store_kv(k, v, ref[0], ref[1], slots)
     assert torch.equal(pools[0], ref[0]) and torch.equal(pools[1], ref[1])
+
+
+def test_a_non_contiguous_v_pool_is_read_while_it_lives(backend):
+    """A V pool that is a view (here the first half of a wider tensor) is copied for the
+    kernel; the copy was a temporary freed before the call read it (a segfault once the
+    32 MiB copy came from mmap, stale data below that)."""
+    torch.manual_seed(0)
+    nb, bs, hkv, d, hq = 4096, 16, 2, 64, 8
+    k = torch.randn(nb, bs, hkv, d)
+    v = torch.randn(nb, bs, hkv, 2 * d)[..., :d]
+    assert not v.is_contiguous()
+    meta = build_metadata([list(range(188)), list(range(300, 332))], [1, 1], [3000, 500], bs)
+    q = torch.randn(2, hq, d)
+    assert backend.covers(q, k)
+    out = backend.attend(q, k, v, meta, d**-0.5)
+    torch.testing.assert_close(out, paged_attention(q, k, v, meta, d**-0.5), atol=2e-6, rtol=2e-5)
