@@ -253,15 +253,20 @@ class PDOrchestrator:
             await self._release(session, params, headers, wait=False)
 
     def release_later(
-        self, session: aiohttp.ClientSession, params: dict[str, Any], headers: dict[str, str]
+        self,
+        session: aiohttp.ClientSession,
+        params: dict[str, Any],
+        headers: dict[str, str],
+        cancel_prefill: bool = False,
     ) -> None:
         """Free ``params``' handle on its prefill pod in the background: no decode pod will
         pull it. ``headers``: those the request's other calls to daemons carried (only
-        their ``Authorization`` goes). An early prefill still running is cancelled: its
-        work would be thrown away, and it held a prefill slot to its end (a client that
-        left, a decode pod that refused). Never raises; ``close`` waits for it."""
+        their ``Authorization`` goes). ``cancel_prefill`` (the client went away): an early
+        prefill still running is cancelled, as a unified pod aborts the request; it ran to
+        its end before, holding a prefill slot for nobody. Never raises; ``close`` waits
+        for it."""
         early = self._prefills.get(str(params.get("remote_request_id")))
-        if early is not None and not early.done():
+        if cancel_prefill and early is not None and not early.done():
             early.cancel()  # the prefill pod sees the disconnect and frees the handle
         task = asyncio.get_running_loop().create_task(self._release(session, params, headers))
         self._releases.add(task)

@@ -420,13 +420,17 @@ class Gateway:
         stay pinned until the handle's deadline."""
         assert self.pd is not None and self._session is not None
         served = False
+        gone = True  # until _forward returns: an exception here means the client left
         try:
             resp = await self._forward(request, body, path, stream, decision, t_arrival)
+            gone = False
             served = resp.status < 300
             return resp
         finally:
             if not served:
-                self.pd.release_later(self._session, params, self._upstream_headers(request))
+                self.pd.release_later(
+                    self._session, params, self._upstream_headers(request), cancel_prefill=gone
+                )
 
     async def _forward(
         self,
