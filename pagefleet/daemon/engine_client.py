@@ -30,6 +30,7 @@ import os
 import queue
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -61,7 +62,7 @@ class EngineClient(EngineHandle):
 
     def start(self) -> None:
         # Encoded messages for the writer thread, in send order; None ends it.
-        self._out: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._out: queue.SimpleQueue[bytes | threading.Event | None] = queue.SimpleQueue()
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(_PRELOAD)
         parent, child = ctx.Pipe(duplex=True)
@@ -101,10 +102,18 @@ class EngineClient(EngineHandle):
         self._stopping = True
         if self._proc is None:
             return
+        t0 = time.monotonic()
         with contextlib.suppress(EngineDeadError):
             self._send(("stop",))
-        self._proc.join(timeout)
-        self._out.put(None)  # the writer ends (after the stop, if it was still sending)
+        # The stop must have left before the join: a process started by a fork server
+        # that is itself gone (SIGTERM to the whole group) reads as ended at once, and the
+        # engine would then never see the stop (the pipe closes below).
+        written = threading.Event()
+        self._out.put(written)
+        written.wait(timeout)
+        left = None if timeout is None else max(0.0, timeout - (time.monotonic() - t0))
+        self._proc.join(left)
+        self._out.put(None)  # the writer ends
         if self._proc.is_alive():
             logger.warning("engine process %d did not stop in %ss; killing it", self.pid, timeout)
             self._proc.kill()
@@ -160,13 +169,18 @@ class EngineClient(EngineHandle):
         self._out.put(ipc.dumps(msg))
 
     def _write(self) -> None:
-        """Writer thread: every queued message to the pipe, in order. A failed write means
+        """Writer thread: every queued message to the pipe, in order; an Event is set once
+        everything queued before it was written (or could not be). A failed write means
         the process is gone: the reader's end of the pipe takes the death path."""
-        while (data := self._out.get()) is not None:
-            try:
-                self._conn.send_bytes(data)
-            except (OSError, ValueError):  # ValueError: the pipe was closed here
-                return
+        broken = False
+        while (item := self._out.get()) is not None:
+            if isinstance(item, threading.Event):
+                item.set()
+            elif not broken:
+                try:
+                    self._conn.send_bytes(item)
+                except (OSError, ValueError):  # ValueError: the pipe was closed here
+                    broken = True
 
     def _read(self) -> None:
         """Reader thread: every message to the event loop, in order; then the pipe's end."""
