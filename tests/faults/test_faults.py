@@ -313,7 +313,12 @@ async def test_sigkill_mid_stream_then_restart(fleet, references) -> None:
             during_outage=Counter(o.kind for o in during), detect_s=round(detect, 2),
             recovery_s=round(time.monotonic() - t_kill, 1), after=str(dict(back)))  # fmt: skip
     assert on_victim and others  # the streams were spread over both daemons
-    assert all(o.kind == "refused" for o in on_victim), on_victim  # error event, no [DONE]
+    # Every stream the kill cut ends with an error event, no [DONE]. One that had already
+    # sent all 200 tokens (while the last streams were being started, on a fast machine)
+    # rightly ended normally: "ok" is the whole reference text and a [DONE], which a cut
+    # stream cannot fake. Never a wrong 200, never a hang.
+    cut = [o for o in on_victim if o.kind != "ok"]
+    assert cut and all(o.kind == "refused" for o in cut), on_victim
     assert detect < 1.0
     assert all(o.kind == "ok" for o in others)
     assert all(o.kind == "ok" for o in during), [o.detail for o in during if o.kind != "ok"]
