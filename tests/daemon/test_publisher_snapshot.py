@@ -13,6 +13,11 @@ from pagefleet.kvindex.index import PodLoad
 from pagefleet.kvindex.memory import MemoryKVIndex
 
 
+async def _no_blocks(deliver: Callable[[set[int]], None]) -> None:
+    """An engine holding no blocks: the snapshot the publisher asks for."""
+    deliver(set())
+
+
 async def test_an_unanswered_snapshot_is_asked_again_and_the_resync_completes() -> None:
     """The first request for the engine's block set is never answered (as if lost in a step);
     the publisher must not wait on it forever: it asks again and resyncs the index."""
@@ -85,12 +90,9 @@ async def test_a_cancel_that_lands_as_an_index_call_ends_still_stops_the_heartbe
             assert pub is not None
             pub._tasks[1].cancel()
 
-    async def snapshot(deliver: Callable[[set[int]], None]) -> None:
-        deliver(set())
-
     pub = KVEventPublisher(
         CancelledAsItAnswers(), "pod-c", asyncio.get_running_loop(), load_fn=PodLoad,
-        snapshot=snapshot, heartbeat_s=0.05,
+        snapshot=_no_blocks, heartbeat_s=0.05,
     )  # fmt: skip
     await pub.start()
     heartbeat = pub._tasks[1]
@@ -111,12 +113,9 @@ async def test_close_is_bounded_when_a_task_swallows_its_cancel(caplog) -> None:
                 with contextlib.suppress(asyncio.CancelledError):
                     await release.wait()
 
-    async def snapshot(deliver: Callable[[set[int]], None]) -> None:
-        deliver(set())
-
     pub = Stubborn(
         MemoryKVIndex(), "pod-d", asyncio.get_running_loop(), load_fn=PodLoad,
-        snapshot=snapshot, heartbeat_s=0.05,
+        snapshot=_no_blocks, heartbeat_s=0.05,
     )  # fmt: skip
     await pub.start()
     await asyncio.sleep(0.05)
@@ -177,11 +176,8 @@ async def test_batches_queued_behind_a_slow_index_go_in_one_call() -> None:
     the queued batches now go together, in order, and the backlog stays small."""
     index = _SlowIndex()
 
-    async def snapshot(deliver: Callable[[set[int]], None]) -> None:
-        deliver(set())
-
     pub = KVEventPublisher(index, "pod-a", asyncio.get_running_loop(), load_fn=PodLoad,
-                           snapshot=snapshot, heartbeat_s=0.1)  # fmt: skip
+                           snapshot=_no_blocks, heartbeat_s=0.1)  # fmt: skip
     await pub.start()
     try:
         await asyncio.wait_for(pub.in_sync.wait(), 5)
