@@ -103,6 +103,11 @@ class KVTransferParams(BaseModel):
     # To a decode pod with do_remote_prefill: ``remote_pending`` says the prefill may still
     # be running (reserve now, wait for the handle, then pull).
     remote_pending: bool = False
+    # With remote_pending: the longest the sender will wait for that prefill, counted from
+    # when it sent the request (a gateway's prefill timeout). Past it the sender has given
+    # up on the prefill pod, so the decode pod stops waiting and prefills locally then,
+    # rather than at its own kv_transfer_timeout_s (a frozen prefill pod never says "no").
+    remote_wait_s: float | None = Field(default=None, gt=0, le=600)
 
 
 @dataclass(slots=True)
@@ -417,7 +422,9 @@ class TcpKVTransfer(KVTransfer):
         url = self._url(params, WAIT_PATH)
         body = WaitRequest(handle=params.remote_request_id or "", wait_s=wait_s).model_dump()
         try:
-            async with asyncio.timeout(wait_s + min(self.timeout_s, 3.0)):
+            # The pod answers 408 at ``wait_s``; a frozen one answers nothing, so the
+            # slack past it (for that answer to arrive) is kept short.
+            async with asyncio.timeout(wait_s + min(self.timeout_s, 1.0)):
                 async with self._client().post(
                     url, json=body, headers=self._auth,
                     timeout=ClientTimeout(total=None, sock_connect=3.0),

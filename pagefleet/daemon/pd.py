@@ -258,8 +258,11 @@ class PDSide:
             # The prefill may still be running: the reservation above overlapped it; now
             # wait for its handle. One that could not be made, or would expire too soon
             # for the copy, is made again once the KV is there.
+            wait_s = self.config.kv_transfer_timeout_s
+            if tp.remote_wait_s is not None:  # the sender's own bound, from our start
+                wait_s = min(wait_s, max(0.05, tp.remote_wait_s - (times[1] - times[0])))
             try:
-                await self.transfer.wait_ready(tp, self.config.kv_transfer_timeout_s)
+                await self.transfer.wait_ready(tp, wait_s)
             except KVPullError as exc:
                 if plan is not None:
                     loop.post_cancel_import(plan)

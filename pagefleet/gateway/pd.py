@@ -23,7 +23,9 @@ load). Then:
    next decode pod gets the same handle.
 3. A prefill pod that fails or times out costs nothing but time: the decode pod prefills
    locally (told by the prefill pod, which settles the handle as never exported, or by the
-   gateway's release of it when the prefill pod never got the request).
+   gateway's release of it when the prefill pod never got the request). A decode pod
+   told early waits for the handle at most ``prefill_timeout_s`` (``remote_wait_s``): a
+   frozen prefill pod answers neither the prefill nor the release.
 4. When the gateway gives up on a request that carries a handle (every decode pod failed,
    a decode pod answered an error, or the client went away first), it releases the handle
    on the prefill pod (``POST /v1/kv/release``) in the background: its blocks are unpinned
@@ -226,6 +228,9 @@ class PDOrchestrator:
             "remote_host": url.hostname,
             "remote_port": url.port,
             "remote_request_id": handle,
+            # The decode pod waits for this prefill no longer than the gateway does: a
+            # frozen prefill pod would otherwise hold it to its own transfer timeout.
+            "remote_wait_s": self.settings.prefill_timeout_s,
         }
         task = asyncio.get_running_loop().create_task(
             self._early_prefill(session, ep, path, original, headers, params)

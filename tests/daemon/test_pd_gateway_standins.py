@@ -3,7 +3,9 @@
 - a client that leaves while its early remote prefill runs cancels that prefill (it ran to
   its end on the prefill pod, holding one of --pd-max-prefill-inflight slots);
 - a request with several prompts is prefilled on the decode pod (a transfer handle carries
-  one prompt: the prefill pod refused it with a 400, and that 400 ejected the pod).
+  one prompt: the prefill pod refused it with a 400, and that 400 ejected the pod);
+- a frozen prefill pod (accepts connections, answers nothing) costs the client the
+  gateway's --pd-prefill-timeout, not the decode pod's longer kv_transfer_timeout_s.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from aiohttp import web
 
 from pagefleet.dev.process import free_port
 
-from .test_pd_fleet import MODEL, PROMPT, _gateway
+from .conftest import live_daemon
+from .test_pd_fleet import MODEL, PROMPT, _config, _gateway
 
 Script = Callable[["Pod", web.Request, dict[str, Any]], Awaitable[web.StreamResponse]]
 
@@ -123,5 +126,30 @@ async def test_several_prompts_are_prefilled_on_the_decode_pod_and_eject_nothing
             await asyncio.sleep(0.2)
             assert not [b for w, b in p.log if w == "gen"], "sent for a remote prefill"
             assert not gw.pd.prefill_router._ejected
+        finally:
+            await runner.cleanup()
+
+
+@pytest.mark.timeout(60)
+async def test_a_frozen_prefill_pod_costs_the_gateways_prefill_timeout_only() -> None:
+    # The decode pod, sent the request early, waits on the frozen pod's /v1/kv/wait; it
+    # used to wait its own kv_transfer_timeout_s (12 s here, + 3 s of slack) before it
+    # prefilled locally, though the gateway had given the prefill up at 5 s.
+    cfg = _config("decode").model_copy(update={"kv_transfer_timeout_s": 12.0})
+    async with Pod(_hang) as p, live_daemon(cfg) as d:
+        _, runner, url = await _gateway([p.url], [d.url])  # pd_prefill_timeout_s 5
+        try:
+            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+            t0 = time.monotonic()
+            async with (
+                aiohttp.ClientSession() as s,
+                s.post(url + "/v1/completions", json=body) as r,
+            ):
+                assert r.status == 200, await r.text()
+                out = await r.json()
+            took = time.monotonic() - t0
+            assert [w for w, _ in p.log][:1] == ["gen"], "no remote prefill was tried"
+            assert out["usage"]["completion_tokens"] == 4
+            assert took < 5.0 + 2.5, f"answered {took:.1f} s in, not at the 5 s prefill timeout"
         finally:
             await runner.cleanup()
