@@ -198,7 +198,7 @@ class EngineClient(EngineHandle):
                 with contextlib.suppress(OSError, ValueError, AttributeError):
                     self._proc.kill()
                 break
-            self._heard()
+            self._heard(msg)
             if not self._hand_over(self._dispatch, msg):
                 return
         if self._proc is not None:

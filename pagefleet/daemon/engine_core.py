@@ -174,9 +174,9 @@ class EngineCore:
         try:
             value = getattr(self, "side_" + method)(*args)
         except Exception as exc:
-            self.send(("reply", call_id, False, self._error(exc)))
+            self.send(("side_reply", call_id, False, self._error(exc)))
         else:
-            self.send(("reply", call_id, True, value))
+            self.send(("side_reply", call_id, True, value))
 
     # -- side calls: exported KV, read while the engine steps ------------------------------
 

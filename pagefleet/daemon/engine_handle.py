@@ -108,6 +108,9 @@ class EngineHandle:
         self._on_death = on_death
         self._streams: dict[str, RequestStream] = {}
         self._pending: dict[int, tuple[asyncio.Future[Any], Callable[[Any], None] | None]] = {}
+        # "side" calls: answered on threads of their own, so neither their being outstanding
+        # nor their replies say anything of the engine thread (the hang watchdog's subject).
+        self._side_pending: dict[int, tuple[asyncio.Future[Any], Callable[[Any], None] | None]] = {}
         self._ids = itertools.count()
         self._texts: dict[str, RequestText] = {}  # requests whose text is made here
         self._outbox: list[tuple[Any, ...]] = []  # calls of this event-loop turn, unsent
@@ -163,7 +166,8 @@ class EngineHandle:
 
     @property
     def busy(self) -> bool:
-        """Work handed to the engine and not answered yet: live streams or calls."""
+        """Work handed to the engine thread and not answered yet: live streams or calls
+        (side calls are not its work)."""
         return bool(self._streams or self._pending)
 
     def _note_work(self) -> None:
@@ -409,21 +413,25 @@ class EngineHandle:
             raise EngineDeadError("the engine is not running; retry on another replica")
         call_id = next(self._ids)
         fut: asyncio.Future[Any] = self._loop.create_future()
-        self._note_work()
-        self._pending[call_id] = (fut, on_reply)
         if kind == "call":
+            self._note_work()
+            self._pending[call_id] = (fut, on_reply)
             self._queue_call((call_id, method, args))
             return fut
+        self._side_pending[call_id] = (fut, on_reply)
         try:
             self._send((kind, call_id, method, args))
         except BaseException:
-            self._pending.pop(call_id, None)
+            self._side_pending.pop(call_id, None)
             raise
         return fut
 
-    def _heard(self) -> None:
-        """A message arrived from the engine (any thread: a float store)."""
-        self._silence.heard(time.monotonic())
+    def _heard(self, msg: tuple[Any, ...]) -> None:
+        """A message arrived from the engine (any thread: a float store). A side call's
+        reply comes from a thread of its own and says nothing of the engine thread: a
+        steady trickle of KV pulls must not keep a hung step looking alive."""
+        if msg[0] != "side_reply":
+            self._silence.heard(time.monotonic())
 
     def _dispatch(self, msg: tuple[Any, ...]) -> None:
         """One message from the engine, on the event loop, in engine order."""
@@ -441,9 +449,10 @@ class EngineHandle:
             if self._on_events is not None:
                 for batch in msg[1]:
                     self._on_events(batch)
-        elif kind == "reply":
+        elif kind == "reply" or kind == "side_reply":
             _, call_id, ok, value = msg
-            fut, on_reply = self._pending.pop(call_id, (None, None))
+            table = self._pending if kind == "reply" else self._side_pending
+            fut, on_reply = table.pop(call_id, (None, None))
             if fut is None or fut.done():
                 return
             if not ok:
@@ -497,10 +506,11 @@ class EngineHandle:
             stream.queue.put_nowait(err)
         self._streams.clear()
         self._texts.clear()
-        for fut, _cb in self._pending.values():
+        for fut, _cb in [*self._pending.values(), *self._side_pending.values()]:
             if not fut.done():
                 fut.set_exception(err)
         self._pending.clear()
+        self._side_pending.clear()
         if not self.loaded.is_set():
             self.load_error = err
             self.loaded.set()

@@ -39,7 +39,7 @@ class _LoopChannel:
         self._lock = threading.Lock()  # side-call threads send too: keep one order
 
     def send(self, msg: tuple[Any, ...]) -> bool:
-        self._handle._heard()
+        self._handle._heard(msg)
         with self._lock:
             try:
                 self._handle._loop.call_soon_threadsafe(self._handle._dispatch, msg)

@@ -25,6 +25,8 @@ engine -> HTTP
     ("events", [KVEventBatch])               KV events, always before the message that
                                             follows them in engine order
     ("reply", call_id, ok, value)            a call's result, or its error (RemoteError)
+    ("side_reply", call_id, ok, value)       the same for a "side" call: answered off the
+                                            engine thread, so not a sign that it is alive
     ("crashed", message)                     the engine loop raised; the process exits 1
 """
 

@@ -8,6 +8,7 @@ user-facing checks against the real engine on the tiny model.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
 import threading
@@ -398,6 +399,37 @@ async def test_hung_engine_thread_fails_health_and_ends_the_daemon(tiny_tokenize
             assert d.daemon.engine_died.is_set()
             assert d.daemon.engine_loop is not None
             assert "the engine thread hung" in d.daemon.engine_loop.end_reason()
+    finally:
+        release.set()
+
+
+async def test_side_call_replies_do_not_hide_a_hung_engine_thread(tiny_tokenizer):
+    """Side calls (a prefill pod's exported-KV reads for decode pods' pulls) are answered
+    on threads of their own, so their replies say nothing of the engine thread: a step that
+    never returns is still a hang while pulls keep arriving. Each reply used to count as
+    the engine being heard from, so a steady trickle of pulls kept /health at 200."""
+    timeout = 0.6
+    release = threading.Event()
+    factory = fake_engine_factory(tiny_tokenizer, [], step_delay_s=0.05, hang_at_step=2,
+                                  hang_until=release)  # fmt: skip
+    try:
+        async with live_daemon(fake_config(engine_hang_timeout_s=timeout), factory) as d:
+            loop = d.daemon.engine_loop
+            assert loop is not None
+            async with aiohttp.ClientSession() as s:
+                body = {"prompt": [1, 2, 3], "max_tokens": 50, "stream": True}
+                t0 = time.monotonic()
+                async with s.post(f"{d.base_url}/completions", json=body) as r:
+                    assert r.status == 200
+                    unhealthy = None
+                    while unhealthy is None and time.monotonic() - t0 < 6:
+                        with contextlib.suppress(Exception):  # no such handle: still a reply
+                            await loop.side("export_handles")
+                        async with s.get(f"{d.url}/health") as h:
+                            if h.status == 503:
+                                unhealthy = time.monotonic() - t0
+                        await asyncio.sleep(0.1)
+            assert unhealthy is not None, "side-call replies kept a hung engine healthy"
     finally:
         release.set()
 
