@@ -83,6 +83,7 @@ class KVEventPublisher:
         self.snapshot_timeouts = 0
         self._queue: asyncio.Queue[Item] = asyncio.Queue()
         self._need_resync = False
+        self._asked = 0  # resyncs asked for (failures, resync_now): one clears those before it
         self._last_resync = time.monotonic()
         self._down_logged = False
         self._tasks: list[asyncio.Task[None]] = []
@@ -143,6 +144,7 @@ class KVEventPublisher:
     async def resync_now(self) -> None:
         """Ask for a full resync (e.g. after an operator flushed the index)."""
         self._need_resync = True
+        self._asked += 1
         self._queue.put_nowait(_Wake())
 
     async def _op(self, coro: Awaitable[Any]) -> Any:
@@ -166,6 +168,7 @@ class KVEventPublisher:
 
     def _mark_down(self, what: str, exc: BaseException) -> None:
         self._need_resync = True
+        self._asked += 1
         self.in_sync.clear()
         if self._metrics is not None:
             self._metrics.index_up.set(0)
@@ -270,6 +273,7 @@ class KVEventPublisher:
                 return await self._drain_until_stop()
             if snapshot is None:
                 return False
+            asked = self._asked
             try:
                 await self._op(self.index.resync(self.pod, snapshot.block_hashes))
             except Exception as exc:
@@ -281,6 +285,11 @@ class KVEventPublisher:
             self._last_resync = time.monotonic()
             if self._metrics is not None:
                 self._metrics.index_resyncs.inc()
+            if self._asked != asked:
+                # The heartbeat failed (or a resync was asked for) while this resync was in
+                # flight: the index may have lost it since (a restart after its write,
+                # before its reply was read). Keep the flag: the caller resyncs again.
+                return True
             self._need_resync = False
             self._mark_up()
             return True

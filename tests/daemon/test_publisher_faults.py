@@ -1,0 +1,84 @@
+"""The publisher under index faults that land while a resync is in flight, or that an
+index loses the pod's entries without any call failing (a flush, a restart between two
+heartbeats, gc of a pod that stalled): the pod's entry must come back whole, promptly."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from pagefleet.daemon.publisher import KVEventPublisher
+from pagefleet.kvindex.index import PodLoad
+from pagefleet.kvindex.memory import MemoryKVIndex
+
+
+async def _until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.01)
+
+
+class _RestartsDuringResync(MemoryKVIndex):
+    """A resync whose write reached the server and whose reply is still on its way when
+    the server restarts empty: the heartbeat sees the restart (its connection drops) before
+    the publisher reads the resync's reply (both sockets ready in one loop turn)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hold_resync = False
+        self.resync_written = asyncio.Event()
+        self.reply = asyncio.Event()
+        self.down = False
+        self.heartbeat_failures = 0
+
+    async def resync(self, pod: str, block_hashes: set[int]) -> None:
+        await super().resync(pod, block_hashes)
+        if self.hold_resync:
+            self.hold_resync = False
+            self.resync_written.set()
+            await self.reply.wait()
+
+    async def heartbeat(self, pod: str, load: PodLoad, ttl_s: float) -> None:
+        if self.down:
+            self.heartbeat_failures += 1
+            raise ConnectionError("Connection closed by server.")
+        await super().heartbeat(pod, load, ttl_s)
+
+    def restart_empty(self) -> None:
+        self._block_pods.clear()
+        self._pod_blocks.clear()
+        self.down = True
+
+
+async def test_a_failure_seen_while_a_resync_is_in_flight_is_resynced_again() -> None:
+    """The suspicion: the "resync needed" flag set by a failure is cleared before the
+    resync that repairs it happened. It was: the heartbeat marked the index down while a
+    resync's reply was on its way, and that resync's success then cleared the flag; the
+    index, restarted empty after the resync's write, stayed without the pod's blocks until
+    the periodic resync (a minute by default)."""
+    index = _RestartsDuringResync()
+    held = {101, 102, 103}
+
+    async def snapshot(deliver: Callable[[set[int]], None]) -> None:
+        deliver(set(held))
+
+    pub = KVEventPublisher(index, "pod-a", asyncio.get_running_loop(), load_fn=PodLoad,
+                           snapshot=snapshot, heartbeat_s=0.02, backoff_initial_s=0.01,
+                           resync_interval_s=3600.0)  # fmt: skip
+    await pub.start()
+    try:
+        await asyncio.wait_for(pub.in_sync.wait(), 5)
+        index.hold_resync = True
+        await pub.resync_now()
+        await asyncio.wait_for(index.resync_written.wait(), 5)
+        assert index.block_set("pod-a") == held
+        index.restart_empty()  # after the resync's write, before its reply is read
+        await _until(lambda: index.heartbeat_failures > 0)
+        index.down = False  # back (empty) at once
+        index.reply.set()  # the resync's reply: success
+        await _until(lambda: index.block_set("pod-a") == held and pub.in_sync.is_set())
+    finally:
+        await pub.close()
