@@ -84,6 +84,9 @@ class KVEventPublisher:
         self._queue: asyncio.Queue[Item] = asyncio.Queue()
         self._need_resync = False
         self._asked = 0  # resyncs asked for (failures, resync_now): one clears those before it
+        # The index registered the pod (a heartbeat or resync answered): from then on, one
+        # that registers it anew has lost it, and its blocks (a flush, a restart, gc).
+        self._known = False
         self._last_resync = time.monotonic()
         self._down_logged = False
         self._tasks: list[asyncio.Task[None]] = []
@@ -182,6 +185,18 @@ class KVEventPublisher:
                 exc,
             )
 
+    def _mark_lost(self, what: str) -> None:
+        """The index answered, but did not know the pod any more: resync."""
+        logger.warning(
+            "the prefix index lost pod %s's entries (seen while %s: flushed, restarted, "
+            "evicted or garbage-collected); resyncing the full block set",
+            self.pod,
+            what,
+        )
+        self._need_resync = True
+        self._asked += 1
+        self.in_sync.clear()
+
     def _mark_up(self) -> None:
         if self._down_logged:
             logger.warning("prefix index reachable again for pod %s", self.pod)
@@ -213,11 +228,14 @@ class KVEventPublisher:
                 # the engine's steps, one call a batch fell behind for good (the backlog
                 # grew by the step rate, in_sync still set).
                 item, held = self._merge_queued(item)
+                known = self._known
                 try:
-                    await self._op(self.index.apply(self.pod, item))
+                    anew = await self._op(self.index.apply(self.pod, item))
                 except Exception as exc:
                     self._mark_down("applying KV events", exc)
                     continue
+                if anew and known:
+                    self._mark_lost("applying KV events")
                 self.events_applied += len(item.events)
                 if self._metrics is not None:
                     self._metrics.kv_events_published.inc(len(item.events))
@@ -282,6 +300,7 @@ class KVEventPublisher:
                 delay = min(delay * 2, self._backoff_max_s)
                 continue
             self.resyncs += 1
+            self._known = True
             self._last_resync = time.monotonic()
             if self._metrics is not None:
                 self._metrics.index_resyncs.inc()
@@ -314,14 +333,19 @@ class KVEventPublisher:
 
     async def _heartbeat_loop(self) -> None:
         while True:
+            known = self._known
             try:
-                await self._op(self.index.heartbeat(self.pod, self._load_fn(), self._ttl_s))
+                anew = await self._op(self.index.heartbeat(self.pod, self._load_fn(), self._ttl_s))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 self._mark_down("sending the heartbeat", exc)
                 self._queue.put_nowait(_Wake())
             else:
+                if anew is not None:
+                    self._known = True
+                if anew and known:
+                    self._mark_lost("sending the heartbeat")
                 # The index is back, or a periodic resync is due: wake the apply loop, which
                 # checks only between items (an idle engine sends none, and the periodic
                 # resync is what repairs keys Redis dropped without an error: a flush, an

@@ -9,8 +9,11 @@ import time
 from collections.abc import Callable
 
 from pagefleet.daemon.publisher import KVEventPublisher
+from pagefleet.dev.redis_server import LocalRedis
+from pagefleet.kvindex.events import BlockStored, KVEventBatch
 from pagefleet.kvindex.index import PodLoad
 from pagefleet.kvindex.memory import MemoryKVIndex
+from pagefleet.kvindex.redis_index import RedisKVIndex
 
 
 async def _until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
@@ -82,3 +85,41 @@ async def test_a_failure_seen_while_a_resync_is_in_flight_is_resynced_again() ->
         await _until(lambda: index.block_set("pod-a") == held and pub.in_sync.is_set())
     finally:
         await pub.close()
+
+
+async def test_a_flushed_index_gets_the_whole_block_set_back_within_heartbeats() -> None:
+    """FLUSHALL (or an eviction, or gc of a pod that stalled past its heartbeat's TTL and
+    grace) drops the pod's entries and no call fails: the publisher noticed nothing, kept
+    in_sync set, and the pod held nothing in the index until the periodic resync (a minute
+    by default), so the gateway's hit prediction for it stayed at zero that long. The
+    heartbeat that registers the pod anew now tells the publisher, which resyncs."""
+    held = {1000 + i for i in range(8)}
+
+    async def snapshot(deliver: Callable[[set[int]], None]) -> None:
+        deliver(set(held))
+
+    async with LocalRedis() as srv:
+        index = RedisKVIndex.from_url(srv.url, namespace="faults")
+        reader = RedisKVIndex.from_url(srv.url, namespace="faults")
+        pub = KVEventPublisher(index, "pod-a", asyncio.get_running_loop(), load_fn=PodLoad,
+                               snapshot=snapshot, heartbeat_s=0.05,
+                               resync_interval_s=3600.0)  # fmt: skip
+        await pub.start()
+        try:
+            await asyncio.wait_for(pub.in_sync.wait(), 5)
+            pub.sink(KVEventBatch(time.time(), 1, [BlockStored(sorted(held), None, [], 16)]))
+            await _until(lambda: pub.events_applied == 1)
+            assert await reader.lookup(sorted(held)) == {"pod-a": len(held)}
+            await reader.client.flushall()
+            found: dict[str, int] = {}
+            deadline = time.monotonic() + 3.0
+            while time.monotonic() < deadline:
+                found = await reader.lookup(sorted(held))
+                if found:
+                    break
+                await asyncio.sleep(0.05)
+            assert found == {"pod-a": len(held)}
+            await _until(lambda: pub.in_sync.is_set() and pub.idle)
+        finally:
+            await pub.close()
+            await reader.close()
