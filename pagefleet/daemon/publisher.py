@@ -91,6 +91,7 @@ class KVEventPublisher:
         self._down_logged = False
         self._tasks: list[asyncio.Task[None]] = []
         self.in_sync = asyncio.Event()
+        self._back = asyncio.Event()  # a heartbeat succeeded after one failed
         self._ops_in_flight = 0  # index calls awaiting their answer
         self.events_applied = 0
         self.resyncs = 0
@@ -292,11 +293,19 @@ class KVEventPublisher:
             if snapshot is None:
                 return False
             asked = self._asked
+            self._back.clear()
             try:
                 await self._op(self.index.resync(self.pod, snapshot.block_hashes))
             except Exception as exc:
                 self._mark_down("resyncing", exc)
-                await asyncio.sleep(delay)
+                # The backoff ends early when the heartbeat gets through again: that
+                # heartbeat made the pod count again with the entries it has in the index,
+                # which may be stale (events dropped meanwhile, or a previous life's blocks
+                # when the daemon restarted during the outage) until this resync replaces
+                # them.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(delay):
+                        await self._back.wait()
                 delay = min(delay * 2, self._backoff_max_s)
                 continue
             self.resyncs += 1
@@ -332,6 +341,7 @@ class KVEventPublisher:
                 return False
 
     async def _heartbeat_loop(self) -> None:
+        failed = False
         while True:
             known = self._known
             try:
@@ -339,9 +349,13 @@ class KVEventPublisher:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                failed = True
                 self._mark_down("sending the heartbeat", exc)
                 self._queue.put_nowait(_Wake())
             else:
+                if failed:
+                    failed = False
+                    self._back.set()
                 if anew is not None:
                     self._known = True
                 if anew and known:

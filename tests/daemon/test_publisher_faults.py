@@ -123,3 +123,69 @@ async def test_a_flushed_index_gets_the_whole_block_set_back_within_heartbeats()
         finally:
             await pub.close()
             await reader.close()
+
+
+class _Partitioned(MemoryKVIndex):
+    """Every write fails while ``down`` (a daemon cut off from Redis); reads still work."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = False
+
+    def _check(self) -> None:
+        if self.down:
+            raise ConnectionError("Connection refused")
+
+    async def apply(self, pod, batch):  # type: ignore[no-untyped-def]
+        self._check()
+        return await super().apply(pod, batch)
+
+    async def heartbeat(self, pod, load, ttl_s):  # type: ignore[no-untyped-def]
+        self._check()
+        return await super().heartbeat(pod, load, ttl_s)
+
+    async def resync(self, pod, block_hashes):  # type: ignore[no-untyped-def]
+        self._check()
+        await super().resync(pod, block_hashes)
+
+    async def clear_pod(self, pod):  # type: ignore[no-untyped-def]
+        self._check()
+        await super().clear_pod(pod)
+
+
+async def test_a_restarted_pods_heartbeat_after_an_outage_does_not_revive_its_old_blocks() -> None:
+    """A daemon killed (its entries left behind) and restarted under the same name with an
+    empty cache while Redis is unreachable: when Redis answers again, its first heartbeat
+    makes the previous life's blocks count again. They attracted requests (a full hit
+    predicted on a pod holding nothing) until the resync's backoff sleep ran out, up to
+    ``backoff_max_s`` (5 s by default); the resync now follows the heartbeat at once."""
+    index = _Partitioned()
+    old = [7000 + i for i in range(6)]
+    loop = asyncio.get_running_loop()
+    await index.heartbeat("pod-a", PodLoad(), 0.05)  # the previous life, killed
+    await index.apply("pod-a", KVEventBatch(time.time(), 1, [BlockStored(old, None, [], 16)]))
+    while await index.lookup(old):  # until that life's heartbeat expired
+        await asyncio.sleep(0.01)
+
+    async def empty(deliver: Callable[[set[int]], None]) -> None:
+        deliver(set())
+
+    index.down = True
+    pub = KVEventPublisher(index, "pod-a", loop, load_fn=PodLoad, snapshot=empty,
+                           heartbeat_s=0.02, backoff_initial_s=2.0, backoff_max_s=2.0)  # fmt: skip
+    await pub.start()
+    try:
+        await asyncio.sleep(0.3)  # the clear, heartbeats and a resync failed meanwhile
+        assert await index.lookup(old) == {}
+        index.down = False
+        stale_s, t0 = 0.0, time.monotonic()
+        while time.monotonic() - t0 < 2.5:
+            t = time.monotonic()
+            await asyncio.sleep(0.01)
+            if await index.lookup(old):
+                stale_s += time.monotonic() - t
+        assert stale_s < 0.5, f"the old life's blocks counted for {stale_s:.2f} s"
+        assert await index.lookup(old) == {} and index.block_set("pod-a") == set()
+        assert pub.in_sync.is_set()
+    finally:
+        await pub.close()
