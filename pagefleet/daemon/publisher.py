@@ -10,7 +10,9 @@ block set as of the last applied batch. When the index fails, queued batches are
 replaced by a fresh snapshot (``engine.cached_block_hashes()``). The snapshot is taken
 between engine steps and enters the same queue as the batches, so batches emitted before it are
 skipped (the snapshot contains them) and batches after it are applied on top: no gap, no
-double count.
+double count. An index that answers but no longer knows the pod (flushed, restarted between
+two calls, evicted, garbage-collected) says so on the next heartbeat or stored block, and
+the set is replaced the same way.
 """
 
 from __future__ import annotations
