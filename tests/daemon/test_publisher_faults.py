@@ -110,6 +110,7 @@ async def test_a_flushed_index_gets_the_whole_block_set_back_within_heartbeats()
             pub.sink(KVEventBatch(time.time(), 1, [BlockStored(sorted(held), None, [], 16)]))
             await _until(lambda: pub.events_applied == 1)
             assert await reader.lookup(sorted(held)) == {"pod-a": len(held)}
+            assert pub.resyncs == 0  # a first registration is no loss
             await reader.client.flushall()
             found: dict[str, int] = {}
             deadline = time.monotonic() + 3.0
