@@ -10,7 +10,9 @@ block set as of the last applied batch. When the index fails, queued batches are
 replaced by a fresh snapshot (``engine.cached_block_hashes()``). The snapshot is taken
 between engine steps and enters the same queue as the batches, so batches emitted before it are
 skipped (the snapshot contains them) and batches after it are applied on top: no gap, no
-double count.
+double count. An index that answers but no longer knows the pod (flushed, restarted between
+two calls, evicted, garbage-collected) says so on the next heartbeat or stored block, and
+the set is replaced the same way.
 """
 
 from __future__ import annotations
@@ -83,10 +85,15 @@ class KVEventPublisher:
         self.snapshot_timeouts = 0
         self._queue: asyncio.Queue[Item] = asyncio.Queue()
         self._need_resync = False
+        self._asked = 0  # resyncs asked for (failures, resync_now): one clears those before it
+        # The index registered the pod (a heartbeat or resync answered): from then on, one
+        # that registers it anew has lost it, and its blocks (a flush, a restart, gc).
+        self._known = False
         self._last_resync = time.monotonic()
         self._down_logged = False
         self._tasks: list[asyncio.Task[None]] = []
         self.in_sync = asyncio.Event()
+        self._back = asyncio.Event()  # a heartbeat succeeded after one failed
         self._ops_in_flight = 0  # index calls awaiting their answer
         self.events_applied = 0
         self.resyncs = 0
@@ -143,6 +150,7 @@ class KVEventPublisher:
     async def resync_now(self) -> None:
         """Ask for a full resync (e.g. after an operator flushed the index)."""
         self._need_resync = True
+        self._asked += 1
         self._queue.put_nowait(_Wake())
 
     async def _op(self, coro: Awaitable[Any]) -> Any:
@@ -166,6 +174,7 @@ class KVEventPublisher:
 
     def _mark_down(self, what: str, exc: BaseException) -> None:
         self._need_resync = True
+        self._asked += 1
         self.in_sync.clear()
         if self._metrics is not None:
             self._metrics.index_up.set(0)
@@ -178,6 +187,18 @@ class KVEventPublisher:
                 type(exc).__name__,
                 exc,
             )
+
+    def _mark_lost(self, what: str) -> None:
+        """The index answered, but did not know the pod any more: resync."""
+        logger.warning(
+            "the prefix index lost pod %s's entries (seen while %s: flushed, restarted, "
+            "evicted or garbage-collected); resyncing the full block set",
+            self.pod,
+            what,
+        )
+        self._need_resync = True
+        self._asked += 1
+        self.in_sync.clear()
 
     def _mark_up(self) -> None:
         if self._down_logged:
@@ -210,11 +231,14 @@ class KVEventPublisher:
                 # the engine's steps, one call a batch fell behind for good (the backlog
                 # grew by the step rate, in_sync still set).
                 item, held = self._merge_queued(item)
+                known = self._known
                 try:
-                    await self._op(self.index.apply(self.pod, item))
+                    anew = await self._op(self.index.apply(self.pod, item))
                 except Exception as exc:
                     self._mark_down("applying KV events", exc)
                     continue
+                if anew and known:
+                    self._mark_lost("applying KV events")
                 self.events_applied += len(item.events)
                 if self._metrics is not None:
                     self._metrics.kv_events_published.inc(len(item.events))
@@ -270,17 +294,32 @@ class KVEventPublisher:
                 return await self._drain_until_stop()
             if snapshot is None:
                 return False
+            asked = self._asked
+            self._back.clear()
             try:
                 await self._op(self.index.resync(self.pod, snapshot.block_hashes))
             except Exception as exc:
                 self._mark_down("resyncing", exc)
-                await asyncio.sleep(delay)
+                # The backoff ends early when the heartbeat gets through again: that
+                # heartbeat made the pod count again with the entries it has in the index,
+                # which may be stale (events dropped meanwhile, or a previous life's blocks
+                # when the daemon restarted during the outage) until this resync replaces
+                # them.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(delay):
+                        await self._back.wait()
                 delay = min(delay * 2, self._backoff_max_s)
                 continue
             self.resyncs += 1
+            self._known = True
             self._last_resync = time.monotonic()
             if self._metrics is not None:
                 self._metrics.index_resyncs.inc()
+            if self._asked != asked:
+                # The heartbeat failed (or a resync was asked for) while this resync was in
+                # flight: the index may have lost it since (a restart after its write,
+                # before its reply was read). Keep the flag: the caller resyncs again.
+                return True
             self._need_resync = False
             self._mark_up()
             return True
@@ -304,15 +343,25 @@ class KVEventPublisher:
                 return False
 
     async def _heartbeat_loop(self) -> None:
+        failed = False
         while True:
+            known = self._known
             try:
-                await self._op(self.index.heartbeat(self.pod, self._load_fn(), self._ttl_s))
+                anew = await self._op(self.index.heartbeat(self.pod, self._load_fn(), self._ttl_s))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                failed = True
                 self._mark_down("sending the heartbeat", exc)
                 self._queue.put_nowait(_Wake())
             else:
+                if failed:
+                    failed = False
+                    self._back.set()
+                if anew is not None:
+                    self._known = True
+                if anew and known:
+                    self._mark_lost("sending the heartbeat")
                 # The index is back, or a periodic resync is due: wake the apply loop, which
                 # checks only between items (an idle engine sends none, and the periodic
                 # resync is what repairs keys Redis dropped without an error: a flush, an

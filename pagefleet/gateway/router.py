@@ -97,22 +97,35 @@ class Ticket:
 
 @dataclass(slots=True)
 class _Breaker:
-    """Skips the index for ``cooldown_s`` after a failure; one probe then decides."""
+    """Skips the index for ``cooldown_s`` after a failure; one probe then decides: the
+    requests routed while it is out skip the index too."""
 
     cooldown_s: float
     open_until: float = 0.0
     failures: int = 0
+    probing: bool = False
 
     def allow(self, now: float) -> bool:
-        return now >= self.open_until
+        if not self.failures:
+            return True
+        if self.probing or now < self.open_until:
+            return False
+        self.probing = True
+        return True
 
     def failed(self, now: float) -> None:
         self.failures += 1
         self.open_until = now + self.cooldown_s
+        self.probing = False
 
     def succeeded(self) -> None:
         self.failures = 0
         self.open_until = 0.0
+        self.probing = False
+
+    def abandoned(self) -> None:
+        """The call ended without an answer either way (its request was cancelled)."""
+        self.probing = False
 
 
 @dataclass(slots=True)
@@ -398,6 +411,9 @@ class Router:
             # asyncio.timeout, not wait_for: no extra task per request on the hot path.
             async with asyncio.timeout(self.lookup_timeout_s):
                 matched = await self.index.lookup(keys)
+        except asyncio.CancelledError:
+            self._breaker.abandoned()
+            raise
         except Exception as exc:
             self._breaker.failed(time.monotonic())
             logger.warning(

@@ -112,8 +112,11 @@ class KVIndex(Protocol):
     instances of different namespaces never see each other's entries.
     """
 
-    async def apply(self, pod: str, batch: KVEventBatch) -> None:
-        """Apply one pod's event batch, events in order (batches must arrive in order)."""
+    async def apply(self, pod: str, batch: KVEventBatch) -> bool | None:
+        """Apply one pod's event batch, events in order (batches must arrive in order).
+
+        True when a stored block registered ``pod`` anew: the index did not know the pod
+        (see ``heartbeat``), so blocks it stored earlier are not here. None: cannot tell."""
         ...
 
     async def lookup(self, block_hashes: list[int]) -> dict[str, int]:
@@ -127,8 +130,13 @@ class KVIndex(Protocol):
         """
         ...
 
-    async def heartbeat(self, pod: str, load: PodLoad, ttl_s: float) -> None:
-        """Mark ``pod`` live for ``ttl_s`` seconds and record its load."""
+    async def heartbeat(self, pod: str, load: PodLoad, ttl_s: float) -> bool | None:
+        """Mark ``pod`` live for ``ttl_s`` seconds and record its load.
+
+        True when this registered ``pod`` anew: its first heartbeat, or the index lost it
+        since (a flush, a restart, an eviction, or gc after its heartbeat expired), and
+        with it every block it held. None: the backend cannot tell. A publisher that knew
+        the pod registered resyncs on True: no call failed to tell it otherwise."""
         ...
 
     async def pods(self) -> dict[str, PodLoad]:

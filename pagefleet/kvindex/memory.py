@@ -45,12 +45,15 @@ class MemoryKVIndex:
 
     # -- writes -------------------------------------------------------------------------
 
-    async def apply(self, pod: str, batch: KVEventBatch) -> None:
+    async def apply(self, pod: str, batch: KVEventBatch) -> bool:
         # Validate the whole batch first so a bad hash never leaves it half applied.
         for event in batch.events:
             if isinstance(event, BlockStored | BlockRemoved):
                 for h in event.block_hashes:
                     _check_hash(h)
+        anew = pod not in self._expires and any(
+            isinstance(e, BlockStored) and e.block_hashes for e in batch.events
+        )
         self._touch(pod)
         for event in batch.events:
             if isinstance(event, BlockStored):
@@ -64,15 +67,18 @@ class MemoryKVIndex:
                     f"unknown KV event {event!r}; expected BlockStored, "
                     "BlockRemoved or AllBlocksCleared"
                 )
+        return anew
 
-    async def heartbeat(self, pod: str, load: PodLoad, ttl_s: float) -> None:
+    async def heartbeat(self, pod: str, load: PodLoad, ttl_s: float) -> bool:
         if ttl_s <= 0:
             raise ValueError(f"heartbeat ttl_s must be positive, got {ttl_s}")
+        anew = pod not in self._expires
         until = self._clock() + ttl_s
         self._loads[pod] = load
         self._live_until[pod] = until
         self._expires[pod] = max(self._expires.get(pod, until), until)
         await self._maybe_auto_gc()
+        return anew
 
     async def clear_pod(self, pod: str) -> None:
         self._clear(pod)

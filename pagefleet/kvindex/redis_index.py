@@ -170,8 +170,8 @@ class RedisKVIndex:
 
     # -- writes -------------------------------------------------------------------------
 
-    async def apply(self, pod: str, batch: KVEventBatch) -> None:
-        await self._run_events(pod, _encode_events(batch.events))
+    async def apply(self, pod: str, batch: KVEventBatch) -> bool:
+        return bool(await self._run_events(pod, _encode_events(batch.events)) & 2)
 
     async def resync(self, pod: str, block_hashes: set[int]) -> None:
         """Replace the pod's set by difference, in bounded script calls.
@@ -183,21 +183,22 @@ class RedisKVIndex:
         """
         packed = pack_hashes(list(block_hashes))
         more = await self._run_events(pod, [b"B", *_chunked(b"A", packed), b"F"])
-        while more:
+        while more & 1:
             more = await self._run_events(pod, [b"F"])
 
     async def clear_pod(self, pod: str) -> None:
         await self._run_events(pod, [b"C"])
         await self._sweep()
 
-    async def heartbeat(self, pod: str, load: PodLoad, ttl_s: float) -> None:
+    async def heartbeat(self, pod: str, load: PodLoad, ttl_s: float) -> bool:
         if ttl_s <= 0:
             raise ValueError(f"heartbeat ttl_s must be positive, got {ttl_s}")
         ttl_ms = max(1, round(ttl_s * 1000))
-        await self._heartbeat(
+        known = await self._heartbeat(
             self.client, self.prefix, self.bucket_bits, pod, load.to_json(), ttl_ms
         )
         await self._maybe_auto_gc()
+        return int(known) == 2
 
     async def gc(self, grace_s: float = 30.0) -> int:
         retired, _left = await self._gc_once(grace_s)
@@ -258,15 +259,17 @@ class RedisKVIndex:
     async def _run_events(self, pod: str, args: list[bytes]) -> int:
         """Run the apply script over ``args`` in CHUNK-sized calls, all in one round trip.
 
-        Returns the last call's result: 1 when a resync finish ('F') has more to do.
-        Pipelined calls run in order. Re-running a suffix of them after NOSCRIPT is safe:
-        the failed calls never ran.
+        Returns the last call's result, 1 when a resync finish ('F') has more to do, plus 2
+        when any call's stored blocks registered a pod the index did not know. Pipelined
+        calls run in order. Re-running a suffix of them after NOSCRIPT is safe: the failed
+        calls never ran.
         """
         calls = _group(args)
         if not calls:
             return 0
         if not self._apply.sha:
             await self._apply.load(self.client)
+        done: list[int] = []
         for _attempt in range(2):
             pipe = self.client.pipeline(transaction=False)
             for call in calls:
@@ -274,10 +277,12 @@ class RedisKVIndex:
             results = await pipe.execute(raise_on_error=False)
             failed = next((i for i, r in enumerate(results) if isinstance(r, Exception)), None)
             if failed is None:
-                return int(results[-1])
+                done += [int(r) for r in results]
+                return (done[-1] & 1) | (2 if any(r & 2 for r in done) else 0)
             err = results[failed]
             if not isinstance(err, NoScriptError):
                 raise err
+            done += [int(r) for r in results[:failed]]
             calls = calls[failed:]
             await self._apply.load(self.client)
         raise ResponseError("pagefleet index: apply script kept missing after SCRIPT LOAD")

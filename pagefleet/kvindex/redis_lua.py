@@ -134,6 +134,8 @@ end
 # ARGV: default bucket bits, pod name, then one argument per event: a kind byte followed by
 # the packed hashes. Kinds: 'S' stored, 'R' removed, 'C' all cleared; a resync is 'B'
 # (begin), 'A' (add a chunk of the new set), 'F' (finish: drop what is not in the new set).
+# Returns 1 when a resync's finish must be called again, plus 2 when an 'S' registered a pod
+# the index did not know (its earlier blocks, if it had any, are not here).
 # A 'C' on a pod that holds entries gives the pod a fresh id: the old id's entries stop
 # counting at once (no live heartbeat under it) and gc() sweeps them later, so clearing is
 # O(1) inside this script however many blocks the pod held.
@@ -150,6 +152,7 @@ local now = now_ms()
 local log = {}
 local nlog, delta = 0, 0
 local more = 0  -- 1 when a resync's finish ran out of budget and must be called again
+local anew = 0  -- 2 when a stored block registered a pod the index did not know
 
 local function flush()
   if idn == nil then return end
@@ -172,6 +175,7 @@ for a = 3, #ARGV do
     if idn == nil then
       idn = new_id(name)
       id2 = enc_id(idn)
+      if kind == 'S' then anew = 2 end
     end
     if kind == 'A' then
       redis.call('RPUSH', P .. 'r2:' .. idn, string.sub(ev, 2))
@@ -296,7 +300,7 @@ if logged > 2 * held + 1024 and redis.call('EXISTS', P .. 'r2:' .. idn) == 0 the
   end
   redis.call('HSET', P .. 'st', 'l' .. idn, nkeep, 'n' .. idn, nkeep)
 end
-return more
+return more + anew
 """
 )
 
@@ -412,7 +416,9 @@ return out
 """
 )
 
-# ARGV: default bucket bits, pod name, load json, ttl in ms.
+# ARGV: default bucket bits, pod name, load json, ttl in ms. Returns 2 when the pod was
+# registered anew (the index did not know it: its first heartbeat, or its entries were lost
+# to a flush, a restart, an eviction or gc), else 1.
 HEARTBEAT = (
     _COMMON
     + r"""
@@ -420,10 +426,14 @@ bits_or(ARGV[1])
 local name = ARGV[2]
 local ttl = tonumber(ARGV[4])
 local id = redis.call('HGET', P .. 'pod', name)
-if not id then id = new_id(name) end
+local known = 1
+if not id then
+  id = new_id(name)
+  known = 2
+end
 redis.call('SET', P .. 'hb:' .. id, ARGV[3], 'PX', ttl)
 touch(id, now_ms() + ttl)
-return 1
+return known
 """
 )
 

@@ -249,6 +249,49 @@ async def test_index_failure_degrades_to_load_only_and_opens_breaker() -> None:
         await router.close()
 
 
+class _HungIndex(MemoryKVIndex):
+    """A Redis that accepts and never answers (SIGSTOP): lookups wait until cancelled."""
+
+    lookups = 0
+
+    async def lookup(self, block_hashes: list[int]) -> dict[str, int]:
+        self.lookups += 1
+        await asyncio.Event().wait()
+        return {}
+
+
+async def test_after_the_cooldown_one_probe_asks_a_hung_index_not_every_request() -> None:
+    """Once the breaker's cooldown was over, every request routed before the first of them
+    timed out asked the hung index too, each waiting the whole lookup timeout (a burst of
+    requests: all of them) and each opening a connection to the stalled Redis. One probe
+    now asks; the others route on load at once, as while the breaker is open."""
+    index = _HungIndex(NS)
+    router = await _router("cache_aware", index, lookup_timeout_s=0.2, breaker_cooldown_s=0.1)
+    try:
+        assert not (await router.route(_prompt(3, 5 * BS))).index_ok  # opens the breaker
+        await asyncio.sleep(0.15)  # the cooldown is over
+        before = index.lookups
+        t0 = time.monotonic()
+        routes = [asyncio.create_task(router.route(_prompt(i, 5 * BS))) for i in range(20)]
+        done, _ = await asyncio.wait(routes, timeout=0.1)
+        assert len(done) == 19, "requests waited on the hung index behind the probe"
+        assert index.lookups - before == 1
+        decisions = await asyncio.gather(*routes)
+        assert not any(d.index_ok for d in decisions) and time.monotonic() - t0 < 1.0
+        # A probe cancelled with its request (the client left) leaves the next one free.
+        await asyncio.sleep(0.15)
+        probe = asyncio.create_task(router.route(_prompt(1, 5 * BS)))
+        await asyncio.sleep(0.02)
+        probe.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await probe
+        before = index.lookups
+        await router.route(_prompt(2, 5 * BS))
+        assert index.lookups - before == 1
+    finally:
+        await router.close()
+
+
 def test_weights_parse_and_reject_unknown_names() -> None:
     w = RoutingWeights.parse("prefill=2, queue=0.5,imbalance-abs=8")
     assert (w.prefill, w.queue, w.kv, w.imbalance_abs) == (2.0, 0.5, 0.5, 8.0)

@@ -261,6 +261,26 @@ async def test_gc_removes_dead_pods_entries_only(index: KVIndex) -> None:
     assert await index.lookup(c) == {"alive": 3}
 
 
+async def test_heartbeat_and_store_tell_when_the_index_did_not_know_the_pod(
+    index: KVIndex,
+) -> None:
+    """A publisher must learn that the index lost its pod (gc here; a flush or a restart in
+    Redis) from the answer of a call that succeeds: no call fails then."""
+    c = chain(4, seed=21)
+    assert await index.heartbeat("p", PodLoad(), 0.2) is True  # first registration
+    assert await index.heartbeat("p", PodLoad(), 0.2) is False
+    assert await index.apply("p", batch(stored(c[:2]))) is False
+    await index.clear_pod("p")  # the pod's own clear: still known
+    assert await index.apply("p", batch(stored(c[:2]))) is False
+    assert await _until(lambda: _eq(index.lookup(c), {}), 10)  # heartbeat expired
+    assert await index.gc(grace_s=0.0) == 1
+    assert await index.apply("p", batch(stored(c[2:3]))) is True  # registered anew
+    assert await index.heartbeat("p", PodLoad(), TTL) is False
+    assert await index.gc(grace_s=0.0) == 0
+    await index.resync("q", set(c))  # a resync registers without saying so
+    assert await index.heartbeat("q", PodLoad(), TTL) is False
+
+
 async def test_large_batch_and_long_prompt(index: KVIndex) -> None:
     c = chain(3000, seed=13)
     await live(index, "a", "b")
