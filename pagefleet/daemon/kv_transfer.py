@@ -77,7 +77,6 @@ _UNKNOWN_GRACE_S = 10.0
 # How long a settled handle's outcome is remembered for waits that arrive after it.
 _SETTLED_TTL_S = 120.0
 _HEADER_LEN = struct.Struct(">I")
-_MAX_HEADER = 64 << 20
 
 
 class KVTransferParams(BaseModel):
@@ -269,6 +268,13 @@ def expected_hashes(plan: Any) -> list[int | None]:
         plan.block_hashes[i] if i < n_full else None
         for i in range(plan.first_block, plan.num_blocks)
     ]
+
+
+def header_limit(plan: Any, layout: Any) -> int:
+    """The most bytes a truthful pull header for ``plan`` takes: the layout and range in
+    far less than 4 KiB, then one key per block and one token id per position, each a JSON
+    integer of at most 20 digits (64 bits) or ``null``, and a comma."""
+    return 4096 + 24 * plan.num_pull_blocks * (1 + layout.block_size)
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:
@@ -480,8 +486,12 @@ class TcpKVTransfer(KVTransfer):
                     )
                     raise KVPullError(reason, f"the prefill pod answered {resp.status}: {text}")
                 (hlen,) = _HEADER_LEN.unpack(await resp.read_exactly(4))
-                if hlen > _MAX_HEADER:
-                    raise KVPullError("protocol", f"KV pull header of {hlen} bytes is too big")
+                # Refused before its bytes are allocated: the peer chooses the length.
+                if hlen > (limit := header_limit(plan, layout)):
+                    raise KVPullError(
+                        "protocol", f"a KV pull header of {hlen} bytes; one for this range "
+                        f"takes at most {limit}"
+                    )  # fmt: skip
                 header = _json_object(await resp.read_exactly(hlen))
                 check_header(header, plan, layout)
                 lo, hi = header["layers"]

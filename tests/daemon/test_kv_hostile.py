@@ -10,11 +10,19 @@ dropped connection, in bounded time and memory, leaving no block pinned on eithe
 from __future__ import annotations
 
 import asyncio
+import json
 import struct
+import time
+import tracemalloc
 
 import pytest
 
-from pagefleet.daemon.kv_transfer import KVPullError, TcpKVTransfer
+from pagefleet.daemon.kv_transfer import (
+    KVPullError,
+    TcpKVTransfer,
+    header_limit,
+    layout_dict,
+)
 from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.engine import LLMEngine
 from pagefleet.engine.loader import load_model, resolve_model
@@ -77,3 +85,46 @@ def test_a_header_that_is_no_json_object_is_a_protocol_failure(header: bytes) ->
         assert decode.kv.pool.num_referenced_blocks == 0
 
     asyncio.run(main())
+
+
+def test_a_header_announcing_a_huge_size_is_refused_before_it_is_allocated() -> None:
+    """A peer that announces a 60 MiB header (and a body to match) then sends nothing made
+    the decode side allocate the 60 MiB at once and hold it to the pull's timeout: a few
+    such pulls at a time are gigabytes. A truthful header for the range is a few KiB."""
+    hlen = 60 << 20
+
+    async def main() -> None:
+        decode = _engine()
+        plan = decode.reserve_import("r", PROMPT)
+        assert plan is not None
+        server, port = await _answer_pull(struct.pack(">I", hlen), length=4 + hlen + 4096)
+        client = TcpKVTransfer(timeout_s=3.0)
+        tracemalloc.start()
+        t0 = time.monotonic()
+        try:
+            async with server:
+                with pytest.raises(KVPullError) as err:
+                    await client.pull(_params(port, "h"), plan, decode.runner.kv_layout())
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+            await client.close()
+            decode.cancel_import(plan)
+        assert err.value.reason == "protocol", err.value
+        assert time.monotonic() - t0 < 2.0, "it waited for the announced bytes"
+        assert peak < 8 << 20, f"{peak} bytes allocated for a header never sent"
+
+    asyncio.run(main())
+
+    # The bound holds any truthful header: the widest keys and token ids there are.
+    decode = _engine()
+    plan = decode.reserve_import("wide", [(1 << 31) - 1] * 1000)
+    assert plan is not None
+    layout = decode.runner.kv_layout()
+    header = {
+        "layout": layout_dict(layout), "layers": [0, layout.num_layers], "first_block": 0,
+        "num_blocks": plan.num_pull_blocks, "block_hashes": [(1 << 64) - 1] * plan.num_pull_blocks,
+        "token_ids": plan.token_ids[: plan.num_pull_blocks * layout.block_size],
+    }  # fmt: skip
+    assert len(json.dumps(header, separators=(",", ":"))) <= header_limit(plan, layout)
+    decode.cancel_import(plan)
