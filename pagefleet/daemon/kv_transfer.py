@@ -611,6 +611,9 @@ class KVExportServer:
         # them; dropped after ``stage_ttl_s`` unpulled.
         self._staged: dict[str, _Staged] = {}
         self.stage_ttl_s = stage_ttl_s
+        # The longest one pull may take to send (its handle is pinned meanwhile): as long as
+        # a handle waits for its pull.
+        self.send_timeout_s = stage_ttl_s
         # Handles waited for (``/v1/kv/wait``) or expected (their prefill is running), and
         # how recently settled ones ended (True: exported), for waits that come after.
         self._awaited: dict[str, _Awaited] = {}
@@ -849,27 +852,40 @@ class KVExportServer:
             # A known length: the client reads a plain body, not chunked encoding.
             payload = 2 * layout.num_layers * len(ids) * bpl
             resp.content_length = _HEADER_LEN.size + len(data) + payload
-            await resp.prepare(request)
-            await resp.write(_HEADER_LEN.pack(len(data)) + data)
-            sent = 0
-            if stage is not None:  # per layer K then V: the range is contiguous in each
-                view = stage.view()
-                part = count * bpl
-                lo, hi = first * bpl, (first + len(ids)) * bpl
-                spans = [(0, stage.nbytes)] if hi - lo == part else [
-                    (i * part + lo, i * part + hi) for i in range(2 * layout.num_layers)
-                ]  # fmt: skip
-                for a, b in spans:
-                    for off in range(a, b, _WRITE_CHUNK):
-                        await resp.write(view[off : min(b, off + _WRITE_CHUNK)])
-                        sent += min(b, off + _WRITE_CHUNK) - off
-                del view
-            else:
-                for layer in range(layout.num_layers):
-                    for buf in await src.read_layer(ids, layer):
-                        await resp.write(buf)
-                        sent += len(buf)
-            await resp.write_eof()
+            # A peer that stops reading would hold this write, and with it the handle (a
+            # handle being read never expires), for as long as its connection lives.
+            try:
+                async with asyncio.timeout(self.send_timeout_s):
+                    await resp.prepare(request)
+                    await resp.write(_HEADER_LEN.pack(len(data)) + data)
+                    sent = 0
+                    if stage is not None:  # per layer K then V: the range is contiguous in each
+                        view = stage.view()
+                        part = count * bpl
+                        lo, hi = first * bpl, (first + len(ids)) * bpl
+                        spans = [(0, stage.nbytes)] if hi - lo == part else [
+                            (i * part + lo, i * part + hi) for i in range(2 * layout.num_layers)
+                        ]  # fmt: skip
+                        for a, b in spans:
+                            for off in range(a, b, _WRITE_CHUNK):
+                                await resp.write(view[off : min(b, off + _WRITE_CHUNK)])
+                                sent += min(b, off + _WRITE_CHUNK) - off
+                        del view
+                    else:
+                        for layer in range(layout.num_layers):
+                            for buf in await src.read_layer(ids, layer):
+                                await resp.write(buf)
+                                sent += len(buf)
+                    await resp.write_eof()
+            except TimeoutError:
+                logger.warning(
+                    "a pull of KV handle %r stalled for %.0fs (the peer stopped reading); "
+                    "dropping its connection: the handle stays until its deadline",
+                    req.handle, self.send_timeout_s,
+                )  # fmt: skip
+                if request.transport is not None:
+                    request.transport.abort()
+                return resp
             consumed = True
             if self.metrics is not None:
                 self.metrics.moved("sent", sent, len(ids))

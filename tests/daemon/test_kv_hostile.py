@@ -11,15 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import struct
 import time
 import tracemalloc
 
 import pytest
+from aiohttp import web
 
 from pagefleet.daemon.kv_transfer import (
+    KVExportServer,
     KVPullError,
     TcpKVTransfer,
+    expected_hashes,
     header_limit,
     layout_dict,
 )
@@ -27,8 +31,9 @@ from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.engine import LLMEngine
 from pagefleet.engine.loader import load_model, resolve_model
 from pagefleet.engine.parts import load_parts
+from pagefleet.testing.pd import run_prefill
 
-from .test_kv_transfer import _LOADED, _params
+from .test_kv_transfer import _LOADED, _metrics, _params
 
 PROMPT = [(i * 7) % 200 + 5 for i in range(43)]
 
@@ -128,3 +133,61 @@ def test_a_header_announcing_a_huge_size_is_refused_before_it_is_allocated() -> 
     }  # fmt: skip
     assert len(json.dumps(header, separators=(",", ":"))) <= header_limit(plan, layout)
     decode.cancel_import(plan)
+
+
+def test_a_reader_that_stops_reading_does_not_pin_the_handle_past_its_deadline() -> None:
+    """A decode pod that asks for a pull and then never reads (frozen, partitioned without
+    a reset) kept the export server's write waiting for good: a handle being read never
+    expires, so its blocks stayed pinned on the prefill pod for as long as the connection
+    lived. The send is bounded; the stalled connection is dropped, the handle expires."""
+    prompt = [(i * 7) % 200 + 5 for i in range(300)]
+
+    async def main() -> None:
+        prefill = _engine(kv_transfer_timeout_s=1.0)
+        _, metrics = _metrics()
+        server = KVExportServer(lambda: prefill, prefill.collect_transfers, metrics)
+        server.send_timeout_s = 1.0
+        app = web.Application()
+        server.add_routes(app)
+        runner = web.AppRunner(app, handler_cancellation=True)
+        await runner.setup()
+        # Small socket buffers on both ends: the ~600 KB payload cannot all be in flight.
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        listener.bind(("127.0.0.1", 0))
+        await web.SockSite(runner, listener).start()
+        port = listener.getsockname()[1]
+        run_prefill(prefill, "h", prompt)
+        decode = _engine()
+        plan = decode.reserve_import("r", prompt)
+        assert plan is not None
+        body = json.dumps({
+            "handle": "h", "first_block": 0, "num_blocks": plan.num_pull_blocks,
+            "block_hashes": expected_hashes(plan), "layout": layout_dict(decode.runner.kv_layout()),
+        }).encode()  # fmt: skip
+        decode.cancel_import(plan)
+        loop = asyncio.get_running_loop()
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, ("127.0.0.1", port))
+            await loop.sock_sendall(
+                sock,
+                b"POST /v1/kv/pull HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n" % len(body) + body,
+            )
+            # Never read: past the handle's deadline and the send bound, it must be gone.
+            for _ in range(60):
+                await asyncio.sleep(0.1)
+                prefill.collect_transfers()
+                if not prefill.exports.handles():
+                    break
+            assert prefill.exports.handles() == [], "a stalled reader pinned the handle"
+            assert prefill.kv.pool.num_referenced_blocks == 0
+            prefill.check_integrity()
+        finally:
+            sock.close()
+            await runner.cleanup()
+
+    asyncio.run(main())
