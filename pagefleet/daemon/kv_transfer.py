@@ -6,8 +6,9 @@ the prompt's blocks and receives them in one binary response on the daemon's own
 
     4 bytes   big-endian length of the header
     header    JSON: layout (layers, block_size, num_kv_heads, head_dim, dtype), the block
-              range, each block's key (null for the prompt's partial last block) and the
-              token ids of the range
+              range, each block's key (null for the prompt's partial last block), the
+              chain key over that partial block when the range holds it (``tail_hash``,
+              else null) and the token ids of the range
     payload   for each layer in the header's layer range: K then V of the blocks, as
               ``[num_blocks, block_size, num_kv_heads, head_dim]`` in C order
 
@@ -33,9 +34,11 @@ the engine process reads (kv_wire.py): no intermediate chunk per read.
 
 Integrity: the decode side only uses a pull whose header matches its own view of the prompt
 -- every block key equals the key its own chain gives (same namespace, same tokens: a handle
-of another model or another prompt fails) and the token ids equal its prompt's -- and whose
-layout equals its own. Any failure is a ``KVPullError`` with a reason; the caller falls back
-to prefilling locally.
+of another model or another prompt fails), and so does the partial last block's
+(``tail_hash``: a range of that block alone, e.g. a prompt shorter than a block, has no
+full block to carry the namespace and adapter), and the token ids equal its prompt's --
+and whose layout equals its own. Any failure is a ``KVPullError`` with a reason; the
+caller falls back to prefilling locally.
 
 Room for RDMA/NIXL: another ``KVTransfer`` implementation can move the same blocks by
 registered memory instead of a byte stream; the export/import bookkeeping in the engine
@@ -270,6 +273,11 @@ def expected_hashes(plan: Any) -> list[int | None]:
     ]
 
 
+def expected_tail_hash(plan: Any) -> int | None:
+    """The partial last block's chain key when a plan pulls that block, else None."""
+    return plan.tail_hash if plan.num_blocks > len(plan.block_hashes) else None
+
+
 def header_limit(plan: Any, layout: Any) -> int:
     """The most bytes a truthful pull header for ``plan`` takes: the layout and range in
     far less than 4 KiB, then one key per block and one token id per position, each a JSON
@@ -311,6 +319,12 @@ def check_header(header: dict[str, Any], plan: Any, layout: Any) -> None:
             "hash_mismatch",
             "the pulled blocks' keys do not match this prompt's hash chain (another model, "
             "another prompt, or a forged handle)",
+        )
+    if header.get("tail_hash") != expected_tail_hash(plan):
+        raise KVPullError(
+            "hash_mismatch",
+            "the pulled partial last block was computed under another model or adapter, or "
+            "from another prompt (or the prefill pod predates tail_hash)",
         )
     bs = layout.block_size
     lo = plan.first_block * bs
@@ -826,6 +840,7 @@ class KVExportServer:
                 "first_block": req.first_block,
                 "num_blocks": req.num_blocks,
                 "block_hashes": have,
+                "tail_hash": entry.tail_hash if end > n_full else None,
                 "token_ids": entry.token_ids[req.first_block * bs : end * bs],
             }
             ids = entry.block_ids[req.first_block : end]

@@ -191,3 +191,64 @@ def test_a_reader_that_stops_reading_does_not_pin_the_handle_past_its_deadline()
             await runner.cleanup()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("prefill_ns", "prefill_lora", "prompt_len", "cached"),
+    [
+        ("another-model", None, 6, 0),  # the prompt is shorter than a block
+        ("", "adapter-a", 6, 0),  # computed under an adapter, asked for without one
+        ("another-model", None, 20, 17),  # the decode pod holds every full block already
+    ],
+    ids=["short-prompt-other-model", "short-prompt-other-adapter", "tail-only-other-model"],
+)
+def test_a_pulled_partial_block_of_another_model_or_adapter_is_refused(
+    prefill_ns: str, prefill_lora: str | None, prompt_len: int, cached: int
+) -> None:
+    """A range holding only the prompt's partial last block carried no key that ties it to
+    the model (namespace) or adapter, only token ids: another model's KV of the same layout,
+    or the same model's under another adapter, was taken and decoded as this one's. The
+    partial block's chain key (tail_hash) is now compared too."""
+    prompt = [(i * 7) % 200 + 5 for i in range(prompt_len)]
+
+    async def main() -> None:
+        prefill, decode = _engine(kv_namespace=prefill_ns), _engine()
+        _, metrics = _metrics()
+        app = web.Application()
+        KVExportServer(lambda: prefill, prefill.collect_transfers, metrics).add_routes(app)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        client = TcpKVTransfer(timeout_s=5.0)
+        try:
+            run_prefill(prefill, "h", prompt, lora=prefill_lora)
+            if cached:
+                run_prefill(decode, "warm", prompt[:cached])
+                decode.collect_transfers(float("inf"))
+            layout = decode.runner.kv_layout()
+            plan = decode.reserve_import("r", prompt)
+            assert plan is not None and plan.first_block == cached // 8
+            assert plan.num_pull_blocks == 1  # the partial block alone
+            with pytest.raises(KVPullError) as err:
+                await client.pull(_params(port, "h"), plan, layout)
+            assert err.value.reason == "hash_mismatch"
+            decode.cancel_import(plan)
+
+            # The same prompt under the same model and adapter still pulls.
+            run_prefill(prefill, "h2", prompt, lora=prefill_lora)
+            same = _engine(kv_namespace=prefill_ns)
+            plan = same.reserve_import("r2", prompt, prefill_lora)
+            assert plan is not None
+            await client.pull(_params(port, "h2"), plan, same.runner.kv_layout())
+            same.cancel_import(plan)
+            for e in (prefill, decode, same):
+                e.collect_transfers(float("inf"))
+                e.check_integrity()
+                assert e.kv.pool.num_referenced_blocks == 0
+        finally:
+            await client.close()
+            await runner.cleanup()
+
+    asyncio.run(main())
