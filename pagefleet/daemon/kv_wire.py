@@ -138,7 +138,11 @@ def parse_head(head: bytes) -> tuple[int, int]:
     """(status, Content-Length) of an HTTP/1.x response head; ValueError otherwise."""
     lines = head.decode("latin-1").split("\r\n")
     parts = lines[0].split(" ", 2)
-    if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+    # A status is three ASCII digits (RFC 9112): the caller names failures by it, so any
+    # other run of digits would be a new metric label each time.
+    status = parts[1] if len(parts) >= 2 else ""
+    three_digits = len(status) == 3 and status.isascii() and status.isdigit()
+    if not parts[0].startswith("HTTP/1.") or not three_digits:
         raise ValueError(f"not an HTTP/1.x response: {lines[0][:80]!r}")
     fields: dict[str, str] = {}
     for line in lines[1:]:
@@ -150,4 +154,4 @@ def parse_head(head: bytes) -> tuple[int, int]:
     length = fields.get("content-length", "")
     if not length.isdigit():
         raise ValueError("the response has no Content-Length")
-    return int(parts[1]), int(length)
+    return int(status), int(length)

@@ -252,3 +252,40 @@ def test_a_pulled_partial_block_of_another_model_or_adapter_is_refused(
             await runner.cleanup()
 
     asyncio.run(main())
+
+
+def test_a_status_code_that_is_not_three_digits_is_a_protocol_failure() -> None:
+    """The pull's failure reason names the peer's status (``http_<status>``), and any run of
+    digits passed as a status: a peer answering a new number each time minted a new
+    ``pulls_failed_total{reason}`` series each time, without bound. HTTP status codes are
+    three digits; anything else is not an HTTP response."""
+
+    async def main() -> None:
+        decode = _engine()
+        plan = decode.reserve_import("r", PROMPT)
+        assert plan is not None
+        client = TcpKVTransfer(timeout_s=5.0)
+        reasons = []
+        try:
+            for status in (b"1234567", b"99", b"0000000000000000000503"):
+
+                async def handle(
+                    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, status=status
+                ) -> None:
+                    await reader.readuntil(b"\r\n\r\n")
+                    writer.write(b"HTTP/1.1 " + status + b" X\r\nContent-Length: 0\r\n\r\n")
+                    await writer.drain()
+                    writer.close()
+
+                server = await asyncio.start_server(handle, "127.0.0.1", 0)
+                async with server:
+                    port = server.sockets[0].getsockname()[1]
+                    with pytest.raises(KVPullError) as err:
+                        await client.pull(_params(port, "h"), plan, decode.runner.kv_layout())
+                    reasons.append(err.value.reason)
+        finally:
+            await client.close()
+            decode.cancel_import(plan)
+        assert reasons == ["protocol"] * 3
+
+    asyncio.run(main())
