@@ -15,7 +15,9 @@ import socket
 import struct
 import time
 import tracemalloc
+from collections.abc import Awaitable, Callable
 
+import aiohttp
 import pytest
 from aiohttp import web
 
@@ -289,3 +291,68 @@ def test_a_status_code_that_is_not_three_digits_is_a_protocol_failure() -> None:
         assert reasons == ["protocol"] * 3
 
     asyncio.run(main())
+
+
+def _hostile_peer(kind: str) -> Callable[..., Awaitable[None]]:
+    """A "prefill pod" that answers a pull as ``kind`` says (and anything else 404)."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0]))
+        ok = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n"
+        if b"/v1/kv/pull" not in head:
+            writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+        elif kind == "header-is-a-list":
+            writer.write(ok % 9 + struct.pack(">I", 5) + b"[1,2]")
+        elif kind == "stalls-mid-body":
+            writer.write(ok % 100_000 + b"\x00\x00")
+            await writer.drain()
+            await reader.read()  # never more, until the client leaves
+        elif kind == "closes-mid-header":
+            writer.write(ok % 100_000 + struct.pack(">I", 50) + b'{"lay')
+        elif kind == "an-html-page":
+            writer.write(ok % 16 + b"<html>hi</html>\n")
+        elif kind == "not-http":
+            writer.write(b"SSH-2.0-OpenSSH_9.6\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    return handle
+
+
+async def test_a_real_decode_daemon_falls_back_from_every_faulty_peer() -> None:
+    """A decode daemon (engine in its own process, pulls into shared-memory stages) told to
+    pull from peers that answer wrongly: every request is answered 200 by a local prefill,
+    each failure is counted under its reason, and no block or stage file is left behind."""
+    from .conftest import live_daemon
+    from .test_pd_fleet import MODEL, PROMPT, _config, _metric
+
+    config = _config("decode").model_copy(update={"kv_pull_timeout_s": 1.0})
+    kinds = {
+        "header-is-a-list": "protocol",
+        "stalls-mid-body": "timeout",
+        "closes-mid-header": "protocol",
+        "an-html-page": "protocol",
+        "not-http": "protocol",
+    }
+    async with live_daemon(config) as d, aiohttp.ClientSession() as s:
+        free = (await d.daemon.engine_loop.stats()).num_free_blocks
+        for i, kind in enumerate(kinds):
+            server = await asyncio.start_server(_hostile_peer(kind), "127.0.0.1", 0)
+            async with server:
+                params = {"do_remote_prefill": True, "remote_host": "127.0.0.1",
+                          "remote_port": server.sockets[0].getsockname()[1],
+                          "remote_request_id": f"h{i}"}  # fmt: skip
+                body = {"model": MODEL, "prompt": f"{PROMPT} ({kind})", "max_tokens": 2,
+                        "kv_transfer_params": params}  # fmt: skip
+                async with s.post(f"{d.url}/v1/completions", json=body) as r:
+                    assert r.status == 200, (kind, await r.text())
+        failed = "pagefleet:kv_transfer_pulls_failed_total"
+        for reason in set(kinds.values()):
+            want = list(kinds.values()).count(reason)
+            assert await _metric(d.url, failed, reason=reason) == want, reason
+        assert await _metric(d.url, "pagefleet:kv_transfer_seconds_count") == 0
+        await d.daemon.engine_loop.invoke("check_integrity")
+        stats = await d.daemon.engine_loop.stats()
+        assert stats.num_free_blocks == free, "a reservation outlived its failed pull"
+        assert len(d.daemon.pd.stages.idle_paths()) <= d.daemon.pd.stages.keep
