@@ -80,6 +80,7 @@ _UNKNOWN_GRACE_S = 10.0
 # How long a settled handle's outcome is remembered for waits that arrive after it.
 _SETTLED_TTL_S = 120.0
 _HEADER_LEN = struct.Struct(">I")
+_MAX_HANDLE = 256  # characters of a transfer handle in a pull, wait or release request
 
 
 class KVTransferParams(BaseModel):
@@ -245,7 +246,7 @@ class PullRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    handle: str = Field(min_length=1, max_length=256)
+    handle: str = Field(min_length=1, max_length=_MAX_HANDLE)
     first_block: int = Field(ge=0)
     num_blocks: int = Field(ge=1)
     # The keys the puller expects for the full blocks of the range: a mismatch is refused
@@ -338,7 +339,7 @@ class ReleaseRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    handle: str = Field(min_length=1, max_length=256)
+    handle: str = Field(min_length=1, max_length=_MAX_HANDLE)
 
 
 class WaitRequest(BaseModel):
@@ -346,7 +347,7 @@ class WaitRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    handle: str = Field(min_length=1, max_length=256)
+    handle: str = Field(min_length=1, max_length=_MAX_HANDLE)
     wait_s: float = Field(gt=0, le=600)
 
 
@@ -428,6 +429,12 @@ class TcpKVTransfer(KVTransfer):
             raise KVPullError(
                 "bad_params",
                 "kv_transfer_params needs remote_host, remote_port and remote_request_id",
+            )
+        if len(params.remote_request_id) > _MAX_HANDLE:  # no request could carry it
+            raise KVPullError(
+                "bad_params",
+                f"kv_transfer_params.remote_request_id has {len(params.remote_request_id)} "
+                f"characters; a transfer handle has at most {_MAX_HANDLE}",
             )
         host = params.remote_host
         if ":" in host and not host.startswith("["):

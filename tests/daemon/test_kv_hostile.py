@@ -356,3 +356,29 @@ async def test_a_real_decode_daemon_falls_back_from_every_faulty_peer() -> None:
         stats = await d.daemon.engine_loop.stats()
         assert stats.num_free_blocks == free, "a reservation outlived its failed pull"
         assert len(d.daemon.pd.stages.idle_paths()) <= d.daemon.pd.stages.keep
+
+
+def test_a_handle_the_wire_cannot_carry_is_bad_params() -> None:
+    """A caller's remote_request_id longer than a pull or wait request may carry (256)
+    escaped the pull client as pydantic's ValidationError: the decode daemon answered the
+    wait path 400 with the internal model's validation text, and counted the pull path as
+    reservation_expired (a ValueError there means that). Both now fail as bad_params."""
+
+    async def main() -> None:
+        decode = _engine()
+        plan = decode.reserve_import("r", PROMPT)
+        assert plan is not None
+        client = TcpKVTransfer(timeout_s=2.0)
+        params = _params(1, "x" * 300)
+        try:
+            with pytest.raises(KVPullError) as err:
+                await client.pull(params, plan, decode.runner.kv_layout())
+            assert err.value.reason == "bad_params"
+            with pytest.raises(KVPullError) as err:
+                await client.wait_ready(params, 1.0)
+            assert err.value.reason == "bad_params"
+        finally:
+            await client.close()
+            decode.cancel_import(plan)
+
+    asyncio.run(main())
