@@ -437,6 +437,12 @@ class TcpKVTransfer(KVTransfer):
                 f"characters; a transfer handle has at most {_MAX_HANDLE}",
             )
         host = params.remote_host
+        try:  # as the resolver will: a label over 63 characters or an empty one fails
+            host.strip("[]").encode("idna")
+        except UnicodeError:
+            raise KVPullError(
+                "bad_params", f"kv_transfer_params.remote_host {host[:80]!r} is no host name"
+            ) from None
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"  # IPv6 literal
         return f"http://{host}:{params.remote_port}{path}"
@@ -450,7 +456,7 @@ class TcpKVTransfer(KVTransfer):
                     if resp.status == 401:
                         self._refused(url)
                     return resp.status == 200
-        except (KVPullError, TimeoutError, ClientError, OSError, ValidationError) as exc:
+        except (KVPullError, TimeoutError, ClientError, OSError, ValueError) as exc:
             logger.debug("releasing KV handle %s failed: %s", params.remote_request_id, exc)
             return False
 

@@ -382,3 +382,31 @@ def test_a_handle_the_wire_cannot_carry_is_bad_params() -> None:
             decode.cancel_import(plan)
 
     asyncio.run(main())
+
+
+def test_a_host_name_the_resolver_refuses_is_bad_params() -> None:
+    """A remote_host with a label over 63 characters makes the resolver raise UnicodeError
+    (a ValueError): it escaped wait_ready (the decode daemon answered 400 with the idna
+    codec's text instead of falling back) and release (whose contract is never to raise:
+    its fire-and-forget task logged 'Task exception was never retrieved'), and the pull
+    counted it as a protocol failure. All three now see a KVPullError('bad_params')."""
+
+    async def main() -> None:
+        decode = _engine()
+        plan = decode.reserve_import("r", PROMPT)
+        assert plan is not None
+        client = TcpKVTransfer(timeout_s=2.0)
+        params = _params(9, "h").model_copy(update={"remote_host": "a" * 100 + ".example"})
+        try:
+            with pytest.raises(KVPullError) as err:
+                await client.pull(params, plan, decode.runner.kv_layout())
+            assert err.value.reason == "bad_params"
+            with pytest.raises(KVPullError) as err:
+                await client.wait_ready(params, 1.0)
+            assert err.value.reason == "bad_params"
+            assert await client.release(params) is False
+        finally:
+            await client.close()
+            decode.cancel_import(plan)
+
+    asyncio.run(main())
