@@ -471,7 +471,8 @@ class TcpKVTransfer(KVTransfer):
                 ) as resp:  # fmt: skip
                     if resp.status == 200:
                         return
-                    text = (await resp.text())[:300]
+                    # Only the start, to quote: the peer chooses how long the body is.
+                    text = (await resp.content.read(4096)).decode(errors="replace")[:300]
         except TimeoutError:
             raise KVPullError("timeout", f"no KV handle at {url} within {wait_s}s") from None
         except (ClientError, OSError) as exc:

@@ -10,6 +10,7 @@ dropped connection, in bounded time and memory, leaving no block pinned on eithe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import struct
@@ -408,5 +409,38 @@ def test_a_host_name_the_resolver_refuses_is_bad_params() -> None:
         finally:
             await client.close()
             decode.cancel_import(plan)
+
+    asyncio.run(main())
+
+
+def test_a_wait_answered_with_an_endless_error_body_reads_only_its_start() -> None:
+    """wait_ready read a non-200 answer's whole body to quote 300 characters of it: a peer
+    streaming an endless error body made the decode daemon buffer all it could receive
+    until the wait's timeout (wait_s + 3 s), gigabytes at loopback speed."""
+    chunk = b"x" * (1 << 20)
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 503 Busy\r\nContent-Length: %d\r\n\r\n" % (1 << 40))
+        with contextlib.suppress(ConnectionError):
+            while True:
+                writer.write(chunk)
+                await writer.drain()
+
+    async def main() -> None:
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        client = TcpKVTransfer(timeout_s=2.0)
+        tracemalloc.start()
+        try:
+            async with server:
+                port = server.sockets[0].getsockname()[1]
+                with pytest.raises(KVPullError) as err:
+                    await client.wait_ready(_params(port, "h"), 1.0)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+            await client.close()
+        assert err.value.reason == "http_503", err.value
+        assert peak < 32 << 20, f"{peak} bytes buffered of an error body"
 
     asyncio.run(main())
