@@ -6,8 +6,9 @@ the prompt's blocks and receives them in one binary response on the daemon's own
 
     4 bytes   big-endian length of the header
     header    JSON: layout (layers, block_size, num_kv_heads, head_dim, dtype), the block
-              range, each block's key (null for the prompt's partial last block) and the
-              token ids of the range
+              range, each block's key (null for the prompt's partial last block), the
+              chain key over that partial block when the range holds it (``tail_hash``,
+              else null) and the token ids of the range
     payload   for each layer in the header's layer range: K then V of the blocks, as
               ``[num_blocks, block_size, num_kv_heads, head_dim]`` in C order
 
@@ -33,9 +34,11 @@ the engine process reads (kv_wire.py): no intermediate chunk per read.
 
 Integrity: the decode side only uses a pull whose header matches its own view of the prompt
 -- every block key equals the key its own chain gives (same namespace, same tokens: a handle
-of another model or another prompt fails) and the token ids equal its prompt's -- and whose
-layout equals its own. Any failure is a ``KVPullError`` with a reason; the caller falls back
-to prefilling locally.
+of another model or another prompt fails), and so does the partial last block's
+(``tail_hash``: a range of that block alone, e.g. a prompt shorter than a block, has no
+full block to carry the namespace and adapter), and the token ids equal its prompt's --
+and whose layout equals its own. Any failure is a ``KVPullError`` with a reason; the
+caller falls back to prefilling locally.
 
 Room for RDMA/NIXL: another ``KVTransfer`` implementation can move the same blocks by
 registered memory instead of a byte stream; the export/import bookkeeping in the engine
@@ -77,7 +80,7 @@ _UNKNOWN_GRACE_S = 10.0
 # How long a settled handle's outcome is remembered for waits that arrive after it.
 _SETTLED_TTL_S = 120.0
 _HEADER_LEN = struct.Struct(">I")
-_MAX_HEADER = 64 << 20
+_MAX_HANDLE = 256  # characters of a transfer handle in a pull, wait or release request
 
 
 class KVTransferParams(BaseModel):
@@ -248,7 +251,7 @@ class PullRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    handle: str = Field(min_length=1, max_length=256)
+    handle: str = Field(min_length=1, max_length=_MAX_HANDLE)
     first_block: int = Field(ge=0)
     num_blocks: int = Field(ge=1)
     # The keys the puller expects for the full blocks of the range: a mismatch is refused
@@ -276,6 +279,32 @@ def expected_hashes(plan: Any) -> list[int | None]:
     ]
 
 
+def expected_tail_hash(plan: Any) -> int | None:
+    """The partial last block's chain key when a plan pulls that block, else None."""
+    return plan.tail_hash if plan.num_blocks > len(plan.block_hashes) else None
+
+
+def header_limit(plan: Any, layout: Any) -> int:
+    """The most bytes a truthful pull header for ``plan`` takes: the layout and range in
+    far less than 4 KiB, then one key per block and one token id per position, each a JSON
+    integer of at most 20 digits (64 bits) or ``null``, and a comma."""
+    return 4096 + 24 * plan.num_pull_blocks * (1 + layout.block_size)
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    """``raw`` decoded as a JSON object; KVPullError("protocol") for anything else,
+    including nesting past the decoder's depth (a RecursionError, not a ValueError)."""
+    try:
+        obj = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise KVPullError("protocol", f"the KV pull header is not JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise KVPullError(
+            "protocol", f"the KV pull header is a JSON {type(obj).__name__}, not an object"
+        )
+    return obj
+
+
 def check_header(header: dict[str, Any], plan: Any, layout: Any) -> None:
     """Raise KVPullError unless ``header`` describes exactly the blocks ``plan`` expects:
     same layout, same range, every key equal to this pod's chain, token ids equal to the
@@ -297,6 +326,12 @@ def check_header(header: dict[str, Any], plan: Any, layout: Any) -> None:
             "the pulled blocks' keys do not match this prompt's hash chain (another model, "
             "another prompt, or a forged handle)",
         )
+    if header.get("tail_hash") != expected_tail_hash(plan):
+        raise KVPullError(
+            "hash_mismatch",
+            "the pulled partial last block was computed under another model or adapter, or "
+            "from another prompt (or the prefill pod predates tail_hash)",
+        )
     bs = layout.block_size
     lo = plan.first_block * bs
     hi = min(plan.num_blocks * bs, len(plan.token_ids))
@@ -309,7 +344,7 @@ class ReleaseRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    handle: str = Field(min_length=1, max_length=256)
+    handle: str = Field(min_length=1, max_length=_MAX_HANDLE)
 
 
 class WaitRequest(BaseModel):
@@ -317,7 +352,7 @@ class WaitRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    handle: str = Field(min_length=1, max_length=256)
+    handle: str = Field(min_length=1, max_length=_MAX_HANDLE)
     wait_s: float = Field(gt=0, le=600)
 
 
@@ -400,7 +435,19 @@ class TcpKVTransfer(KVTransfer):
                 "bad_params",
                 "kv_transfer_params needs remote_host, remote_port and remote_request_id",
             )
+        if len(params.remote_request_id) > _MAX_HANDLE:  # no request could carry it
+            raise KVPullError(
+                "bad_params",
+                f"kv_transfer_params.remote_request_id has {len(params.remote_request_id)} "
+                f"characters; a transfer handle has at most {_MAX_HANDLE}",
+            )
         host = params.remote_host
+        try:  # as the resolver will: a label over 63 characters or an empty one fails
+            host.strip("[]").encode("idna")
+        except UnicodeError:
+            raise KVPullError(
+                "bad_params", f"kv_transfer_params.remote_host {host[:80]!r} is no host name"
+            ) from None
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"  # IPv6 literal
         return f"http://{host}:{params.remote_port}{path}"
@@ -414,7 +461,7 @@ class TcpKVTransfer(KVTransfer):
                     if resp.status == 401:
                         self._refused(url)
                     return resp.status == 200
-        except (KVPullError, TimeoutError, ClientError, OSError, ValidationError) as exc:
+        except (KVPullError, TimeoutError, ClientError, OSError, ValueError) as exc:
             logger.debug("releasing KV handle %s failed: %s", params.remote_request_id, exc)
             return False
 
@@ -431,7 +478,8 @@ class TcpKVTransfer(KVTransfer):
                 ) as resp:  # fmt: skip
                     if resp.status == 200:
                         return
-                    text = (await resp.text())[:300]
+                    # Only the start, to quote: the peer chooses how long the body is.
+                    text = (await resp.content.read(4096)).decode(errors="replace")[:300]
         except TimeoutError:
             raise KVPullError("timeout", f"no KV handle at {url} within {wait_s}s") from None
         except (ClientError, OSError) as exc:
@@ -473,9 +521,13 @@ class TcpKVTransfer(KVTransfer):
                     )
                     raise KVPullError(reason, f"the prefill pod answered {resp.status}: {text}")
                 (hlen,) = _HEADER_LEN.unpack(await resp.read_exactly(4))
-                if hlen > _MAX_HEADER:
-                    raise KVPullError("protocol", f"KV pull header of {hlen} bytes is too big")
-                header = json.loads(await resp.read_exactly(hlen))
+                # Refused before its bytes are allocated: the peer chooses the length.
+                if hlen > (limit := header_limit(plan, layout)):
+                    raise KVPullError(
+                        "protocol", f"a KV pull header of {hlen} bytes; one for this range "
+                        f"takes at most {limit}"
+                    )  # fmt: skip
+                header = _json_object(await resp.read_exactly(hlen))
                 check_header(header, plan, layout)
                 lo, hi = header["layers"]
                 if (lo, hi) != (0, layout.num_layers):
@@ -594,6 +646,9 @@ class KVExportServer:
         # them; dropped after ``stage_ttl_s`` unpulled.
         self._staged: dict[str, _Staged] = {}
         self.stage_ttl_s = stage_ttl_s
+        # The longest one pull may take to send (its handle is pinned meanwhile): as long as
+        # a handle waits for its pull.
+        self.send_timeout_s = stage_ttl_s
         # Handles waited for (``/v1/kv/wait``) or expected (their prefill is running), and
         # how recently settled ones ended (True: exported), for waits that come after.
         self._awaited: dict[str, _Awaited] = {}
@@ -806,6 +861,7 @@ class KVExportServer:
                 "first_block": req.first_block,
                 "num_blocks": req.num_blocks,
                 "block_hashes": have,
+                "tail_hash": entry.tail_hash if end > n_full else None,
                 "token_ids": entry.token_ids[req.first_block * bs : end * bs],
             }
             ids = entry.block_ids[req.first_block : end]
@@ -832,27 +888,40 @@ class KVExportServer:
             # A known length: the client reads a plain body, not chunked encoding.
             payload = 2 * layout.num_layers * len(ids) * bpl
             resp.content_length = _HEADER_LEN.size + len(data) + payload
-            await resp.prepare(request)
-            await resp.write(_HEADER_LEN.pack(len(data)) + data)
-            sent = 0
-            if stage is not None:  # per layer K then V: the range is contiguous in each
-                view = stage.view()
-                part = count * bpl
-                lo, hi = first * bpl, (first + len(ids)) * bpl
-                spans = [(0, stage.nbytes)] if hi - lo == part else [
-                    (i * part + lo, i * part + hi) for i in range(2 * layout.num_layers)
-                ]  # fmt: skip
-                for a, b in spans:
-                    for off in range(a, b, _WRITE_CHUNK):
-                        await resp.write(view[off : min(b, off + _WRITE_CHUNK)])
-                        sent += min(b, off + _WRITE_CHUNK) - off
-                del view
-            else:
-                for layer in range(layout.num_layers):
-                    for buf in await src.read_layer(ids, layer):
-                        await resp.write(buf)
-                        sent += len(buf)
-            await resp.write_eof()
+            # A peer that stops reading would hold this write, and with it the handle (a
+            # handle being read never expires), for as long as its connection lives.
+            try:
+                async with asyncio.timeout(self.send_timeout_s):
+                    await resp.prepare(request)
+                    await resp.write(_HEADER_LEN.pack(len(data)) + data)
+                    sent = 0
+                    if stage is not None:  # per layer K then V: the range is contiguous in each
+                        view = stage.view()
+                        part = count * bpl
+                        lo, hi = first * bpl, (first + len(ids)) * bpl
+                        spans = [(0, stage.nbytes)] if hi - lo == part else [
+                            (i * part + lo, i * part + hi) for i in range(2 * layout.num_layers)
+                        ]  # fmt: skip
+                        for a, b in spans:
+                            for off in range(a, b, _WRITE_CHUNK):
+                                await resp.write(view[off : min(b, off + _WRITE_CHUNK)])
+                                sent += min(b, off + _WRITE_CHUNK) - off
+                        del view
+                    else:
+                        for layer in range(layout.num_layers):
+                            for buf in await src.read_layer(ids, layer):
+                                await resp.write(buf)
+                                sent += len(buf)
+                    await resp.write_eof()
+            except TimeoutError:
+                logger.warning(
+                    "a pull of KV handle %r stalled for %.0fs (the peer stopped reading); "
+                    "dropping its connection: the handle stays until its deadline",
+                    req.handle, self.send_timeout_s,
+                )  # fmt: skip
+                if request.transport is not None:
+                    request.transport.abort()
+                return resp
             consumed = True
             if self.metrics is not None:
                 self.metrics.moved("sent", sent, len(ids))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import Mapping
+from typing import Any
 
 _MAX_HEAD = 64 << 10
 _RECV = 1 << 16
@@ -84,12 +85,8 @@ async def post(
     loop = asyncio.get_running_loop()
     host = host.strip("[]")  # an IPv6 literal as written in a URL
     infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    family, kind, proto, _, addr = infos[0]
-    sock = socket.socket(family, kind, proto)
+    sock = await _connect(infos, connect_timeout_s)
     try:
-        sock.setblocking(False)
-        async with asyncio.timeout(connect_timeout_s):
-            await loop.sock_connect(sock, addr)
         where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         head = (
             f"POST {path} HTTP/1.1\r\nHost: {where}\r\nContent-Type: application/json\r\n"
@@ -111,11 +108,41 @@ async def post(
         raise
 
 
+async def _connect(infos: list[Any], timeout_s: float) -> socket.socket:
+    """A connected non-blocking socket to the first address of ``infos`` that accepts,
+    within ``timeout_s`` in all: a name may resolve to an address its server does not
+    listen on (IPv6 first, a daemon bound to IPv4) before one it does."""
+    loop = asyncio.get_running_loop()
+    failed: OSError = OSError("the name resolved to no address")
+    async with asyncio.timeout(timeout_s):
+        for family, kind, proto, _, addr in infos:
+            sock = None
+            try:  # a family this host lacks (no IPv6) fails at socket(): the next one
+                sock = socket.socket(family, kind, proto)
+                sock.setblocking(False)
+                await loop.sock_connect(sock, addr)
+            except OSError as exc:
+                if sock is not None:
+                    sock.close()
+                failed = exc
+                continue
+            except BaseException:
+                if sock is not None:
+                    sock.close()
+                raise
+            return sock
+    raise failed
+
+
 def parse_head(head: bytes) -> tuple[int, int]:
     """(status, Content-Length) of an HTTP/1.x response head; ValueError otherwise."""
     lines = head.decode("latin-1").split("\r\n")
     parts = lines[0].split(" ", 2)
-    if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+    # A status is three ASCII digits (RFC 9112): the caller names failures by it, so any
+    # other run of digits would be a new metric label each time.
+    status = parts[1] if len(parts) >= 2 else ""
+    three_digits = len(status) == 3 and status.isascii() and status.isdigit()
+    if not parts[0].startswith("HTTP/1.") or not three_digits:
         raise ValueError(f"not an HTTP/1.x response: {lines[0][:80]!r}")
     fields: dict[str, str] = {}
     for line in lines[1:]:
@@ -127,4 +154,4 @@ def parse_head(head: bytes) -> tuple[int, int]:
     length = fields.get("content-length", "")
     if not length.isdigit():
         raise ValueError("the response has no Content-Length")
-    return int(parts[1]), int(length)
+    return int(status), int(length)

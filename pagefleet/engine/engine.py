@@ -30,7 +30,7 @@ from pagefleet.engine.detokenizer import IncrementalDetokenizer
 from pagefleet.engine.errors import InvalidRequestError
 from pagefleet.engine.guided import GrammarBackend, GrammarError
 from pagefleet.engine.kv_cache_manager import KVCacheManager, cdiv
-from pagefleet.engine.kv_export import ExportedKV, ExportRegistry, ImportPlan
+from pagefleet.engine.kv_export import ExportedKV, ExportRegistry, ImportPlan, tail_hash
 from pagefleet.engine.outputs import (
     CompletionDelta,
     CompletionOutput,
@@ -502,17 +502,18 @@ class LLMEngine(Generic[TokenizerT]):
         blocks = self.kv.table(seq)[: cdiv(len(req.prompt_token_ids), bs)]
         handle = req.request_id
         self.kv.pin("x:" + handle, blocks)
-        hashes = block_hashes(
-            req.prompt_token_ids, bs, namespace=self.config.kv_namespace, extra=req.lora_id
-        )
+        ns = self.config.kv_namespace
+        prompt = list(req.prompt_token_ids)
+        hashes = block_hashes(prompt, bs, namespace=ns, extra=req.lora_id)
         self.exports.add(
             ExportedKV(
                 handle=handle,
                 block_ids=[b.block_id for b in blocks],
-                token_ids=list(req.prompt_token_ids),
+                token_ids=prompt,
                 block_hashes=hashes,
                 lora_id=req.lora_id,
                 deadline=time.monotonic() + self.config.kv_transfer_timeout_s,
+                tail_hash=tail_hash(prompt, hashes, bs, ns, req.lora_id),
             )
         )
 
@@ -579,6 +580,7 @@ class LLMEngine(Generic[TokenizerT]):
             block_ids=[b.block_id for b in fresh],
             lora_id=lora_id,
             deadline=time.monotonic() + self.config.kv_transfer_timeout_s,
+            tail_hash=tail_hash(list(prompt), hashes, bs, self.config.kv_namespace, lora_id),
         )
         self._imports[key] = plan
         return plan

@@ -25,6 +25,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from pagefleet.kvindex.hashing import chain_hash, root_hash
+
 
 @dataclass(slots=True)
 class ExportedKV:
@@ -38,6 +40,9 @@ class ExportedKV:
     deadline: float  # time.monotonic()
     readers: int = 0
     consumed: bool = False
+    # The chain key over the prompt's partial last block (``tail_hash``), None when the
+    # prompt ends on a block boundary.
+    tail_hash: int | None = None
 
 
 @dataclass(slots=True)
@@ -62,10 +67,27 @@ class ImportPlan:
     # Layers 0 .. layers_written - 1 of the pulled KV are in the blocks already
     # (``LLMEngine.write_import``: copied ahead of the commit, off the engine's steps).
     layers_written: int = 0
+    # The chain key over the prompt's partial last block (``tail_hash``), None when the
+    # prompt ends on a block boundary.
+    tail_hash: int | None = None
 
     @property
     def num_pull_blocks(self) -> int:
         return self.num_blocks - self.first_block
+
+
+def tail_hash(
+    prompt: list[int], hashes: list[int], block_size: int, namespace: str, extra: str | None
+) -> int | None:
+    """The key the chain would give the prompt's partial last block, were it full (None
+    when there is none): a pull whose range holds only that block has no full block whose
+    key ties it to this namespace (the model) and adapter, so both sides compare this one
+    too. It is never published or cached: a partial block has no key in the index."""
+    n_full = len(hashes)
+    if n_full * block_size == len(prompt):
+        return None
+    parent = hashes[-1] if hashes else root_hash(namespace)
+    return chain_hash(parent, prompt[n_full * block_size :], extra)
 
 
 @dataclass(slots=True)

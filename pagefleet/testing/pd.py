@@ -56,6 +56,7 @@ def read_blocks(prefill: LLMEngine, handle: str, plan: ImportPlan) -> tuple[dict
             "block_hashes": [
                 entry.block_hashes[i] if i < n_full else None for i in range(plan.first_block, end)
             ],
+            "tail_hash": entry.tail_hash if end > n_full else None,
             "token_ids": entry.token_ids[plan.first_block * bs : end * bs],
         }
         if header["block_hashes"] != expected_hashes(plan):

@@ -4,6 +4,7 @@ answers with exactly the bytes each case needs (well-formed, short, chunked, hea
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import pytest
 
@@ -74,5 +75,36 @@ def test_body_lands_in_the_callers_buffer_and_bad_responses_fail_cleanly() -> No
         await server.wait_closed()
         with pytest.raises(OSError):
             await kv_wire.post("127.0.0.1", port, "/", b"{}", 3.0)
+
+    asyncio.run(main())
+
+
+def test_a_name_whose_first_address_refuses_connects_to_the_next(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A prefill pod named by a host name (kv_advertise_host) that resolves to an IPv6
+    address first, while the daemon listens on IPv4 only (a dual-stack cluster): the pull
+    tried the first address alone and failed as unreachable, on every P/D request, where
+    the aiohttp client it replaced goes on to the next address."""
+
+    async def main() -> None:
+        ok = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+        server, port, _ = await _answer(ok)
+        loop = asyncio.get_running_loop()
+
+        async def resolve(host: str, port_: int, **_kw: object) -> list:
+            # The name's IPv6 address first, on which nothing listens, then its IPv4 one.
+            return [
+                (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", port_, 0, 0)),
+                (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port_)),
+            ]
+
+        monkeypatch.setattr(loop, "getaddrinfo", resolve)
+        async with server:
+            resp = await kv_wire.post("prefill.example", port, "/", b"{}", 3.0)
+            try:
+                assert resp.status == 200 and await resp.read_exactly(2) == b"ok"
+            finally:
+                resp.close()
 
     asyncio.run(main())
