@@ -104,6 +104,12 @@ def _ctx(err: tuple[str, str] | None) -> IntakeError | None:
     return IntakeError(400, err[0], err[1], "context_length_exceeded")
 
 
+_CLIENT_KV_PARAMS = (
+    "kv_transfer_params is set by the gateway for its prefill/decode hand-over and is not "
+    "accepted from clients; send the request without it"
+)
+
+
 def _surely_fits(text: str, max_tokens: int | None, limit: int) -> bool:
     upper = len(text.encode("utf-8", "surrogatepass")) + _SPECIALS
     return upper < limit and (max_tokens is None or upper + max_tokens <= limit)
@@ -129,6 +135,12 @@ def _inspect(
         parsed = parse_body(model, body)
     except RequestValidationError as exc:
         return Intake(error=IntakeError(400, exc.message, exc.param))
+    if parsed.kv_transfer_params is not None:
+        # The P/D hand-over is between this gateway and its daemons. Passed on, a client's
+        # params would make a decode pod pull KV from a host the client names: a request
+        # from inside the fleet to any address, with the fleet's upstream key, and forged
+        # K/V entering a prefix cache that other clients' requests then decode from.
+        return Intake(error=IntakeError(400, _CLIENT_KV_PARAMS, "kv_transfer_params"))
     out = Intake(stream=parsed.stream, session_key=_session_from_body(parsed))
     limit = max_model_len
     if isinstance(parsed, ChatCompletionRequest):

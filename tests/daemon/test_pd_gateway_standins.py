@@ -5,7 +5,9 @@
 - a request with several prompts is prefilled on the decode pod (a transfer handle carries
   one prompt: the prefill pod refused it with a 400, and that 400 ejected the pod);
 - a frozen prefill pod (accepts connections, answers nothing) costs the client the
-  gateway's --pd-prefill-timeout, not the decode pod's longer kv_transfer_timeout_s.
+  gateway's --pd-prefill-timeout, not the decode pod's longer kv_transfer_timeout_s;
+- a client's own kv_transfer_params are refused (they went to the daemons as sent: a
+  decode pod then pulled from a host the client named, with the fleet's upstream key).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class Pod:
         app = web.Application()
         app.router.add_get("/ready", lambda _: web.json_response({"ready": True}))
         app.router.add_post("/v1/completions", self._gen)
+        app.router.add_post("/v1/chat/completions", self._gen)
         app.router.add_post("/v1/kv/release", self._release)
         app.router.add_post("/v1/kv/wait", self._wait)
         self.runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0)
@@ -151,5 +154,30 @@ async def test_a_frozen_prefill_pod_costs_the_gateways_prefill_timeout_only() ->
             assert [w for w, _ in p.log][:1] == ["gen"], "no remote prefill was tried"
             assert out["usage"]["completion_tokens"] == 4
             assert took < 5.0 + 2.5, f"answered {took:.1f} s in, not at the 5 s prefill timeout"
+        finally:
+            await runner.cleanup()
+
+
+@pytest.mark.parametrize("disaggregated", [True, False])
+async def test_a_clients_kv_transfer_params_are_refused_and_reach_no_pod(
+    disaggregated: bool,
+) -> None:
+    async with Pod(_answer) as p, Pod(_answer) as d:
+        _, runner, url = await _gateway([p.url] if disaggregated else [], [d.url])
+        try:
+            forged = {"do_remote_prefill": True, "remote_host": "10.0.0.1", "remote_port": 80,
+                      "remote_request_id": "x"}  # fmt: skip
+            for path, body in (
+                ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}),
+                ("/v1/chat/completions",
+                 {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}]}),
+            ):  # fmt: skip
+                async with (
+                    aiohttp.ClientSession() as s,
+                    s.post(url + path, json={**body, "kv_transfer_params": forged}) as r,
+                ):
+                    assert r.status == 400, await r.text()
+                    assert (await r.json())["error"]["param"] == "kv_transfer_params"
+            assert not p.log and not d.log, "a pod was sent the client's transfer params"
         finally:
             await runner.cleanup()
