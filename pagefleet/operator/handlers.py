@@ -146,7 +146,10 @@ def on_delete(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     ctx = _ctx(memo)
     if ctx.autoscaler is not None:
         meta = body["metadata"]
-        ctx.autoscaler.forget(meta["namespace"], meta["name"])
+        # Under the lock: a tick already past its read of the service would otherwise
+        # remember it again after this. Ticks from now on see the deletion and skip it.
+        with ctx.lock(meta["namespace"], meta["name"]):
+            ctx.autoscaler.forget(meta["namespace"], meta["name"])
 
 
 def on_child_event(
