@@ -17,7 +17,7 @@ import yaml
 from e2e.cluster import ControlPlane, eventually
 from e2e.kube_client import KubeClient
 from e2e.operator_process import CRD, OperatorProcess, install_prerequisites
-from e2e.test_operator import API, apply, condition, get_is, infsvc
+from e2e.test_operator import API, apply, condition, events_for, get_is, infsvc
 
 pytestmark = pytest.mark.e2e
 
@@ -81,3 +81,96 @@ def test_service_stored_before_the_name_rule_can_still_be_deleted(
     cluster.kubectl("delete", "infsvc", name, "-n", namespace, "--wait=false")
     eventually(lambda: kube.get_or_none(path) is None, 60, "the old long-named service gone")
     operator.check_alive()
+
+
+CHILD_COLLECTIONS = (
+    "/apis/apps/v1/namespaces/{ns}/deployments",
+    "/api/v1/namespaces/{ns}/services",
+    "/api/v1/namespaces/{ns}/configmaps",
+    "/api/v1/namespaces/{ns}/serviceaccounts",
+    "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles",
+    "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings",
+    "/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies",
+)
+
+
+def _versions(kube: KubeClient, ns: str, name: str) -> dict[str, str]:
+    """resourceVersion of the InferenceService and of every child, by kind/name."""
+    out = {"InferenceService": get_is(kube, ns, name)["metadata"]["resourceVersion"]}
+    for coll in CHILD_COLLECTIONS:
+        path = coll.format(ns=ns)
+        for item in kube.get(path, {"labelSelector": f"pagefleet.io/service={name}"})["items"]:
+            out[f"{path.rsplit('/', 1)[1]}/{item['metadata']['name']}"] = item["metadata"][
+                "resourceVersion"
+            ]
+    return out
+
+
+def _settled(kube: KubeClient, ns: str, name: str, generation: int) -> dict[str, Any]:
+    def check() -> dict[str, Any] | bool:
+        obj = get_is(kube, ns, name)
+        ok = (obj.get("status") or {}).get("observedGeneration") == generation and condition(
+            obj, "Ready"
+        ).get("status") == "True"
+        return obj if ok else False
+
+    return eventually(check, 60, f"{name} Ready at generation {generation}")
+
+
+def _assert_quiet(cluster: ControlPlane, kube: KubeClient, ns: str, name: str) -> None:
+    """Several resync passes (3 s apart) with nothing changed write nothing and post no
+    Event."""
+    time.sleep(4)  # let the Deployment controller finish its own status writes
+    before = _versions(kube, ns, name)
+    events = len(events_for(cluster, ns, name))
+    time.sleep(10)
+    after = _versions(kube, ns, name)
+    assert after == before, {k: (before.get(k), v) for k, v in after.items() if before.get(k) != v}
+    assert len(events_for(cluster, ns, name)) == events
+
+
+def test_steady_service_is_left_alone_and_role_switches_prune(
+    cluster: ControlPlane, kube: KubeClient, namespace: str, operator: OperatorProcess
+) -> None:
+    name = "life"
+    path = f"{API}/namespaces/{namespace}/inferenceservices/{name}"
+    spec = {
+        "model": {"source": {"path": "tiny"}},
+        "image": "pagefleet:e2e",
+        "roles": {"prefill": {"replicas": 0}, "decode": {"replicas": 0}},
+        "router": {"replicas": 0},
+        "index": {"redisURL": "redis://127.0.0.1:1/0"},
+    }
+    assert apply(cluster, infsvc(name, namespace, spec)).returncode == 0
+    _settled(kube, namespace, name, 1)
+    _assert_quiet(cluster, kube, namespace, name)
+
+    # prefill + decode -> unified: the P/D workloads go, the gateway points at unified.
+    kube.merge_patch(
+        path, {"spec": {"roles": {"prefill": None, "decode": None, "unified": {"replicas": 0}}}}
+    )
+    obj = _settled(kube, namespace, name, 2)
+    left = sorted(k for k in _versions(kube, namespace, name) if k != "InferenceService")
+    assert not [k for k in left if "prefill" in k or "decode" in k], left
+    assert [c["type"] for c in obj["status"]["conditions"] if c["type"].endswith("Ready")] == [
+        "UnifiedReady",
+        "Ready",
+    ]
+    gw = kube.get(f"/apis/apps/v1/namespaces/{namespace}/deployments/{name}-gateway")
+    cmd = gw["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert cmd[cmd.index("--service") + 1] == f"{name}-unified"
+    assert "--prefill-service" not in cmd
+    _assert_quiet(cluster, kube, namespace, name)
+
+    # An operator restart re-runs every pass (kopf's resume): no child is rewritten and no
+    # Event posted.
+    before = _versions(kube, namespace, name)
+    events = len(events_for(cluster, namespace, name))
+    operator.stop()
+    operator.start()
+    time.sleep(12)
+    operator.check_alive()
+    after = _versions(kube, namespace, name)
+    del before["InferenceService"], after["InferenceService"]  # kopf's own annotations
+    assert after == before
+    assert len(events_for(cluster, namespace, name)) == events
