@@ -51,7 +51,6 @@ def test_service_stored_before_the_name_rule_can_still_be_deleted(
     finalizer; after the CRD gains the rule, deleting it must still complete (kopf patches
     the finalizer away, and the API server must not refuse that patch over the name)."""
     name = "n" * 60
-    path = f"{API}/namespaces/{namespace}/inferenceservices/{name}"
     spec = {
         "model": {"source": {"path": "tiny"}},
         "roles": {"unified": {"replicas": 0}},
@@ -79,7 +78,9 @@ def test_service_stored_before_the_name_rule_can_still_be_deleted(
     # ... while the one stored before it is still deleted completely.
     time.sleep(4)  # a resync pass or two with the rule in place
     cluster.kubectl("delete", "infsvc", name, "-n", namespace, "--wait=false")
-    eventually(lambda: kube.get_or_none(path) is None, 60, "the old long-named service gone")
+    eventually(
+        lambda: get_is_or_none(kube, namespace, name) is None, 60, "the old long-named service gone"
+    )
     operator.check_alive()
 
 
@@ -94,9 +95,13 @@ CHILD_COLLECTIONS = (
 )
 
 
-def _versions(kube: KubeClient, ns: str, name: str) -> dict[str, str]:
-    """resourceVersion of the InferenceService and of every child, by kind/name."""
-    out = {"InferenceService": get_is(kube, ns, name)["metadata"]["resourceVersion"]}
+def get_is_or_none(kube: KubeClient, ns: str, name: str) -> dict[str, Any] | None:
+    return kube.get_or_none(f"{API}/namespaces/{ns}/inferenceservices/{name}")
+
+
+def _versions_of_children(kube: KubeClient, ns: str, name: str) -> dict[str, str]:
+    """resourceVersion of every child, by plural/name."""
+    out = {}
     for coll in CHILD_COLLECTIONS:
         path = coll.format(ns=ns)
         for item in kube.get(path, {"labelSelector": f"pagefleet.io/service={name}"})["items"]:
@@ -104,6 +109,14 @@ def _versions(kube: KubeClient, ns: str, name: str) -> dict[str, str]:
                 "resourceVersion"
             ]
     return out
+
+
+def _versions(kube: KubeClient, ns: str, name: str) -> dict[str, str]:
+    """resourceVersion of the InferenceService and of every child."""
+    return {
+        "InferenceService": get_is(kube, ns, name)["metadata"]["resourceVersion"],
+        **_versions_of_children(kube, ns, name),
+    }
 
 
 def _settled(kube: KubeClient, ns: str, name: str, generation: int) -> dict[str, Any]:
@@ -174,3 +187,29 @@ def test_steady_service_is_left_alone_and_role_switches_prune(
     del before["InferenceService"], after["InferenceService"]  # kopf's own annotations
     assert after == before
     assert len(events_for(cluster, namespace, name)) == events
+
+
+def test_a_deletion_while_the_operator_is_down_completes_when_it_returns(
+    cluster: ControlPlane, kube: KubeClient, namespace: str, operator: OperatorProcess
+) -> None:
+    name = "gone"
+    spec = {
+        "model": {"source": {"path": "tiny"}},
+        "roles": {"unified": {"replicas": 0}},
+        "router": {"replicas": 0},
+        "index": {"redisURL": "redis://127.0.0.1:1/0"},
+    }
+    assert apply(cluster, infsvc(name, namespace, spec)).returncode == 0
+    _settled(kube, namespace, name, 1)
+    operator.stop()
+    try:
+        cluster.kubectl("delete", "infsvc", name, "-n", namespace, "--wait=false")
+        time.sleep(3)
+        dying = get_is(kube, namespace, name)  # held by the finalizer meanwhile
+        assert dying["metadata"]["deletionTimestamp"]
+        assert len(_versions(kube, namespace, name)) > 1
+    finally:
+        operator.start()
+    eventually(lambda: get_is_or_none(kube, namespace, name) is None, 60, "the service gone")
+    eventually(lambda: list(_versions_of_children(kube, namespace, name)) == [], 60, "GC")
+    operator.check_alive()
