@@ -213,3 +213,29 @@ def test_a_deletion_while_the_operator_is_down_completes_when_it_returns(
     eventually(lambda: get_is_or_none(kube, namespace, name) is None, 60, "the service gone")
     eventually(lambda: list(_versions_of_children(kube, namespace, name)) == [], 60, "GC")
     operator.check_alive()
+
+
+def test_a_scale_of_an_autoscaled_role_is_no_drift(
+    cluster: ControlPlane, kube: KubeClient, namespace: str, operator: OperatorProcess
+) -> None:
+    """The autoscaler (or `kubectl scale`) sets an autoscaled role's replicas; the next
+    pass keeps that count. Nothing was restored, so no DriftRepaired Event."""
+    name = "scaled"
+    slow = {"intervalSeconds": 3600, "scaleDownWindowSeconds": 3600}
+    spec = {
+        "model": {"source": {"path": "tiny"}},
+        # A pod that idles (never Ready: no daemon answers the probe).
+        "command": ["/bin/sh", "-c", "exec sleep 3600"],
+        "roles": {"unified": {"autoscaling": {"minReplicas": 0, "maxReplicas": 2, **slow}}},
+        "router": {"replicas": 0},
+        "index": {"redisURL": "redis://127.0.0.1:1/0"},
+    }
+    assert apply(cluster, infsvc(name, namespace, spec)).returncode == 0
+    _settled(kube, namespace, name, 1)
+    time.sleep(4)
+    cluster.kubectl("scale", f"deployment/{name}-unified", "--replicas=1", "-n", namespace)
+    time.sleep(10)  # three resync passes
+    deploy = kube.get(f"/apis/apps/v1/namespaces/{namespace}/deployments/{name}-unified")
+    assert deploy["spec"]["replicas"] == 1
+    reasons = [e["reason"] for e in events_for(cluster, namespace, name)]
+    assert "DriftRepaired" not in reasons, reasons

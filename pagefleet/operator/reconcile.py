@@ -49,6 +49,18 @@ def _key(obj: Manifest) -> tuple[str, str]:
     return obj["kind"], obj["metadata"]["name"]
 
 
+# Bookkeeping, not content: a change here alone is no drift. A Deployment's status moves
+# whenever its pods do, and an apply that only takes back ownership of a value another
+# manager set (the autoscaler's or `kubectl scale`'s replicas, which the pass keeps) moves
+# managedFields and the resourceVersion while changing nothing.
+_SERVER_WRITTEN = ("resourceVersion", "generation", "managedFields")
+
+
+def _content(obj: Manifest) -> Manifest:
+    meta = {k: v for k, v in obj.get("metadata", {}).items() if k not in _SERVER_WRITTEN}
+    return {**{k: v for k, v in obj.items() if k != "status"}, "metadata": meta}
+
+
 def _controlled_by(obj: Manifest, uid: str) -> bool:
     refs = obj.get("metadata", {}).get("ownerReferences", []) or []
     return any(r.get("uid") == uid and r.get("controller") for r in refs)
@@ -157,7 +169,7 @@ def reconcile(
                 result.actions.append((verb, *key))
             elif before["metadata"].get("resourceVersion") != after["metadata"].get(
                 "resourceVersion"
-            ):
+            ) and _content(before) != _content(after):
                 verb = "DriftRepaired" if steady else "Updated"
                 result.actions.append((verb, *key))
         for key, obj in existing.items():

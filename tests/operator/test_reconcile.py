@@ -150,6 +150,24 @@ def test_hand_edited_child_is_repaired(kube, unified_spec):
     assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == "pagefleet:test"
 
 
+def test_a_status_written_by_a_controller_mid_pass_is_no_drift(kube, unified_spec):
+    # The Deployment controller writes a Deployment's status (pods became ready) between
+    # the pass's list and its apply: the resourceVersion moved, but nobody edited it.
+    create_is(kube, unified_spec)
+    reconcile(kube, body(kube), SETTINGS, Recorder())
+    apply = kube.apply
+
+    def apply_after_a_status_write(obj):
+        if obj["kind"] == "Deployment":
+            kube.mark_deployments_ready()
+        return apply(obj)
+
+    kube.apply = apply_after_a_status_write  # type: ignore[method-assign]
+    rec = Recorder()
+    result = reconcile(kube, body(kube), SETTINGS, rec)
+    assert result.actions == [] and rec.events == []
+
+
 def test_switching_to_prefill_decode_replaces_the_role_workloads(kube, unified_spec):
     create_is(kube, unified_spec)
     reconcile(kube, body(kube), SETTINGS, Recorder())
