@@ -167,7 +167,7 @@ def on_child_event(
         with ctx.lock(namespace, owner):
             parent = _current(ctx, namespace, owner)
             if parent is not None:  # else garbage-collected with its owner: nothing to do
-                refresh_status(ctx.kube, parent)
+                refresh_status(ctx.kube, parent, _recorder(parent))
     except KubeError as exc:
         # Event handlers are not retried; the resync timer catches up.
         log.warning("refreshing %s/%s after a child event failed: %s", namespace, owner, exc)

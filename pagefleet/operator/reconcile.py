@@ -221,9 +221,12 @@ def _record_pod_problem(
         record("Warning", problem[0], problem[1])
 
 
-def refresh_status(kube: KubeAPI, body: Manifest) -> Manifest | None:
+def refresh_status(kube: KubeAPI, body: Manifest, record: Recorder) -> Manifest | None:
     """Recompute status from the Deployments without applying anything (cheap; used on
-    child Deployment status changes between full passes). None when the spec is invalid."""
+    child Deployment status changes between full passes). None when the spec is invalid.
+
+    Posts the failing pods' Warning as a full pass would: a refresh that sets Degraded
+    first leaves the next pass nothing new to report."""
     meta = body["metadata"]
     names = Names(meta["name"], meta["namespace"])
     try:
@@ -251,5 +254,6 @@ def refresh_status(kube: KubeAPI, body: Manifest) -> Manifest | None:
     status = compute_status(
         meta.get("generation", 0), roles, gateway, names.gateway_url(), prev, pod_problem=problem
     )
+    _record_pod_problem(prev, problem, record)
     _write_status(kube, body, status)
     return status

@@ -87,7 +87,7 @@ def test_ready_once_deployments_report_ready_pods(kube, unified_spec):
     create_is(kube, unified_spec)
     reconcile(kube, body(kube), SETTINGS, Recorder())
     kube.mark_deployments_ready()
-    status = refresh_status(kube, body(kube))
+    status = refresh_status(kube, body(kube), Recorder())
     assert status is not None
     assert cond(kube, "Ready")["status"] == "True"
     assert cond(kube, "UnifiedReady")["status"] == "True"
@@ -103,7 +103,7 @@ def test_spec_change_rolls_out_and_keeps_transition_times(kube, unified_spec):
     create_is(kube, unified_spec)
     reconcile(kube, body(kube), SETTINGS, Recorder())
     kube.mark_deployments_ready()
-    refresh_status(kube, body(kube))
+    refresh_status(kube, body(kube), Recorder())
     ready_since = cond(kube, "Degraded")["lastTransitionTime"]
 
     def scale_and_tune(spec):
