@@ -142,14 +142,16 @@ def on_autoscale(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
 
 
 def on_delete(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    """Forget the autoscaler's memory of a deleted InferenceService."""
+    """Forget the autoscaler's memory and the metric series of a deleted InferenceService."""
     ctx = _ctx(memo)
-    if ctx.autoscaler is not None:
-        meta = body["metadata"]
-        # Under the lock: a tick already past its read of the service would otherwise
-        # remember it again after this. Ticks from now on see the deletion and skip it.
-        with ctx.lock(meta["namespace"], meta["name"]):
-            ctx.autoscaler.forget(meta["namespace"], meta["name"])
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    # Under the lock: a tick already past its read of the service would otherwise remember
+    # it again after this. Ticks from now on see the deletion and skip it.
+    with ctx.lock(namespace, name):
+        if ctx.autoscaler is not None:
+            ctx.autoscaler.forget(namespace, name)
+        if ctx.metrics is not None:
+            ctx.metrics.forget(namespace, name)
 
 
 def on_child_event(

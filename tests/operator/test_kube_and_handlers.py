@@ -30,6 +30,7 @@ from pagefleet.operator.kube import (
     KubeError,
     RestKube,
 )
+from pagefleet.operator.metrics import OperatorMetrics
 from pagefleet.operator.reconcile import reconcile
 
 pytestmark = pytest.mark.kmock(cls=kmock.KubernetesScaffold)
@@ -317,6 +318,35 @@ def test_a_deletion_during_an_autoscaler_tick_still_forgets_the_service(ctx):
     handlers.on_delete(body=kopf.Body(dying), memo=memo)
     tick.join(5)
     assert autoscaler.memory == {}
+
+
+def _series(metrics: OperatorMetrics, service: str) -> list[str]:
+    return [
+        s.name
+        for family in metrics.registry.collect()
+        for s in family.samples
+        if s.labels.get("service") == service
+    ]
+
+
+def test_a_deleted_service_leaves_no_metric_series(ctx):
+    # Its last desired replicas, inputs and capacities would be exported (and graphed,
+    # and alerted on) until the operator restarts.
+    metrics = ctx.metrics = OperatorMetrics()
+    for service in ("llama", "other"):
+        role = ("ml", service, "unified")
+        metrics.desired.labels(*role).set(3)
+        metrics.inputs.labels(*role, "kv_usage").set(0.5)
+        metrics.capacity.labels(*role, "decode").set(900)
+        metrics.decisions.labels(*role, "ScaledUp").inc()
+    metrics.passes.labels("reconcile").inc()
+    dying = _add_is(ctx.kube)
+    handlers.on_delete(body=kopf.Body(dying), memo=kopf.Memo(ctx=ctx))
+    assert _series(metrics, "llama") == []
+    assert len(_series(metrics, "other")) == len(set(_series(metrics, "other"))) >= 4
+    assert "pagefleet_operator_reconciles_total" in [
+        s.name for f in metrics.registry.collect() for s in f.samples
+    ]
 
 
 def test_transient_api_errors_become_kopf_retries(ctx):
