@@ -200,11 +200,21 @@ def reconcile(
     gateway = WorkloadState.from_deployment(GATEWAY, applied.get(("Deployment", names.gateway)))
     problem = summarize(kube.list(POD, namespace, owned_selector(name)))
     result.status = compute_status(
-        generation, roles, gateway, names.gateway_url(), prev_status, pod_problem=problem
+        generation,
+        roles,
+        gateway,
+        names.gateway_url(),
+        prev_status,
+        pod_problem=problem,
+        autoscaled=_autoscaled(spec),
     )
     _record_pod_problem(prev_status, problem, record)
     _write_status(kube, body, result.status)
     return result
+
+
+def _autoscaled(spec: InferenceServiceSpec) -> set[str]:
+    return {role for role, rs in spec.roles.items() if rs.autoscaling is not None}
 
 
 def _record_pod_problem(
@@ -252,7 +262,13 @@ def refresh_status(kube: KubeAPI, body: Manifest, record: Recorder) -> Manifest 
     gateway = WorkloadState.from_deployment(GATEWAY, deploys.get(names.gateway))
     problem = summarize(kube.list(POD, meta["namespace"], owned_selector(meta["name"])))
     status = compute_status(
-        meta.get("generation", 0), roles, gateway, names.gateway_url(), prev, pod_problem=problem
+        meta.get("generation", 0),
+        roles,
+        gateway,
+        names.gateway_url(),
+        prev,
+        pod_problem=problem,
+        autoscaled=_autoscaled(spec),
     )
     _record_pod_problem(prev, problem, record)
     _write_status(kube, body, status)

@@ -209,6 +209,33 @@ def test_switching_to_prefill_decode_replaces_the_role_workloads(kube, unified_s
     assert {c["type"] for c in st["conditions"]} >= {"PrefillReady", "DecodeReady"}
 
 
+def test_autoscaler_status_lasts_only_while_a_role_autoscales(kube, pd_spec):
+    create_is(kube, pd_spec)
+    reconcile(kube, body(kube), SETTINGS, Recorder())
+    # What the autoscaler's tick writes for the autoscaled decode role.
+    st = kube.obj("InferenceService", "ml", "llama")["status"]
+    decision = {"desiredReplicas": 3, "reason": "ScaledUp", "message": "load"}
+    next(r for r in st["roles"] if r["name"] == "decode")["autoscaling"] = decision
+    st["conditions"].append(
+        {"type": "ScalingActive", "status": "True", "reason": "Active", "message": "decode"}
+    )
+    kube.mark_deployments_ready()
+    refresh_status(kube, body(kube), Recorder())
+    reconcile(kube, body(kube), SETTINGS, Recorder())
+    st = body(kube)["status"]
+    assert next(r for r in st["roles"] if r["name"] == "decode")["autoscaling"] == decision
+    assert "ScalingActive" in [c["type"] for c in st["conditions"]]
+
+    def fixed(spec):
+        spec["roles"]["decode"] = {"replicas": 2}
+
+    edit_spec(kube, fixed)  # no role autoscales any more: its last decision is history
+    reconcile(kube, body(kube), SETTINGS, Recorder())
+    st = body(kube)["status"]
+    assert [r for r in st["roles"] if "autoscaling" in r] == []
+    assert "ScalingActive" not in [c["type"] for c in st["conditions"]]
+
+
 def test_autoscaled_role_keeps_the_autoscalers_count(kube, pd_spec):
     create_is(kube, pd_spec)
     reconcile(kube, body(kube), SETTINGS, Recorder())
