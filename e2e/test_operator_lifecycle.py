@@ -150,7 +150,11 @@ def test_steady_service_is_left_alone_and_role_switches_prune(
     spec = {
         "model": {"source": {"path": "tiny"}},
         "image": "pagefleet:e2e",
-        "roles": {"prefill": {"replicas": 0}, "decode": {"replicas": 0}},
+        "roles": {
+            # Quantities the API server stores in another form ("500m", "1536Mi").
+            "prefill": {"replicas": 0, "resources": {"requests": {"cpu": "0.5"}}},
+            "decode": {"replicas": 0, "resources": {"limits": {"memory": "1.5Gi"}}},
+        },
         "router": {"replicas": 0},
         "index": {"redisURL": "redis://127.0.0.1:1/0"},
     }
