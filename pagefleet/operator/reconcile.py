@@ -208,7 +208,7 @@ def reconcile(
         pod_problem=problem,
         autoscaled=_autoscaled(spec),
     )
-    _record_pod_problem(prev_status, problem, record)
+    _record_degraded(prev_status, result.status, record)
     _write_status(kube, body, result.status)
     return result
 
@@ -217,25 +217,26 @@ def _autoscaled(spec: InferenceServiceSpec) -> set[str]:
     return {role for role, rs in spec.roles.items() if rs.autoscaling is not None}
 
 
-def _record_pod_problem(
-    prev_status: Manifest, problem: tuple[str, str] | None, record: Recorder
-) -> None:
-    """A Warning Event when pods start failing or fail differently (not on every restart:
-    the message carries the restart count)."""
-    if problem is None:
+def _degraded(status: Manifest) -> Manifest:
+    return next((c for c in status.get("conditions", []) or [] if c.get("type") == "Degraded"), {})
+
+
+def _record_degraded(prev_status: Manifest, status: Manifest, record: Recorder) -> None:
+    """A Warning Event when the workloads turn Degraded (failing pods, a rollout past its
+    deadline) or turn Degraded for another reason; not on every pass or restart (the
+    message carries the restart count)."""
+    now, prev = _degraded(status), _degraded(prev_status)
+    if now.get("status") != "True":
         return
-    prev = next(
-        (c for c in prev_status.get("conditions", []) or [] if c.get("type") == "Degraded"), {}
-    )
-    if prev.get("status") != "True" or prev.get("reason") != problem[0]:
-        record("Warning", problem[0], problem[1])
+    if prev.get("status") != "True" or prev.get("reason") != now.get("reason"):
+        record("Warning", now.get("reason", ""), now.get("message", ""))
 
 
 def refresh_status(kube: KubeAPI, body: Manifest, record: Recorder) -> Manifest | None:
     """Recompute status from the Deployments without applying anything (cheap; used on
     child Deployment status changes between full passes). None when the spec is invalid.
 
-    Posts the failing pods' Warning as a full pass would: a refresh that sets Degraded
+    Posts a new Degraded reason's Warning as a full pass would: a refresh that sets Degraded
     first leaves the next pass nothing new to report."""
     meta = body["metadata"]
     names = Names(meta["name"], meta["namespace"])
@@ -270,6 +271,6 @@ def refresh_status(kube: KubeAPI, body: Manifest, record: Recorder) -> Manifest 
         pod_problem=problem,
         autoscaled=_autoscaled(spec),
     )
-    _record_pod_problem(prev, problem, record)
+    _record_degraded(prev, status, record)
     _write_status(kube, body, status)
     return status

@@ -126,6 +126,30 @@ def test_spec_change_rolls_out_and_keeps_transition_times(kube, unified_spec):
     assert any("spec generation 2" in m for _, _, m in rec.events)
 
 
+def test_a_rollout_past_its_deadline_degrades_with_one_warning_event(kube, unified_spec):
+    create_is(kube, unified_spec)
+    reconcile(kube, body(kube), SETTINGS, Recorder())
+    stuck = "ReplicaSet llama-unified-abc has timed out progressing."
+    kube.obj("Deployment", "ml", "llama-unified")["status"] = {
+        "observedGeneration": 1,
+        "conditions": [
+            {
+                "type": "Progressing",
+                "status": "False",
+                "reason": "ProgressDeadlineExceeded",
+                "message": stuck,
+            }
+        ],
+    }
+    rec = Recorder()
+    refresh_status(kube, body(kube), rec)  # the Deployment's status change
+    reconcile(kube, body(kube), SETTINGS, rec)  # the next resync
+    degraded = cond(kube, "Degraded")
+    assert degraded["status"] == "True" and degraded["reason"] == "RolloutFailed"
+    assert [(t, r) for t, r, _ in rec.events] == [("Warning", "RolloutFailed")]
+    assert stuck in rec.events[0][2]
+
+
 def test_deleted_child_is_restored(kube, unified_spec):
     create_is(kube, unified_spec)
     reconcile(kube, body(kube), SETTINGS, Recorder())
