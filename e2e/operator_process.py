@@ -13,7 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from e2e.cluster import ControlPlane, tail
+import yaml
+
+from e2e.cluster import ControlPlane, eventually, tail
 
 ROOT = Path(__file__).resolve().parents[1]
 CRD = ROOT / "crds" / "inferenceservices.pagefleet.io.yaml"
@@ -23,7 +25,18 @@ PAGEFLEET = str(Path(sys.executable).with_name("pagefleet"))
 def install_prerequisites(cluster: ControlPlane) -> None:
     """Apply the CRD, wait until the apiserver serves it, then apply the operator's RBAC."""
     cluster.kubectl("apply", "-f", str(CRD))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "-f", str(CRD))
+    # Polled rather than `kubectl wait`: that fails at once ("<nil> is of the type <nil>")
+    # when it reads a just-created CRD before the API server has written any condition.
+    name = yaml.safe_load(CRD.read_text())["metadata"]["name"]
+
+    def established() -> bool:
+        status = cluster.kubectl_json("get", "crd", name).get("status") or {}
+        return any(
+            c["type"] == "Established" and c["status"] == "True"
+            for c in status.get("conditions") or []
+        )
+
+    eventually(established, 60, f"CRD {name} Established")
     cluster.kubectl("apply", "-f", str(ROOT / "deploy" / "rbac.yaml"))
 
 

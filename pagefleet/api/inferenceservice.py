@@ -54,14 +54,20 @@ class _Model(BaseModel):
 class CelRule:
     """One cross-field rule, enforced by the API server (CEL) and by pydantic alike."""
 
-    __slots__ = ("message", "rule")
+    __slots__ = ("message", "optional_old_self", "rule")
 
-    def __init__(self, rule: str, message: str) -> None:
+    def __init__(self, rule: str, message: str, optional_old_self: bool = False) -> None:
         self.rule = rule
         self.message = message
+        # Evaluated on create too, with `oldSelf` an optional (empty on create); a rule
+        # that reads `oldSelf` without this is evaluated on updates only.
+        self.optional_old_self = optional_old_self
 
-    def as_schema(self) -> dict[str, str]:
-        return {"rule": self.rule, "message": self.message}
+    def as_schema(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"rule": self.rule, "message": self.message}
+        if self.optional_old_self:
+            out["optionalOldSelf"] = True
+        return out
 
 
 def _cel(*rules: CelRule) -> dict[str, Any]:
@@ -74,14 +80,18 @@ def _cel(*rules: CelRule) -> dict[str, Any]:
 # DNS-1035 labels of at most 63 characters: the longest suffix, "-gateway" (as "-unified"
 # and "-prefill"), leaves 55. Label values (the name itself) fit 63 as well. The API server
 # allows far more in a custom resource's name (a DNS-1123 subdomain: dots, 253 characters).
+# The rule judges creation only (`oldSelf.hasValue()` on every update: a name never changes).
+# A root rule is not ratcheted: an object stored before the rule existed would otherwise
+# fail it on every write, the finalizer's removal included, and hang in Terminating forever.
 MAX_NAME_LENGTH = 55
 _DNS1035_LABEL = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
 NAME_RULE = CelRule(
-    f"self.metadata.name.size() <= {MAX_NAME_LENGTH}"
-    f" && self.metadata.name.matches('{_DNS1035_LABEL}')",
+    f"oldSelf.hasValue() || (self.metadata.name.size() <= {MAX_NAME_LENGTH}"
+    f" && self.metadata.name.matches('{_DNS1035_LABEL}'))",
     f"metadata.name must be at most {MAX_NAME_LENGTH} characters of lowercase letters, digits "
     "and '-', starting with a letter and ending with a letter or digit (no '.'): the operator "
     "names the Services it creates after it; recreate the InferenceService under such a name",
+    optional_old_self=True,
 )
 
 

@@ -142,11 +142,16 @@ def on_autoscale(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
 
 
 def on_delete(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    """Forget the autoscaler's memory of a deleted InferenceService."""
+    """Forget the autoscaler's memory and the metric series of a deleted InferenceService."""
     ctx = _ctx(memo)
-    if ctx.autoscaler is not None:
-        meta = body["metadata"]
-        ctx.autoscaler.forget(meta["namespace"], meta["name"])
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    # Under the lock: a tick already past its read of the service would otherwise remember
+    # it again after this. Ticks from now on see the deletion and skip it.
+    with ctx.lock(namespace, name):
+        if ctx.autoscaler is not None:
+            ctx.autoscaler.forget(namespace, name)
+        if ctx.metrics is not None:
+            ctx.metrics.forget(namespace, name)
 
 
 def on_child_event(
@@ -164,7 +169,7 @@ def on_child_event(
         with ctx.lock(namespace, owner):
             parent = _current(ctx, namespace, owner)
             if parent is not None:  # else garbage-collected with its owner: nothing to do
-                refresh_status(ctx.kube, parent)
+                refresh_status(ctx.kube, parent, _recorder(parent))
     except KubeError as exc:
         # Event handlers are not retried; the resync timer catches up.
         log.warning("refreshing %s/%s after a child event failed: %s", namespace, owner, exc)

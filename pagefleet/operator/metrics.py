@@ -83,6 +83,29 @@ class OperatorMetrics:
             registry=r,
         )
 
+    def forget(self, namespace: str, service: str) -> None:
+        """Drop every series of one InferenceService (deleted: its last values would
+        otherwise be exported until the operator restarts)."""
+        per_service: list[tuple[Gauge | Counter, tuple[str, ...]]] = [
+            (self.desired, ROLE),
+            (self.current, ROLE),
+            (self.ready, ROLE),
+            (self.recommended, ROLE),
+            (self.inputs, (*ROLE, "input")),
+            (self.capacity, (*ROLE, "phase")),
+            (self.decisions, (*ROLE, "reason")),
+        ]
+        for metric, names in per_service:
+            stale = {
+                tuple(sample.labels[n] for n in names)
+                for family in metric.collect()
+                for sample in family.samples
+                if (sample.labels.get("namespace"), sample.labels.get("service"))
+                == (namespace, service)
+            }
+            for values in stale:
+                metric.remove(*values)
+
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         start_http_server(port, addr=addr, registry=self.registry)
 

@@ -49,6 +49,18 @@ def _key(obj: Manifest) -> tuple[str, str]:
     return obj["kind"], obj["metadata"]["name"]
 
 
+# Bookkeeping, not content: a change here alone is no drift. A Deployment's status moves
+# whenever its pods do, and an apply that only takes back ownership of a value another
+# manager set (the autoscaler's or `kubectl scale`'s replicas, which the pass keeps) moves
+# managedFields and the resourceVersion while changing nothing.
+_SERVER_WRITTEN = ("resourceVersion", "generation", "managedFields")
+
+
+def _content(obj: Manifest) -> Manifest:
+    meta = {k: v for k, v in obj.get("metadata", {}).items() if k not in _SERVER_WRITTEN}
+    return {**{k: v for k, v in obj.items() if k != "status"}, "metadata": meta}
+
+
 def _controlled_by(obj: Manifest, uid: str) -> bool:
     refs = obj.get("metadata", {}).get("ownerReferences", []) or []
     return any(r.get("uid") == uid and r.get("controller") for r in refs)
@@ -157,7 +169,7 @@ def reconcile(
                 result.actions.append((verb, *key))
             elif before["metadata"].get("resourceVersion") != after["metadata"].get(
                 "resourceVersion"
-            ):
+            ) and _content(before) != _content(after):
                 verb = "DriftRepaired" if steady else "Updated"
                 result.actions.append((verb, *key))
         for key, obj in existing.items():
@@ -188,30 +200,44 @@ def reconcile(
     gateway = WorkloadState.from_deployment(GATEWAY, applied.get(("Deployment", names.gateway)))
     problem = summarize(kube.list(POD, namespace, owned_selector(name)))
     result.status = compute_status(
-        generation, roles, gateway, names.gateway_url(), prev_status, pod_problem=problem
+        generation,
+        roles,
+        gateway,
+        names.gateway_url(),
+        prev_status,
+        pod_problem=problem,
+        autoscaled=_autoscaled(spec),
     )
-    _record_pod_problem(prev_status, problem, record)
+    _record_degraded(prev_status, result.status, record)
     _write_status(kube, body, result.status)
     return result
 
 
-def _record_pod_problem(
-    prev_status: Manifest, problem: tuple[str, str] | None, record: Recorder
-) -> None:
-    """A Warning Event when pods start failing or fail differently (not on every restart:
-    the message carries the restart count)."""
-    if problem is None:
+def _autoscaled(spec: InferenceServiceSpec) -> set[str]:
+    return {role for role, rs in spec.roles.items() if rs.autoscaling is not None}
+
+
+def _degraded(status: Manifest) -> Manifest:
+    return next((c for c in status.get("conditions", []) or [] if c.get("type") == "Degraded"), {})
+
+
+def _record_degraded(prev_status: Manifest, status: Manifest, record: Recorder) -> None:
+    """A Warning Event when the workloads turn Degraded (failing pods, a rollout past its
+    deadline) or turn Degraded for another reason; not on every pass or restart (the
+    message carries the restart count)."""
+    now, prev = _degraded(status), _degraded(prev_status)
+    if now.get("status") != "True":
         return
-    prev = next(
-        (c for c in prev_status.get("conditions", []) or [] if c.get("type") == "Degraded"), {}
-    )
-    if prev.get("status") != "True" or prev.get("reason") != problem[0]:
-        record("Warning", problem[0], problem[1])
+    if prev.get("status") != "True" or prev.get("reason") != now.get("reason"):
+        record("Warning", now.get("reason", ""), now.get("message", ""))
 
 
-def refresh_status(kube: KubeAPI, body: Manifest) -> Manifest | None:
+def refresh_status(kube: KubeAPI, body: Manifest, record: Recorder) -> Manifest | None:
     """Recompute status from the Deployments without applying anything (cheap; used on
-    child Deployment status changes between full passes). None when the spec is invalid."""
+    child Deployment status changes between full passes). None when the spec is invalid.
+
+    Posts a new Degraded reason's Warning as a full pass would: a refresh that sets Degraded
+    first leaves the next pass nothing new to report."""
     meta = body["metadata"]
     names = Names(meta["name"], meta["namespace"])
     try:
@@ -237,7 +263,14 @@ def refresh_status(kube: KubeAPI, body: Manifest) -> Manifest | None:
     gateway = WorkloadState.from_deployment(GATEWAY, deploys.get(names.gateway))
     problem = summarize(kube.list(POD, meta["namespace"], owned_selector(meta["name"])))
     status = compute_status(
-        meta.get("generation", 0), roles, gateway, names.gateway_url(), prev, pod_problem=problem
+        meta.get("generation", 0),
+        roles,
+        gateway,
+        names.gateway_url(),
+        prev,
+        pod_problem=problem,
+        autoscaled=_autoscaled(spec),
     )
+    _record_degraded(prev, status, record)
     _write_status(kube, body, status)
     return status

@@ -9,6 +9,7 @@ API error, a Deployment that exceeded its progress deadline), plus `<Role>Ready`
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -114,12 +115,14 @@ def compute_status(
     degraded_reason: str | None = None,
     degraded_message: str = "",
     pod_problem: tuple[str, str] | None = None,
+    autoscaled: Collection[str] | None = None,
 ) -> Manifest:
     """Full status of one InferenceService (a JSON merge patch replaces it as a whole).
 
     Degraded comes from, in order: the caller's reason (spec or API problems), failing pods
     (`pod_problem`: the kubelet's reason and the container's last words), a Deployment that
-    exceeded its progress deadline."""
+    exceeded its progress deadline. The autoscaler's parts of `previous` are kept for the
+    roles in `autoscaled` (None: unknown, keep them all)."""
     prev_conds: list[Manifest] = list((previous or {}).get("conditions", []) or [])
     conds: list[Manifest] = []
     failures = [w for w in [*roles, *([gateway] if gateway else [])] if w.failure]
@@ -183,7 +186,9 @@ def compute_status(
     )
     # The autoscaler's own condition and per-role decisions are written by its timer, not
     # derived from Deployments: carry them over so a reconcile pass does not erase them.
-    conds += [c for c in prev_conds if c.get("type") in AUTOSCALER_CONDITIONS]
+    # Once no role autoscales, nothing would ever update them again: drop them.
+    if autoscaled is None or autoscaled:
+        conds += [c for c in prev_conds if c.get("type") in AUTOSCALER_CONDITIONS]
     prev_roles = {r.get("name"): r for r in (previous or {}).get("roles", []) or []}
     role_entries: list[Manifest] = []
     for w in roles:
@@ -193,7 +198,9 @@ def compute_status(
             "readyReplicas": w.ready,
             "updatedReplicas": w.updated,
         }
-        if prev_roles.get(w.name, {}).get("autoscaling"):
+        if prev_roles.get(w.name, {}).get("autoscaling") and (
+            autoscaled is None or w.name in autoscaled
+        ):
             entry["autoscaling"] = prev_roles[w.name]["autoscaling"]
         role_entries.append(entry)
     return {

@@ -94,6 +94,25 @@ def test_chart_rules_equal_the_rbac_manifest():
     assert chart == _manifest_rules()
 
 
+def _uses_optional_old_self(node: Any) -> bool:
+    if isinstance(node, dict):
+        return node.get("optionalOldSelf") is True or any(
+            _uses_optional_old_self(v) for v in node.values()
+        )
+    return isinstance(node, list) and any(_uses_optional_old_self(v) for v in node)
+
+
+def test_chart_requires_a_kubernetes_that_takes_its_crd():
+    # A CEL rule with optionalOldSelf (the name rule) does not compile where the field is
+    # unknown or gated off (before 1.30: CRDValidationRatcheting): the API server would
+    # refuse the whole CRD.
+    floor = yaml.safe_load((CHART / "Chart.yaml").read_text())["kubeVersion"]
+    major, minor = (int(x) for x in floor.removeprefix(">=").split(".")[:2])
+    crds = [yaml.safe_load(p.read_text()) for p in (CHART / "crds").glob("*.yaml")]
+    assert any(_uses_optional_old_self(c) for c in crds)
+    assert (major, minor) >= (1, 30), floor
+
+
 def test_chart_static_files_parse():
     meta = yaml.safe_load((CHART / "Chart.yaml").read_text())
     assert meta["apiVersion"] == "v2" and meta["name"] == "pagefleet"

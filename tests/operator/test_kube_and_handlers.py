@@ -11,6 +11,7 @@ import asyncio
 import copy
 import json
 import threading
+import time
 from typing import Any
 
 import kmock
@@ -29,6 +30,7 @@ from pagefleet.operator.kube import (
     KubeError,
     RestKube,
 )
+from pagefleet.operator.metrics import OperatorMetrics
 from pagefleet.operator.reconcile import reconcile
 
 pytestmark = pytest.mark.kmock(cls=kmock.KubernetesScaffold)
@@ -276,6 +278,75 @@ def test_a_status_refresh_that_waited_on_the_lock_reports_the_newer_generation(c
     status = kube.obj("InferenceService", "ml", "llama")["status"]
     assert status["observedGeneration"] == 3
     assert {c["observedGeneration"] for c in status["conditions"]} == {3}
+
+
+class _SlowAutoscaler:
+    """Remembers each service it ticks, a moment into the tick (as scraping pods takes)."""
+
+    def __init__(self) -> None:
+        self.memory: dict[tuple[str, str], int] = {}
+        self.ticking = threading.Event()
+
+    def tick(self, body: dict[str, Any], record: Any) -> None:
+        self.ticking.set()
+        time.sleep(0.2)
+        meta = body["metadata"]
+        self.memory[(meta["namespace"], meta["name"])] = 1
+
+    def forget(self, namespace: str, name: str) -> None:
+        self.memory.pop((namespace, name), None)
+
+
+def test_a_deletion_during_an_autoscaler_tick_still_forgets_the_service(ctx):
+    # The tick read its body before the deletion; forgetting meanwhile must not be undone
+    # by the tick's end, or the memory of a deleted service lingers (and a new service of
+    # the same name starts from it).
+    kube: FakeKube = ctx.kube  # type: ignore[assignment]
+    autoscaler = _SlowAutoscaler()
+    ctx.autoscaler = autoscaler  # type: ignore[assignment]
+    memo = kopf.Memo(ctx=ctx)
+    body = _add_is(kube)
+    tick = threading.Thread(
+        target=handlers.on_autoscale, kwargs={"body": kopf.Body(copy.deepcopy(body)), "memo": memo}
+    )
+    tick.start()
+    assert autoscaler.ticking.wait(5)
+    kube.obj("InferenceService", "ml", "llama")["metadata"]["deletionTimestamp"] = (
+        "2026-12-03T00:00:00Z"
+    )
+    dying = copy.deepcopy(kube.obj("InferenceService", "ml", "llama"))
+    handlers.on_delete(body=kopf.Body(dying), memo=memo)
+    tick.join(5)
+    assert autoscaler.memory == {}
+
+
+def _series(metrics: OperatorMetrics, service: str) -> list[str]:
+    return [
+        s.name
+        for family in metrics.registry.collect()
+        for s in family.samples
+        if s.labels.get("service") == service
+    ]
+
+
+def test_a_deleted_service_leaves_no_metric_series(ctx):
+    # Its last desired replicas, inputs and capacities would be exported (and graphed,
+    # and alerted on) until the operator restarts.
+    metrics = ctx.metrics = OperatorMetrics()
+    for service in ("llama", "other"):
+        role = ("ml", service, "unified")
+        metrics.desired.labels(*role).set(3)
+        metrics.inputs.labels(*role, "kv_usage").set(0.5)
+        metrics.capacity.labels(*role, "decode").set(900)
+        metrics.decisions.labels(*role, "ScaledUp").inc()
+    metrics.passes.labels("reconcile").inc()
+    dying = _add_is(ctx.kube)
+    handlers.on_delete(body=kopf.Body(dying), memo=kopf.Memo(ctx=ctx))
+    assert _series(metrics, "llama") == []
+    assert len(_series(metrics, "other")) == len(set(_series(metrics, "other"))) >= 4
+    assert "pagefleet_operator_reconciles_total" in [
+        s.name for f in metrics.registry.collect() for s in f.samples
+    ]
 
 
 def test_transient_api_errors_become_kopf_retries(ctx):

@@ -141,7 +141,21 @@ def test_status_refresh_between_passes_also_sees_failing_pods(kube, unified_spec
     create_is(kube, unified_spec)
     reconcile(kube, body(kube), SETTINGS, Recorder())
     kube.add(pod("llama-gateway-x", component="gateway", **CRASHING))
-    refresh_status(kube, body(kube))
+    refresh_status(kube, body(kube), Recorder())
     degraded = cond(kube, "Degraded")
     assert degraded["status"] == "True"
     assert degraded["message"].startswith("gateway pod llama-gateway-x:")
+
+
+def test_failing_pods_first_seen_by_a_status_refresh_still_post_one_warning(kube, unified_spec):
+    # A child event's refresh may be the first to see the failing pod and set Degraded;
+    # the full pass after it then sees the same reason and stays quiet. The Warning Event
+    # must come from whichever saw it first, once.
+    create_is(kube, unified_spec)
+    reconcile(kube, body(kube), SETTINGS, Recorder())
+    kube.add(pod("llama-unified-a", **CRASHING))
+    rec = Recorder()
+    refresh_status(kube, body(kube), rec)
+    reconcile(kube, body(kube), SETTINGS, rec)
+    assert cond(kube, "Degraded")["reason"] == "CrashLoopBackOff"
+    assert [(t, r) for t, r, _ in rec.events] == [("Warning", "CrashLoopBackOff")]

@@ -87,7 +87,7 @@ def test_ready_once_deployments_report_ready_pods(kube, unified_spec):
     create_is(kube, unified_spec)
     reconcile(kube, body(kube), SETTINGS, Recorder())
     kube.mark_deployments_ready()
-    status = refresh_status(kube, body(kube))
+    status = refresh_status(kube, body(kube), Recorder())
     assert status is not None
     assert cond(kube, "Ready")["status"] == "True"
     assert cond(kube, "UnifiedReady")["status"] == "True"
@@ -103,7 +103,7 @@ def test_spec_change_rolls_out_and_keeps_transition_times(kube, unified_spec):
     create_is(kube, unified_spec)
     reconcile(kube, body(kube), SETTINGS, Recorder())
     kube.mark_deployments_ready()
-    refresh_status(kube, body(kube))
+    refresh_status(kube, body(kube), Recorder())
     ready_since = cond(kube, "Degraded")["lastTransitionTime"]
 
     def scale_and_tune(spec):
@@ -124,6 +124,30 @@ def test_spec_change_rolls_out_and_keeps_transition_times(kube, unified_spec):
     assert cond(kube, "Progressing")["status"] == "True"
     assert cond(kube, "Degraded")["lastTransitionTime"] == ready_since
     assert any("spec generation 2" in m for _, _, m in rec.events)
+
+
+def test_a_rollout_past_its_deadline_degrades_with_one_warning_event(kube, unified_spec):
+    create_is(kube, unified_spec)
+    reconcile(kube, body(kube), SETTINGS, Recorder())
+    stuck = "ReplicaSet llama-unified-abc has timed out progressing."
+    kube.obj("Deployment", "ml", "llama-unified")["status"] = {
+        "observedGeneration": 1,
+        "conditions": [
+            {
+                "type": "Progressing",
+                "status": "False",
+                "reason": "ProgressDeadlineExceeded",
+                "message": stuck,
+            }
+        ],
+    }
+    rec = Recorder()
+    refresh_status(kube, body(kube), rec)  # the Deployment's status change
+    reconcile(kube, body(kube), SETTINGS, rec)  # the next resync
+    degraded = cond(kube, "Degraded")
+    assert degraded["status"] == "True" and degraded["reason"] == "RolloutFailed"
+    assert [(t, r) for t, r, _ in rec.events] == [("Warning", "RolloutFailed")]
+    assert stuck in rec.events[0][2]
 
 
 def test_deleted_child_is_restored(kube, unified_spec):
@@ -148,6 +172,24 @@ def test_hand_edited_child_is_repaired(kube, unified_spec):
     dep = kube.obj("Deployment", "ml", "llama-unified")
     assert dep["spec"]["replicas"] == 2
     assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == "pagefleet:test"
+
+
+def test_a_status_written_by_a_controller_mid_pass_is_no_drift(kube, unified_spec):
+    # The Deployment controller writes a Deployment's status (pods became ready) between
+    # the pass's list and its apply: the resourceVersion moved, but nobody edited it.
+    create_is(kube, unified_spec)
+    reconcile(kube, body(kube), SETTINGS, Recorder())
+    apply = kube.apply
+
+    def apply_after_a_status_write(obj):
+        if obj["kind"] == "Deployment":
+            kube.mark_deployments_ready()
+        return apply(obj)
+
+    kube.apply = apply_after_a_status_write  # type: ignore[method-assign]
+    rec = Recorder()
+    result = reconcile(kube, body(kube), SETTINGS, rec)
+    assert result.actions == [] and rec.events == []
 
 
 def test_switching_to_prefill_decode_replaces_the_role_workloads(kube, unified_spec):
@@ -189,6 +231,33 @@ def test_switching_to_prefill_decode_replaces_the_role_workloads(kube, unified_s
     st = body(kube)["status"]
     assert [r["name"] for r in st["roles"]] == ["prefill", "decode"]
     assert {c["type"] for c in st["conditions"]} >= {"PrefillReady", "DecodeReady"}
+
+
+def test_autoscaler_status_lasts_only_while_a_role_autoscales(kube, pd_spec):
+    create_is(kube, pd_spec)
+    reconcile(kube, body(kube), SETTINGS, Recorder())
+    # What the autoscaler's tick writes for the autoscaled decode role.
+    st = kube.obj("InferenceService", "ml", "llama")["status"]
+    decision = {"desiredReplicas": 3, "reason": "ScaledUp", "message": "load"}
+    next(r for r in st["roles"] if r["name"] == "decode")["autoscaling"] = decision
+    st["conditions"].append(
+        {"type": "ScalingActive", "status": "True", "reason": "Active", "message": "decode"}
+    )
+    kube.mark_deployments_ready()
+    refresh_status(kube, body(kube), Recorder())
+    reconcile(kube, body(kube), SETTINGS, Recorder())
+    st = body(kube)["status"]
+    assert next(r for r in st["roles"] if r["name"] == "decode")["autoscaling"] == decision
+    assert "ScalingActive" in [c["type"] for c in st["conditions"]]
+
+    def fixed(spec):
+        spec["roles"]["decode"] = {"replicas": 2}
+
+    edit_spec(kube, fixed)  # no role autoscales any more: its last decision is history
+    reconcile(kube, body(kube), SETTINGS, Recorder())
+    st = body(kube)["status"]
+    assert [r for r in st["roles"] if "autoscaling" in r] == []
+    assert "ScalingActive" not in [c["type"] for c in st["conditions"]]
 
 
 def test_autoscaled_role_keeps_the_autoscalers_count(kube, pd_spec):

@@ -179,6 +179,16 @@ def test_the_crd_checks_the_name_at_its_root():
     assert root["x-kubernetes-validations"] == [NAME_RULE.as_schema()]
 
 
+def test_the_name_rule_judges_creation_only():
+    # A root rule is not ratcheted: were it evaluated on updates, an object stored before
+    # the rule existed could never lose its finalizer (e2e/test_operator_lifecycle.py).
+    (rule,) = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"][
+        "x-kubernetes-validations"
+    ]
+    assert rule["optionalOldSelf"] is True  # evaluated on create, oldSelf empty there
+    assert rule["rule"].startswith("oldSelf.hasValue() || (")
+
+
 # ------------------------------------------------------------------ path, tolerations
 
 

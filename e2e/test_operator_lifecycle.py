@@ -1,0 +1,245 @@
+"""An InferenceService over its life on a real control plane: objects stored before a
+CRD rule existed must still be deletable once the rule is in place.
+
+The operator here is this module's own (same identity and flags as test_operator.py's).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import yaml
+
+from e2e.cluster import ControlPlane, eventually
+from e2e.kube_client import KubeClient
+from e2e.operator_process import CRD, OperatorProcess, install_prerequisites
+from e2e.test_operator import API, apply, condition, events_for, get_is, infsvc
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def operator(
+    cluster: ControlPlane, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[OperatorProcess]:
+    install_prerequisites(cluster)
+    log = tmp_path_factory.mktemp("operator") / "operator.log"
+    op = OperatorProcess(cluster, log, "--resync-seconds", "3", "-v")
+    op.start()
+    try:
+        yield op
+    finally:
+        op.stop()
+        op.assert_not_refused()
+
+
+def _crd_without_root_rules() -> dict[str, Any]:
+    crd = copy.deepcopy(yaml.safe_load(CRD.read_text()))
+    for version in crd["spec"]["versions"]:
+        version["schema"]["openAPIV3Schema"].pop("x-kubernetes-validations", None)
+    return crd
+
+
+def test_service_stored_before_the_name_rule_can_still_be_deleted(
+    cluster: ControlPlane, kube: KubeClient, namespace: str, operator: OperatorProcess
+) -> None:
+    """A 60-character name, accepted by a CRD that had no name rule, carries the operator's
+    finalizer; after the CRD gains the rule, deleting it must still complete (kopf patches
+    the finalizer away, and the API server must not refuse that patch over the name)."""
+    name = "n" * 60
+    spec = {
+        "model": {"source": {"path": "tiny"}},
+        "roles": {"unified": {"replicas": 0}},
+        "router": {"replicas": 0},
+        "index": {"redisURL": "redis://127.0.0.1:1/0"},
+    }
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(_crd_without_root_rules()))
+    try:
+        res = apply(cluster, infsvc(name, namespace, spec))
+        assert res.returncode == 0, res.stderr
+        degraded = eventually(
+            lambda: (
+                condition(get_is(kube, namespace, name), "Degraded").get("reason") == "InvalidName"
+                and get_is(kube, namespace, name)
+            ),
+            60,
+            "Degraded=True/InvalidName on the long name",
+        )
+        assert "pagefleet.io/finalizer" in degraded["metadata"]["finalizers"]
+    finally:
+        cluster.kubectl("apply", "-f", str(CRD))
+    # The rule is back: a new object with such a name is refused...
+    res = apply(cluster, infsvc("m" * 60, namespace, spec))
+    assert res.returncode != 0 and "at most 55 characters" in res.stderr, res.stderr
+    # ... while the one stored before it is still deleted completely.
+    time.sleep(4)  # a resync pass or two with the rule in place
+    cluster.kubectl("delete", "infsvc", name, "-n", namespace, "--wait=false")
+    eventually(
+        lambda: get_is_or_none(kube, namespace, name) is None, 60, "the old long-named service gone"
+    )
+    operator.check_alive()
+
+
+CHILD_COLLECTIONS = (
+    "/apis/apps/v1/namespaces/{ns}/deployments",
+    "/api/v1/namespaces/{ns}/services",
+    "/api/v1/namespaces/{ns}/configmaps",
+    "/api/v1/namespaces/{ns}/serviceaccounts",
+    "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles",
+    "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings",
+    "/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies",
+)
+
+
+def get_is_or_none(kube: KubeClient, ns: str, name: str) -> dict[str, Any] | None:
+    return kube.get_or_none(f"{API}/namespaces/{ns}/inferenceservices/{name}")
+
+
+def _versions_of_children(kube: KubeClient, ns: str, name: str) -> dict[str, str]:
+    """resourceVersion of every child, by plural/name."""
+    out = {}
+    for coll in CHILD_COLLECTIONS:
+        path = coll.format(ns=ns)
+        for item in kube.get(path, {"labelSelector": f"pagefleet.io/service={name}"})["items"]:
+            out[f"{path.rsplit('/', 1)[1]}/{item['metadata']['name']}"] = item["metadata"][
+                "resourceVersion"
+            ]
+    return out
+
+
+def _versions(kube: KubeClient, ns: str, name: str) -> dict[str, str]:
+    """resourceVersion of the InferenceService and of every child."""
+    return {
+        "InferenceService": get_is(kube, ns, name)["metadata"]["resourceVersion"],
+        **_versions_of_children(kube, ns, name),
+    }
+
+
+def _settled(kube: KubeClient, ns: str, name: str, generation: int) -> dict[str, Any]:
+    def check() -> dict[str, Any] | bool:
+        obj = get_is(kube, ns, name)
+        ok = (obj.get("status") or {}).get("observedGeneration") == generation and condition(
+            obj, "Ready"
+        ).get("status") == "True"
+        return obj if ok else False
+
+    return eventually(check, 60, f"{name} Ready at generation {generation}")
+
+
+def _assert_quiet(cluster: ControlPlane, kube: KubeClient, ns: str, name: str) -> None:
+    """Several resync passes (3 s apart) with nothing changed write nothing and post no
+    Event."""
+    time.sleep(4)  # let the Deployment controller finish its own status writes
+    before = _versions(kube, ns, name)
+    events = len(events_for(cluster, ns, name))
+    time.sleep(10)
+    after = _versions(kube, ns, name)
+    assert after == before, {k: (before.get(k), v) for k, v in after.items() if before.get(k) != v}
+    assert len(events_for(cluster, ns, name)) == events
+
+
+def test_steady_service_is_left_alone_and_role_switches_prune(
+    cluster: ControlPlane, kube: KubeClient, namespace: str, operator: OperatorProcess
+) -> None:
+    name = "life"
+    path = f"{API}/namespaces/{namespace}/inferenceservices/{name}"
+    spec = {
+        "model": {"source": {"path": "tiny"}},
+        "image": "pagefleet:e2e",
+        "roles": {
+            # Quantities the API server stores in another form ("500m", "1536Mi").
+            "prefill": {"replicas": 0, "resources": {"requests": {"cpu": "0.5"}}},
+            "decode": {"replicas": 0, "resources": {"limits": {"memory": "1.5Gi"}}},
+        },
+        "router": {"replicas": 0},
+        "index": {"redisURL": "redis://127.0.0.1:1/0"},
+    }
+    assert apply(cluster, infsvc(name, namespace, spec)).returncode == 0
+    _settled(kube, namespace, name, 1)
+    _assert_quiet(cluster, kube, namespace, name)
+
+    # prefill + decode -> unified: the P/D workloads go, the gateway points at unified.
+    kube.merge_patch(
+        path, {"spec": {"roles": {"prefill": None, "decode": None, "unified": {"replicas": 0}}}}
+    )
+    obj = _settled(kube, namespace, name, 2)
+    left = sorted(k for k in _versions(kube, namespace, name) if k != "InferenceService")
+    assert not [k for k in left if "prefill" in k or "decode" in k], left
+    assert [c["type"] for c in obj["status"]["conditions"] if c["type"].endswith("Ready")] == [
+        "UnifiedReady",
+        "Ready",
+    ]
+    gw = kube.get(f"/apis/apps/v1/namespaces/{namespace}/deployments/{name}-gateway")
+    cmd = gw["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert cmd[cmd.index("--service") + 1] == f"{name}-unified"
+    assert "--prefill-service" not in cmd
+    _assert_quiet(cluster, kube, namespace, name)
+
+    # An operator restart re-runs every pass (kopf's resume): no child is rewritten and no
+    # Event posted.
+    before = _versions(kube, namespace, name)
+    events = len(events_for(cluster, namespace, name))
+    operator.stop()
+    operator.start()
+    time.sleep(12)
+    operator.check_alive()
+    after = _versions(kube, namespace, name)
+    del before["InferenceService"], after["InferenceService"]  # kopf's own annotations
+    assert after == before
+    assert len(events_for(cluster, namespace, name)) == events
+
+
+def test_a_deletion_while_the_operator_is_down_completes_when_it_returns(
+    cluster: ControlPlane, kube: KubeClient, namespace: str, operator: OperatorProcess
+) -> None:
+    name = "gone"
+    spec = {
+        "model": {"source": {"path": "tiny"}},
+        "roles": {"unified": {"replicas": 0}},
+        "router": {"replicas": 0},
+        "index": {"redisURL": "redis://127.0.0.1:1/0"},
+    }
+    assert apply(cluster, infsvc(name, namespace, spec)).returncode == 0
+    _settled(kube, namespace, name, 1)
+    operator.stop()
+    try:
+        cluster.kubectl("delete", "infsvc", name, "-n", namespace, "--wait=false")
+        time.sleep(3)
+        dying = get_is(kube, namespace, name)  # held by the finalizer meanwhile
+        assert dying["metadata"]["deletionTimestamp"]
+        assert len(_versions(kube, namespace, name)) > 1
+    finally:
+        operator.start()
+    eventually(lambda: get_is_or_none(kube, namespace, name) is None, 60, "the service gone")
+    eventually(lambda: list(_versions_of_children(kube, namespace, name)) == [], 60, "GC")
+    operator.check_alive()
+
+
+def test_a_scale_of_an_autoscaled_role_is_no_drift(
+    cluster: ControlPlane, kube: KubeClient, namespace: str, operator: OperatorProcess
+) -> None:
+    """The autoscaler (or `kubectl scale`) sets an autoscaled role's replicas; the next
+    pass keeps that count. Nothing was restored, so no DriftRepaired Event."""
+    name = "scaled"
+    slow = {"intervalSeconds": 3600, "scaleDownWindowSeconds": 3600}
+    spec = {
+        "model": {"source": {"path": "tiny"}},
+        # A pod that idles (never Ready: no daemon answers the probe).
+        "command": ["/bin/sh", "-c", "exec sleep 3600"],
+        "roles": {"unified": {"autoscaling": {"minReplicas": 0, "maxReplicas": 2, **slow}}},
+        "router": {"replicas": 0},
+        "index": {"redisURL": "redis://127.0.0.1:1/0"},
+    }
+    assert apply(cluster, infsvc(name, namespace, spec)).returncode == 0
+    _settled(kube, namespace, name, 1)
+    time.sleep(4)
+    cluster.kubectl("scale", f"deployment/{name}-unified", "--replicas=1", "-n", namespace)
+    time.sleep(10)  # three resync passes
+    deploy = kube.get(f"/apis/apps/v1/namespaces/{namespace}/deployments/{name}-unified")
+    assert deploy["spec"]["replicas"] == 1
+    reasons = [e["reason"] for e in events_for(cluster, namespace, name)]
+    assert "DriftRepaired" not in reasons, reasons
