@@ -152,7 +152,8 @@ def test_steady_service_is_left_alone_and_role_switches_prune(
         "image": "pagefleet:e2e",
         "roles": {
             # Quantities the API server stores in another form ("500m", "1536Mi").
-            "prefill": {"replicas": 0, "resources": {"requests": {"cpu": "0.5"}}},
+            # A number where a Pod takes one (the CRD was int-or-string: 0.5 refused).
+            "prefill": {"replicas": 0, "resources": {"requests": {"cpu": 0.5}}},
             "decode": {"replicas": 0, "resources": {"limits": {"memory": "1.5Gi"}}},
         },
         "router": {"replicas": 0},

@@ -10,6 +10,7 @@ the API server) — and a test keeps the two lists in sync.
 
 from __future__ import annotations
 
+import math
 import re
 from enum import StrEnum
 from typing import Annotated, Any
@@ -33,10 +34,21 @@ SHORT_NAMES = ["infsvc"]  # not `isvc`: that one is KServe's
 
 DEFAULT_IMAGE = "ghcr.io/pagefleet/pagefleet:0.1.0"
 
-# Kubernetes resource quantities are int-or-string ("2", 2, "500m", "4Gi").
+
+def _finite(value: int | float | str) -> int | float | str:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"a resource quantity must be finite, got {value}")
+    return value
+
+
+# Kubernetes resource quantities: a number or a string ("2", 2, 0.5, "500m", "4Gi"), as a
+# Pod's resources take them. int-or-string in the CRD would refuse `cpu: 0.5`, which every
+# Pod accepts; an untyped field (preserve-unknown-fields) lets the number through, and the
+# model checks it.
 Quantity = Annotated[
-    int | str,
-    WithJsonSchema({"x-kubernetes-int-or-string": True}),
+    int | float | str,
+    AfterValidator(_finite),
+    WithJsonSchema({"x-kubernetes-preserve-unknown-fields": True}),
 ]
 
 

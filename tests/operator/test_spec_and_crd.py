@@ -82,13 +82,29 @@ def test_schema_is_structural_and_every_field_is_described():
             assert node.get("description"), f"{path} has no description (kubectl explain)"
         if node.get("x-kubernetes-int-or-string"):
             assert "type" not in node
-        else:
+        elif not node.get("x-kubernetes-preserve-unknown-fields"):  # quantities: any JSON
             assert "type" in node, path
         if "exclusiveMinimum" in node:
             assert node["exclusiveMinimum"] is True  # OpenAPI v3.0 form
         for bound in ("minimum", "maximum"):  # numbers (an Optional field once got `true`)
             assert not isinstance(node.get(bound, 0), bool), (path, bound)
         assert node.get("additionalProperties") is not False
+
+
+def test_resource_quantities_take_numbers_as_a_pods_do():
+    # `cpu: 0.5` is what a Pod takes; the CRD's int-or-string refused it on the API server.
+    role = {"replicas": 1, "resources": {"requests": {"cpu": 0.5, "memory": "1Gi"},
+                                         "limits": {"cpu": 2}}}  # fmt: skip
+    spec = parse_spec({"model": {"source": {"path": "tiny"}}, "roles": {"unified": role}})
+    assert spec.roles.unified is not None
+    assert spec.roles.unified.resources.requests == {"cpu": 0.5, "memory": "1Gi"}
+    nodes = dict(_walk(_schema()))
+    leaf = nodes[".spec.roles.unified.resources.requests{}"]
+    assert leaf == {"x-kubernetes-preserve-unknown-fields": True}
+    for bad in (float("nan"), float("inf"), [1], {"a": 1}):
+        role = {"resources": {"requests": {"cpu": bad}}}
+        with pytest.raises(ValidationError):
+            parse_spec({"model": {"source": {"path": "tiny"}}, "roles": {"unified": role}})
 
 
 def test_defaults_reach_nested_fields():
