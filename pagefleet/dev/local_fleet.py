@@ -37,11 +37,17 @@ from pagefleet.kvindex.redis_auth import PASSWORD_ENV, split_password
 
 logger = logging.getLogger(__name__)
 
-# The fleet's gateway: seconds open streams get on stop (its exit follows within ~5 s more).
+# The fleet's gateway: seconds open streams get on stop (its exit follows within ~5 s more,
+# pagefleet.gateway.cli's CLEANUP_S + EXIT_S), inside GATEWAY_STOP_S.
 GATEWAY_DRAIN_S = 3.0
-# The daemons' drain on stop: with its ~3 s of cleanup (handlers, engine, index) inside
-# stop()'s 10 s grace; the daemon's own 30 s default would end in a SIGKILL here.
+GATEWAY_STOP_S = 10.0
+# The daemons' drain on stop (their own 30 s default is for pods). A daemon's stop can take
+# the drain, then 5 s for the aborted requests to end (Daemon.drain), then aiohttp's
+# cleanup, which waits for a handler still open (a stream whose client stopped reading)
+# twice its 3 s shutdown timeout before cancelling it; plus the engine's stop and the exit.
+# DAEMON_STOP_S covers all of it: a clean stop never needs SIGKILL.
 DAEMON_DRAIN_S = 6.0
+DAEMON_STOP_S = DAEMON_DRAIN_S + 5.0 + 2 * 3.0 + 3.0
 
 
 def resolve_checkpoint_dir(spec: str) -> Path:
@@ -363,7 +369,7 @@ class LocalFleet:
             argv += ["--weights", weights or self.spec.weights or ""]
         if self.spec.seed is not None:
             argv += ["--seed", str(self.spec.seed)]
-        # Its drain (plus its bounded cleanup and exit) fits inside stop()'s 10 s grace, so
+        # Its drain (plus its bounded cleanup and exit) fits inside GATEWAY_STOP_S, so
         # a stop with streams still open cuts them instead of waiting to be SIGKILLed.
         argv += ["--drain-timeout", str(GATEWAY_DRAIN_S)]
         argv += self.spec.gateway_args + (args or [])
@@ -438,10 +444,11 @@ class LocalFleet:
         self._supervisor = threading.Thread(target=loop, name="fleet-supervisor", daemon=True)
         self._supervisor.start()
 
-    def stop(self, grace_s: float = 10.0) -> None:
+    def stop(self, grace_s: float | None = None) -> None:
         """Stop everything started here, bounded: the gateway and the daemons get SIGTERM
-        at once (they drain in parallel), whatever still runs ``grace_s`` later gets
-        SIGKILL, then Redis stops (SIGKILL after 5 s). At most ~``grace_s`` + 10 s."""
+        at once (they drain in parallel); a gateway still running ``GATEWAY_STOP_S`` later,
+        a daemon ``DAEMON_STOP_S`` later (both ``grace_s`` when given) gets SIGKILL; then
+        Redis stops (SIGKILL after 5 s). At most ~``DAEMON_STOP_S`` + 10 s."""
         self._stop_supervising.set()
         if self._supervisor is not None:
             self._supervisor.join(5)
@@ -449,9 +456,12 @@ class LocalFleet:
         children = [c for c in (self.gateway, *self.daemons) if c is not None]
         for c in children:
             c.terminate()
-        deadline = time.monotonic() + grace_s
+        t0 = time.monotonic()
         for c in children:
-            c.stop(timeout=max(0.0, deadline - time.monotonic()))
+            grace = grace_s
+            if grace is None:
+                grace = GATEWAY_STOP_S if c is self.gateway else DAEMON_STOP_S
+            c.stop(timeout=max(0.0, t0 + grace - time.monotonic()))
         if self._redis is not None:
             self._redis.stop()
             self._redis = None
