@@ -492,13 +492,13 @@ class LocalFleet:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("-n", "--num-daemons", default=2, show_default=True, type=int)
+@click.option("-n", "--num-daemons", default=2, show_default=True, type=click.IntRange(min=1))
 @click.option(
     "--prefill",
     "num_prefill",
     default=0,
     show_default=True,
-    type=int,
+    type=click.IntRange(min=0),
     help="P/D: this many prefill daemons (with --decode; replaces -n).",
 )
 @click.option(
@@ -506,7 +506,7 @@ class LocalFleet:
     "num_decode",
     default=0,
     show_default=True,
-    type=int,
+    type=click.IntRange(min=0),
     help="P/D: this many decode daemons (with --prefill).",
 )
 @click.option(
@@ -532,14 +532,19 @@ class LocalFleet:
     "gateway_port",
     default=8080,
     show_default=True,
-    type=int,
+    type=click.IntRange(0, 65535),
     help="Gateway port (0: any free port).",
 )
-@click.option("--kv-cache-memory-mb", default=None, type=int, help="Per-daemon KV budget (MiB).")
+@click.option(
+    "--kv-cache-memory-mb",
+    default=None,
+    type=click.IntRange(min=1),
+    help="Per-daemon KV budget (MiB).",
+)
 @click.option(
     "--log-dir",
     default=None,
-    type=click.Path(path_type=Path),
+    type=click.Path(file_okay=False, path_type=Path),
     help="Where the children's logs go (default: a temp dir).",
 )
 @click.option(
@@ -548,7 +553,7 @@ class LocalFleet:
     is_flag=True,
     help="Run a short `pagefleet bench` against the fleet, print its report, stop.",
 )
-@click.option("--bench-requests", default=48, show_default=True, type=int)
+@click.option("--bench-requests", default=48, show_default=True, type=click.IntRange(min=1))
 @click.option(
     "--plot",
     default=None,
