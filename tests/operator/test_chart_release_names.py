@@ -1,0 +1,54 @@
+"""The chart with what users really set: release names up to Helm's 53 characters, and the
+bundled Redis behind its NetworkPolicy reached by everything that reads it."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from typing import Any
+
+import pytest
+import yaml
+
+from pagefleet.testing.helm import CHART, require_helm
+
+# Helm's own limit for a release name.
+LONGEST = "team-alpha-inference-serving-production-eu-west-1-abc"
+DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+def _render(release: str, *args: str) -> list[dict[str, Any]]:
+    cmd = [require_helm(), "template", release, str(CHART), "-n", "pagefleet-system"]
+    out = subprocess.run(
+        [*cmd, "--kube-version", "1.31.0", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+@pytest.mark.parametrize("release", [LONGEST, "pf", "my-pagefleet"])
+def test_names_fit_kubernetes_limits_for_any_release_name(release: str) -> None:
+    """A Service name is a DNS label (63 characters) and so is a Job's (its pods carry it
+    as the job-name label); with a 45-53 character release name the bundled Redis's Service
+    failed to install and the uninstall hook's Job failed to create, so `helm uninstall`
+    failed."""
+    assert len(LONGEST) == 53
+    docs = _render(release, "--set", "redis.enabled=true")
+    names = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    for kind, name in names:
+        assert len(name) <= 253, (kind, name)
+        if kind in ("Service", "Job"):
+            assert len(name) <= 63 and DNS_LABEL.match(name), (kind, name)
+    (svc,) = [n for k, n in names if k == "Service"]
+    (op,) = [
+        d for d in docs if d["metadata"]["name"].endswith("-operator") and d["kind"] == "Deployment"
+    ]
+    env = {
+        e["name"]: e.get("value") for e in op["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    # The operator's default Redis is that very Service.
+    assert env["PAGEFLEET_DEFAULT_REDIS_URL"] == f"redis://{svc}.pagefleet-system.svc:6379/0"
+    assert len({n for _, n in names if n.endswith("-teardown")}) == 1
