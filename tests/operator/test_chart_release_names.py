@@ -52,3 +52,27 @@ def test_names_fit_kubernetes_limits_for_any_release_name(release: str) -> None:
     # The operator's default Redis is that very Service.
     assert env["PAGEFLEET_DEFAULT_REDIS_URL"] == f"redis://{svc}.pagefleet-system.svc:6379/0"
     assert len({n for _, n in names if n.endswith("-teardown")}) == 1
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    assert set(selector) <= {"matchLabels"}, selector  # what this chart uses
+    return selector.get("matchLabels", {}).items() <= labels.items()
+
+
+def test_the_operator_may_reach_the_bundled_redis() -> None:
+    """The autoscaler reads the daemons' load heartbeats from the bundled Redis (the chart
+    gives it the read-only password for that). The Redis NetworkPolicy let in only the
+    operator's pods, not the operator itself: where policies are enforced its reads timed
+    out and the autoscaler went blind (ScalingActive=False)."""
+    docs = _render("pf", "--set", "redis.enabled=true")
+    (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    (op,) = [d for d in docs if d["kind"] == "Deployment" and "operator" in d["metadata"]["name"]]
+    op_labels = op["spec"]["template"]["metadata"]["labels"]
+    release_ns = {"kubernetes.io/metadata.name": "pagefleet-system"}
+    (rule,) = policy["spec"]["ingress"]
+    assert any(
+        _selects(peer.get("podSelector", {}), op_labels)
+        and _selects(peer.get("namespaceSelector", {}), release_ns)
+        for peer in rule["from"]
+    ), rule["from"]
+    assert {"port": 6379, "protocol": "TCP"} in rule["ports"]
