@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from pagefleet.testing.helm import CHART, require_helm
+from pagefleet.testing.helm import CHART, helm_template, require_helm
 
 # Helm's own limit for a release name.
 LONGEST = "team-alpha-inference-serving-production-eu-west-1-abc"
@@ -76,3 +76,29 @@ def test_the_operator_may_reach_the_bundled_redis() -> None:
         for peer in rule["from"]
     ), rule["from"]
     assert {"port": 6379, "protocol": "TCP"} in rule["ports"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        # The operator serves its liveness probe on 8080: the same port for its metrics
+        # cannot bind (the schema's own description said "not 8080", unenforced).
+        (["--set", "operator.metrics.port=8080"], "operator.metrics.port"),
+        # The operator refuses a peer with other keys at start (a crash loop, not a
+        # helm error): a typo must fail at install.
+        (["--set-json", 'networkPolicy.metricsFrom=[{"podSelectr":{}}]'], "podSelectr"),
+        (["--set-json", "networkPolicy.metricsFrom=[{}]"], "networkPolicy.metricsFrom.0"),
+    ],
+    ids=["metrics-on-liveness-port", "peer-typo", "empty-peer"],
+)
+def test_values_the_operator_would_crash_on_are_refused(args: list[str], message: str) -> None:
+    res = helm_template(*args, check=False)
+    assert res.returncode != 0
+    assert "values don't meet the specifications of the schema" in res.stderr, res.stderr
+    assert message in res.stderr, res.stderr
+
+
+def test_the_default_metrics_peers_still_pass() -> None:
+    assert helm_template("--set", "operator.metrics.port=9091").returncode == 0
+    peers = '[{"namespaceSelector":{}},{"ipBlock":{"cidr":"10.0.0.0/8"}}]'
+    assert helm_template("--set-json", f"networkPolicy.metricsFrom={peers}").returncode == 0
