@@ -135,7 +135,8 @@ class Child:
             logger.warning("%s did not stop within %.1fs of SIGTERM: killed", self.name, timeout)
 
     def kill(self) -> None:
-        """SIGKILL, as a crashed pod: no draining, no goodbye to the index."""
+        """SIGKILL, as a crashed pod: no draining, no goodbye to the index (no-op once
+        stopped)."""
         if self.proc is not None:
             process.signal_group(self.proc, signal.SIGKILL)
             self.proc.wait(timeout=5)
@@ -457,14 +458,20 @@ class LocalFleet:
         for c in children:
             c.terminate()
         t0 = time.monotonic()
-        for c in children:
-            grace = grace_s
-            if grace is None:
-                grace = GATEWAY_STOP_S if c is self.gateway else DAEMON_STOP_S
-            c.stop(timeout=max(0.0, t0 + grace - time.monotonic()))
-        if self._redis is not None:
-            self._redis.stop()
-            self._redis = None
+        try:
+            for c in children:
+                grace = grace_s
+                if grace is None:
+                    grace = GATEWAY_STOP_S if c is self.gateway else DAEMON_STOP_S
+                c.stop(timeout=max(0.0, t0 + grace - time.monotonic()))
+        finally:
+            # Interrupted (a second Ctrl-C while stopping): what still runs gets SIGKILL,
+            # and Redis and its files go all the same.
+            for c in children:
+                c.kill()
+            if self._redis is not None:
+                self._redis.stop()
+                self._redis = None
 
     def stop_redis(self) -> None:
         """Stop the fleet's own Redis (tests: the index going away mid-run)."""

@@ -1,0 +1,60 @@
+"""`pagefleet up` interrupted the way people interrupt it: a second Ctrl-C while the fleet
+stops hurries the stop (SIGKILL) but still leaves no process and no temporary files."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _processes_with_env(marker: str) -> list[str]:
+    """Live processes whose environment holds ``marker`` (pid and command line)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if marker.encode() not in Path(f"/proc/{pid}/environ").read_bytes():
+                continue
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            found.append(f"{pid}: {cmd.decode(errors='replace')[:200]}")
+        except OSError:
+            continue
+    return found
+
+
+def test_a_second_ctrl_c_while_stopping_still_cleans_up(tmp_path: Path) -> None:
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    up = subprocess.Popen(
+        [sys.executable, "-m", "pagefleet.cli", "up", "--model", "tiny", "-n", "1",
+         "--port", "0", "--log-dir", str(tmp_path / "logs")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        assert up.stdout is not None
+        line = up.stdout.readline()  # blocks until the fleet is ready
+        assert line.startswith("gateway: "), line + (up.stderr.read() if up.stderr else "")
+        assert list(tmp.glob("pagefleet-redis-*")), "the fleet's Redis keeps its files in TMPDIR"
+        up.send_signal(signal.SIGINT)
+        time.sleep(0.3)  # stopping now: the gateway and the daemon drain
+        up.send_signal(signal.SIGINT)
+        _, err = up.communicate(timeout=60)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    deadline = time.monotonic() + 5
+    while _processes_with_env(f"TMPDIR={tmp}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _processes_with_env(f"TMPDIR={tmp}")
+    assert not list(tmp.glob("pagefleet-redis-*")), err
