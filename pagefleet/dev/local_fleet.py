@@ -638,7 +638,8 @@ def command(
         raise click.ClickException(str(exc)) from exc
     except KeyboardInterrupt:
         click.echo("interrupted during start-up; stopped everything", err=True)
-        return
+        # Not a success: no fleet served, no bench ran (a script must not read 0).
+        click.get_current_context().exit(128 + signal.SIGINT)
     try:
         click.echo(
             f"fleet ready in {time.monotonic() - t0:.1f}s: redis {fleet.redis_url}, "

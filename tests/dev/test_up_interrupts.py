@@ -58,3 +58,26 @@ def test_a_second_ctrl_c_while_stopping_still_cleans_up(tmp_path: Path) -> None:
         time.sleep(0.1)
     assert not _processes_with_env(f"TMPDIR={tmp}")
     assert not list(tmp.glob("pagefleet-redis-*")), err
+
+
+def test_an_interrupted_start_up_is_not_a_success(tmp_path: Path) -> None:
+    """Interrupted before the fleet was ready, `up` (and `up --bench`, as `make run` calls
+    it) stops what it started and exits non-zero: a script must not read exit status 0 as
+    'the bench ran'. A Ctrl-C once the fleet serves stays the normal way out (status 0)."""
+    up = subprocess.Popen(
+        [sys.executable, "-m", "pagefleet.cli", "up", "--model", "tiny", "-n", "1", "--bench",
+         "--log-dir", str(tmp_path / "logs")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert up.stderr is not None
+        assert up.stderr.readline().startswith("starting Redis")
+        time.sleep(0.5)  # inside the start-up now (Redis, the daemon loading)
+        up.send_signal(signal.SIGTERM)
+        _, err = up.communicate(timeout=60)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    assert "interrupted during start-up" in err
+    assert up.returncode == 128 + signal.SIGINT, (up.returncode, err)
