@@ -619,6 +619,11 @@ def command(
     # script, `cmd &`, inherits SIG_IGN) keeps ignoring it, and Ctrl-C then did nothing.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # A closed terminal (SIGHUP) too; Python's default ended us at once, so the children
+    # were SIGKILLed by their watchers and Redis's files stayed. Unless the caller chose to
+    # outlive the terminal (nohup: SIGHUP ignored).
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, signal.default_int_handler)
     # `kill -USR1` prints where every thread is to stderr: a stop that seems stuck can say
     # where (tests/gateway/test_up_cli.py asks before it gives up on one). A stderr with no
     # file descriptor (click's CliRunner in tests) cannot take the dump: nothing to register.
@@ -666,9 +671,10 @@ def command(
 
             click.echo(f"\nQ: {QUESTION}\nA: {ask(fleet.gateway_url, fleet.served_model_name)}")
             return
-        click.echo("Ctrl-C to stop", err=True)
         # A crashed daemon is restarted with backoff; the others keep serving meanwhile.
         with contextlib.suppress(KeyboardInterrupt):
+            # Inside: a stop signal from the moment this is printed is the normal way out.
+            click.echo("Ctrl-C to stop", err=True)
             while True:
                 for name in fleet.supervise():
                     click.echo(f"restarted {name} (logs: {fleet.log_dir})", err=True)

@@ -81,3 +81,53 @@ def test_an_interrupted_start_up_is_not_a_success(tmp_path: Path) -> None:
             up.wait()
     assert "interrupted during start-up" in err
     assert up.returncode == 128 + signal.SIGINT, (up.returncode, err)
+
+
+def _start_up(tmp: Path, ignore_hup: bool = False) -> subprocess.Popen[str]:
+    up = subprocess.Popen(
+        [sys.executable, "-m", "pagefleet.cli", "up", "--model", "tiny", "-n", "1",
+         "--port", "0", "--log-dir", str(tmp / "logs")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "TMPDIR": str(tmp)},
+        # As `nohup pagefleet up` starts it.
+        preexec_fn=(lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if ignore_hup else None,
+    )  # fmt: skip
+    assert up.stdout is not None and up.stderr is not None
+    line = up.stdout.readline()  # blocks until the fleet is ready
+    assert line.startswith("gateway: "), line + up.stderr.read()
+    # Then `up` waits for a signal (a signal before that, while it prints, is Aborted!).
+    while (line := up.stderr.readline()) and not line.startswith("Ctrl-C to stop"):
+        pass
+    return up
+
+
+def test_a_closed_terminal_stops_the_fleet_cleanly(tmp_path: Path) -> None:
+    """SIGHUP (the terminal running `up` closed) stops the fleet as Ctrl-C does. Left to
+    Python's default it killed `up` at once: the owner-watchers SIGKILLed the children (no
+    drain) and the embedded Redis's files stayed in TMPDIR."""
+    up = _start_up(tmp_path)
+    try:
+        up.send_signal(signal.SIGHUP)
+        _, err = up.communicate(timeout=60)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    assert up.returncode == 0 and "fleet stopped" in err, (up.returncode, err)
+    assert not list(tmp_path.glob("pagefleet-redis-*"))
+    assert not _processes_with_env(f"TMPDIR={tmp_path}")
+
+
+def test_nohup_keeps_the_fleet_running(tmp_path: Path) -> None:
+    up = _start_up(tmp_path, ignore_hup=True)
+    try:
+        up.send_signal(signal.SIGHUP)
+        time.sleep(1.0)
+        assert up.poll() is None, "SIGHUP ignored by the caller (nohup) must stay ignored"
+        up.send_signal(signal.SIGINT)
+        _, err = up.communicate(timeout=60)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    assert up.returncode == 0 and "fleet stopped" in err, err
