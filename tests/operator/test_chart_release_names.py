@@ -102,3 +102,18 @@ def test_the_default_metrics_peers_still_pass() -> None:
     assert helm_template("--set", "operator.metrics.port=9091").returncode == 0
     peers = '[{"namespaceSelector":{}},{"ipBlock":{"cidr":"10.0.0.0/8"}}]'
     assert helm_template("--set-json", f"networkPolicy.metricsFrom={peers}").returncode == 0
+
+
+def test_inference_services_outside_the_watched_namespaces_are_refused() -> None:
+    """The chart's inferenceServices go into the release namespace; with watchNamespaces
+    leaving it out no operator ever reconciled them: they installed fine and never served."""
+    spec = '[{"name":"tiny","spec":{"model":{"source":{"path":"tiny"}}}}]'
+    res = helm_template(
+        "--set", "operator.watchNamespaces={team-a}", "--set-json", f"inferenceServices={spec}",
+        check=False,
+    )  # fmt: skip
+    assert res.returncode != 0
+    assert "inferenceServices" in res.stderr and "pagefleet-system" in res.stderr, res.stderr
+    watched = ("--set", "operator.watchNamespaces={team-a,pagefleet-system}")
+    for extra in (watched, ()):
+        assert helm_template(*extra, "--set-json", f"inferenceServices={spec}").returncode == 0
