@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import click
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pagefleet.api.cost import cost_per_million_tokens
 from pagefleet.dev.workload import Conversation, WorkloadSpec, build_conversations
@@ -488,7 +488,18 @@ def run_bench_sync(opts: BenchOptions) -> dict[str, Any]:
 @click.option("--no-progress", is_flag=True)
 def command(as_json: bool, no_progress: bool, **kw: Any) -> None:
     """Drive a seeded multi-tenant chat workload through a gateway and print a report."""
-    opts = BenchOptions(progress=not no_progress, **kw)
+    try:
+        opts = BenchOptions(progress=not no_progress, **kw)
+    except ValidationError as exc:
+        # Name the flag, not the field: `--num-requests: ...`, never a traceback.
+        params = click.get_current_context().command.params
+        flags = {p.name: max(p.opts, key=len) for p in params}
+        raise click.UsageError(
+            "; ".join(
+                f"{flags.get(str(e['loc'][0]), e['loc'][0]) if e['loc'] else 'options'}: {e['msg']}"
+                for e in exc.errors()
+            )
+        ) from None
     report = run_bench_sync(opts)
     if as_json:
         click.echo(json.dumps(report))

@@ -37,11 +37,17 @@ from pagefleet.kvindex.redis_auth import PASSWORD_ENV, split_password
 
 logger = logging.getLogger(__name__)
 
-# The fleet's gateway: seconds open streams get on stop (its exit follows within ~5 s more).
+# The fleet's gateway: seconds open streams get on stop (its exit follows within ~5 s more,
+# pagefleet.gateway.cli's CLEANUP_S + EXIT_S), inside GATEWAY_STOP_S.
 GATEWAY_DRAIN_S = 3.0
-# The daemons' drain on stop: with its ~3 s of cleanup (handlers, engine, index) inside
-# stop()'s 10 s grace; the daemon's own 30 s default would end in a SIGKILL here.
+GATEWAY_STOP_S = 10.0
+# The daemons' drain on stop (their own 30 s default is for pods). A daemon's stop can take
+# the drain, then 5 s for the aborted requests to end (Daemon.drain), then aiohttp's
+# cleanup, which waits for a handler still open (a stream whose client stopped reading)
+# twice its 3 s shutdown timeout before cancelling it; plus the engine's stop and the exit.
+# DAEMON_STOP_S covers all of it: a clean stop never needs SIGKILL.
 DAEMON_DRAIN_S = 6.0
+DAEMON_STOP_S = DAEMON_DRAIN_S + 5.0 + 2 * 3.0 + 3.0
 
 
 def resolve_checkpoint_dir(spec: str) -> Path:
@@ -129,7 +135,8 @@ class Child:
             logger.warning("%s did not stop within %.1fs of SIGTERM: killed", self.name, timeout)
 
     def kill(self) -> None:
-        """SIGKILL, as a crashed pod: no draining, no goodbye to the index."""
+        """SIGKILL, as a crashed pod: no draining, no goodbye to the index (no-op once
+        stopped)."""
         if self.proc is not None:
             process.signal_group(self.proc, signal.SIGKILL)
             self.proc.wait(timeout=5)
@@ -363,7 +370,7 @@ class LocalFleet:
             argv += ["--weights", weights or self.spec.weights or ""]
         if self.spec.seed is not None:
             argv += ["--seed", str(self.spec.seed)]
-        # Its drain (plus its bounded cleanup and exit) fits inside stop()'s 10 s grace, so
+        # Its drain (plus its bounded cleanup and exit) fits inside GATEWAY_STOP_S, so
         # a stop with streams still open cuts them instead of waiting to be SIGKILLed.
         argv += ["--drain-timeout", str(GATEWAY_DRAIN_S)]
         argv += self.spec.gateway_args + (args or [])
@@ -438,10 +445,11 @@ class LocalFleet:
         self._supervisor = threading.Thread(target=loop, name="fleet-supervisor", daemon=True)
         self._supervisor.start()
 
-    def stop(self, grace_s: float = 10.0) -> None:
+    def stop(self, grace_s: float | None = None) -> None:
         """Stop everything started here, bounded: the gateway and the daemons get SIGTERM
-        at once (they drain in parallel), whatever still runs ``grace_s`` later gets
-        SIGKILL, then Redis stops (SIGKILL after 5 s). At most ~``grace_s`` + 10 s."""
+        at once (they drain in parallel); a gateway still running ``GATEWAY_STOP_S`` later,
+        a daemon ``DAEMON_STOP_S`` later (both ``grace_s`` when given) gets SIGKILL; then
+        Redis stops (SIGKILL after 5 s). At most ~``DAEMON_STOP_S`` + 10 s."""
         self._stop_supervising.set()
         if self._supervisor is not None:
             self._supervisor.join(5)
@@ -449,12 +457,21 @@ class LocalFleet:
         children = [c for c in (self.gateway, *self.daemons) if c is not None]
         for c in children:
             c.terminate()
-        deadline = time.monotonic() + grace_s
-        for c in children:
-            c.stop(timeout=max(0.0, deadline - time.monotonic()))
-        if self._redis is not None:
-            self._redis.stop()
-            self._redis = None
+        t0 = time.monotonic()
+        try:
+            for c in children:
+                grace = grace_s
+                if grace is None:
+                    grace = GATEWAY_STOP_S if c is self.gateway else DAEMON_STOP_S
+                c.stop(timeout=max(0.0, t0 + grace - time.monotonic()))
+        finally:
+            # Interrupted (a second Ctrl-C while stopping): what still runs gets SIGKILL,
+            # and Redis and its files go all the same.
+            for c in children:
+                c.kill()
+            if self._redis is not None:
+                self._redis.stop()
+                self._redis = None
 
     def stop_redis(self) -> None:
         """Stop the fleet's own Redis (tests: the index going away mid-run)."""
@@ -482,13 +499,13 @@ class LocalFleet:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("-n", "--num-daemons", default=2, show_default=True, type=int)
+@click.option("-n", "--num-daemons", default=2, show_default=True, type=click.IntRange(min=1))
 @click.option(
     "--prefill",
     "num_prefill",
     default=0,
     show_default=True,
-    type=int,
+    type=click.IntRange(min=0),
     help="P/D: this many prefill daemons (with --decode; replaces -n).",
 )
 @click.option(
@@ -496,7 +513,7 @@ class LocalFleet:
     "num_decode",
     default=0,
     show_default=True,
-    type=int,
+    type=click.IntRange(min=0),
     help="P/D: this many decode daemons (with --prefill).",
 )
 @click.option(
@@ -522,14 +539,19 @@ class LocalFleet:
     "gateway_port",
     default=8080,
     show_default=True,
-    type=int,
+    type=click.IntRange(0, 65535),
     help="Gateway port (0: any free port).",
 )
-@click.option("--kv-cache-memory-mb", default=None, type=int, help="Per-daemon KV budget (MiB).")
+@click.option(
+    "--kv-cache-memory-mb",
+    default=None,
+    type=click.IntRange(min=1),
+    help="Per-daemon KV budget (MiB).",
+)
 @click.option(
     "--log-dir",
     default=None,
-    type=click.Path(path_type=Path),
+    type=click.Path(file_okay=False, path_type=Path),
     help="Where the children's logs go (default: a temp dir).",
 )
 @click.option(
@@ -538,7 +560,7 @@ class LocalFleet:
     is_flag=True,
     help="Run a short `pagefleet bench` against the fleet, print its report, stop.",
 )
-@click.option("--bench-requests", default=48, show_default=True, type=int)
+@click.option("--bench-requests", default=48, show_default=True, type=click.IntRange(min=1))
 @click.option(
     "--plot",
     default=None,
@@ -597,6 +619,11 @@ def command(
     # script, `cmd &`, inherits SIG_IGN) keeps ignoring it, and Ctrl-C then did nothing.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # A closed terminal (SIGHUP) too; Python's default ended us at once, so the children
+    # were SIGKILLed by their watchers and Redis's files stayed. Unless the caller chose to
+    # outlive the terminal (nohup: SIGHUP ignored).
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, signal.default_int_handler)
     # `kill -USR1` prints where every thread is to stderr: a stop that seems stuck can say
     # where (tests/gateway/test_up_cli.py asks before it gives up on one). A stderr with no
     # file descriptor (click's CliRunner in tests) cannot take the dump: nothing to register.
@@ -616,7 +643,8 @@ def command(
         raise click.ClickException(str(exc)) from exc
     except KeyboardInterrupt:
         click.echo("interrupted during start-up; stopped everything", err=True)
-        return
+        # Not a success: no fleet served, no bench ran (a script must not read 0).
+        click.get_current_context().exit(128 + signal.SIGINT)
     try:
         click.echo(
             f"fleet ready in {time.monotonic() - t0:.1f}s: redis {fleet.redis_url}, "
@@ -643,9 +671,10 @@ def command(
 
             click.echo(f"\nQ: {QUESTION}\nA: {ask(fleet.gateway_url, fleet.served_model_name)}")
             return
-        click.echo("Ctrl-C to stop", err=True)
         # A crashed daemon is restarted with backoff; the others keep serving meanwhile.
         with contextlib.suppress(KeyboardInterrupt):
+            # Inside: a stop signal from the moment this is printed is the normal way out.
+            click.echo("Ctrl-C to stop", err=True)
             while True:
                 for name in fleet.supervise():
                     click.echo(f"restarted {name} (logs: {fleet.log_dir})", err=True)

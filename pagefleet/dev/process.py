@@ -108,18 +108,23 @@ def stop(proc: subprocess.Popen[bytes], grace_s: float, *, term: bool = True) ->
 
     One SIGTERM only: a second is not harmless. A Python server whose asyncio loop has
     closed is back on TERM's default action while it finishes its exit (atexit,
-    multiprocessing's cleanup), so a repeated SIGTERM kills it there."""
-    if proc.poll() is None:
-        if term:
-            signal_group(proc, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=grace_s)
-    # The leader may have exited while children it forked still hold the group alive.
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    status = proc.wait()
-    if proc.stdin is not None:  # the watch pipe: nothing left to watch
-        proc.stdin.close()
+    multiprocessing's cleanup), so a repeated SIGTERM kills it there.
+
+    Interrupted while waiting (KeyboardInterrupt: a second Ctrl-C), it still SIGKILLs and
+    reaps the group before the exception goes on."""
+    try:
+        if proc.poll() is None:
+            if term:
+                signal_group(proc, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=grace_s)
+    finally:
+        # The leader may have exited while children it forked still hold the group alive.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        status = proc.wait()
+        if proc.stdin is not None:  # the watch pipe: nothing left to watch
+            proc.stdin.close()
     return status
 
 

@@ -178,11 +178,13 @@ class LocalRedis:
     def stop(self) -> None:
         """Terminate the server (SIGTERM, then SIGKILL after 5 s) and remove its files."""
         proc, self._proc = self._proc, None
-        if proc is not None:
-            process.stop(proc, grace_s=5.0)
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None
+        try:
+            if proc is not None:
+                process.stop(proc, grace_s=5.0)
+        finally:  # also when interrupted (a second Ctrl-C): no files left behind
+            if self._dir is not None:
+                shutil.rmtree(self._dir, ignore_errors=True)
+                self._dir = None
 
     def __enter__(self) -> LocalRedis:
         self.start()

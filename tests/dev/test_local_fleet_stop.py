@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -106,3 +108,59 @@ def test_stop_sends_each_child_one_sigterm(tmp_path: Path) -> None:
     fleet.stop(grace_s=10.0)
     assert [p.returncode for p in procs if p is not None] == [0, 0, 0]
     assert [log.read_text().count("TERM") for log in logs] == [1, 1, 1]
+
+
+def _tx_queue(local_port: int) -> int | None:
+    """Bytes queued unsent on the established loopback TCP socket bound to ``local_port``."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[1].split(":")[1], 16) == local_port and fields[3] == "01":
+            return int(fields[4].split(":")[0], 16)
+    return None
+
+
+@pytest.mark.slow
+def test_a_daemon_with_a_stalled_stream_stops_without_sigkill(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client that stops reading its stream holds the daemon's write: the drain runs out,
+    the abort cannot end that handler (5 s more), and aiohttp's cleanup waits for it twice
+    its shutdown timeout before cancelling it. That whole bound must fit the fleet's grace,
+    or a clean stop ends in SIGKILL (the daemon then never leaves the prefix index)."""
+    fleet = LocalFleet(FleetSpec(num_daemons=1, model="tiny", use_redis=False, log_dir=tmp_path))
+    daemon = fleet._daemon(0)
+    fleet.daemons = [daemon]
+    daemon.start()
+    try:
+        fleet.wait_ready([daemon])
+        port = int(daemon.url.rsplit(":", 1)[1])
+        body = json.dumps(
+            {"model": "tiny", "prompt": "hello " * 8, "max_tokens": 2000, "stream": True,
+             "ignore_eos": True, "n": 16, "logprobs": 20}
+        ).encode()  # fmt: skip
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.connect(("127.0.0.1", port))
+        client.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        # Never read: wait until the daemon's send queue is full (it stopped growing).
+        deadline, last, since = time.monotonic() + 120, -1, time.monotonic()
+        while time.monotonic() < deadline:
+            queued = _tx_queue(port) or 0
+            if queued != last:
+                last, since = queued, time.monotonic()
+            elif queued > 0 and time.monotonic() - since > 1.0:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail(f"the daemon's send queue never filled (last {last} bytes)")
+        proc = daemon.proc
+        with caplog.at_level(logging.WARNING, logger="pagefleet.dev.local_fleet"):
+            fleet.stop()
+        client.close()
+    finally:
+        fleet.stop()
+    assert not [r.getMessage() for r in caplog.records if "killed" in r.getMessage()]
+    assert proc is not None and proc.returncode == 0, daemon.log_tail()

@@ -294,7 +294,20 @@ def test_helm_template_security_options_and_bundled_redis_auth():
                     "podSelector": {
                         "matchLabels": {"app.kubernetes.io/managed-by": "pagefleet-operator"}
                     },
-                }
+                },
+                # The operator: its autoscaler reads the load heartbeats.
+                {
+                    "namespaceSelector": {
+                        "matchLabels": {"kubernetes.io/metadata.name": "pagefleet-system"}
+                    },
+                    "podSelector": {
+                        "matchLabels": {
+                            "app.kubernetes.io/name": "pagefleet",
+                            "app.kubernetes.io/instance": "pf",
+                            "app.kubernetes.io/component": "operator",
+                        }
+                    },
+                },
             ],
             "ports": [{"port": 6379, "protocol": "TCP"}],
         }

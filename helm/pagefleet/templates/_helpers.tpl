@@ -6,6 +6,16 @@
 {{- end -}}
 {{- end -}}
 
+{{- /*
+"<fullname>-<suffix>" within 63 characters (the fullname shortened, never the suffix): a
+Service's name is a DNS label, and so is a Job's (its pods carry it as a label). Unchanged
+for every release name short enough to fit.
+*/ -}}
+{{- define "pagefleet.componentName" -}}
+{{- $base := include "pagefleet.fullname" .root -}}
+{{- printf "%s-%s" ($base | trunc (int (sub 62 (len .suffix))) | trimSuffix "-") .suffix -}}
+{{- end -}}
+
 {{- define "pagefleet.labels" -}}
 app.kubernetes.io/name: pagefleet
 app.kubernetes.io/instance: {{ .Release.Name }}
@@ -25,7 +35,7 @@ app.kubernetes.io/component: operator
 {{- end -}}
 
 {{- define "pagefleet.redisURL" -}}
-{{- printf "redis://%s-redis.%s.svc:6379/0" (include "pagefleet.fullname" .) .Release.Namespace -}}
+{{- printf "redis://%s.%s.svc:6379/0" (include "pagefleet.componentName" (dict "root" . "suffix" "redis")) .Release.Namespace -}}
 {{- end -}}
 
 {{- define "pagefleet.redisSecret" -}}

@@ -1,0 +1,26 @@
+"""`pagefleet bench` refuses out-of-range flags as usage errors naming the flag, before it
+sends a request (not a pydantic traceback)."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from pagefleet.dev.loadgen import command
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["-n", "0"], "--num-requests"),
+        (["-c", "0"], "--concurrency"),
+        (["--max-tokens", "-1"], "--max-tokens"),
+        (["--request-rate", "0"], "--request-rate"),
+        (["--replicas", "0"], "--replicas"),
+    ],
+)
+def test_out_of_range_flags_are_usage_errors(args: list[str], flag: str) -> None:
+    # Port 9 (discard): nothing is ever sent, the flags are refused first.
+    result = CliRunner().invoke(command, ["--url", "http://127.0.0.1:9", "--no-progress", *args])
+    assert result.exit_code == 2, result.output
+    assert flag in result.output

@@ -1,0 +1,40 @@
+"""`pagefleet up` refuses bad flags up front with a usage error naming the flag: no
+traceback, and nothing started (no Redis, no daemon) before the refusal."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from pagefleet.dev.local_fleet import command
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["-n", "0"], "--num-daemons"),
+        (["-n", "-1"], "--num-daemons"),
+        (["--prefill", "-1", "--decode", "1"], "--prefill"),
+        (["--prefill", "1", "--decode", "-2"], "--decode"),
+        (["--port", "70000"], "--port"),
+        (["--port", "-5"], "--port"),
+        (["--kv-cache-memory-mb", "0"], "--kv-cache-memory-mb"),
+        (["--bench", "--bench-requests", "0"], "--bench-requests"),
+    ],
+)
+def test_bad_counts_and_ports_are_usage_errors(args: list[str], flag: str) -> None:
+    result = CliRunner().invoke(command, ["--model", "tiny", *args])
+    assert result.exit_code == 2, result.output
+    assert flag in result.output and "Traceback" not in result.output
+    assert "starting Redis" not in result.output
+
+
+def test_a_log_dir_that_is_a_file_is_refused(tmp_path: Path) -> None:
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    result = CliRunner().invoke(command, ["--model", "tiny", "--log-dir", str(not_a_dir)])
+    assert result.exit_code == 2, result.output
+    assert "--log-dir" in result.output and "Traceback" not in result.output
+    assert "starting Redis" not in result.output

@@ -1,0 +1,133 @@
+"""`pagefleet up` interrupted the way people interrupt it: a second Ctrl-C while the fleet
+stops hurries the stop (SIGKILL) but still leaves no process and no temporary files."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _processes_with_env(marker: str) -> list[str]:
+    """Live processes whose environment holds ``marker`` (pid and command line)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if marker.encode() not in Path(f"/proc/{pid}/environ").read_bytes():
+                continue
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            found.append(f"{pid}: {cmd.decode(errors='replace')[:200]}")
+        except OSError:
+            continue
+    return found
+
+
+def test_a_second_ctrl_c_while_stopping_still_cleans_up(tmp_path: Path) -> None:
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    up = subprocess.Popen(
+        [sys.executable, "-m", "pagefleet.cli", "up", "--model", "tiny", "-n", "1",
+         "--port", "0", "--log-dir", str(tmp_path / "logs")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        assert up.stdout is not None
+        line = up.stdout.readline()  # blocks until the fleet is ready
+        assert line.startswith("gateway: "), line + (up.stderr.read() if up.stderr else "")
+        assert list(tmp.glob("pagefleet-redis-*")), "the fleet's Redis keeps its files in TMPDIR"
+        up.send_signal(signal.SIGINT)
+        time.sleep(0.3)  # stopping now: the gateway and the daemon drain
+        up.send_signal(signal.SIGINT)
+        _, err = up.communicate(timeout=60)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    deadline = time.monotonic() + 5
+    while _processes_with_env(f"TMPDIR={tmp}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _processes_with_env(f"TMPDIR={tmp}")
+    assert not list(tmp.glob("pagefleet-redis-*")), err
+
+
+def test_an_interrupted_start_up_is_not_a_success(tmp_path: Path) -> None:
+    """Interrupted before the fleet was ready, `up` (and `up --bench`, as `make run` calls
+    it) stops what it started and exits non-zero: a script must not read exit status 0 as
+    'the bench ran'. A Ctrl-C once the fleet serves stays the normal way out (status 0)."""
+    up = subprocess.Popen(
+        [sys.executable, "-m", "pagefleet.cli", "up", "--model", "tiny", "-n", "1", "--bench",
+         "--log-dir", str(tmp_path / "logs")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert up.stderr is not None
+        assert up.stderr.readline().startswith("starting Redis")
+        time.sleep(0.5)  # inside the start-up now (Redis, the daemon loading)
+        up.send_signal(signal.SIGTERM)
+        _, err = up.communicate(timeout=60)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    assert "interrupted during start-up" in err
+    assert up.returncode == 128 + signal.SIGINT, (up.returncode, err)
+
+
+def _start_up(tmp: Path, ignore_hup: bool = False) -> subprocess.Popen[str]:
+    up = subprocess.Popen(
+        [sys.executable, "-m", "pagefleet.cli", "up", "--model", "tiny", "-n", "1",
+         "--port", "0", "--log-dir", str(tmp / "logs")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "TMPDIR": str(tmp)},
+        # As `nohup pagefleet up` starts it.
+        preexec_fn=(lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if ignore_hup else None,
+    )  # fmt: skip
+    assert up.stdout is not None and up.stderr is not None
+    line = up.stdout.readline()  # blocks until the fleet is ready
+    assert line.startswith("gateway: "), line + up.stderr.read()
+    # Then `up` waits for a signal (a signal before that, while it prints, is Aborted!).
+    while (line := up.stderr.readline()) and not line.startswith("Ctrl-C to stop"):
+        pass
+    return up
+
+
+def test_a_closed_terminal_stops_the_fleet_cleanly(tmp_path: Path) -> None:
+    """SIGHUP (the terminal running `up` closed) stops the fleet as Ctrl-C does. Left to
+    Python's default it killed `up` at once: the owner-watchers SIGKILLed the children (no
+    drain) and the embedded Redis's files stayed in TMPDIR."""
+    up = _start_up(tmp_path)
+    try:
+        up.send_signal(signal.SIGHUP)
+        _, err = up.communicate(timeout=60)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    assert up.returncode == 0 and "fleet stopped" in err, (up.returncode, err)
+    assert not list(tmp_path.glob("pagefleet-redis-*"))
+    assert not _processes_with_env(f"TMPDIR={tmp_path}")
+
+
+def test_nohup_keeps_the_fleet_running(tmp_path: Path) -> None:
+    up = _start_up(tmp_path, ignore_hup=True)
+    try:
+        up.send_signal(signal.SIGHUP)
+        time.sleep(1.0)
+        assert up.poll() is None, "SIGHUP ignored by the caller (nohup) must stay ignored"
+        up.send_signal(signal.SIGINT)
+        _, err = up.communicate(timeout=60)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    assert up.returncode == 0 and "fleet stopped" in err, err
