@@ -5,12 +5,19 @@ the finalizer `pagefleet.io/finalizer` on each InferenceService (its resync time
 and releases it when the object is deleted; the children then go with their owner through
 Kubernetes garbage collection. Without this, uninstalling the operator first would leave
 every InferenceService's pods running unmanaged and its deletion stuck on the finalizer.
+
+An operator that is not running (scaled to 0, crash-looping: no Ready replica) would never
+release them, and `helm uninstall` would fail at its timeout with every service stuck in
+Terminating. Given the operator's Deployment, the teardown then removes the finalizer
+itself: the operator's delete handler only forgets in-memory state, which a stopped
+operator does not hold, and garbage collection still takes the children.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -19,14 +26,25 @@ from pagefleet.api.inferenceservice import GROUP, PLURAL, VERSION
 
 log = logging.getLogger(__name__)
 
+FINALIZER = "pagefleet.io/finalizer"
+
 
 class Teardown:
     """Deletes InferenceServices in the given namespaces (None: all) through `api`, a
     `kubernetes.client.CustomObjectsApi` (or anything with the same three methods)."""
 
-    def __init__(self, api: Any, namespaces: list[str] | None) -> None:
+    def __init__(
+        self,
+        api: Any,
+        namespaces: list[str] | None,
+        operator_running: Callable[[], bool] | None = None,
+    ) -> None:
+        """``operator_running``: whether an operator replica is Ready now; None: assume so
+        (wait for it, never release a finalizer here)."""
         self.api = api
         self.namespaces = namespaces
+        self.operator_running = operator_running
+        self.released: list[str] = []
 
     def list(self) -> list[dict[str, Any]]:
         if self.namespaces is None:
@@ -59,13 +77,61 @@ class Teardown:
         return deleted
 
     def wait_gone(self, timeout_s: float, poll_s: float = 1.0) -> list[dict[str, Any]]:
-        """[] once none is left; else what is left after `timeout_s`."""
+        """[] once none is left; else what is left after `timeout_s`. While no operator
+        runs, the deleted ones' finalizer is released here instead."""
         deadline = time.monotonic() + timeout_s
         while True:
             left = self.list()
             if not left or time.monotonic() > deadline:
                 return left
+            if self.operator_running is not None and not self.operator_running():
+                self.release_finalizers(left)
             time.sleep(poll_s)
+
+    def release_finalizers(self, items: list[dict[str, Any]]) -> None:
+        """Remove pagefleet's finalizer from those of ``items`` being deleted (others'
+        finalizers are kept: they are their owners' to release)."""
+        from kubernetes.client.exceptions import ApiException
+
+        for item in items:
+            meta = item["metadata"]
+            finalizers = meta.get("finalizers") or []
+            if not meta.get("deletionTimestamp") or FINALIZER not in finalizers:
+                continue
+            keep = [f for f in finalizers if f != FINALIZER]
+            # resourceVersion: a finalizer list that changed meanwhile is a 409, retried
+            # at the next poll with what the object holds then.
+            patch = {
+                "metadata": {"finalizers": keep, "resourceVersion": meta.get("resourceVersion")}
+            }
+            try:
+                self.api.patch_namespaced_custom_object(
+                    GROUP, VERSION, meta["namespace"], PLURAL, meta["name"], patch
+                )
+            except ApiException as exc:
+                if exc.status not in (404, 409):
+                    raise
+                continue
+            ref = f"{meta['namespace']}/{meta['name']}"
+            self.released.append(ref)
+            log.warning("no operator is running: released %s's finalizer %s", ref, FINALIZER)
+
+
+def deployment_ready(apps: Any, ref: str) -> Callable[[], bool]:
+    """Whether Deployment ``ref`` ("namespace/name") has a Ready replica; a missing one has
+    none. Any other API error counts as running (do not release on a doubt)."""
+    namespace, _, name = ref.partition("/")
+
+    def running() -> bool:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            dep = apps.read_namespaced_deployment(name, namespace)
+        except ApiException as exc:
+            return exc.status != 404
+        return bool(dep.status and dep.status.ready_replicas)
+
+    return running
 
 
 @click.command("teardown")
@@ -80,19 +146,39 @@ class Teardown:
     show_default=True,
     help="How long to wait for the operator to release them.",
 )
-def command(namespaces: tuple[str, ...], all_namespaces: bool, timeout_seconds: float) -> None:
+@click.option(
+    "--operator-deployment",
+    default=None,
+    help="NAMESPACE/NAME of the operator's Deployment: while it has no Ready replica, the "
+    "teardown releases the services' finalizer itself instead of waiting for nobody.",
+)
+def command(
+    namespaces: tuple[str, ...],
+    all_namespaces: bool,
+    timeout_seconds: float,
+    operator_deployment: str | None,
+) -> None:
     """Delete every InferenceService and wait for the operator to release them (the chart's
     pre-delete hook, so `helm uninstall` leaves nothing stuck or unmanaged)."""
     from kubernetes import client, config
 
     if bool(namespaces) == all_namespaces:
         raise click.UsageError("pass either --namespace NS (repeatable) or --all-namespaces")
+    if operator_deployment is not None and operator_deployment.count("/") != 1:
+        raise click.BadParameter(
+            f"{operator_deployment!r}: expected NAMESPACE/NAME", param_hint="--operator-deployment"
+        )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
         config.load_incluster_config()
     except config.ConfigException:
         config.load_kube_config()
-    teardown = Teardown(client.CustomObjectsApi(), list(namespaces) or None)
+    running = (
+        None
+        if operator_deployment is None
+        else deployment_ready(client.AppsV1Api(), operator_deployment)
+    )
+    teardown = Teardown(client.CustomObjectsApi(), list(namespaces) or None, running)
     deleted = teardown.delete_all()
     log.info("deleted %d InferenceService(s): %s", len(deleted), ", ".join(deleted) or "-")
     left = teardown.wait_gone(timeout_seconds)

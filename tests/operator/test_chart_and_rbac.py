@@ -165,12 +165,16 @@ def test_helm_lint():
 
 def test_helm_template_default_install():
     docs = _template()
-    # The uninstall hook's ServiceAccount, ClusterRole(Binding) and Job render too.
+    # The uninstall hook's ServiceAccount, ClusterRole(Binding), Job, and the Role(Binding)
+    # that lets it read the operator's Deployment (no Ready replica: it releases the
+    # finalizers itself) render too.
     hooks = [d for d in docs if "helm.sh/hook" in d["metadata"].get("annotations", {})]
     assert sorted(d["kind"] for d in hooks) == [
         "ClusterRole",
         "ClusterRoleBinding",
         "Job",
+        "Role",
+        "RoleBinding",
         "ServiceAccount",
     ]
     assert {d["metadata"]["annotations"]["helm.sh/hook"] for d in hooks} == {"pre-delete"}
@@ -180,7 +184,20 @@ def test_helm_template_default_install():
         "teardown",
         "--all-namespaces",
         "--timeout-seconds=300",
+        "--operator-deployment=pagefleet-system/pf-pagefleet-operator",
     ]
+    (check,) = [d for d in hooks if d["kind"] == "Role"]
+    assert check["rules"] == [
+        {
+            "apiGroups": ["apps"],
+            "resources": ["deployments"],
+            "resourceNames": ["pf-pagefleet-operator"],
+            "verbs": ["get"],
+        }
+    ]
+    operator = [d for d in docs if d["kind"] == "Deployment" and "helm.sh/hook" not in
+                d["metadata"].get("annotations", {})]  # fmt: skip
+    assert [d["metadata"]["name"] for d in operator] == ["pf-pagefleet-operator"]
     docs = [d for d in docs if d not in hooks]
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == [
@@ -357,6 +374,7 @@ def test_helm_template_redis_password_secrets_are_one_role_each():
         'operator.redisPasswordSecrets=[{"namespace":"ml","name":"chat-redis"},'
         '{"namespace":"web","name":"r2"}]',
     )
+    docs = [d for d in docs if "helm.sh/hook" not in d["metadata"].get("annotations", {})]
     roles = {
         (d["metadata"]["namespace"], d["metadata"]["name"]): d for d in docs if d["kind"] == "Role"
     }

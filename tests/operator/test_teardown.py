@@ -28,6 +28,14 @@ class FakeCustomObjects:
     def list_namespaced_custom_object(self, group: str, version: str, ns: str, plural: str) -> Any:
         return self._items(ns)
 
+    def patch_namespaced_custom_object(
+        self, group: str, version: str, ns: str, plural: str, name: str, body: Any
+    ) -> None:
+        meta = self.objs[(ns, name)]["metadata"]
+        meta["finalizers"] = body["metadata"]["finalizers"]
+        if not meta["finalizers"] and meta.get("deletionTimestamp"):
+            del self.objs[(ns, name)]  # the API server removes it with its last finalizer
+
     def delete_namespaced_custom_object(
         self, group: str, version: str, ns: str, plural: str, name: str
     ) -> None:
@@ -58,3 +66,27 @@ def test_reports_what_the_operator_did_not_release() -> None:
     left = td.wait_gone(timeout_s=0.05, poll_s=0.01)
     assert [o["metadata"]["name"] for o in left] == ["x"]
     assert api.deletes == [("a", "x")]
+
+
+def test_with_no_operator_running_it_releases_only_its_own_finalizer() -> None:
+    # Operator scaled to 0 or crash-looping: nobody would release them, and `helm
+    # uninstall` failed at its timeout with every service stuck in Terminating.
+    objs = {("a", "x"): _obj("a", "x"), ("a", "y"): _obj("a", "y")}
+    objs[("a", "y")]["metadata"]["finalizers"].append("example.com/other")
+    api = FakeCustomObjects(objs, release=False)
+    td = Teardown(api, ["a"], operator_running=lambda: False)
+    td.delete_all()
+    left = td.wait_gone(timeout_s=0.2, poll_s=0.01)
+    assert [o["metadata"]["name"] for o in left] == ["y"]  # held by another's finalizer
+    assert left[0]["metadata"]["finalizers"] == ["example.com/other"]
+    assert td.released == ["a/x", "a/y"]
+
+
+def test_while_the_operator_runs_it_releases_nothing() -> None:
+    objs = {("a", "x"): _obj("a", "x")}
+    api = FakeCustomObjects(objs, release=False)
+    td = Teardown(api, ["a"], operator_running=lambda: True)
+    td.delete_all()
+    assert len(td.wait_gone(timeout_s=0.05, poll_s=0.01)) == 1
+    assert objs[("a", "x")]["metadata"]["finalizers"] == ["pagefleet.io/finalizer"]
+    assert td.released == []
