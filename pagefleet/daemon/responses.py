@@ -33,6 +33,7 @@ from pagefleet.api.openai import (
     TopLogprob,
 )
 from pagefleet.daemon.job import Choice, Job
+from pagefleet.daemon.token_bytes import TokenBytesFn, utf8_bytes
 from pagefleet.daemon.tool_calls import read_call
 from pagefleet.engine.outputs import CompletionDelta, TokenLogprob
 
@@ -170,6 +171,10 @@ class CompletionShape:
 class ChatShape:
     id_prefix = "chatcmpl"
 
+    def __init__(self, token_bytes: TokenBytesFn = utf8_bytes) -> None:
+        # The ``bytes`` of each logprob (token_bytes.py: a partial token's own bytes).
+        self.token_bytes = token_bytes
+
     def response(self, job: Job, model: str) -> ChatCompletionResponse:
         want_lp = job.params.logprobs is not None
         return ChatCompletionResponse(
@@ -179,7 +184,7 @@ class ChatShape:
                 ChatChoice(
                     index=c.index,
                     message=_message(job, c),
-                    logprobs=chat_logprobs(c.logprobs) if want_lp else None,
+                    logprobs=chat_logprobs(c.logprobs, self.token_bytes) if want_lp else None,
                     finish_reason=_finish_reason(job, c.finish_reason),
                     stop_reason=c.stop_reason,
                 )
@@ -205,7 +210,7 @@ class ChatShape:
             ch.sent_role = True
         lp = None
         if job.params.logprobs is not None and delta.logprobs:
-            lp = chat_logprobs(delta.logprobs)
+            lp = chat_logprobs(delta.logprobs, self.token_bytes)
         return ChatCompletionChunk(
             id=job.base_id, created=created, model=model,
             choices=[ChatChunkChoice(
@@ -261,16 +266,15 @@ def completion_logprobs(lps: list[TokenLogprob], offset: int) -> CompletionLogpr
     return out
 
 
-def chat_logprobs(lps: list[TokenLogprob]) -> ChatLogprobs:
+def chat_logprobs(lps: list[TokenLogprob], token_bytes: TokenBytesFn = utf8_bytes) -> ChatLogprobs:
     return ChatLogprobs(
         content=[
             ChatTokenLogprob(
                 token=lp.token,
                 logprob=lp.logprob,
-                bytes=list(lp.token.encode("utf-8")),
+                bytes=token_bytes(lp.token_id, lp.token),
                 top_logprobs=[
-                    TopLogprob(token=t, logprob=v, bytes=list(t.encode("utf-8")))
-                    for _, t, v in lp.top
+                    TopLogprob(token=t, logprob=v, bytes=token_bytes(i, t)) for i, t, v in lp.top
                 ],
             )
             for lp in lps

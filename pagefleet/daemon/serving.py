@@ -50,13 +50,13 @@ from pagefleet.daemon.metrics import DaemonMetrics
 from pagefleet.daemon.pd import PDSide, TransferParamsError
 from pagefleet.daemon.request_log import RequestLog
 from pagefleet.daemon.responses import ChatShape, CompletionShape, ResponseShape
+from pagefleet.daemon.token_bytes import token_bytes_of
 from pagefleet.engine.guided_spec import GuidedSpec
 from pagefleet.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 _COMPLETION = CompletionShape()
-_CHAT = ChatShape()
 
 # Up to this many characters a prompt is tokenized on the event loop; longer ones on a
 # worker thread: a megabyte prompt takes long enough to stall every other stream.
@@ -212,7 +212,7 @@ class OpenAIServing:
             [prompt],
             req.effective_max_tokens(),
             logprobs,
-            _CHAT,
+            ChatShape(token_bytes_of(self._tokenizer())),
             echo=False,
             tool_schema=tool_schema,
         )

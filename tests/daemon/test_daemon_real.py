@@ -624,3 +624,26 @@ async def test_streamed_text_offsets_equal_the_non_streamed_ones(client):
             if c.logprobs:
                 streamed += c.logprobs.text_offset
     assert streamed == whole
+
+
+async def test_chat_logprob_bytes_are_each_tokens_own_bytes(client):
+    """A token that is part of a multi-byte character shows as U+FFFD, but its ``bytes``
+    are its own: the bytes of the tokens, joined, are the answer's text (with the bytes of
+    U+FFFD each partial token gave 3 bytes, and a character split over two tokens came back
+    as two replacement characters)."""
+    own_bytes = 0  # partial tokens whose bytes are not those of U+FFFD
+    for content in ["日本語を話しますか", "Unicode: ", "Écris en français: é à ü"]:
+        r = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=16,
+            temperature=0, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        choice = r.choices[0]
+        joined = b"".join(bytes(t.bytes) for t in choice.logprobs.content)
+        assert joined.decode("utf-8", "replace") == choice.message.content, content
+        for t in choice.logprobs.content:
+            for alt in [t, *t.top_logprobs]:
+                if "\ufffd" not in alt.token:  # a whole text: its bytes are its UTF-8
+                    assert bytes(alt.bytes) == alt.token.encode(), alt
+                own_bytes += "\ufffd" in alt.token and bytes(alt.bytes) != "\ufffd".encode()
+    assert own_bytes, "no partial token was generated: the test saw nothing"
+
