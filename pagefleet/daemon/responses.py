@@ -42,6 +42,7 @@ class ResponseShape(Protocol):
     """One endpoint's response format."""
 
     id_prefix: str  # "cmpl" / "chatcmpl"
+    prompt_param: str  # the request field the prompt comes from, for errors
 
     def response(self, job: Job, model: str) -> BaseModel:
         """The whole response of a finished job (non-streaming)."""
@@ -94,6 +95,7 @@ def _finish_json(finish_reason: str | None, stop_reason: str | int | None) -> st
 
 class CompletionShape:
     id_prefix = "cmpl"
+    prompt_param = "prompt"
 
     def response(self, job: Job, model: str) -> CompletionResponse:
         want_lp = job.params.logprobs is not None
@@ -170,6 +172,7 @@ class CompletionShape:
 
 class ChatShape:
     id_prefix = "chatcmpl"
+    prompt_param = "messages"
 
     def __init__(self, token_bytes: TokenBytesFn = utf8_bytes) -> None:
         # The ``bytes`` of each logprob (token_bytes.py: a partial token's own bytes).

@@ -259,7 +259,10 @@ class OpenAIServing:
         tool_schema: str | None = None,
     ) -> web.StreamResponse:
         """Validate, admit, run on the engine and answer (whole or streamed) in ``shape``."""
-        self._check_lengths(prompts, max_tokens)
+        max_tokens_param = "max_tokens"
+        if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+            max_tokens_param = "max_completion_tokens"  # the field the caller set
+        self._check_lengths(prompts, max_tokens, shape.prompt_param, max_tokens_param)
         params = self._sampling_params(req, max_tokens, logprobs)
         if tool_schema is not None:
             params.guided = GuidedSpec("json", tool_schema)
@@ -312,7 +315,7 @@ class OpenAIServing:
             # vLLM's continuous_usage_stats: every chunk carries the usage so far.
             continuous = include_usage and bool(opts and opts.continuous_usage_stats)
             return await self._stream(request, job, shape, include_usage, continuous)
-        async with self._admitted(job):
+        async with self._admitted(job, shape.prompt_param):
             while job.live:
                 for item in await _next_outputs(job):
                     job.absorb(item, self.metrics)
@@ -345,7 +348,7 @@ class OpenAIServing:
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         try:
-            async with self._admitted(job):
+            async with self._admitted(job, shape.prompt_param):
                 await resp.prepare(request)
                 try:
                     for chunk in shape.opening_chunks(job, created, model):
@@ -379,8 +382,9 @@ class OpenAIServing:
         return resp
 
     @contextlib.asynccontextmanager
-    async def _admitted(self, job: Job) -> AsyncIterator[None]:
-        """Hold the job's in-flight slots; abort whatever is unfinished on the way out."""
+    async def _admitted(self, job: Job, prompt_param: str) -> AsyncIterator[None]:
+        """Hold the job's in-flight slots; abort whatever is unfinished on the way out.
+        ``prompt_param``: the field an error about the prompt names ("prompt", "messages")."""
         with self.admission.hold(len(job.prompts)):
             loop = self._live_loop()
             try:
@@ -392,7 +396,10 @@ class OpenAIServing:
                         else:
                             await loop.add_request(rid, ids, job.params, queue=job.queue)
                     except ValueError as exc:  # the engine refused it (InvalidRequestError)
-                        param = getattr(exc, "param", "prompt")
+                        # A plain ValueError is about the prompt (too long, empty).
+                        param = getattr(exc, "param", None) or "prompt"
+                        if param == "prompt":
+                            param = prompt_param
                         raise APIError(400, str(exc), param=param) from None
                     except EngineDeadError as exc:
                         raise APIError(503, str(exc), type="server_error") from None
@@ -515,28 +522,38 @@ class OpenAIServing:
             what = "prompt token ids" if param == "prompt" else "token ids"
             raise APIError(400, f"{what} must be < vocab size {vocab}", param=param)
 
-    def _check_lengths(self, prompts: list[list[int]], max_tokens: int | None) -> None:
+    def _check_lengths(
+        self,
+        prompts: list[list[int]],
+        max_tokens: int | None,
+        prompt_param: str = "prompt",
+        max_tokens_param: str = "max_tokens",
+    ) -> None:
+        """Each prompt fits the context with room for its output. The errors name the
+        fields the caller sent: chat's prompt is its ``messages``, and its output length
+        may be ``max_completion_tokens``."""
         limit = self.max_model_len()
         vocab = self._tokenizer().vocab_size
+        what = "prompt" if prompt_param == "prompt" else f"prompt built from the {prompt_param}"
         for ids in prompts:
             if not ids:
-                raise APIError(400, "prompt is empty after tokenization", param="prompt")
-            self._check_token_ids(ids, vocab, "prompt")
+                raise APIError(400, f"{what} is empty after tokenization", param=prompt_param)
+            self._check_token_ids(ids, vocab, prompt_param)
             if len(ids) >= limit:
                 raise APIError(
                     400,
-                    f"prompt has {len(ids)} tokens; this model's maximum context length is "
-                    f"{limit} tokens including the output; shorten the prompt",
-                    param="prompt",
+                    f"{what} has {len(ids)} tokens; this model's maximum context length is "
+                    f"{limit} tokens including the output; shorten the {prompt_param}",
+                    param=prompt_param,
                     code="context_length_exceeded",
                 )
             if max_tokens is not None and len(ids) + max_tokens > limit:
                 raise APIError(
                     400,
-                    f"max_tokens={max_tokens} plus the prompt's {len(ids)} tokens exceeds the "
-                    f"maximum context length {limit}; lower max_tokens to at most "
-                    f"{limit - len(ids)}",
-                    param="max_tokens",
+                    f"{max_tokens_param}={max_tokens} plus the {what}'s {len(ids)} tokens "
+                    f"exceeds the maximum context length {limit}; lower {max_tokens_param} "
+                    f"to at most {limit - len(ids)}",
+                    param=max_tokens_param,
                     code="context_length_exceeded",
                 )
 

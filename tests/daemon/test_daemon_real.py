@@ -647,3 +647,18 @@ async def test_chat_logprob_bytes_are_each_tokens_own_bytes(client):
                 own_bytes += "\ufffd" in alt.token and bytes(alt.bytes) != "\ufffd".encode()
     assert own_bytes, "no partial token was generated: the test saw nothing"
 
+
+async def test_an_over_long_chat_prompt_names_messages(client):
+    msgs = [{"role": "user", "content": "word " * 400}]
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4)
+    assert e.value.body["param"] == "messages"
+    assert e.value.body["code"] == "context_length_exceeded"
+
+
+async def test_an_over_long_max_completion_tokens_names_it(client):
+    msgs = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(model=MODEL, messages=msgs, max_completion_tokens=1000)
+    assert e.value.body["param"] == "max_completion_tokens"
+    assert "max_completion_tokens" in e.value.body["message"]
