@@ -160,7 +160,9 @@ class OpenAIServing:
         tok = self._tokenizer()
         _check_text_only(req)  # as the chat endpoint: an image part is refused, not dropped
         messages = _template_messages(req.messages)
-        ids = self._chat_prompt_ids(messages, req.add_generation_prompt, req.chat_template_kwargs)
+        template_kwargs = dict(req.chat_template_kwargs or {})
+        self._tools(req, template_kwargs)  # the template shows the tools, as in chat
+        ids = self._chat_prompt_ids(messages, req.add_generation_prompt, template_kwargs)
         text = tok.decode(ids, skip_special_tokens=False)
         return web.json_response([messages, [{"prompt": text, "prompt_token_ids": ids}]])
 
@@ -586,8 +588,36 @@ CLIENT_GONE = (ConnectionError, ClientConnectionResetError)
 
 
 def _template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """What the chat template reads of each message: its role and its text."""
-    return [{"role": m.role, "content": m.text()} for m in messages]
+    """What the chat template reads of each message: every field the caller sent, the
+    content as text. Tool-calling templates read an assistant's ``tool_calls``, a tool
+    result's ``tool_call_id`` and a message's ``name``: without them the model never sees
+    which call it made nor which result answers it."""
+    out = []
+    for m in messages:
+        msg = m.model_dump(exclude_none=True)
+        msg["content"] = m.text()
+        calls = msg.get("tool_calls")
+        if isinstance(calls, list):
+            msg["tool_calls"] = [_call_for_template(c) for c in calls]
+        out.append(msg)
+    return out
+
+
+def _call_for_template(call: Any) -> Any:
+    """A tool call as chat templates read it: OpenAI sends ``arguments`` as JSON text;
+    templates (Hugging Face's convention, which vLLM follows) expect the object, and would
+    otherwise write it as a quoted string. Text that is not a JSON object stays as is."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    args = fn.get("arguments") if isinstance(fn, dict) else None
+    if not isinstance(args, str):
+        return call
+    try:
+        parsed = json.loads(args)
+    except ValueError:
+        return call
+    if not isinstance(parsed, dict):
+        return call
+    return {**call, "function": {**fn, "arguments": parsed}}
 
 
 def _check_text_only(req: ChatCompletionRequest | TokenizeRequest) -> None:

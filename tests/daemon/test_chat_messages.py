@@ -1,0 +1,66 @@
+"""What of each chat message reaches the chat template: a tool-calling conversation's
+history (the assistant's tool_calls, each tool result's tool_call_id, a message's name)
+is rendered as the template writes it, with the calls' arguments as objects (as vLLM and
+Hugging Face templates expect), through chat completions and its render endpoint alike."""
+
+from __future__ import annotations
+
+import aiohttp
+import pytest
+
+from pagefleet.tokenizer import Tokenizer
+
+from .conftest import live_daemon
+from .fake_engine import fake_config, fake_engine_factory
+
+# The shape of the tool-calling templates of Qwen2.5 / Llama 3.1 / Hermes, in small.
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}"
+    "{{ ' (' + m.name + ')' if m.name else '' }}\n"
+    "{% if m.role == 'tool' %}[{{ m.tool_call_id }}] {% endif %}{{ m.content }}"
+    '{% for tc in m.tool_calls or [] %}<tool_call>{"name": "{{ tc.function.name }}", '
+    '"arguments": {{ tc.function.arguments | tojson }}}</tool_call>{% endfor %}'
+    "<|im_end|>\n{% endfor %}{% if tools %}[tools]{% endif %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+MESSAGES = [
+    {"role": "user", "content": "Weather in Paris?", "name": "bob"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+]  # fmt: skip
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+
+EXPECTED = (
+    "<|im_start|>user (bob)\nWeather in Paris?<|im_end|>\n"
+    "<|im_start|>assistant\n"
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call><|im_end|>\n'
+    "<|im_start|>tool\n[call_1] sunny<|im_end|>\n"
+    "[tools]<|im_start|>assistant\n"
+)
+
+
+@pytest.fixture
+def tools_tokenizer(tiny_tokenizer: Tokenizer) -> Tokenizer:
+    t = tiny_tokenizer
+    return Tokenizer(t._tok, t.config, t.eos_token_ids, chat_template=TEMPLATE)
+
+
+async def test_tool_call_history_reaches_the_template(tools_tokenizer: Tokenizer) -> None:
+    tok = tools_tokenizer
+    want = tok.encode(EXPECTED, add_special_tokens=not tok.template_adds_bos)
+    body = {"model": "fake", "messages": MESSAGES, "tools": TOOLS, "max_tokens": 2}
+    async with (
+        live_daemon(fake_config(), fake_engine_factory(tok, [])) as d,
+        aiohttp.ClientSession() as s,
+    ):
+        async with s.post(f"{d.base_url}/chat/completions/render", json=body) as r:
+            assert r.status == 200, await r.text()
+            (rendered,) = (await r.json())[1]
+        async with s.post(f"{d.base_url}/chat/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+            usage = (await r.json())["usage"]
+    assert rendered["prompt_token_ids"] == want, rendered["prompt"]
+    assert usage["prompt_tokens"] == len(want)
