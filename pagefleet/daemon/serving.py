@@ -267,7 +267,8 @@ class OpenAIServing:
         self._check_lengths(prompts, max_tokens, shape.prompt_param, max_tokens_param)
         params = self._sampling_params(req, max_tokens, logprobs)
         if tool_schema is not None:
-            params.guided = GuidedSpec("json", tool_schema)
+            # Built from the tools' parameters: a schema that fails to compile is theirs.
+            params.guided = GuidedSpec("json", tool_schema, source="tools")
         self.admission.check(len(prompts))
         texts = None
         if echo and isinstance(req, CompletionRequest):  # echo is a completions field

@@ -484,6 +484,14 @@ async def test_forced_tool_calls_are_openai_shaped(tmp_path):
                 tool_choice={"type": "function", "function": {"name": "nope"}},
             )  # fmt: skip
         assert e.value.body["param"] == "tool_choice"
+        # A tool whose parameters are not a schema the grammar compiles: the 400 names
+        # tools (the caller sent no response_format).
+        bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}]
+        with pytest.raises(openai.BadRequestError) as e:
+            await c.chat.completions.create(
+                model=MODEL, messages=msgs, tools=bad, max_tokens=5, tool_choice="required"
+            )
+        assert e.value.body["param"] == "tools", e.value.body
         await c.close()
 
 
