@@ -168,11 +168,12 @@ ACCEPTED_DEFAULTS: dict[str, object] = {
 
 def unsupported_fields(req: BaseModel) -> list[str]:
     """The undeclared fields of ``req`` that would change the output: neither ignorable
-    (``IGNORED_FIELDS``) nor at a default that asks for nothing (``ACCEPTED_DEFAULTS``)."""
+    (``IGNORED_FIELDS``) nor at a default that asks for nothing (``ACCEPTED_DEFAULTS``).
+    A null asks for nothing: the OpenAI API reads it as the field not sent."""
     extra = req.model_extra or {}
     out = []
     for name, value in extra.items():
-        if name in IGNORED_FIELDS:
+        if name in IGNORED_FIELDS or value is None:
             continue
         if name in ACCEPTED_DEFAULTS and value == ACCEPTED_DEFAULTS[name]:
             continue

@@ -302,6 +302,25 @@ async def test_unsupported_fields_are_refused_ignorable_ones_pass_and_long_promp
             assert (await r.json())["error"]["param"] == "prompt"
 
 
+async def test_an_unknown_field_sent_as_null_asks_for_nothing(tiny_tokenizer):
+    """The openai client sends what it is given: ``reasoning_effort=None`` or ``audio=None``
+    go out as JSON null, which OpenAI (and vLLM) take as not set; a 400 naming a field
+    whose value asks for nothing fails such clients for no reason."""
+    async with (
+        live_daemon(fake_config(), fake_engine_factory(tiny_tokenizer, [])) as d,
+        aiohttp.ClientSession() as s,
+    ):
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                "reasoning_effort": None, "audio": None, "prediction": None,
+                "web_search_options": None, "prompt_logprobs": None}  # fmt: skip
+        async with s.post(f"{d.base_url}/chat/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+        body["reasoning_effort"] = "high"  # a value that asks for something: still a 400
+        async with s.post(f"{d.base_url}/chat/completions", json=body) as r:
+            assert r.status == 400
+            assert (await r.json())["error"]["param"] == "reasoning_effort"
+
+
 async def test_nonstream_disconnect_aborts(tiny_tokenizer):
     engines: list[FakeEngine] = []
     factory = fake_engine_factory(tiny_tokenizer, engines, step_delay_s=0.02)
