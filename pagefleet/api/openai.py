@@ -268,7 +268,9 @@ class _SamplingFields(_Lenient):
     @field_validator("logit_bias")
     @classmethod
     def _check_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        bad = next((k for k in (v or {}) if not k.isdigit()), None)
+        # ASCII digits only: str.isdigit() is also true of "²" (int() fails on it) and of
+        # other scripts' digits ("٣" would be read as token 3).
+        bad = next((k for k in (v or {}) if not (k.isascii() and k.isdigit())), None)
         if bad is not None:
             raise ValueError(f"logit_bias keys must be token ids, got {bad!r}")
         return v

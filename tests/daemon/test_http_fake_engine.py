@@ -321,6 +321,24 @@ async def test_an_unknown_field_sent_as_null_asks_for_nothing(tiny_tokenizer):
             assert (await r.json())["error"]["param"] == "reasoning_effort"
 
 
+async def test_logit_bias_keys_are_ascii_token_ids(tiny_tokenizer):
+    """str.isdigit() is true of "²" and "٣": the first failed int() and came back as a 400
+    naming param "invalid", the second was read as token 3."""
+    async with (
+        live_daemon(fake_config(), fake_engine_factory(tiny_tokenizer, [])) as d,
+        aiohttp.ClientSession() as s,
+    ):
+        for key in ("\u00b2", "\u0663", "-1", "1.0", " 5"):
+            body = {"prompt": [1, 2], "max_tokens": 1, "logit_bias": {key: 1}}
+            async with s.post(f"{d.base_url}/completions", json=body) as r:
+                assert r.status == 400, key
+                err = (await r.json())["error"]
+                assert err["param"] == "logit_bias" and "token ids" in err["message"], err
+        body = {"prompt": [1, 2], "max_tokens": 1, "logit_bias": {"07": 1}}
+        async with s.post(f"{d.base_url}/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+
+
 async def test_nonstream_disconnect_aborts(tiny_tokenizer):
     engines: list[FakeEngine] = []
     factory = fake_engine_factory(tiny_tokenizer, engines, step_delay_s=0.02)
