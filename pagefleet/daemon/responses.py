@@ -321,6 +321,13 @@ def _tool_call_piece(ch: Choice, final: bool) -> list[ToolCallDelta] | None:
 def _message(job: Job, c: Choice) -> ChatResponseMessage:
     if job.forced_tool_call:
         call = _tool_call(c.text)
+        if call is None:
+            # Cut short (max_tokens) after the name: the call with its arguments so far,
+            # as a stream of the same tokens sent them (and as OpenAI and vLLM answer).
+            so_far = read_call(c.text)
+            if so_far.name is not None:
+                fn = FunctionCall(name=so_far.name, arguments=so_far.arguments)
+                call = ToolCall(function=fn)
         if call is not None:
             return ChatResponseMessage(content=None, tool_calls=[call])
     return ChatResponseMessage(content=c.text)

@@ -492,6 +492,28 @@ async def test_forced_tool_calls_are_openai_shaped(tmp_path):
                 model=MODEL, messages=msgs, tools=bad, max_tokens=5, tool_choice="required"
             )
         assert e.value.body["param"] == "tools", e.value.body
+        # Cut short by max_tokens inside the arguments: whole and streamed answers agree,
+        # a call of the named function whose arguments are the text so far (as vLLM and
+        # OpenAI answer); the whole one gave the raw JSON text as content instead.
+        short = named.usage.completion_tokens - 3
+        weather = {"type": "function", "function": {"name": "get_weather"}}
+        kw = dict(model=MODEL, messages=msgs, tools=tools, max_tokens=short, temperature=0,
+                  tool_choice=weather)  # fmt: skip
+        cut = (await c.chat.completions.create(**kw)).choices[0]
+        assert cut.finish_reason == "length" and cut.message.content is None, cut
+        (cut_call,) = cut.message.tool_calls
+        assert cut_call.function.name == "get_weather"
+        assert call.function.arguments.startswith(cut_call.function.arguments)
+        assert cut_call.function.arguments != call.function.arguments
+        names, args, finish = [], "", None
+        async for chunk in await c.chat.completions.create(stream=True, **kw):
+            for ch in chunk.choices:
+                assert ch.delta.content is None, ch.delta
+                for tc in ch.delta.tool_calls or []:
+                    names += [tc.function.name] if tc.function.name else []
+                    args += tc.function.arguments or ""
+                finish = ch.finish_reason or finish
+        assert (names, args, finish) == (["get_weather"], cut_call.function.arguments, "length")
         await c.close()
 
 
