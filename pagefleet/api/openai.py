@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 from pydantic import (
     BaseModel,
@@ -27,6 +27,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.fields import FieldInfo
 
 # -- errors -------------------------------------------------------------------------------
 
@@ -208,8 +209,26 @@ class ResponseFormat(_Lenient):
         return self
 
 
+def _not_nullable(field: FieldInfo) -> bool:
+    return type(None) not in get_args(field.annotation)
+
+
 class _SamplingFields(_Lenient):
     """Fields common to completions and chat; ranges match SamplingParams' own checks."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # OpenAI declares n, stream, logprobs, echo... "or null" with a default, and vLLM
+        # accepts null for them: a field that cannot hold None takes its default. A field
+        # that can (max_tokens: up to the context) keeps the None.
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        nulls = {
+            k for k, v in data.items() if v is None and k in fields and _not_nullable(fields[k])
+        }
+        return {k: v for k, v in data.items() if k not in nulls} if nulls else data
 
     model: str | None = None
     n: int = Field(default=1, ge=1, le=128)
