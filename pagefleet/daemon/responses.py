@@ -258,9 +258,10 @@ def completion_logprobs(lps: list[TokenLogprob], offset: int) -> CompletionLogpr
     for lp in lps:
         out.tokens.append(lp.token)
         out.token_logprobs.append(lp.logprob)
-        # Distinct tokens can show the same text (each partial UTF-8 token is U+FFFD):
-        # the first, highest-ranked one keeps the key.
-        top: dict[str, float] = {}
+        # The sampled token is always there, so up to logprobs + 1 entries (OpenAI's
+        # definition, as vLLM). Distinct tokens can show the same text (each partial
+        # UTF-8 token is U+FFFD): the sampled one, then the highest-ranked, keeps the key.
+        top: dict[str, float] = {lp.token: lp.logprob}
         for _, t, v in lp.top:
             top.setdefault(t, v)
         out.top_logprobs.append(top)

@@ -692,3 +692,20 @@ async def test_an_over_long_max_completion_tokens_names_it(client):
         await client.chat.completions.create(model=MODEL, messages=msgs, max_completion_tokens=1000)
     assert e.value.body["param"] == "max_completion_tokens"
     assert "max_completion_tokens" in e.value.body["message"]
+
+
+async def test_completion_top_logprobs_hold_the_sampled_token(client):
+    """OpenAI: "the API will always return the logprob of the sampled token, so there may
+    be up to logprobs+1 elements" (vLLM does so): a client reading top_logprobs[i] at
+    tokens[i] found nothing when a sampled token was not among the most likely, and
+    logprobs=0 gave empty dicts."""
+    for k in (0, 1):
+        kw = dict(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=1.5, seed=11,
+                  logprobs=k, extra_body={"ignore_eos": True})  # fmt: skip
+        whole = (await client.completions.create(**kw)).choices[0].logprobs
+        streamed = [c.choices[0].logprobs async for c in await client.completions.create(
+            stream=True, **kw) if c.choices and c.choices[0].logprobs]  # fmt: skip
+        tops = [t for lp in streamed for t in lp.top_logprobs]
+        assert tops == whole.top_logprobs
+        for tok, v, top in zip(whole.tokens, whole.token_logprobs, tops, strict=True):
+            assert top[tok] == pytest.approx(v) and 1 <= len(top) <= k + 1, (tok, top)
