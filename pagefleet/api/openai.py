@@ -209,6 +209,51 @@ class ResponseFormat(_Lenient):
         return self
 
 
+class StructuredOutputs(_Lenient):
+    """vLLM's ``structured_outputs`` (which replaced its guided_* fields): one of json (a
+    schema, as an object or its text), regex, choice, grammar or json_object."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _known_options(self) -> StructuredOutputs:
+        # Options this server lacks (structural_tag, whitespace_pattern, ...) would change
+        # the output: refused by name rather than ignored.
+        unknown = sorted(k for k, v in (self.model_extra or {}).items() if v is not None)
+        if unknown:
+            raise ValueError(f"{unknown[0]!r} is not supported; use json, regex, choice, "
+                             "grammar or json_object")  # fmt: skip
+        return self
+
+    def constraints(self) -> list[tuple[str, str]]:
+        """``(kind, spec)`` of each constraint given (see ``_SamplingFields.guided``)."""
+        found = []
+        if self.json_ is not None:
+            g = self.json_
+            found.append(("json", g if isinstance(g, str) else json.dumps(g)))
+        if self.regex is not None:
+            found.append(("regex", self.regex))
+        if self.choice is not None:
+            found.append(("choice", json.dumps(self.choice)))
+        if self.grammar is not None:
+            found.append(("grammar", self.grammar))
+        if self.json_object:
+            found.append(("json_object", ""))
+        return found
+
+
+class ConstraintConflict(ValueError):
+    """More than one output constraint; ``param`` is the field to name in the 400."""
+
+    def __init__(self, message: str, param: str = "response_format") -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def _not_nullable(field: FieldInfo) -> bool:
     return type(None) not in get_args(field.annotation)
 
@@ -253,6 +298,7 @@ class _SamplingFields(_Lenient):
     guided_regex: str | None = None
     guided_choice: list[str] | None = Field(default=None, min_length=1)
     guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
@@ -313,9 +359,18 @@ class _SamplingFields(_Lenient):
             found.append(("choice", json.dumps(self.guided_choice), "guided_choice"))
         if self.guided_grammar is not None:
             found.append(("grammar", self.guided_grammar, "guided_grammar"))
+        if self.structured_outputs is not None:
+            so = self.structured_outputs.constraints()
+            if len(so) > 1:
+                kinds = ", ".join(kind for kind, _ in so)
+                raise ConstraintConflict(
+                    f"give at most one output constraint in structured_outputs; got {kinds}",
+                    "structured_outputs",
+                )
+            found += [(kind, spec, "structured_outputs") for kind, spec in so]
         if len(found) > 1:
             names = ", ".join(f[2] for f in found)
-            raise ValueError(f"give at most one output constraint; got {names}")
+            raise ConstraintConflict(f"give at most one output constraint; got {names}")
         return found[0] if found else None
 
     def logit_bias_ids(self) -> dict[int, float]:

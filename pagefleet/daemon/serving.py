@@ -460,7 +460,8 @@ class OpenAIServing:
         try:
             guided = req.guided()
         except ValueError as exc:
-            raise APIError(400, str(exc), param="response_format") from None
+            param = getattr(exc, "param", "response_format")
+            raise APIError(400, str(exc), param=param) from None
         spec = None if guided is None else GuidedSpec(guided[0], guided[1], guided[2])  # type: ignore[arg-type]
         beam = req.use_beam_search
         self._check_beam_fields(req)

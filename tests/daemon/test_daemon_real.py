@@ -709,3 +709,38 @@ async def test_completion_top_logprobs_hold_the_sampled_token(client):
         assert tops == whole.top_logprobs
         for tok, v, top in zip(whole.tokens, whole.token_logprobs, tops, strict=True):
             assert top[tok] == pytest.approx(v) and 1 <= len(top) <= k + 1, (tok, top)
+
+
+async def test_vllm_structured_outputs_field(client):
+    """vLLM replaced the guided_* fields with one ``structured_outputs`` object (json,
+    regex, choice, grammar, json_object); a client written for it got a 400."""
+    choice = await client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
+        extra_body={"structured_outputs": {"choice": ["alpha", "beta"]}},
+    )  # fmt: skip
+    assert choice.choices[0].text in ("alpha", "beta")
+    regex = await client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0.7, seed=1,
+        extra_body={"structured_outputs": {"regex": r"\d{3}-[a-c]{2}"}},
+    )  # fmt: skip
+    assert re.fullmatch(r"\d{3}-[a-c]{2}", regex.choices[0].text)
+    schema = {"type": "object", "additionalProperties": False, "required": ["ok"],
+              "properties": {"ok": {"type": "boolean"}}}  # fmt: skip
+    msgs = [{"role": "user", "content": "Give me JSON"}]
+    for spec in (schema, json.dumps(schema)):
+        r = await client.chat.completions.create(
+            model=MODEL, messages=msgs, max_tokens=20, temperature=1.0, seed=2,
+            extra_body={"structured_outputs": {"json": spec}},
+        )  # fmt: skip
+        assert isinstance(json.loads(r.choices[0].message.content)["ok"], bool)
+    r = await client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=40, temperature=0,
+        extra_body={"structured_outputs": {"json_object": True}},
+    )  # fmt: skip
+    assert r.choices[0].message.content.startswith("{")
+    for so in ({"regex": "("}, {"choice": ["a"], "regex": "a"}, {"structural_tag": "x"}):
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.completions.create(
+                model=MODEL, prompt=PROMPT, extra_body={"structured_outputs": so}
+            )
+        assert e.value.body["param"].startswith("structured_outputs"), (so, e.value.body)
