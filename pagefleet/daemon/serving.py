@@ -240,7 +240,12 @@ class OpenAIServing:
             schema = req.forced_tool_schema()
         except ValueError as exc:
             raise APIError(400, str(exc), param="tool_choice") from None
-        if schema is not None and req.guided() is not None:
+        try:
+            guided = req.guided()
+        except ValueError as exc:  # two constraints at once: the same 400 as without tools
+            param = getattr(exc, "param", "response_format")
+            raise APIError(400, str(exc), param=param) from None
+        if schema is not None and guided is not None:
             raise APIError(
                 400,
                 "a forced tool call cannot be combined with response_format",

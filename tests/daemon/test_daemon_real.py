@@ -492,6 +492,13 @@ async def test_forced_tool_calls_are_openai_shaped(tmp_path):
                 model=MODEL, messages=msgs, tools=bad, max_tokens=5, tool_choice="required"
             )
         assert e.value.body["param"] == "tools", e.value.body
+        # A forced call with two output constraints besides: a 400, not a 500.
+        with pytest.raises(openai.BadRequestError) as e:
+            await c.chat.completions.create(
+                model=MODEL, messages=msgs, tools=tools, max_tokens=5, tool_choice="required",
+                extra_body={"guided_regex": "a", "guided_choice": ["a"]},
+            )  # fmt: skip
+        assert "at most one" in e.value.body["message"]
         # Cut short by max_tokens inside the arguments: whole and streamed answers agree,
         # a call of the named function whose arguments are the text so far (as vLLM and
         # OpenAI answer); the whole one gave the raw JSON text as content instead.
