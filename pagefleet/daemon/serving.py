@@ -26,6 +26,7 @@ from typing import Any
 from aiohttp import ClientConnectionResetError, web
 from pydantic import BaseModel
 
+from pagefleet.api.limits import context_length_error
 from pagefleet.api.openai import (
     ChatCompletionRequest,
     ChatMessage,
@@ -543,28 +544,17 @@ class OpenAIServing:
         may be ``max_completion_tokens``."""
         limit = self.max_model_len()
         vocab = self._tokenizer().vocab_size
-        what = "prompt" if prompt_param == "prompt" else f"prompt built from the {prompt_param}"
         for ids in prompts:
             if not ids:
-                raise APIError(400, f"{what} is empty after tokenization", param=prompt_param)
+                raise APIError(400, "prompt is empty after tokenization", param=prompt_param)
             self._check_token_ids(ids, vocab, prompt_param)
-            if len(ids) >= limit:
-                raise APIError(
-                    400,
-                    f"{what} has {len(ids)} tokens; this model's maximum context length is "
-                    f"{limit} tokens including the output; shorten the {prompt_param}",
-                    param=prompt_param,
-                    code="context_length_exceeded",
-                )
-            if max_tokens is not None and len(ids) + max_tokens > limit:
-                raise APIError(
-                    400,
-                    f"{max_tokens_param}={max_tokens} plus the {what}'s {len(ids)} tokens "
-                    f"exceeds the maximum context length {limit}; lower {max_tokens_param} "
-                    f"to at most {limit - len(ids)}",
-                    param=max_tokens_param,
-                    code="context_length_exceeded",
-                )
+            # The gateway refuses with the same words (limits.py).
+            err = context_length_error(
+                len(ids), max_tokens, limit,
+                prompt_param=prompt_param, max_tokens_param=max_tokens_param,
+            )  # fmt: skip
+            if err is not None:
+                raise APIError(400, err[0], param=err[1], code="context_length_exceeded")
 
 
 async def _next_outputs(job: Job) -> list[StreamItem]:
