@@ -683,6 +683,9 @@ class TokenizeRequest(_Lenient):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    # With messages, as chat: the template shows the tools and reads these variables.
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _one_of(self) -> TokenizeRequest:

@@ -129,8 +129,11 @@ class OpenAIServing:
             # The prompt chat completions would build from these messages (the raw dump
             # failed on content parts and null content, which chat accepts).
             _check_text_only(req)
+            kwargs = dict(req.chat_template_kwargs or {})
+            if req.tools:
+                kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
             ids = self._chat_prompt_ids(
-                _template_messages(req.messages), req.add_generation_prompt, None
+                _template_messages(req.messages), req.add_generation_prompt, kwargs
             )
         else:
             ids = tok.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)

@@ -64,3 +64,22 @@ async def test_tool_call_history_reaches_the_template(tools_tokenizer: Tokenizer
             usage = (await r.json())["usage"]
     assert rendered["prompt_token_ids"] == want, rendered["prompt"]
     assert usage["prompt_tokens"] == len(want)
+
+
+async def test_tokenize_counts_the_prompt_chat_builds(tools_tokenizer: Tokenizer) -> None:
+    """vLLM's /tokenize takes the chat request's tools and chat_template_kwargs; they were
+    kept and ignored, so its count was that of a prompt without them."""
+    tok = tools_tokenizer
+    want = tok.encode(EXPECTED, add_special_tokens=not tok.template_adds_bos)
+    body = {"model": "fake", "messages": MESSAGES, "tools": TOOLS}
+    async with (
+        live_daemon(fake_config(), fake_engine_factory(tok, [])) as d,
+        aiohttp.ClientSession() as s,
+    ):
+        async with s.post(f"{d.url}/tokenize", json=body) as r:
+            assert r.status == 200, await r.text()
+            out = await r.json()
+        kwargs = {**body, "tools": None, "chat_template_kwargs": {"tools": TOOLS}}
+        async with s.post(f"{d.url}/tokenize", json=kwargs) as r:
+            assert (await r.json())["tokens"] == want
+    assert out["tokens"] == want and out["count"] == len(want)
