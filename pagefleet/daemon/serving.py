@@ -452,9 +452,18 @@ class OpenAIServing:
         self, messages: list[dict[str, Any]], add_generation_prompt: bool, kwargs: dict | None
     ) -> list[int]:
         tok = self._tokenizer()
+        kwargs = dict(kwargs or {})
+        if "messages" in kwargs:
+            raise APIError(
+                400,
+                "chat_template_kwargs cannot set 'messages'; send them as the request's messages",
+                param="chat_template_kwargs",
+            )
+        # As vLLM: the caller's template variables win over the request's defaults.
+        add_generation_prompt = kwargs.pop("add_generation_prompt", add_generation_prompt)
         try:
             text = tok.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, **(kwargs or {})
+                messages, add_generation_prompt=add_generation_prompt, **kwargs
             )
         except Exception as exc:  # the template rejected these messages (e.g. role order)
             raise APIError(400, f"chat template failed: {exc}", param="messages") from None

@@ -83,3 +83,30 @@ async def test_tokenize_counts_the_prompt_chat_builds(tools_tokenizer: Tokenizer
         async with s.post(f"{d.url}/tokenize", json=kwargs) as r:
             assert (await r.json())["tokens"] == want
     assert out["tokens"] == want and out["count"] == len(want)
+
+
+async def test_chat_template_kwargs_override_the_request_defaults(
+    tools_tokenizer: Tokenizer,
+) -> None:
+    """As vLLM: chat_template_kwargs win over add_generation_prompt (clients continuing a
+    turn set it there); it was a 400 quoting a Python TypeError. Setting "messages" there
+    is a 400 naming chat_template_kwargs."""
+    tok = tools_tokenizer
+    head = EXPECTED.removesuffix("<|im_start|>assistant\n")
+    want = tok.encode(head, add_special_tokens=not tok.template_adds_bos)
+    body = {"model": "fake", "messages": MESSAGES, "tools": TOOLS, "max_tokens": 1,
+            "chat_template_kwargs": {"add_generation_prompt": False}}  # fmt: skip
+    async with (
+        live_daemon(fake_config(), fake_engine_factory(tok, [])) as d,
+        aiohttp.ClientSession() as s,
+    ):
+        async with s.post(f"{d.base_url}/chat/completions/render", json=body) as r:
+            assert r.status == 200, await r.text()
+            assert (await r.json())[1][0]["prompt_token_ids"] == want
+        async with s.post(f"{d.base_url}/chat/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+            assert (await r.json())["usage"]["prompt_tokens"] == len(want)
+        body["chat_template_kwargs"] = {"messages": []}
+        async with s.post(f"{d.base_url}/chat/completions", json=body) as r:
+            assert r.status == 400
+            assert (await r.json())["error"]["param"] == "chat_template_kwargs"
