@@ -493,6 +493,40 @@ class ChatMessage(_Lenient):
         return "".join(p.text or "" for p in self.content if p.type == "text")
 
 
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """What the chat template reads of each message: every field the caller sent, the
+    content as text. Tool-calling templates read an assistant's ``tool_calls``, a tool
+    result's ``tool_call_id`` and a message's ``name``: without them the model never sees
+    which call it made nor which result answers it. The daemon renders these; a router
+    that tokenizes chat prompts should read the same."""
+    out = []
+    for m in messages:
+        msg = m.model_dump(exclude_none=True)
+        msg["content"] = m.text()
+        calls = msg.get("tool_calls")
+        if isinstance(calls, list):
+            msg["tool_calls"] = [_call_for_template(c) for c in calls]
+        out.append(msg)
+    return out
+
+
+def _call_for_template(call: Any) -> Any:
+    """A tool call as chat templates read it: OpenAI sends ``arguments`` as JSON text;
+    templates (Hugging Face's convention, which vLLM follows) expect the object, and would
+    otherwise write it as a quoted string. Text that is not a JSON object stays as is."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    args = fn.get("arguments") if isinstance(fn, dict) else None
+    if not isinstance(args, str):
+        return call
+    try:
+        parsed = json.loads(args)
+    except ValueError:
+        return call
+    if not isinstance(parsed, dict):
+        return call
+    return {**call, "function": {**fn, "arguments": parsed}}
+
+
 class ToolFunction(_Lenient):
     name: str = Field(min_length=1)
     description: str | None = None

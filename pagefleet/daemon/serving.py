@@ -29,7 +29,6 @@ from pydantic import BaseModel
 from pagefleet.api.limits import context_length_error
 from pagefleet.api.openai import (
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
@@ -39,6 +38,7 @@ from pagefleet.api.openai import (
     TokenizeRequest,
     TokenizeResponse,
     parse_body,
+    template_messages,
     unsupported_fields,
 )
 from pagefleet.daemon.admission import Admission
@@ -133,7 +133,7 @@ class OpenAIServing:
             if req.tools:
                 kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
             ids = self._chat_prompt_ids(
-                _template_messages(req.messages), req.add_generation_prompt, kwargs
+                template_messages(req.messages), req.add_generation_prompt, kwargs
             )
         else:
             ids = tok.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
@@ -163,7 +163,7 @@ class OpenAIServing:
         self._check_model(req.model)
         tok = self._tokenizer()
         _check_text_only(req)  # as the chat endpoint: an image part is refused, not dropped
-        messages = _template_messages(req.messages)
+        messages = template_messages(req.messages)
         template_kwargs = dict(req.chat_template_kwargs or {})
         self._tools(req, template_kwargs)  # the template shows the tools, as in chat
         ids = self._chat_prompt_ids(messages, req.add_generation_prompt, template_kwargs)
@@ -204,7 +204,7 @@ class OpenAIServing:
         self._reject_unsupported(req)
         self._check_model(req.model)
         _check_text_only(req)
-        messages = _template_messages(req.messages)
+        messages = template_messages(req.messages)
         template_kwargs = dict(req.chat_template_kwargs or {})
         tool_schema = self._tools(req, template_kwargs)
         prompt = await _offload(
@@ -594,39 +594,6 @@ async def _offload(fn: Callable[[], Any], size: int) -> Any:
 
 # Raised by a write to a connection the client already closed.
 CLIENT_GONE = (ConnectionError, ClientConnectionResetError)
-
-
-def _template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """What the chat template reads of each message: every field the caller sent, the
-    content as text. Tool-calling templates read an assistant's ``tool_calls``, a tool
-    result's ``tool_call_id`` and a message's ``name``: without them the model never sees
-    which call it made nor which result answers it."""
-    out = []
-    for m in messages:
-        msg = m.model_dump(exclude_none=True)
-        msg["content"] = m.text()
-        calls = msg.get("tool_calls")
-        if isinstance(calls, list):
-            msg["tool_calls"] = [_call_for_template(c) for c in calls]
-        out.append(msg)
-    return out
-
-
-def _call_for_template(call: Any) -> Any:
-    """A tool call as chat templates read it: OpenAI sends ``arguments`` as JSON text;
-    templates (Hugging Face's convention, which vLLM follows) expect the object, and would
-    otherwise write it as a quoted string. Text that is not a JSON object stays as is."""
-    fn = call.get("function") if isinstance(call, dict) else None
-    args = fn.get("arguments") if isinstance(fn, dict) else None
-    if not isinstance(args, str):
-        return call
-    try:
-        parsed = json.loads(args)
-    except ValueError:
-        return call
-    if not isinstance(parsed, dict):
-        return call
-    return {**call, "function": {**fn, "arguments": parsed}}
 
 
 def _check_text_only(req: ChatCompletionRequest | TokenizeRequest) -> None:
