@@ -34,9 +34,12 @@ def context_length_error(
             prompt_param,
         )
     if max_tokens is not None and prompt_tokens + max_tokens > limit:
+        tokens = f"the prompt's {count} tokens"
+        if what != "prompt":
+            tokens = f"the {count} tokens of the {what}"
         return (
-            f"{max_tokens_param}={max_tokens} plus the {what}'s {count} tokens exceeds the "
-            f"maximum context length {limit}; lower {max_tokens_param} to at most "
+            f"{max_tokens_param}={max_tokens} plus {tokens} exceeds the maximum "
+            f"context length {limit}; lower {max_tokens_param} to at most "
             f"{limit - prompt_tokens}",
             max_tokens_param,
         )
