@@ -61,7 +61,9 @@ class ResponseShape(Protocol):
     def chunk_json(
         self, job: Job, created: int, model: str, ch: Choice, delta: CompletionDelta
     ) -> bytes:
-        """``chunk(...)`` as compact JSON without null fields, byte for byte."""
+        """``chunk(...)`` as compact JSON without null fields, byte for byte; b"" when
+        the chunk would say nothing (a forced call's text that adds no piece of the call),
+        which is not sent."""
         ...
 
     def usage_chunk(self, job: Job, created: int, model: str) -> BaseModel:
@@ -231,11 +233,16 @@ class ChatShape:
             or delta.logprobs
             or type(delta.stop_reason) not in (str, int, type(None))
         ):
-            return (
-                self.chunk(job, created, model, ch, delta)
-                .model_dump_json(exclude_none=True)
-                .encode()
-            )
+            chunk = self.chunk(job, created, model, ch, delta)
+            (choice,) = chunk.choices
+            if (
+                job.forced_tool_call
+                and choice.finish_reason is None
+                and choice.logprobs is None
+                and not choice.delta.model_dump(exclude_none=True)
+            ):
+                return b""  # OpenAI sends no empty deltas mid-stream
+            return chunk.model_dump_json(exclude_none=True).encode()
         role = ""
         if not ch.sent_role:
             role = '"role":"assistant",'

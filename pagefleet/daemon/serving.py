@@ -370,11 +370,15 @@ class OpenAIServing:
                         # Every chunk of the outputs that queued up while this stream was
                         # behind leaves in one write: one syscall and one HTTP chunk, not
                         # one per token (each is still its own SSE event).
+                        # The usage is read as each chunk is made: with continuous usage
+                        # stats each carries the count as of its own tokens.
                         events = [
-                            _event(shape.chunk_json(job, created, model, ch, delta), usage())
+                            _event(body, usage())
                             for item in await _next_outputs(job)
                             for ch, delta in job.absorb(item, self.metrics)
                             if delta.new_text or delta.finish_reason is not None or delta.logprobs
+                            for body in (shape.chunk_json(job, created, model, ch, delta),)
+                            if body  # b"": a chunk that would say nothing is not sent
                         ]
                         if events:
                             await resp.write(b"".join(events))

@@ -459,13 +459,17 @@ async def test_forced_tool_calls_are_openai_shaped(tmp_path):
             model=MODEL, messages=msgs, tools=tools, max_tokens=120, temperature=0,
             tool_choice={"type": "function", "function": {"name": "get_weather"}},
         ) as stream:  # fmt: skip
-            pieces, chunk_calls = [], []
+            pieces, chunk_calls, empty = [], [], 0
             async for event in stream:
                 if event.type == "chunk" and event.chunk.choices:
                     chunk_calls += event.chunk.choices[0].delta.tool_calls or []
+                    # Each chunk says something (OpenAI sends no empty deltas mid-stream).
+                    ch = event.chunk.choices[0]
+                    empty += not ch.delta.model_dump(exclude_none=True) and not ch.finish_reason
                 elif event.type == "tool_calls.function.arguments.delta":
                     pieces.append(event.arguments_delta)
             final = await stream.get_final_completion()
+        assert empty == 0, f"{empty} chunks with an empty delta"
         head, *rest = chunk_calls
         assert head.id and head.type == "function" and head.function.name == "get_weather"
         assert rest and all(tc.id is None and tc.function.name is None for tc in rest)
