@@ -479,10 +479,25 @@ class ContentPart(_Lenient):
     text: str | None = None
 
 
+class MessageFunctionCall(_Lenient):
+    name: str
+    arguments: str | dict[str, Any]  # OpenAI sends JSON text; some clients the object
+
+
+class MessageToolCall(_Lenient):
+    """A call in an assistant message of the history (chat templates read it)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: MessageFunctionCall
+
+
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         """The message's text; non-text parts (images, audio) are refused by the server."""

@@ -110,3 +110,24 @@ async def test_chat_template_kwargs_override_the_request_defaults(
         async with s.post(f"{d.base_url}/chat/completions", json=body) as r:
             assert r.status == 400
             assert (await r.json())["error"]["param"] == "chat_template_kwargs"
+
+
+async def test_a_malformed_tool_call_in_the_history_is_a_400_naming_it(
+    tools_tokenizer: Tokenizer,
+) -> None:
+    """A tool call without its function (or not an object) reached the template, whose
+    failure came back as "chat template failed: 'str object' has no attribute
+    'function'" on param messages; it is now the field's own 400."""
+    bad_calls = ["x", [{"id": "c"}], [{"id": "c", "function": {"arguments": "{}"}}]]
+    async with (
+        live_daemon(fake_config(), fake_engine_factory(tools_tokenizer, [])) as d,
+        aiohttp.ClientSession() as s,
+    ):
+        for calls in bad_calls:
+            msgs = [MESSAGES[0], {"role": "assistant", "content": None, "tool_calls": calls}]
+            body = {"model": "fake", "messages": msgs, "max_tokens": 1}
+            async with s.post(f"{d.base_url}/chat/completions", json=body) as r:
+                assert r.status == 400, calls
+                err = (await r.json())["error"]
+            assert err["param"].startswith("messages.1.tool_calls"), (calls, err)
+            assert "template" not in err["message"], err
