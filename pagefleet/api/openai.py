@@ -573,6 +573,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    # vLLM's: the prompt ends inside the final message, which the model continues.
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
@@ -732,6 +734,7 @@ class TokenizeRequest(_Lenient):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     # With messages, as chat: the template shows the tools and reads these variables.
     tools: list[Tool] | None = None
     chat_template_kwargs: dict[str, Any] | None = None

@@ -133,7 +133,10 @@ class OpenAIServing:
             if req.tools:
                 kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
             ids = self._chat_prompt_ids(
-                template_messages(req.messages), req.add_generation_prompt, kwargs
+                template_messages(req.messages),
+                req.add_generation_prompt,
+                kwargs,
+                req.continue_final_message,
             )
         else:
             ids = tok.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
@@ -166,7 +169,9 @@ class OpenAIServing:
         messages = template_messages(req.messages)
         template_kwargs = dict(req.chat_template_kwargs or {})
         self._tools(req, template_kwargs)  # the template shows the tools, as in chat
-        ids = self._chat_prompt_ids(messages, req.add_generation_prompt, template_kwargs)
+        ids = self._chat_prompt_ids(
+            messages, req.add_generation_prompt, template_kwargs, req.continue_final_message
+        )
         text = tok.decode(ids, skip_special_tokens=False)
         return web.json_response([messages, [{"prompt": text, "prompt_token_ids": ids}]])
 
@@ -208,7 +213,9 @@ class OpenAIServing:
         template_kwargs = dict(req.chat_template_kwargs or {})
         tool_schema = self._tools(req, template_kwargs)
         prompt = await _offload(
-            lambda: self._chat_prompt_ids(messages, req.add_generation_prompt, template_kwargs),
+            lambda: self._chat_prompt_ids(
+                messages, req.add_generation_prompt, template_kwargs, req.continue_final_message
+            ),
             sum(len(m["content"]) for m in messages),
         )
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -453,8 +460,14 @@ class OpenAIServing:
             )
 
     def _chat_prompt_ids(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool, kwargs: dict | None
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        kwargs: dict | None,
+        continue_final: bool = False,
     ) -> list[int]:
+        """The prompt ``messages`` make; ``continue_final``: it ends inside the final
+        message (its text, without what the template writes after it)."""
         tok = self._tokenizer()
         kwargs = dict(kwargs or {})
         if "messages" in kwargs:
@@ -465,12 +478,21 @@ class OpenAIServing:
             )
         # As vLLM: the caller's template variables win over the request's defaults.
         add_generation_prompt = kwargs.pop("add_generation_prompt", add_generation_prompt)
+        if continue_final and add_generation_prompt:
+            raise APIError(
+                400,
+                "continue_final_message continues the last message, add_generation_prompt "
+                "starts a new one: set add_generation_prompt to false",
+                param="continue_final_message",
+            )
         try:
             text = tok.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt, **kwargs
             )
         except Exception as exc:  # the template rejected these messages (e.g. role order)
             raise APIError(400, f"chat template failed: {exc}", param="messages") from None
+        if continue_final:
+            text = _cut_after_final(text, messages[-1]["content"] if messages else "")
         return tok.encode(text, add_special_tokens=not tok.template_adds_bos)
 
     def _sampling_params(
@@ -598,6 +620,22 @@ async def _offload(fn: Callable[[], Any], size: int) -> Any:
 
 # Raised by a write to a connection the client already closed.
 CLIENT_GONE = (ConnectionError, ClientConnectionResetError)
+
+
+def _cut_after_final(text: str, final: str) -> str:
+    """``text`` (a rendered chat) up to the end of its last occurrence of the final
+    message's text, so the model continues that message; templates that strip a message
+    are matched on the stripped text. 400 when the template did not write it at all."""
+    for needle in (final, final.strip()):
+        at = text.rfind(needle) if needle else -1
+        if at >= 0:
+            return text[: at + len(needle)]
+    raise APIError(
+        400,
+        "continue_final_message: the chat template does not write the final message's "
+        "text where it could be continued; send a non-empty final message or drop the flag",
+        param="continue_final_message",
+    )
 
 
 def _check_text_only(req: ChatCompletionRequest | TokenizeRequest) -> None:

@@ -131,3 +131,35 @@ async def test_a_malformed_tool_call_in_the_history_is_a_400_naming_it(
                 err = (await r.json())["error"]
             assert err["param"].startswith("messages.1.tool_calls"), (calls, err)
             assert "template" not in err["message"], err
+
+
+async def test_continue_final_message_prefills_the_answer(tools_tokenizer: Tokenizer) -> None:
+    """vLLM's continue_final_message: the prompt ends inside the final (assistant)
+    message, so the model continues it (an answer prefilled with "```json\\n", say). It
+    was a 400 ("not supported")."""
+    tok = tools_tokenizer
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer"}]
+    want = tok.encode(
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nThe answer",
+        add_special_tokens=not tok.template_adds_bos,
+    )
+    body = {"model": "fake", "messages": msgs, "max_tokens": 1,
+            "add_generation_prompt": False, "continue_final_message": True}  # fmt: skip
+    async with (
+        live_daemon(fake_config(), fake_engine_factory(tok, [])) as d,
+        aiohttp.ClientSession() as s,
+    ):
+        async with s.post(f"{d.base_url}/chat/completions/render", json=body) as r:
+            assert r.status == 200, await r.text()
+            assert (await r.json())[1][0]["prompt_token_ids"] == want
+        async with s.post(f"{d.base_url}/chat/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+            assert (await r.json())["usage"]["prompt_tokens"] == len(want)
+        async with s.post(f"{d.url}/tokenize", json=body) as r:
+            assert (await r.json())["tokens"] == want
+        # With a generation prompt besides, there is no final message to continue.
+        async with s.post(
+            f"{d.base_url}/chat/completions", json={**body, "add_generation_prompt": True}
+        ) as r:
+            assert r.status == 400
+            assert (await r.json())["error"]["param"] == "continue_final_message"
