@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 from pydantic import (
     BaseModel,
@@ -27,6 +27,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.fields import FieldInfo
 
 # -- errors -------------------------------------------------------------------------------
 
@@ -168,11 +169,12 @@ ACCEPTED_DEFAULTS: dict[str, object] = {
 
 def unsupported_fields(req: BaseModel) -> list[str]:
     """The undeclared fields of ``req`` that would change the output: neither ignorable
-    (``IGNORED_FIELDS``) nor at a default that asks for nothing (``ACCEPTED_DEFAULTS``)."""
+    (``IGNORED_FIELDS``) nor at a default that asks for nothing (``ACCEPTED_DEFAULTS``).
+    A null asks for nothing: the OpenAI API reads it as the field not sent."""
     extra = req.model_extra or {}
     out = []
     for name, value in extra.items():
-        if name in IGNORED_FIELDS:
+        if name in IGNORED_FIELDS or value is None:
             continue
         if name in ACCEPTED_DEFAULTS and value == ACCEPTED_DEFAULTS[name]:
             continue
@@ -207,8 +209,71 @@ class ResponseFormat(_Lenient):
         return self
 
 
+class StructuredOutputs(_Lenient):
+    """vLLM's ``structured_outputs`` (which replaced its guided_* fields): one of json (a
+    schema, as an object or its text), regex, choice, grammar or json_object."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _known_options(self) -> StructuredOutputs:
+        # Options this server lacks (structural_tag, whitespace_pattern, ...) would change
+        # the output: refused by name rather than ignored.
+        unknown = sorted(k for k, v in (self.model_extra or {}).items() if v is not None)
+        if unknown:
+            raise ValueError(f"{unknown[0]!r} is not supported; use json, regex, choice, "
+                             "grammar or json_object")  # fmt: skip
+        return self
+
+    def constraints(self) -> list[tuple[str, str]]:
+        """``(kind, spec)`` of each constraint given (see ``_SamplingFields.guided``)."""
+        found = []
+        if self.json_ is not None:
+            g = self.json_
+            found.append(("json", g if isinstance(g, str) else json.dumps(g)))
+        if self.regex is not None:
+            found.append(("regex", self.regex))
+        if self.choice is not None:
+            found.append(("choice", json.dumps(self.choice)))
+        if self.grammar is not None:
+            found.append(("grammar", self.grammar))
+        if self.json_object:
+            found.append(("json_object", ""))
+        return found
+
+
+class ConstraintConflict(ValueError):
+    """More than one output constraint; ``param`` is the field to name in the 400."""
+
+    def __init__(self, message: str, param: str = "response_format") -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _not_nullable(field: FieldInfo) -> bool:
+    return type(None) not in get_args(field.annotation)
+
+
 class _SamplingFields(_Lenient):
     """Fields common to completions and chat; ranges match SamplingParams' own checks."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # OpenAI declares n, stream, logprobs, echo... "or null" with a default, and vLLM
+        # accepts null for them: a field that cannot hold None takes its default. A field
+        # that can (max_tokens: up to the context) keeps the None.
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        nulls = {
+            k for k, v in data.items() if v is None and k in fields and _not_nullable(fields[k])
+        }
+        return {k: v for k, v in data.items() if k not in nulls} if nulls else data
 
     model: str | None = None
     n: int = Field(default=1, ge=1, le=128)
@@ -233,6 +298,7 @@ class _SamplingFields(_Lenient):
     guided_regex: str | None = None
     guided_choice: list[str] | None = Field(default=None, min_length=1)
     guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
@@ -267,7 +333,9 @@ class _SamplingFields(_Lenient):
     @field_validator("logit_bias")
     @classmethod
     def _check_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        bad = next((k for k in (v or {}) if not k.isdigit()), None)
+        # ASCII digits only: str.isdigit() is also true of "²" (int() fails on it) and of
+        # other scripts' digits ("٣" would be read as token 3).
+        bad = next((k for k in (v or {}) if not (k.isascii() and k.isdigit())), None)
         if bad is not None:
             raise ValueError(f"logit_bias keys must be token ids, got {bad!r}")
         return v
@@ -291,9 +359,18 @@ class _SamplingFields(_Lenient):
             found.append(("choice", json.dumps(self.guided_choice), "guided_choice"))
         if self.guided_grammar is not None:
             found.append(("grammar", self.guided_grammar, "guided_grammar"))
+        if self.structured_outputs is not None:
+            so = self.structured_outputs.constraints()
+            if len(so) > 1:
+                kinds = ", ".join(kind for kind, _ in so)
+                raise ConstraintConflict(
+                    f"give at most one output constraint in structured_outputs; got {kinds}",
+                    "structured_outputs",
+                )
+            found += [(kind, spec, "structured_outputs") for kind, spec in so]
         if len(found) > 1:
             names = ", ".join(f[2] for f in found)
-            raise ValueError(f"give at most one output constraint; got {names}")
+            raise ConstraintConflict(f"give at most one output constraint; got {names}")
         return found[0] if found else None
 
     def logit_bias_ids(self) -> dict[int, float]:
@@ -402,10 +479,25 @@ class ContentPart(_Lenient):
     text: str | None = None
 
 
+class MessageFunctionCall(_Lenient):
+    name: str
+    arguments: str | dict[str, Any]  # OpenAI sends JSON text; some clients the object
+
+
+class MessageToolCall(_Lenient):
+    """A call in an assistant message of the history (chat templates read it)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: MessageFunctionCall
+
+
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         """The message's text; non-text parts (images, audio) are refused by the server."""
@@ -414,6 +506,40 @@ class ChatMessage(_Lenient):
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text or "" for p in self.content if p.type == "text")
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """What the chat template reads of each message: every field the caller sent, the
+    content as text. Tool-calling templates read an assistant's ``tool_calls``, a tool
+    result's ``tool_call_id`` and a message's ``name``: without them the model never sees
+    which call it made nor which result answers it. The daemon renders these; a router
+    that tokenizes chat prompts should read the same."""
+    out = []
+    for m in messages:
+        msg = m.model_dump(exclude_none=True)
+        msg["content"] = m.text()
+        calls = msg.get("tool_calls")
+        if isinstance(calls, list):
+            msg["tool_calls"] = [_call_for_template(c) for c in calls]
+        out.append(msg)
+    return out
+
+
+def _call_for_template(call: Any) -> Any:
+    """A tool call as chat templates read it: OpenAI sends ``arguments`` as JSON text;
+    templates (Hugging Face's convention, which vLLM follows) expect the object, and would
+    otherwise write it as a quoted string. Text that is not a JSON object stays as is."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    args = fn.get("arguments") if isinstance(fn, dict) else None
+    if not isinstance(args, str):
+        return call
+    try:
+        parsed = json.loads(args)
+    except ValueError:
+        return call
+    if not isinstance(parsed, dict):
+        return call
+    return {**call, "function": {**fn, "arguments": parsed}}
 
 
 class ToolFunction(_Lenient):
@@ -447,6 +573,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    # vLLM's: the prompt ends inside the final message, which the model continues.
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
@@ -606,6 +734,10 @@ class TokenizeRequest(_Lenient):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    # With messages, as chat: the template shows the tools and reads these variables.
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _one_of(self) -> TokenizeRequest:

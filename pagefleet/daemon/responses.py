@@ -33,6 +33,7 @@ from pagefleet.api.openai import (
     TopLogprob,
 )
 from pagefleet.daemon.job import Choice, Job
+from pagefleet.daemon.token_bytes import TokenBytesFn, utf8_bytes
 from pagefleet.daemon.tool_calls import read_call
 from pagefleet.engine.outputs import CompletionDelta, TokenLogprob
 
@@ -41,6 +42,7 @@ class ResponseShape(Protocol):
     """One endpoint's response format."""
 
     id_prefix: str  # "cmpl" / "chatcmpl"
+    prompt_param: str  # the request field the prompt comes from, for errors
 
     def response(self, job: Job, model: str) -> BaseModel:
         """The whole response of a finished job (non-streaming)."""
@@ -59,7 +61,9 @@ class ResponseShape(Protocol):
     def chunk_json(
         self, job: Job, created: int, model: str, ch: Choice, delta: CompletionDelta
     ) -> bytes:
-        """``chunk(...)`` as compact JSON without null fields, byte for byte."""
+        """``chunk(...)`` as compact JSON without null fields, byte for byte; b"" when
+        the chunk would say nothing (a forced call's text that adds no piece of the call),
+        which is not sent."""
         ...
 
     def usage_chunk(self, job: Job, created: int, model: str) -> BaseModel:
@@ -93,6 +97,7 @@ def _finish_json(finish_reason: str | None, stop_reason: str | int | None) -> st
 
 class CompletionShape:
     id_prefix = "cmpl"
+    prompt_param = "prompt"
 
     def response(self, job: Job, model: str) -> CompletionResponse:
         want_lp = job.params.logprobs is not None
@@ -169,6 +174,11 @@ class CompletionShape:
 
 class ChatShape:
     id_prefix = "chatcmpl"
+    prompt_param = "messages"
+
+    def __init__(self, token_bytes: TokenBytesFn = utf8_bytes) -> None:
+        # The ``bytes`` of each logprob (token_bytes.py: a partial token's own bytes).
+        self.token_bytes = token_bytes
 
     def response(self, job: Job, model: str) -> ChatCompletionResponse:
         want_lp = job.params.logprobs is not None
@@ -179,7 +189,7 @@ class ChatShape:
                 ChatChoice(
                     index=c.index,
                     message=_message(job, c),
-                    logprobs=chat_logprobs(c.logprobs) if want_lp else None,
+                    logprobs=chat_logprobs(c.logprobs, self.token_bytes) if want_lp else None,
                     finish_reason=_finish_reason(job, c.finish_reason),
                     stop_reason=c.stop_reason,
                 )
@@ -205,7 +215,7 @@ class ChatShape:
             ch.sent_role = True
         lp = None
         if job.params.logprobs is not None and delta.logprobs:
-            lp = chat_logprobs(delta.logprobs)
+            lp = chat_logprobs(delta.logprobs, self.token_bytes)
         return ChatCompletionChunk(
             id=job.base_id, created=created, model=model,
             choices=[ChatChunkChoice(
@@ -223,11 +233,16 @@ class ChatShape:
             or delta.logprobs
             or type(delta.stop_reason) not in (str, int, type(None))
         ):
-            return (
-                self.chunk(job, created, model, ch, delta)
-                .model_dump_json(exclude_none=True)
-                .encode()
-            )
+            chunk = self.chunk(job, created, model, ch, delta)
+            (choice,) = chunk.choices
+            if (
+                job.forced_tool_call
+                and choice.finish_reason is None
+                and choice.logprobs is None
+                and not choice.delta.model_dump(exclude_none=True)
+            ):
+                return b""  # OpenAI sends no empty deltas mid-stream
+            return chunk.model_dump_json(exclude_none=True).encode()
         role = ""
         if not ch.sent_role:
             role = '"role":"assistant",'
@@ -250,9 +265,10 @@ def completion_logprobs(lps: list[TokenLogprob], offset: int) -> CompletionLogpr
     for lp in lps:
         out.tokens.append(lp.token)
         out.token_logprobs.append(lp.logprob)
-        # Distinct tokens can show the same text (each partial UTF-8 token is U+FFFD):
-        # the first, highest-ranked one keeps the key.
-        top: dict[str, float] = {}
+        # The sampled token is always there, so up to logprobs + 1 entries (OpenAI's
+        # definition, as vLLM). Distinct tokens can show the same text (each partial
+        # UTF-8 token is U+FFFD): the sampled one, then the highest-ranked, keeps the key.
+        top: dict[str, float] = {lp.token: lp.logprob}
         for _, t, v in lp.top:
             top.setdefault(t, v)
         out.top_logprobs.append(top)
@@ -261,16 +277,15 @@ def completion_logprobs(lps: list[TokenLogprob], offset: int) -> CompletionLogpr
     return out
 
 
-def chat_logprobs(lps: list[TokenLogprob]) -> ChatLogprobs:
+def chat_logprobs(lps: list[TokenLogprob], token_bytes: TokenBytesFn = utf8_bytes) -> ChatLogprobs:
     return ChatLogprobs(
         content=[
             ChatTokenLogprob(
                 token=lp.token,
                 logprob=lp.logprob,
-                bytes=list(lp.token.encode("utf-8")),
+                bytes=token_bytes(lp.token_id, lp.token),
                 top_logprobs=[
-                    TopLogprob(token=t, logprob=v, bytes=list(t.encode("utf-8")))
-                    for _, t, v in lp.top
+                    TopLogprob(token=t, logprob=v, bytes=token_bytes(i, t)) for i, t, v in lp.top
                 ],
             )
             for lp in lps
@@ -314,6 +329,13 @@ def _tool_call_piece(ch: Choice, final: bool) -> list[ToolCallDelta] | None:
 def _message(job: Job, c: Choice) -> ChatResponseMessage:
     if job.forced_tool_call:
         call = _tool_call(c.text)
+        if call is None:
+            # Cut short (max_tokens) after the name: the call with its arguments so far,
+            # as a stream of the same tokens sent them (and as OpenAI and vLLM answer).
+            so_far = read_call(c.text)
+            if so_far.name is not None:
+                fn = FunctionCall(name=so_far.name, arguments=so_far.arguments)
+                call = ToolCall(function=fn)
         if call is not None:
             return ChatResponseMessage(content=None, tool_calls=[call])
     return ChatResponseMessage(content=c.text)

@@ -26,9 +26,9 @@ from typing import Any
 from aiohttp import ClientConnectionResetError, web
 from pydantic import BaseModel
 
+from pagefleet.api.limits import context_length_error
 from pagefleet.api.openai import (
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
@@ -38,6 +38,7 @@ from pagefleet.api.openai import (
     TokenizeRequest,
     TokenizeResponse,
     parse_body,
+    template_messages,
     unsupported_fields,
 )
 from pagefleet.daemon.admission import Admission
@@ -50,13 +51,13 @@ from pagefleet.daemon.metrics import DaemonMetrics
 from pagefleet.daemon.pd import PDSide, TransferParamsError
 from pagefleet.daemon.request_log import RequestLog
 from pagefleet.daemon.responses import ChatShape, CompletionShape, ResponseShape
+from pagefleet.daemon.token_bytes import token_bytes_of
 from pagefleet.engine.guided_spec import GuidedSpec
 from pagefleet.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 _COMPLETION = CompletionShape()
-_CHAT = ChatShape()
 
 # Up to this many characters a prompt is tokenized on the event loop; longer ones on a
 # worker thread: a megabyte prompt takes long enough to stall every other stream.
@@ -128,8 +129,14 @@ class OpenAIServing:
             # The prompt chat completions would build from these messages (the raw dump
             # failed on content parts and null content, which chat accepts).
             _check_text_only(req)
+            kwargs = dict(req.chat_template_kwargs or {})
+            if req.tools:
+                kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
             ids = self._chat_prompt_ids(
-                _template_messages(req.messages), req.add_generation_prompt, None
+                template_messages(req.messages),
+                req.add_generation_prompt,
+                kwargs,
+                req.continue_final_message,
             )
         else:
             ids = tok.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
@@ -159,8 +166,12 @@ class OpenAIServing:
         self._check_model(req.model)
         tok = self._tokenizer()
         _check_text_only(req)  # as the chat endpoint: an image part is refused, not dropped
-        messages = _template_messages(req.messages)
-        ids = self._chat_prompt_ids(messages, req.add_generation_prompt, req.chat_template_kwargs)
+        messages = template_messages(req.messages)
+        template_kwargs = dict(req.chat_template_kwargs or {})
+        self._tools(req, template_kwargs)  # the template shows the tools, as in chat
+        ids = self._chat_prompt_ids(
+            messages, req.add_generation_prompt, template_kwargs, req.continue_final_message
+        )
         text = tok.decode(ids, skip_special_tokens=False)
         return web.json_response([messages, [{"prompt": text, "prompt_token_ids": ids}]])
 
@@ -198,11 +209,13 @@ class OpenAIServing:
         self._reject_unsupported(req)
         self._check_model(req.model)
         _check_text_only(req)
-        messages = _template_messages(req.messages)
+        messages = template_messages(req.messages)
         template_kwargs = dict(req.chat_template_kwargs or {})
         tool_schema = self._tools(req, template_kwargs)
         prompt = await _offload(
-            lambda: self._chat_prompt_ids(messages, req.add_generation_prompt, template_kwargs),
+            lambda: self._chat_prompt_ids(
+                messages, req.add_generation_prompt, template_kwargs, req.continue_final_message
+            ),
             sum(len(m["content"]) for m in messages),
         )
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -212,7 +225,7 @@ class OpenAIServing:
             [prompt],
             req.effective_max_tokens(),
             logprobs,
-            _CHAT,
+            ChatShape(token_bytes_of(self._tokenizer())),
             echo=False,
             tool_schema=tool_schema,
         )
@@ -238,7 +251,12 @@ class OpenAIServing:
             schema = req.forced_tool_schema()
         except ValueError as exc:
             raise APIError(400, str(exc), param="tool_choice") from None
-        if schema is not None and req.guided() is not None:
+        try:
+            guided = req.guided()
+        except ValueError as exc:  # two constraints at once: the same 400 as without tools
+            param = getattr(exc, "param", "response_format")
+            raise APIError(400, str(exc), param=param) from None
+        if schema is not None and guided is not None:
             raise APIError(
                 400,
                 "a forced tool call cannot be combined with response_format",
@@ -259,10 +277,14 @@ class OpenAIServing:
         tool_schema: str | None = None,
     ) -> web.StreamResponse:
         """Validate, admit, run on the engine and answer (whole or streamed) in ``shape``."""
-        self._check_lengths(prompts, max_tokens)
+        max_tokens_param = "max_tokens"
+        if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+            max_tokens_param = "max_completion_tokens"  # the field the caller set
+        self._check_lengths(prompts, max_tokens, shape.prompt_param, max_tokens_param)
         params = self._sampling_params(req, max_tokens, logprobs)
         if tool_schema is not None:
-            params.guided = GuidedSpec("json", tool_schema)
+            # Built from the tools' parameters: a schema that fails to compile is theirs.
+            params.guided = GuidedSpec("json", tool_schema, source="tools")
         self.admission.check(len(prompts))
         texts = None
         if echo and isinstance(req, CompletionRequest):  # echo is a completions field
@@ -312,7 +334,7 @@ class OpenAIServing:
             # vLLM's continuous_usage_stats: every chunk carries the usage so far.
             continuous = include_usage and bool(opts and opts.continuous_usage_stats)
             return await self._stream(request, job, shape, include_usage, continuous)
-        async with self._admitted(job):
+        async with self._admitted(job, shape.prompt_param):
             while job.live:
                 for item in await _next_outputs(job):
                     job.absorb(item, self.metrics)
@@ -345,7 +367,7 @@ class OpenAIServing:
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         try:
-            async with self._admitted(job):
+            async with self._admitted(job, shape.prompt_param):
                 await resp.prepare(request)
                 try:
                     for chunk in shape.opening_chunks(job, created, model):
@@ -355,11 +377,15 @@ class OpenAIServing:
                         # Every chunk of the outputs that queued up while this stream was
                         # behind leaves in one write: one syscall and one HTTP chunk, not
                         # one per token (each is still its own SSE event).
+                        # The usage is read as each chunk is made: with continuous usage
+                        # stats each carries the count as of its own tokens.
                         events = [
-                            _event(shape.chunk_json(job, created, model, ch, delta), usage())
+                            _event(body, usage())
                             for item in await _next_outputs(job)
                             for ch, delta in job.absorb(item, self.metrics)
                             if delta.new_text or delta.finish_reason is not None or delta.logprobs
+                            for body in (shape.chunk_json(job, created, model, ch, delta),)
+                            if body  # b"": a chunk that would say nothing is not sent
                         ]
                         if events:
                             await resp.write(b"".join(events))
@@ -379,8 +405,9 @@ class OpenAIServing:
         return resp
 
     @contextlib.asynccontextmanager
-    async def _admitted(self, job: Job) -> AsyncIterator[None]:
-        """Hold the job's in-flight slots; abort whatever is unfinished on the way out."""
+    async def _admitted(self, job: Job, prompt_param: str) -> AsyncIterator[None]:
+        """Hold the job's in-flight slots; abort whatever is unfinished on the way out.
+        ``prompt_param``: the field an error about the prompt names ("prompt", "messages")."""
         with self.admission.hold(len(job.prompts)):
             loop = self._live_loop()
             try:
@@ -392,7 +419,10 @@ class OpenAIServing:
                         else:
                             await loop.add_request(rid, ids, job.params, queue=job.queue)
                     except ValueError as exc:  # the engine refused it (InvalidRequestError)
-                        param = getattr(exc, "param", "prompt")
+                        # A plain ValueError is about the prompt (too long, empty).
+                        param = getattr(exc, "param", None) or "prompt"
+                        if param == "prompt":
+                            param = prompt_param
                         raise APIError(400, str(exc), param=param) from None
                     except EngineDeadError as exc:
                         raise APIError(503, str(exc), type="server_error") from None
@@ -430,15 +460,39 @@ class OpenAIServing:
             )
 
     def _chat_prompt_ids(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool, kwargs: dict | None
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        kwargs: dict | None,
+        continue_final: bool = False,
     ) -> list[int]:
+        """The prompt ``messages`` make; ``continue_final``: it ends inside the final
+        message (its text, without what the template writes after it)."""
         tok = self._tokenizer()
+        kwargs = dict(kwargs or {})
+        if "messages" in kwargs:
+            raise APIError(
+                400,
+                "chat_template_kwargs cannot set 'messages'; send them as the request's messages",
+                param="chat_template_kwargs",
+            )
+        # As vLLM: the caller's template variables win over the request's defaults.
+        add_generation_prompt = kwargs.pop("add_generation_prompt", add_generation_prompt)
+        if continue_final and add_generation_prompt:
+            raise APIError(
+                400,
+                "continue_final_message continues the last message, add_generation_prompt "
+                "starts a new one: set add_generation_prompt to false",
+                param="continue_final_message",
+            )
         try:
             text = tok.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, **(kwargs or {})
+                messages, add_generation_prompt=add_generation_prompt, **kwargs
             )
         except Exception as exc:  # the template rejected these messages (e.g. role order)
             raise APIError(400, f"chat template failed: {exc}", param="messages") from None
+        if continue_final:
+            text = _cut_after_final(text, messages[-1]["content"] if messages else "")
         return tok.encode(text, add_special_tokens=not tok.template_adds_bos)
 
     def _sampling_params(
@@ -450,7 +504,8 @@ class OpenAIServing:
         try:
             guided = req.guided()
         except ValueError as exc:
-            raise APIError(400, str(exc), param="response_format") from None
+            param = getattr(exc, "param", "response_format")
+            raise APIError(400, str(exc), param=param) from None
         spec = None if guided is None else GuidedSpec(guided[0], guided[1], guided[2])  # type: ignore[arg-type]
         beam = req.use_beam_search
         self._check_beam_fields(req)
@@ -515,30 +570,29 @@ class OpenAIServing:
             what = "prompt token ids" if param == "prompt" else "token ids"
             raise APIError(400, f"{what} must be < vocab size {vocab}", param=param)
 
-    def _check_lengths(self, prompts: list[list[int]], max_tokens: int | None) -> None:
+    def _check_lengths(
+        self,
+        prompts: list[list[int]],
+        max_tokens: int | None,
+        prompt_param: str = "prompt",
+        max_tokens_param: str = "max_tokens",
+    ) -> None:
+        """Each prompt fits the context with room for its output. The errors name the
+        fields the caller sent: chat's prompt is its ``messages``, and its output length
+        may be ``max_completion_tokens``."""
         limit = self.max_model_len()
         vocab = self._tokenizer().vocab_size
         for ids in prompts:
             if not ids:
-                raise APIError(400, "prompt is empty after tokenization", param="prompt")
-            self._check_token_ids(ids, vocab, "prompt")
-            if len(ids) >= limit:
-                raise APIError(
-                    400,
-                    f"prompt has {len(ids)} tokens; this model's maximum context length is "
-                    f"{limit} tokens including the output; shorten the prompt",
-                    param="prompt",
-                    code="context_length_exceeded",
-                )
-            if max_tokens is not None and len(ids) + max_tokens > limit:
-                raise APIError(
-                    400,
-                    f"max_tokens={max_tokens} plus the prompt's {len(ids)} tokens exceeds the "
-                    f"maximum context length {limit}; lower max_tokens to at most "
-                    f"{limit - len(ids)}",
-                    param="max_tokens",
-                    code="context_length_exceeded",
-                )
+                raise APIError(400, "prompt is empty after tokenization", param=prompt_param)
+            self._check_token_ids(ids, vocab, prompt_param)
+            # The gateway refuses with the same words (limits.py).
+            err = context_length_error(
+                len(ids), max_tokens, limit,
+                prompt_param=prompt_param, max_tokens_param=max_tokens_param,
+            )  # fmt: skip
+            if err is not None:
+                raise APIError(400, err[0], param=err[1], code="context_length_exceeded")
 
 
 async def _next_outputs(job: Job) -> list[StreamItem]:
@@ -568,9 +622,20 @@ async def _offload(fn: Callable[[], Any], size: int) -> Any:
 CLIENT_GONE = (ConnectionError, ClientConnectionResetError)
 
 
-def _template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """What the chat template reads of each message: its role and its text."""
-    return [{"role": m.role, "content": m.text()} for m in messages]
+def _cut_after_final(text: str, final: str) -> str:
+    """``text`` (a rendered chat) up to the end of its last occurrence of the final
+    message's text, so the model continues that message; templates that strip a message
+    are matched on the stripped text. 400 when the template did not write it at all."""
+    for needle in (final, final.strip()):
+        at = text.rfind(needle) if needle else -1
+        if at >= 0:
+            return text[: at + len(needle)]
+    raise APIError(
+        400,
+        "continue_final_message: the chat template does not write the final message's "
+        "text where it could be continued; send a non-empty final message or drop the flag",
+        param="continue_final_message",
+    )
 
 
 def _check_text_only(req: ChatCompletionRequest | TokenizeRequest) -> None:

@@ -459,13 +459,17 @@ async def test_forced_tool_calls_are_openai_shaped(tmp_path):
             model=MODEL, messages=msgs, tools=tools, max_tokens=120, temperature=0,
             tool_choice={"type": "function", "function": {"name": "get_weather"}},
         ) as stream:  # fmt: skip
-            pieces, chunk_calls = [], []
+            pieces, chunk_calls, empty = [], [], 0
             async for event in stream:
                 if event.type == "chunk" and event.chunk.choices:
                     chunk_calls += event.chunk.choices[0].delta.tool_calls or []
+                    # Each chunk says something (OpenAI sends no empty deltas mid-stream).
+                    ch = event.chunk.choices[0]
+                    empty += not ch.delta.model_dump(exclude_none=True) and not ch.finish_reason
                 elif event.type == "tool_calls.function.arguments.delta":
                     pieces.append(event.arguments_delta)
             final = await stream.get_final_completion()
+        assert empty == 0, f"{empty} chunks with an empty delta"
         head, *rest = chunk_calls
         assert head.id and head.type == "function" and head.function.name == "get_weather"
         assert rest and all(tc.id is None and tc.function.name is None for tc in rest)
@@ -484,6 +488,43 @@ async def test_forced_tool_calls_are_openai_shaped(tmp_path):
                 tool_choice={"type": "function", "function": {"name": "nope"}},
             )  # fmt: skip
         assert e.value.body["param"] == "tool_choice"
+        # A tool whose parameters are not a schema the grammar compiles: the 400 names
+        # tools (the caller sent no response_format).
+        bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}]
+        with pytest.raises(openai.BadRequestError) as e:
+            await c.chat.completions.create(
+                model=MODEL, messages=msgs, tools=bad, max_tokens=5, tool_choice="required"
+            )
+        assert e.value.body["param"] == "tools", e.value.body
+        # A forced call with two output constraints besides: a 400, not a 500.
+        with pytest.raises(openai.BadRequestError) as e:
+            await c.chat.completions.create(
+                model=MODEL, messages=msgs, tools=tools, max_tokens=5, tool_choice="required",
+                extra_body={"guided_regex": "a", "guided_choice": ["a"]},
+            )  # fmt: skip
+        assert "at most one" in e.value.body["message"]
+        # Cut short by max_tokens inside the arguments: whole and streamed answers agree,
+        # a call of the named function whose arguments are the text so far (as vLLM and
+        # OpenAI answer); the whole one gave the raw JSON text as content instead.
+        short = named.usage.completion_tokens - 3
+        weather = {"type": "function", "function": {"name": "get_weather"}}
+        kw = dict(model=MODEL, messages=msgs, tools=tools, max_tokens=short, temperature=0,
+                  tool_choice=weather)  # fmt: skip
+        cut = (await c.chat.completions.create(**kw)).choices[0]
+        assert cut.finish_reason == "length" and cut.message.content is None, cut
+        (cut_call,) = cut.message.tool_calls
+        assert cut_call.function.name == "get_weather"
+        assert call.function.arguments.startswith(cut_call.function.arguments)
+        assert cut_call.function.arguments != call.function.arguments
+        names, args, finish = [], "", None
+        async for chunk in await c.chat.completions.create(stream=True, **kw):
+            for ch in chunk.choices:
+                assert ch.delta.content is None, ch.delta
+                for tc in ch.delta.tool_calls or []:
+                    names += [tc.function.name] if tc.function.name else []
+                    args += tc.function.arguments or ""
+                finish = ch.finish_reason or finish
+        assert (names, args, finish) == (["get_weather"], cut_call.function.arguments, "length")
         await c.close()
 
 
@@ -624,3 +665,93 @@ async def test_streamed_text_offsets_equal_the_non_streamed_ones(client):
             if c.logprobs:
                 streamed += c.logprobs.text_offset
     assert streamed == whole
+
+
+async def test_chat_logprob_bytes_are_each_tokens_own_bytes(client):
+    """A token that is part of a multi-byte character shows as U+FFFD, but its ``bytes``
+    are its own: the bytes of the tokens, joined, are the answer's text (with the bytes of
+    U+FFFD each partial token gave 3 bytes, and a character split over two tokens came back
+    as two replacement characters)."""
+    own_bytes = 0  # partial tokens whose bytes are not those of U+FFFD
+    for content in ["日本語を話しますか", "Unicode: ", "Écris en français: é à ü"]:
+        r = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=16,
+            temperature=0, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        choice = r.choices[0]
+        joined = b"".join(bytes(t.bytes) for t in choice.logprobs.content)
+        assert joined.decode("utf-8", "replace") == choice.message.content, content
+        for t in choice.logprobs.content:
+            for alt in [t, *t.top_logprobs]:
+                if "\ufffd" not in alt.token:  # a whole text: its bytes are its UTF-8
+                    assert bytes(alt.bytes) == alt.token.encode(), alt
+                own_bytes += "\ufffd" in alt.token and bytes(alt.bytes) != "\ufffd".encode()
+    assert own_bytes, "no partial token was generated: the test saw nothing"
+
+
+async def test_an_over_long_chat_prompt_names_messages(client):
+    msgs = [{"role": "user", "content": "word " * 400}]
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4)
+    assert e.value.body["param"] == "messages"
+    assert e.value.body["code"] == "context_length_exceeded"
+
+
+async def test_an_over_long_max_completion_tokens_names_it(client):
+    msgs = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(model=MODEL, messages=msgs, max_completion_tokens=1000)
+    assert e.value.body["param"] == "max_completion_tokens"
+    assert "max_completion_tokens" in e.value.body["message"]
+
+
+async def test_completion_top_logprobs_hold_the_sampled_token(client):
+    """OpenAI: "the API will always return the logprob of the sampled token, so there may
+    be up to logprobs+1 elements" (vLLM does so): a client reading top_logprobs[i] at
+    tokens[i] found nothing when a sampled token was not among the most likely, and
+    logprobs=0 gave empty dicts."""
+    for k in (0, 1):
+        kw = dict(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=1.5, seed=11,
+                  logprobs=k, extra_body={"ignore_eos": True})  # fmt: skip
+        whole = (await client.completions.create(**kw)).choices[0].logprobs
+        streamed = [c.choices[0].logprobs async for c in await client.completions.create(
+            stream=True, **kw) if c.choices and c.choices[0].logprobs]  # fmt: skip
+        tops = [t for lp in streamed for t in lp.top_logprobs]
+        assert tops == whole.top_logprobs
+        for tok, v, top in zip(whole.tokens, whole.token_logprobs, tops, strict=True):
+            assert top[tok] == pytest.approx(v) and 1 <= len(top) <= k + 1, (tok, top)
+
+
+async def test_vllm_structured_outputs_field(client):
+    """vLLM replaced the guided_* fields with one ``structured_outputs`` object (json,
+    regex, choice, grammar, json_object); a client written for it got a 400."""
+    choice = await client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
+        extra_body={"structured_outputs": {"choice": ["alpha", "beta"]}},
+    )  # fmt: skip
+    assert choice.choices[0].text in ("alpha", "beta")
+    regex = await client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0.7, seed=1,
+        extra_body={"structured_outputs": {"regex": r"\d{3}-[a-c]{2}"}},
+    )  # fmt: skip
+    assert re.fullmatch(r"\d{3}-[a-c]{2}", regex.choices[0].text)
+    schema = {"type": "object", "additionalProperties": False, "required": ["ok"],
+              "properties": {"ok": {"type": "boolean"}}}  # fmt: skip
+    msgs = [{"role": "user", "content": "Give me JSON"}]
+    for spec in (schema, json.dumps(schema)):
+        r = await client.chat.completions.create(
+            model=MODEL, messages=msgs, max_tokens=20, temperature=1.0, seed=2,
+            extra_body={"structured_outputs": {"json": spec}},
+        )  # fmt: skip
+        assert isinstance(json.loads(r.choices[0].message.content)["ok"], bool)
+    r = await client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=40, temperature=0,
+        extra_body={"structured_outputs": {"json_object": True}},
+    )  # fmt: skip
+    assert r.choices[0].message.content.startswith("{")
+    for so in ({"regex": "("}, {"choice": ["a"], "regex": "a"}, {"structural_tag": "x"}):
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.completions.create(
+                model=MODEL, prompt=PROMPT, extra_body={"structured_outputs": so}
+            )
+        assert e.value.body["param"].startswith("structured_outputs"), (so, e.value.body)

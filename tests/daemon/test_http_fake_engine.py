@@ -17,6 +17,7 @@ import time
 import aiohttp
 import pytest
 
+from pagefleet.api.openai import CompletionRequest, parse_body
 from pagefleet.kvindex.memory import MemoryKVIndex
 
 from .conftest import live_daemon
@@ -301,6 +302,66 @@ async def test_unsupported_fields_are_refused_ignorable_ones_pass_and_long_promp
         async with s.post(f"{d.base_url}/completions", json={"prompt": "hello " * 4000}) as r:
             assert r.status == 400
             assert (await r.json())["error"]["param"] == "prompt"
+
+
+async def test_an_unknown_field_sent_as_null_asks_for_nothing(tiny_tokenizer):
+    """The openai client sends what it is given: ``reasoning_effort=None`` or ``audio=None``
+    go out as JSON null, which OpenAI (and vLLM) take as not set; a 400 naming a field
+    whose value asks for nothing fails such clients for no reason."""
+    async with (
+        live_daemon(fake_config(), fake_engine_factory(tiny_tokenizer, [])) as d,
+        aiohttp.ClientSession() as s,
+    ):
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                "reasoning_effort": None, "audio": None, "prediction": None,
+                "web_search_options": None, "prompt_logprobs": None}  # fmt: skip
+        async with s.post(f"{d.base_url}/chat/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+        body["reasoning_effort"] = "high"  # a value that asks for something: still a 400
+        async with s.post(f"{d.base_url}/chat/completions", json=body) as r:
+            assert r.status == 400
+            assert (await r.json())["error"]["param"] == "reasoning_effort"
+
+
+async def test_null_for_a_field_with_a_default_means_the_default(tiny_tokenizer):
+    """The OpenAI API declares n, stream, logprobs and echo nullable ("integer or null,
+    defaults to 1"), and vLLM accepts null for them: clients that write every field send
+    "n": null. Those were 400s ("Input should be a valid integer")."""
+    async with (
+        live_daemon(fake_config(), fake_engine_factory(tiny_tokenizer, [])) as d,
+        aiohttp.ClientSession() as s,
+    ):
+        nulls = {"n": None, "stream": None, "ignore_eos": None, "min_tokens": None}
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                "logprobs": None, **nulls}  # fmt: skip
+        cmpl = {"prompt": [1, 2], "max_tokens": 2, "echo": None, **nulls}
+        for path, body in (("chat/completions", chat), ("completions", cmpl)):
+            async with s.post(f"{d.base_url}/{path}", json=body) as r:
+                assert r.status == 200, (path, await r.text())
+                out = await r.json()
+            (choice,) = out["choices"]  # n: 1, not streamed, no logprobs
+            assert choice["logprobs"] is None and out["usage"]["completion_tokens"] == 2
+    # A field that can hold null keeps it: max_tokens null is vLLM's "up to the context".
+    req = parse_body(CompletionRequest, '{"prompt": "x", "max_tokens": null, "n": null}')
+    assert req.max_tokens is None and req.n == 1
+
+
+async def test_logit_bias_keys_are_ascii_token_ids(tiny_tokenizer):
+    """str.isdigit() is true of "²" and "٣": the first failed int() and came back as a 400
+    naming param "invalid", the second was read as token 3."""
+    async with (
+        live_daemon(fake_config(), fake_engine_factory(tiny_tokenizer, [])) as d,
+        aiohttp.ClientSession() as s,
+    ):
+        for key in ("\u00b2", "\u0663", "-1", "1.0", " 5"):
+            body = {"prompt": [1, 2], "max_tokens": 1, "logit_bias": {key: 1}}
+            async with s.post(f"{d.base_url}/completions", json=body) as r:
+                assert r.status == 400, key
+                err = (await r.json())["error"]
+                assert err["param"] == "logit_bias" and "token ids" in err["message"], err
+        body = {"prompt": [1, 2], "max_tokens": 1, "logit_bias": {"07": 1}}
+        async with s.post(f"{d.base_url}/completions", json=body) as r:
+            assert r.status == 200, await r.text()
 
 
 async def test_nonstream_disconnect_aborts(tiny_tokenizer):
