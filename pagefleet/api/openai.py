@@ -525,6 +525,18 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
+def cut_after_final(text: str, final: str) -> str | None:
+    """``text`` (a rendered chat) up to the end of its last occurrence of the final
+    message's text, so the model continues that message (``continue_final_message``);
+    templates that strip a message are matched on the stripped text. None when the
+    template did not write it at all."""
+    for needle in (final, final.strip()):
+        at = text.rfind(needle) if needle else -1
+        if at >= 0:
+            return text[: at + len(needle)]
+    return None
+
+
 def _call_for_template(call: Any) -> Any:
     """A tool call as chat templates read it: OpenAI sends ``arguments`` as JSON text;
     templates (Hugging Face's convention, which vLLM follows) expect the object, and would

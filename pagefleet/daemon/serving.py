@@ -37,6 +37,7 @@ from pagefleet.api.openai import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    cut_after_final,
     parse_body,
     template_messages,
     unsupported_fields,
@@ -623,13 +624,10 @@ CLIENT_GONE = (ConnectionError, ClientConnectionResetError)
 
 
 def _cut_after_final(text: str, final: str) -> str:
-    """``text`` (a rendered chat) up to the end of its last occurrence of the final
-    message's text, so the model continues that message; templates that strip a message
-    are matched on the stripped text. 400 when the template did not write it at all."""
-    for needle in (final, final.strip()):
-        at = text.rfind(needle) if needle else -1
-        if at >= 0:
-            return text[: at + len(needle)]
+    """``cut_after_final``; 400 when the template did not write the final message."""
+    cut = cut_after_final(text, final)
+    if cut is not None:
+        return cut
     raise APIError(
         400,
         "continue_final_message: the chat template does not write the final message's "

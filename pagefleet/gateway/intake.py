@@ -72,8 +72,13 @@ def _too_long(
     max_tokens: int | None,
     limit: int | None,
     encode: functools.partial[list[int]] | None,
+    params: tuple[str, str] = ("prompt", "max_tokens"),
 ) -> tuple[list[int] | None, IntakeError | None]:
-    """Ids of one prompt (when computed) and a context-length error (when it cannot fit)."""
+    """Ids of one prompt (when computed) and a context-length error (when it cannot fit).
+    ``params``: the fields the caller sent for the prompt and the output bound (chat:
+    "messages", and "max_completion_tokens" when set), named in the error as the daemon
+    names them."""
+    names = {"prompt_param": params[0], "max_tokens_param": params[1]}
     if ids is not None:
         # Ids the model cannot have are the daemon's 400 too; refused here before they reach
         # the block hashes (which pack each id in 32 bits) without a tokenizer as well.
@@ -81,20 +86,21 @@ def _too_long(
         if any(t >= vocab for t in ids):
             msg = f"prompt token ids must be < vocab size {vocab}"
             return None, IntakeError(400, msg, "prompt")
-        err = context_length_error(len(ids), max_tokens, limit) if limit else None
+        err = context_length_error(len(ids), max_tokens, limit, **names) if limit else None
         return ids, _ctx(err)
     if tok is None or text is None or encode is None:
         return None, None
     if limit:
         at_least = -(-len(text) // tok.tokenizer.max_token_chars)
         if at_least >= limit or (max_tokens is not None and at_least + max_tokens > limit):
-            return None, _ctx(context_length_error(at_least, max_tokens, limit, at_least=True))
+            err = context_length_error(at_least, max_tokens, limit, at_least=True, **names)
+            return None, _ctx(err)
     try:
         ids = encode(text)
     except Exception as exc:  # the daemon owns the verdict on odd prompts; route on load
         logger.debug("could not tokenize for routing (%s); routing on load only", exc)
         return None, None
-    err = context_length_error(len(ids), max_tokens, limit) if limit else None
+    err = context_length_error(len(ids), max_tokens, limit, **names) if limit else None
     return ids, _ctx(err)
 
 
@@ -151,9 +157,11 @@ def _inspect(
         except Exception as exc:  # the daemon answers template errors with its own 400
             logger.debug("chat template failed at the gateway (%s)", exc)
             return out
+        set_completion = parsed.max_completion_tokens is not None
+        bound = "max_completion_tokens" if set_completion else "max_tokens"
         ids, err = _too_long(
             tok, text, None, parsed.effective_max_tokens(), limit,
-            functools.partial(_chat_encode, tok),
+            functools.partial(_chat_encode, tok), ("messages", bound),
         )  # fmt: skip
         out.token_ids, out.error = ids, err
         return out

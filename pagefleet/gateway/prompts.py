@@ -10,7 +10,12 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from pagefleet.api.openai import ChatCompletionRequest, CompletionRequest
+from pagefleet.api.openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    cut_after_final,
+    template_messages,
+)
 from pagefleet.gateway.segment_cache import SegmentCachedEncoder
 from pagefleet.tokenizer import Tokenizer
 
@@ -46,12 +51,22 @@ class PromptTokenizer:
         return self.tokenizer.encode(first, add_special_tokens=True)
 
     def chat_text(self, req: ChatCompletionRequest) -> str:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        return self.tokenizer.apply_chat_template(
-            messages,
-            add_generation_prompt=req.add_generation_prompt,
-            **(req.chat_template_kwargs or {}),
+        """The prompt text the daemon renders for ``req`` (its messages with tool calls and
+        results, its tools, the caller's template variables, continue_final_message), so
+        the gateway routes and judges length on the prompt that will run. Raises what the
+        template raises (the daemon answers those with its own 400)."""
+        messages = template_messages(req.messages)
+        kwargs = dict(req.chat_template_kwargs or {})
+        kwargs.pop("messages", None)  # the daemon's 400
+        add_generation_prompt = kwargs.pop("add_generation_prompt", req.add_generation_prompt)
+        if req.tools:
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, **kwargs
         )
+        if req.continue_final_message:
+            text = cut_after_final(text, messages[-1]["content"] if messages else "") or text
+        return text
 
     def chat_text_ids(self, text: str) -> list[int]:
         # A template that writes BOS itself must not get a second one from the encoder.
