@@ -6,6 +6,9 @@ Fixtures (documented in e2e/README.md):
 - `node_agent` (session): that `e2e.node_agent.NodeAgentProcess` (pod log paths).
 - `kube` (session): an admin `e2e.kube_client.KubeClient`.
 - `namespace` (function): a fresh namespace, deleted after the test.
+- `operator` (module): a `pagefleet operator` process (3 s resync, verbose) on the cluster,
+  the CRD and RBAC installed; each module that asks gets its own, stopped after it and
+  checked for refused API calls. A module may define its own (other flags) instead.
 
 The suite runs inside a network namespace made for the run (scripts/in-netns.sh: `lo` up,
 the pod range 198.18.0.0/15 local), never in the host's. Started outside one (a plain
@@ -29,6 +32,7 @@ import pytest
 from e2e.cluster import BinariesMissingError, ControlPlane, tail
 from e2e.kube_client import KubeAPIError, KubeClient
 from e2e.node_agent import NodeAgentProcess, PodNetworkError, check_pod_network
+from e2e.operator_process import OperatorProcess, install_prerequisites
 
 LOG_RETENTION_S = 24 * 3600
 IN_NETNS = Path(__file__).resolve().parents[1] / "scripts" / "in-netns.sh"
@@ -94,6 +98,21 @@ def node_agent(cluster: ControlPlane) -> NodeAgentProcess:
 @pytest.fixture(scope="session")
 def kube(cluster: ControlPlane) -> KubeClient:
     return KubeClient.from_kubeconfig(cluster.kubeconfig_path)
+
+
+@pytest.fixture(scope="module")
+def operator(
+    cluster: ControlPlane, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[OperatorProcess]:
+    install_prerequisites(cluster)
+    log = tmp_path_factory.mktemp("operator") / "operator.log"
+    op = OperatorProcess(cluster, log, "--resync-seconds", "3", "--verbose")
+    op.start()
+    try:
+        yield op
+    finally:
+        op.stop()
+        op.assert_not_refused()
 
 
 @pytest.fixture

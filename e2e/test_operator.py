@@ -21,7 +21,7 @@ import yaml
 from e2e.cluster import ControlPlane, ControlPlaneError, eventually
 from e2e.kube_client import KubeClient
 from e2e.kube_helpers import live_pods, pod_ready, ready_endpoints, tiny_checkpoint
-from e2e.operator_process import PAGEFLEET, ROOT, OperatorProcess, install_prerequisites
+from e2e.operator_process import PAGEFLEET, ROOT, OperatorProcess
 
 pytestmark = pytest.mark.e2e
 
@@ -30,19 +30,6 @@ API = "/apis/pagefleet.io/v1alpha1"
 
 # Kept under its old name: the P/D scenario imports it.
 Operator = OperatorProcess
-
-
-@pytest.fixture(scope="module")
-def operator(cluster: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
-    install_prerequisites(cluster)
-    log = tmp_path_factory.mktemp("operator") / "operator.log"
-    op = OperatorProcess(cluster, log, "--resync-seconds", "3", "--verbose")
-    op.start()
-    try:
-        yield op
-    finally:
-        op.stop()
-        op.assert_not_refused()
 
 
 @pytest.fixture(scope="module")

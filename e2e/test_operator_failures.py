@@ -16,7 +16,6 @@ with exactly one of every object.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -24,7 +23,7 @@ import pytest
 from e2e.cluster import ControlPlane, eventually
 from e2e.kube_client import KubeClient
 from e2e.kube_helpers import live_pods, tiny_checkpoint
-from e2e.operator_process import OperatorProcess, install_prerequisites
+from e2e.operator_process import OperatorProcess
 from e2e.test_operator import (
     API,
     PAGEFLEET,
@@ -38,21 +37,6 @@ from e2e.test_operator import (
 )
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture(scope="module")
-def operator(
-    cluster: ControlPlane, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[OperatorProcess]:
-    install_prerequisites(cluster)
-    log = tmp_path_factory.mktemp("operator") / "operator.log"
-    op = OperatorProcess(cluster, log, "--resync-seconds", "3", "-v")
-    op.start()
-    try:
-        yield op
-    finally:
-        op.stop()
-        op.assert_not_refused()
 
 
 def test_crash_looping_daemons_degrade_with_their_last_words_then_recover(

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,25 +15,10 @@ import yaml
 
 from e2e.cluster import ControlPlane, eventually
 from e2e.kube_client import KubeClient
-from e2e.operator_process import CRD, OperatorProcess, install_prerequisites
+from e2e.operator_process import CRD, OperatorProcess
 from e2e.test_operator import API, apply, condition, events_for, get_is, infsvc
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture(scope="module")
-def operator(
-    cluster: ControlPlane, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[OperatorProcess]:
-    install_prerequisites(cluster)
-    log = tmp_path_factory.mktemp("operator") / "operator.log"
-    op = OperatorProcess(cluster, log, "--resync-seconds", "3", "-v")
-    op.start()
-    try:
-        yield op
-    finally:
-        op.stop()
-        op.assert_not_refused()
 
 
 def _crd_without_root_rules() -> dict[str, Any]:

@@ -16,13 +16,12 @@ import pytest
 from e2e.cluster import ControlPlane, eventually
 from e2e.kube_client import KubeClient
 from e2e.kube_helpers import live_pods, tiny_checkpoint
-from e2e.test_operator import (  # noqa: F401  (module fixtures: operator, redis_url)
+from e2e.test_operator import (  # noqa: F401  (module fixture: redis_url)
     PAGEFLEET,
     Operator,
     _wait_ready,
     apply,
     infsvc,
-    operator,
     redis_url,
 )
 
@@ -54,7 +53,7 @@ def test_prefill_decode_serving(
     cluster: ControlPlane,
     kube: KubeClient,
     namespace: str,
-    operator: Operator,  # noqa: F811
+    operator: Operator,
     redis_url: str,  # noqa: F811
 ) -> None:
     model = tiny_checkpoint()
