@@ -54,7 +54,9 @@ class ScheduledSeq:
 @dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledSeq]
-    copies: list[tuple[int, int]]  # (src, dst) block ids to copy before the forward
+    # (src, dst) block ids to copy before the forward, in this order: a later pair may
+    # write a block an earlier one reads (model_runner.copy_waves)
+    copies: list[tuple[int, int]]
     preempted: list[Sequence]
     num_batched_tokens: int
 
