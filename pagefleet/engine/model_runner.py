@@ -14,6 +14,7 @@ sampled token; a prefill chunk short of the prompt's end samples nothing.
 from __future__ import annotations
 
 from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -63,6 +64,29 @@ def kv_cache_bytes_per_block(
     """K and V of one block across all layers."""
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+
+
+def copy_waves(copies: Seq[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """Split one step's ``(src, dst)`` block copies into consecutive waves of independent
+    pairs: within a wave no block that one pair writes is read or written by another.
+
+    ``copies`` come in the order the KV cache manager made them, and only that order is
+    right: a copy-on-write source freed in the step can be handed out again as a later
+    copy's destination (``[(a, x), (b, a)]``). A backend may apply one call's pairs in any
+    order or in parallel (the Triton kernel runs a program per pair), so each wave goes in
+    its own call, in order; nearly every step has a single wave.
+    """
+    waves: list[list[tuple[int, int]]] = []
+    reads: set[int] = set()
+    writes: set[int] = set()
+    for src, dst in copies:
+        if not waves or dst in reads or dst in writes or src in writes:
+            waves.append([])
+            reads, writes = set(), set()
+        waves[-1].append((src, dst))
+        reads.add(src)
+        writes.add(dst)
+    return waves
 
 
 class ModelRunner:
@@ -192,9 +216,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> StepResult:
-        if sched.copies:
-            src = torch.tensor([s for s, _ in sched.copies], dtype=torch.int64, device=self.device)
-            dst = torch.tensor([d for _, d in sched.copies], dtype=torch.int64, device=self.device)
+        for wave in copy_waves(sched.copies):
+            src = torch.tensor([s for s, _ in wave], dtype=torch.int64, device=self.device)
+            dst = torch.tensor([d for _, d in wave], dtype=torch.int64, device=self.device)
             self.backend.copy_blocks(
                 [k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], src, dst
             )

@@ -14,8 +14,9 @@ being aborted. A step that preempted admits nobody new (memory is short), and wh
 others run an admission must leave a small watermark of blocks free.
 
 Beam search (beam.py): a ``held`` beam, whose candidates are in while a sibling's are not,
-is never scheduled; a beam search takes its width once against ``max_num_seqs``; a step
-that would otherwise schedule nothing preempts held beams to give a sibling their blocks.
+is never scheduled; a beam search takes its width once against ``max_num_seqs``, so its
+waiting beams need no seat and go past a head that waits for one; a step that would
+otherwise schedule nothing preempts held beams to give a sibling their blocks.
 
 Invariant: ``num_computed_tokens`` of every scheduled sequence is advanced here, at
 schedule time, to what it will be once the step's forward has run.
@@ -54,7 +55,9 @@ class ScheduledSeq:
 @dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledSeq]
-    copies: list[tuple[int, int]]  # (src, dst) block ids to copy before the forward
+    # (src, dst) block ids to copy before the forward, in this order: a later pair may
+    # write a block an earlier one reads (model_runner.copy_waves)
+    copies: list[tuple[int, int]]
     preempted: list[Sequence]
     num_batched_tokens: int
 
@@ -190,7 +193,13 @@ class Scheduler:
                 req = seq.request
                 need = 0 if req.beam is not None and id(req) in beam_reqs else req.fanout
                 if seats + need > cfg.max_num_seqs:
-                    break
+                    # Seats come back only as requests end, and a seated beam search ends
+                    # only once its waiting beams (which need no seat) have run: they go
+                    # past this head, or the search's held beams and the head wait forever.
+                    seq = self._next_seated_beam(beam_reqs, pending)
+                    if seq is None:
+                        break
+                    req, need = seq.request, 0
                 imported = self.kv.has_table(seq)  # KV pulled from a prefill pod
                 if imported:
                     hits, num_cached = [], seq.num_computed_tokens
@@ -267,6 +276,21 @@ class Scheduler:
         if not head.held and not self._defers(head, pending):
             return head
         return next((s for s in self.waiting if not s.held and not self._defers(s, pending)), None)
+
+    def _next_seated_beam(self, beam_reqs: set[int], pending: set[int] | None) -> Sequence | None:
+        """The first waiting beam, not held, of a beam search that already holds its seats
+        (``beam_reqs``), that ``_next_waiting`` would admit; None if there is none."""
+        return next(
+            (
+                s
+                for s in self.waiting
+                if not s.held
+                and s.request.beam is not None
+                and id(s.request) in beam_reqs
+                and not self._defers(s, pending)
+            ),
+            None,
+        )
 
     def _pending_prefill_blocks(self) -> set[int] | None:
         """Hashes of the full prompt blocks that running chunked prefills compute in later

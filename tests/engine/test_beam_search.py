@@ -214,6 +214,39 @@ def test_a_recomputed_beam_that_outgrows_its_blocks_takes_them_from_held_beams()
     assert outs[0] == outs[1] and len(outs[0]) == 3
 
 
+def test_beams_waiting_behind_a_request_without_a_seat_still_run() -> None:
+    """Cache-aware ordering: a beam search (width 3 = max_num_seqs) overtakes an earlier
+    one-token request on its cached prefix; then the pool preempts two of its beams. The
+    earlier request, past max_wait_steps, is queued ahead of them but cannot take a seat
+    while the search holds all three; the beams need none, yet admission stopped at that
+    head. The held beam waited for its siblings, the siblings for the head, the head for
+    the search to end: no step did anything again. Both must end, the beams with the
+    answer they give alone."""
+    beam = SamplingParams(best_of=3, use_beam_search=True, temperature=0.0, max_tokens=6,
+                          ignore_eos=True)  # fmt: skip
+    prompt = [5] * 7
+    alone = _engine("tiny", [2, 4], block_size=2).generate([prompt], beam)[0]
+    engine = _engine(
+        "tiny", [2, 4], block_size=2, num_gpu_blocks=8, max_model_len=15, max_num_seqs=3,
+        max_num_batched_tokens=15, enable_chunked_prefill=False, cache_aware_scheduling=True,
+        max_wait_steps=3,
+    )  # fmt: skip
+    engine.generate([prompt[:6]], SamplingParams(temperature=0.0, max_tokens=1))  # cached
+    engine.add_request("one", [5], SamplingParams(temperature=0.0, max_tokens=None))
+    engine.add_request("beam", prompt, beam)
+    got: list[int] = []
+    for _ in range(200):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            if out.request_id == "beam" and out.finished:
+                got = out.deltas[0].new_token_ids
+        engine.check_integrity()
+    assert not engine.has_unfinished(), "no end after 200 steps"
+    assert engine.stats().num_preempted_total > 0
+    assert got == alone.outputs[0].token_ids
+
+
 def test_beam_kv_usage_far_below_independent_sequences() -> None:
     """Beams share the prompt's blocks: the peak of referenced blocks over a 4-beam search
     of a 160-token prompt stays far below 4 times one sequence's own peak (measured, both

@@ -185,3 +185,31 @@ def test_greedy_parity_with_forked_samples(reference) -> None:
         assert [o.token_ids for o in res.outputs] == [ref.tokens[i]] * 2, f"prompt {i}"
     assert engine.stats().num_preempted_total > 0
     engine.check_integrity()
+
+
+def _copy_pairs_in_reverse(k_caches, v_caches, src, dst) -> None:
+    """A legal schedule of a parallel copy kernel (the Triton one runs one program per
+    pair, in no set order): the pairs one at a time, last first."""
+    for s, d in reversed(list(zip(src.tolist(), dst.tolist(), strict=True))):
+        for cache in (*k_caches, *v_caches):
+            cache[d] = cache[s]
+
+
+def test_copies_of_one_step_may_run_in_any_order() -> None:
+    """Two full prefix hits admitted in one step, in a pool with one spare block: the
+    first copies its cached last block to the spare, which frees that block, and the
+    second copies its own into it. One copy reads the block the other writes, so a
+    parallel kernel could hand the first request the second one's KV. Whatever order a
+    launch applies its pairs in, the answers must be those of the requests run alone."""
+    rng = random.Random(5)
+    a, b = ([rng.randrange(5, 1024) for _ in range(n)] for n in (16, 32))  # whole blocks
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    alone = [r.outputs[0].token_ids for r in _engine("tiny").generate([a, b], params)]
+    engine = _engine("tiny", block_size=16, num_gpu_blocks=4, max_model_len=64)
+    engine.generate([a], params)
+    engine.generate([b], params)
+    assert engine.kv.pool.num_free_blocks == 4 and len(engine.kv.pool.cached) == 3
+    engine.runner.backend.copy_blocks = _copy_pairs_in_reverse
+    got = [r.outputs[0].token_ids for r in engine.generate([a, b], params)]
+    assert got == alone
+    engine.check_integrity()
