@@ -230,6 +230,8 @@ def copy_blocks(
 ) -> None:
     """Copy whole blocks ``src[j] -> dst[j]`` in every layer.
 
+    The pairs run in no fixed order (one program each): no block may be both a source and
+    a destination in one call (the model runner splits a step's copies into such waves).
     Each block's [block_size, Hkv, D] payload must be contiguous (the standard layout, or a
     view that only strides over the block axis). One launch per layer: the kernel never
     loads a pointer, so it cannot walk a table of per-layer caches.
