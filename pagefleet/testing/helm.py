@@ -45,11 +45,11 @@ def require_helm() -> str:
 
 
 def helm_template(
-    *args: str, monitoring: bool = False, check: bool = True
+    *args: str, monitoring: bool = False, check: bool = True, release: str = "pf"
 ) -> subprocess.CompletedProcess[str]:
-    """`helm template pf helm/pagefleet -n pagefleet-system ARGS` (optionally with the
+    """`helm template RELEASE helm/pagefleet -n pagefleet-system ARGS` (optionally with the
     prometheus-operator APIs declared, so the PodMonitor and PrometheusRule render)."""
-    cmd = [require_helm(), "template", "pf", str(CHART), "-n", "pagefleet-system"]
+    cmd = [require_helm(), "template", release, str(CHART), "-n", "pagefleet-system"]
     cmd += ["--kube-version", "1.31.0"]
     if monitoring:
         for api in MONITORING_APIS:
@@ -57,9 +57,9 @@ def helm_template(
     return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=60, check=check)
 
 
-def render(*args: str, monitoring: bool = False) -> list[dict[str, Any]]:
+def render(*args: str, monitoring: bool = False, release: str = "pf") -> list[dict[str, Any]]:
     """The chart's rendered objects."""
-    out = helm_template(*args, monitoring=monitoring).stdout
+    out = helm_template(*args, monitoring=monitoring, release=release).stdout
     return [d for d in yaml.safe_load_all(out) if d]
 
 

@@ -19,6 +19,7 @@ import yaml
 
 from pagefleet.kvindex.redis_auth import DAEMON_ACL_RULES, GATEWAY_ACL_RULES
 from pagefleet.operator.kube import CHILD_KINDS, DEPLOYMENT, SERVICE
+from pagefleet.testing.helm import render
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "pagefleet"
@@ -130,27 +131,9 @@ def test_chart_static_files_parse():
 
 
 def _template(*args: str) -> list[dict[str, Any]]:
-    helm = _helm()
-    if helm is None:
+    if _helm() is None:
         pytest.skip("helm binary not available (see this module's docstring to build it)")
-    out = subprocess.run(
-        [
-            helm,
-            "template",
-            "pf",
-            str(CHART),
-            "-n",
-            "pagefleet-system",
-            "--kube-version",
-            "1.31.0",
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
-    return [d for d in yaml.safe_load_all(out) if d]
+    return render(*args)
 
 
 def test_helm_lint():

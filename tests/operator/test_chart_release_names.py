@@ -4,13 +4,11 @@ bundled Redis behind its NetworkPolicy reached by everything that reads it."""
 from __future__ import annotations
 
 import re
-import subprocess
 from typing import Any
 
 import pytest
-import yaml
 
-from pagefleet.testing.helm import CHART, helm_template, require_helm
+from pagefleet.testing.helm import helm_template, render
 
 # Helm's own limit for a release name.
 LONGEST = "team-alpha-inference-serving-production-eu-west-1-abc"
@@ -18,15 +16,7 @@ DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 
 def _render(release: str, *args: str) -> list[dict[str, Any]]:
-    cmd = [require_helm(), "template", release, str(CHART), "-n", "pagefleet-system"]
-    out = subprocess.run(
-        [*cmd, "--kube-version", "1.31.0", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
-    return [d for d in yaml.safe_load_all(out) if d]
+    return render(*args, release=release)
 
 
 @pytest.mark.parametrize("release", [LONGEST, "pf", "my-pagefleet"])
