@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis.asyncio as aredis
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from pagefleet.kvindex import redis_lua
 from pagefleet.kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
@@ -301,7 +301,11 @@ class RedisKVIndex:
         self._next_auto_gc = now + self._auto_gc_interval_s
         try:
             retired, left = await self._gc_once(self._auto_gc_grace_s)
-        except ResponseError as exc:  # gc is housekeeping: never fail the caller's call
+        except (RedisError, OSError) as exc:
+            # gc is housekeeping: never fail the caller's call, whose own command already
+            # went through. A connection error here used to fail a heartbeat that had been
+            # written, and its publisher then resynced its whole block set for nothing;
+            # a Redis that is really gone fails the next call itself.
             logger.warning("pagefleet index %s: background gc failed: %s", self.prefix, exc)
             return
         if retired or left:

@@ -82,3 +82,25 @@ async def test_forged_heartbeats_in_redis_cannot_outbid_an_idle_pod(index: Redis
     assert set(pods) == {"honest"}  # negative loads and the malformed one are not routed to
     honest = pods["honest"]
     assert (honest.running, honest.waiting, honest.kv_usage) == (0, 0, 0.0)
+
+
+async def test_a_connection_error_in_background_gc_does_not_fail_the_heartbeat(
+    redis_server: LocalRedis,
+) -> None:
+    # The heartbeat was written; a dropped connection during the gc that follows it failed
+    # the call, and the daemon's publisher then resynced its whole block set for nothing.
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    idx = RedisKVIndex.from_url(
+        redis_server.url, namespace=f"gc-{uuid.uuid4().hex[:8]}", auto_gc_interval_s=0.0
+    )
+
+    async def dropped(grace_s: float) -> tuple[int, int]:
+        raise RedisConnectionError("Connection closed by server.")
+
+    idx._gc_once = dropped  # type: ignore[method-assign]
+    try:
+        assert await idx.heartbeat("pod-a", PodLoad(1, 0, 0.1), ttl_s=5.0) is True
+        assert "pod-a" in await idx.pods()
+    finally:
+        await idx.close()
