@@ -204,6 +204,16 @@ class Autoscaler:
             del self.memory[key]
         self.gateway_scrapes.pop((namespace, name), None)
 
+    def _forget_roles(self, namespace: str, name: str, autoscaled: set[str]) -> None:
+        """Drop the memory and metric series of roles that no longer autoscale (removed,
+        or given fixed replicas): they were kept, and exported, until the service was
+        deleted, and a role that autoscales again must start from what it sees then."""
+        for key in [k for k in self.memory if k[:2] == (namespace, name)]:
+            if key[2] not in autoscaled:
+                del self.memory[key]
+                if self.metrics is not None:
+                    self.metrics.forget(namespace, name, key[2])
+
     # ------------------------------------------------------------------------------------
 
     def tick(self, body: Manifest, record: Recorder) -> list[RoleOutcome]:
@@ -215,6 +225,7 @@ class Autoscaler:
         except ValidationError:
             return []  # the reconciler reports an invalid spec as Degraded
         auto_roles = [(r, s) for r, s in spec.roles.items() if s.autoscaling is not None]
+        self._forget_roles(namespace, name, {r for r, _ in auto_roles})
         if not auto_roles:
             return []
         now = self.clock()

@@ -83,9 +83,10 @@ class OperatorMetrics:
             registry=r,
         )
 
-    def forget(self, namespace: str, service: str) -> None:
+    def forget(self, namespace: str, service: str, role: str | None = None) -> None:
         """Drop every series of one InferenceService (deleted: its last values would
-        otherwise be exported until the operator restarts)."""
+        otherwise be exported until the operator restarts), or of one of its roles (no
+        longer autoscaled, or removed from the spec)."""
         per_service: list[tuple[Gauge | Counter, tuple[str, ...]]] = [
             (self.desired, ROLE),
             (self.current, ROLE),
@@ -102,6 +103,7 @@ class OperatorMetrics:
                 for sample in family.samples
                 if (sample.labels.get("namespace"), sample.labels.get("service"))
                 == (namespace, service)
+                and (role is None or sample.labels.get("role") == role)
             }
             for values in stale:
                 metric.remove(*values)

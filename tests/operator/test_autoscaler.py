@@ -863,3 +863,31 @@ def test_an_empty_slo_means_the_default_targets(redis: str, servers: MetricsServ
     heartbeat(redis, "chat-a", running=0)
     tick(make(kube, clock), kube, events)
     assert scaling_active(kube)["reason"] != "SLOMissing"
+
+
+def test_a_role_that_stops_autoscaling_leaves_no_memory_or_series() -> None:
+    # Given fixed replicas (or removed), a role's planner memory and its desired/input
+    # series were kept, and exported, until the whole service was deleted.
+    from pagefleet.operator.autoscaler import RoleMemory
+
+    kube, clock = FakeKube(), Clock()
+    world(kube, "redis://127.0.0.1:1/0", 2, [])
+    scaler = make(kube, clock)
+    scaler.memory[(NS, NAME, "unified")] = RoleMemory(last_decision=0.0)
+    scaler.memory[(NS, "other", "unified")] = RoleMemory(last_decision=0.0)
+    assert scaler.metrics is not None
+    for service in (NAME, "other"):
+        scaler.metrics.desired.labels(NS, service, "unified").set(3)
+        scaler.metrics.inputs.labels(NS, service, "unified", "kv_usage").set(0.5)
+    stored = kube.obj("InferenceService", NS, NAME)
+    assert stored is not None
+    stored["spec"]["roles"]["unified"] = {"replicas": 2}
+    assert tick(scaler, kube, []) == []
+    assert list(scaler.memory) == [(NS, "other", "unified")]
+    left = {
+        s.labels["service"]
+        for m in (scaler.metrics.desired, scaler.metrics.inputs)
+        for f in m.collect()
+        for s in f.samples
+    }
+    assert left == {"other"}
