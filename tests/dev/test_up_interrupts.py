@@ -3,11 +3,13 @@ stops hurries the stop (SIGKILL) but still leaves no process and no temporary fi
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,25 +36,12 @@ def _processes_with_env(marker: str) -> list[str]:
 def test_a_second_ctrl_c_while_stopping_still_cleans_up(tmp_path: Path) -> None:
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    env = {**os.environ, "TMPDIR": str(tmp)}
-    up = subprocess.Popen(
-        [sys.executable, "-m", "pagefleet.cli", "up", "--model", "tiny", "-n", "1",
-         "--port", "0", "--log-dir", str(tmp_path / "logs")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-    )  # fmt: skip
-    try:
-        assert up.stdout is not None
-        line = up.stdout.readline()  # blocks until the fleet is ready
-        assert line.startswith("gateway: "), line + (up.stderr.read() if up.stderr else "")
+    with _reaped(_start_up(tmp)) as up:
         assert list(tmp.glob("pagefleet-redis-*")), "the fleet's Redis keeps its files in TMPDIR"
         up.send_signal(signal.SIGINT)
         time.sleep(0.3)  # stopping now: the gateway and the daemon drain
         up.send_signal(signal.SIGINT)
         _, err = up.communicate(timeout=60)
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
     deadline = time.monotonic() + 5
     while _processes_with_env(f"TMPDIR={tmp}") and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -69,18 +58,25 @@ def test_an_interrupted_start_up_is_not_a_success(tmp_path: Path) -> None:
          "--log-dir", str(tmp_path / "logs")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    try:
+    with _reaped(up):
         assert up.stderr is not None
         assert up.stderr.readline().startswith("starting Redis")
         time.sleep(0.5)  # inside the start-up now (Redis, the daemon loading)
         up.send_signal(signal.SIGTERM)
         _, err = up.communicate(timeout=60)
+    assert "interrupted during start-up" in err
+    assert up.returncode == 128 + signal.SIGINT, (up.returncode, err)
+
+
+@contextlib.contextmanager
+def _reaped(up: subprocess.Popen[str]) -> Iterator[subprocess.Popen[str]]:
+    """``up``, killed and waited for on the way out if a failed step left it running."""
+    try:
+        yield up
     finally:
         if up.poll() is None:
             up.kill()
             up.wait()
-    assert "interrupted during start-up" in err
-    assert up.returncode == 128 + signal.SIGINT, (up.returncode, err)
 
 
 def _start_up(tmp: Path, ignore_hup: bool = False) -> subprocess.Popen[str]:
@@ -105,29 +101,19 @@ def test_a_closed_terminal_stops_the_fleet_cleanly(tmp_path: Path) -> None:
     """SIGHUP (the terminal running `up` closed) stops the fleet as Ctrl-C does. Left to
     Python's default it killed `up` at once: the owner-watchers SIGKILLed the children (no
     drain) and the embedded Redis's files stayed in TMPDIR."""
-    up = _start_up(tmp_path)
-    try:
+    with _reaped(_start_up(tmp_path)) as up:
         up.send_signal(signal.SIGHUP)
         _, err = up.communicate(timeout=60)
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
     assert up.returncode == 0 and "fleet stopped" in err, (up.returncode, err)
     assert not list(tmp_path.glob("pagefleet-redis-*"))
     assert not _processes_with_env(f"TMPDIR={tmp_path}")
 
 
 def test_nohup_keeps_the_fleet_running(tmp_path: Path) -> None:
-    up = _start_up(tmp_path, ignore_hup=True)
-    try:
+    with _reaped(_start_up(tmp_path, ignore_hup=True)) as up:
         up.send_signal(signal.SIGHUP)
         time.sleep(1.0)
         assert up.poll() is None, "SIGHUP ignored by the caller (nohup) must stay ignored"
         up.send_signal(signal.SIGINT)
         _, err = up.communicate(timeout=60)
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
     assert up.returncode == 0 and "fleet stopped" in err, err
