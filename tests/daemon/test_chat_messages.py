@@ -5,6 +5,8 @@ Hugging Face templates expect), through chat completions and its render endpoint
 
 from __future__ import annotations
 
+from typing import Any
+
 import aiohttp
 import pytest
 
@@ -100,12 +102,7 @@ async def test_chat_template_kwargs_override_the_request_defaults(
         live_daemon(fake_config(), fake_engine_factory(tok, [])) as d,
         aiohttp.ClientSession() as s,
     ):
-        async with s.post(f"{d.base_url}/chat/completions/render", json=body) as r:
-            assert r.status == 200, await r.text()
-            assert (await r.json())[1][0]["prompt_token_ids"] == want
-        async with s.post(f"{d.base_url}/chat/completions", json=body) as r:
-            assert r.status == 200, await r.text()
-            assert (await r.json())["usage"]["prompt_tokens"] == len(want)
+        await _render_and_chat_build(s, d.base_url, body, want)
         body["chat_template_kwargs"] = {"messages": []}
         async with s.post(f"{d.base_url}/chat/completions", json=body) as r:
             assert r.status == 400
@@ -149,12 +146,7 @@ async def test_continue_final_message_prefills_the_answer(tools_tokenizer: Token
         live_daemon(fake_config(), fake_engine_factory(tok, [])) as d,
         aiohttp.ClientSession() as s,
     ):
-        async with s.post(f"{d.base_url}/chat/completions/render", json=body) as r:
-            assert r.status == 200, await r.text()
-            assert (await r.json())[1][0]["prompt_token_ids"] == want
-        async with s.post(f"{d.base_url}/chat/completions", json=body) as r:
-            assert r.status == 200, await r.text()
-            assert (await r.json())["usage"]["prompt_tokens"] == len(want)
+        await _render_and_chat_build(s, d.base_url, body, want)
         async with s.post(f"{d.url}/tokenize", json=body) as r:
             assert (await r.json())["tokens"] == want
         # With a generation prompt besides, there is no final message to continue.
@@ -163,3 +155,15 @@ async def test_continue_final_message_prefills_the_answer(tools_tokenizer: Token
         ) as r:
             assert r.status == 400
             assert (await r.json())["error"]["param"] == "continue_final_message"
+
+
+async def _render_and_chat_build(
+    s: aiohttp.ClientSession, base_url: str, body: dict[str, Any], want: list[int]
+) -> None:
+    """Render and chat completions both build exactly ``want`` from ``body``."""
+    async with s.post(f"{base_url}/chat/completions/render", json=body) as r:
+        assert r.status == 200, await r.text()
+        assert (await r.json())[1][0]["prompt_token_ids"] == want
+    async with s.post(f"{base_url}/chat/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        assert (await r.json())["usage"]["prompt_tokens"] == len(want)
