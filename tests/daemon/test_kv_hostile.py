@@ -25,6 +25,7 @@ from aiohttp import web
 from pagefleet.daemon.kv_transfer import (
     KVExportServer,
     KVPullError,
+    KVTransferParams,
     TcpKVTransfer,
     expected_hashes,
     header_limit,
@@ -365,24 +366,7 @@ def test_a_handle_the_wire_cannot_carry_is_bad_params() -> None:
     wait path 400 with the internal model's validation text, and counted the pull path as
     reservation_expired (a ValueError there means that). Both now fail as bad_params."""
 
-    async def main() -> None:
-        decode = _engine()
-        plan = decode.reserve_import("r", PROMPT)
-        assert plan is not None
-        client = TcpKVTransfer(timeout_s=2.0)
-        params = _params(1, "x" * 300)
-        try:
-            with pytest.raises(KVPullError) as err:
-                await client.pull(params, plan, decode.runner.kv_layout())
-            assert err.value.reason == "bad_params"
-            with pytest.raises(KVPullError) as err:
-                await client.wait_ready(params, 1.0)
-            assert err.value.reason == "bad_params"
-        finally:
-            await client.close()
-            decode.cancel_import(plan)
-
-    asyncio.run(main())
+    assert asyncio.run(_pull_and_wait_fail_as_bad_params(_params(1, "x" * 300))) is False
 
 
 def test_a_host_name_the_resolver_refuses_is_bad_params() -> None:
@@ -392,25 +376,28 @@ def test_a_host_name_the_resolver_refuses_is_bad_params() -> None:
     its fire-and-forget task logged 'Task exception was never retrieved'), and the pull
     counted it as a protocol failure. All three now see a KVPullError('bad_params')."""
 
-    async def main() -> None:
-        decode = _engine()
-        plan = decode.reserve_import("r", PROMPT)
-        assert plan is not None
-        client = TcpKVTransfer(timeout_s=2.0)
-        params = _params(9, "h").model_copy(update={"remote_host": "a" * 100 + ".example"})
-        try:
-            with pytest.raises(KVPullError) as err:
-                await client.pull(params, plan, decode.runner.kv_layout())
-            assert err.value.reason == "bad_params"
-            with pytest.raises(KVPullError) as err:
-                await client.wait_ready(params, 1.0)
-            assert err.value.reason == "bad_params"
-            assert await client.release(params) is False
-        finally:
-            await client.close()
-            decode.cancel_import(plan)
+    params = _params(9, "h").model_copy(update={"remote_host": "a" * 100 + ".example"})
+    assert asyncio.run(_pull_and_wait_fail_as_bad_params(params)) is False  # release: no raise
 
-    asyncio.run(main())
+
+async def _pull_and_wait_fail_as_bad_params(params: KVTransferParams) -> bool:
+    """A pull and a wait with ``params`` both fail as bad_params; what a release of them
+    returns (it must not raise)."""
+    decode = _engine()
+    plan = decode.reserve_import("r", PROMPT)
+    assert plan is not None
+    client = TcpKVTransfer(timeout_s=2.0)
+    try:
+        with pytest.raises(KVPullError) as err:
+            await client.pull(params, plan, decode.runner.kv_layout())
+        assert err.value.reason == "bad_params"
+        with pytest.raises(KVPullError) as err:
+            await client.wait_ready(params, 1.0)
+        assert err.value.reason == "bad_params"
+        return await client.release(params)
+    finally:
+        await client.close()
+        decode.cancel_import(plan)
 
 
 def test_a_wait_answered_with_an_endless_error_body_reads_only_its_start() -> None:
