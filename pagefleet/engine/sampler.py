@@ -11,9 +11,13 @@ sequence's own short lists: its bias entries, its bad words, its tokens), in vLL
 0. the grammar's token bitmask of a structured-output sequence (guided.py);
 1. bad words, ``logit_bias``, and the ``min_tokens`` ban of EOS / stop token ids;
 2. penalties: repetition (prompt and output tokens), then frequency and presence (output);
-3. greedy rows take ``argmax`` (ties to the lowest id, as in ``transformers``); the others
-   divide by temperature, keep top-k, the top-p nucleus and the min-p floor, and draw from
-   the renormalised distribution with ``torch.multinomial`` and their own generator.
+3. greedy rows (temperature below ``GREEDY_TEMPERATURE``, as vLLM) take ``argmax`` (ties
+   to the lowest id, as in ``transformers``); the others divide by temperature, keep
+   top-k, then the top-p nucleus, then the min-p floor, and draw from the renormalised
+   distribution with ``torch.multinomial`` and their own generator. (vLLM v0 and
+   transformers apply min-p last too; vLLM v1 before top-k/top-p. Min-p's test is
+   relative to the top token, which every filter keeps, so only top-p's nucleus can
+   differ between the two orders, when both are set.)
 
 Logprobs are those of the model's distribution (raw logits, before any of the above), as
 OpenAI and vLLM report them.
@@ -83,6 +87,24 @@ def apply_top_k_top_p_min_p(
     return out[0]
 
 
+def _scale(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """``logits / temperature`` per row, never +inf (softmax would make it NaN and
+    ``torch.multinomial`` raise, failing the whole batch's step).
+
+    A row that overflows (a logit pushed to or near the float limit by an extreme
+    ``repetition_penalty``) is shifted so its largest logit is 0 first: the same
+    distribution, the top tokens tied. Other rows are divided as they are, so ordinary
+    requests keep bit-identical probabilities (and seeded draws)."""
+    scaled = logits / temperature
+    over = torch.isposinf(scaled).any(dim=-1)
+    if bool(over.any()):
+        top = torch.finfo(logits.dtype).max
+        capped = logits[over].clamp(max=top)
+        shifted = capped - capped.max(dim=-1, keepdim=True).values
+        scaled[over] = shifted / temperature[over]
+    return scaled
+
+
 def _padded(rows: list[list[int]], pad: int) -> torch.Tensor:
     width = max((len(r) for r in rows), default=0) or 1
     return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.int64)
@@ -132,7 +154,7 @@ def _plain_greedy(seq: Sequence) -> bool:
     argmax: greedy, no grammar, bias, bans, penalties, logprobs or beams."""
     p = seq.request.params
     return (
-        p.temperature == 0.0
+        p.greedy
         and seq.grammar is None
         and not p.logit_bias
         and not p.bad_words_token_ids
@@ -189,7 +211,8 @@ class Sampler:
         rand_rows = [i for i, p in enumerate(params) if not p.greedy]
         if rand_rows:
             rp = [params[i] for i in rand_rows]
-            row = logits[rand_rows] / torch.tensor([p.temperature for p in rp]).unsqueeze(-1)
+            temps = torch.tensor([p.temperature for p in rp]).unsqueeze(-1)
+            row = _scale(logits[rand_rows], temps)
             row = apply_truncation(
                 row,
                 torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in rp]),

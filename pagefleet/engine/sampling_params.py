@@ -11,6 +11,11 @@ from dataclasses import dataclass, field
 
 from pagefleet.engine.guided_spec import GuidedSpec
 
+# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): logits / 1e-38 overflow
+# float32 to inf and softmax to NaN, and a Python float as small as 1e-50 is 0 in float32.
+# The limit of sampling as the temperature goes to 0 is the argmax, so nothing is lost.
+GREEDY_TEMPERATURE = 1e-5
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -157,4 +162,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Argmax decoding: temperature 0, or one too small to divide by safely."""
+        return self.temperature < GREEDY_TEMPERATURE
