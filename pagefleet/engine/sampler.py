@@ -11,6 +11,8 @@ sequence's own short lists: its bias entries, its bad words, its tokens), in vLL
 0. the grammar's token bitmask of a structured-output sequence (guided.py);
 1. bad words, ``logit_bias``, and the ``min_tokens`` ban of EOS / stop token ids;
 2. penalties: repetition (prompt and output tokens), then frequency and presence (output);
+   a row that steps 1-2 leave without any token gets its step-0 logits back (the grammar
+   wins: a finished grammar ends the output even before ``min_tokens``);
 3. greedy rows (temperature below ``GREEDY_TEMPERATURE``, as vLLM) take ``argmax`` (ties
    to the lowest id, as in ``transformers``); the others divide by temperature, keep
    top-k, then the top-p nucleus, then the min-p floor, and draw from the renormalised
@@ -149,6 +151,21 @@ def banned_by_bad_words(output_ids: list[int], bad_words: list[list[int]]) -> li
     return banned
 
 
+def _revive_empty_rows(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """``logits`` with every row that forbids all tokens replaced by that row of ``allowed``
+    (the logits after the grammar's bitmask alone).
+
+    Bans (bad words, ``min_tokens``) and overflowing penalties can leave a row no token: a
+    grammar that is complete allows only EOS, which ``min_tokens`` bans; bad words can ban
+    every token a grammar allows. Sampling such a row raised (NaN probabilities, failing
+    the batch's step) and its argmax was token 0, outside the grammar. The grammar is the
+    one hard constraint (its output must parse), so the other controls yield to it."""
+    empty = torch.isneginf(logits).all(dim=-1)
+    if not bool(empty.any()):
+        return logits
+    return torch.where(empty.unsqueeze(-1), allowed, logits)
+
+
 def _plain_greedy(seq: Sequence) -> bool:
     """Whether every step of the module docstring leaves ``seq``'s row as it is, except the
     argmax: greedy, no grammar, bias, bans, penalties, logprobs or beams."""
@@ -187,6 +204,7 @@ class Sampler:
         if guided:
             logits = logits.clone()
             apply_grammar_bitmask(logits, guided, [seqs[i].grammar for i in guided])
+        allowed = logits
         logits = self._bias_and_bans(logits, seqs)
         pen_rows = [i for i, p in enumerate(params) if p.has_penalties]
         if pen_rows:
@@ -199,7 +217,7 @@ class Sampler:
                 torch.tensor([params[i].presence_penalty for i in pen_rows]),
             )
             logits = logits.index_copy(0, torch.tensor(pen_rows), sub)
-        return logits
+        return _revive_empty_rows(logits, allowed)
 
     def sample(
         self, logits: torch.Tensor, seqs: Seq[Sequence], raw: torch.Tensor | None = None
