@@ -7,9 +7,9 @@ exact token that completes it, which only the engine can do without generating p
 
 Invariant: for each sequence the text given out here equals what the engine's own
 ``IncrementalDetokenizer`` would have produced: the same detokenizer class, the same prompt
-context, the same tokens. The engine never decodes the token that ended a sequence with
-finish reason "stop" (EOS, a stop token id, a grammar's end: no stop strings here), so
-neither does this.
+context, the same tokens. The engine decodes the token that ended a sequence with finish
+reason "stop" (EOS, a stop token id, a grammar's end: no stop strings here) only with
+``include_stop_str_in_output``, and so does this.
 """
 
 from __future__ import annotations
@@ -54,8 +54,9 @@ class RequestText:
                 detok = IncrementalDetokenizer(self._tok, self._prompt, self._params)
                 self._detoks[delta.index] = detok
             ids = delta.new_token_ids
-            if delta.finish_reason == "stop" and ids:
-                ids = ids[:-1]  # the stopping token is never part of the text
+            keep_stop = self._params.include_stop_str_in_output
+            if delta.finish_reason == "stop" and ids and not keep_stop:
+                ids = ids[:-1]  # the stopping token's text is left out
             for tok in ids:
                 detok.add_token(tok, check_stop=False)
             delta.new_text = detok.take_delta(delta.finish_reason is not None)

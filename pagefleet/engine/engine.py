@@ -467,15 +467,15 @@ class LLMEngine(Generic[TokenizerT]):
             # The bitmask allowed only acceptable tokens, so this cannot fail.
             seq.grammar.accept_token(tok)
             if seq.grammar.is_terminated():  # it ends only on accepting an EOS token
-                self._finish(seq, "stop", None)
+                self._stop_on_token(seq, tok, None)
                 return
         n_out = seq.num_output_tokens
         can_stop = n_out >= p.min_tokens
         if can_stop and not p.ignore_eos and tok in self.eos_token_ids:
-            self._finish(seq, "stop", None)
+            self._stop_on_token(seq, tok, None)
             return
         if can_stop and tok in p.stop_token_ids:
-            self._finish(seq, "stop", tok)
+            self._stop_on_token(seq, tok, tok)
             return
         detok = seq.detokenizer  # None: the caller decodes (params.detokenize)
         stop_str = None if detok is None else detok.add_token(tok, check_stop=can_stop)
@@ -485,6 +485,15 @@ class LLMEngine(Generic[TokenizerT]):
             p.max_tokens is not None and n_out >= p.max_tokens
         ) or seq.num_tokens >= self.max_model_len:
             self._finish(seq, "length", None)
+
+    def _stop_on_token(self, seq: Sequence, tok: int, stop_reason: int | None) -> None:
+        """End ``seq`` on the token it just sampled (EOS, a stop token id, a grammar's end).
+        As in vLLM, that token's text is part of the output only with
+        ``include_stop_str_in_output`` (text_outputs.py decodes alike)."""
+        detok = seq.detokenizer
+        if detok is not None and seq.request.params.include_stop_str_in_output:
+            detok.add_token(tok, check_stop=False)
+        self._finish(seq, "stop", stop_reason)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None) -> None:
         seq.finish_reason = reason
