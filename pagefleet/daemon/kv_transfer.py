@@ -38,7 +38,10 @@ of another model or another prompt fails), and so does the partial last block's
 (``tail_hash``: a range of that block alone, e.g. a prompt shorter than a block, has no
 full block to carry the namespace and adapter), and the token ids equal its prompt's --
 and whose layout equals its own. Any failure is a ``KVPullError`` with a reason; the
-caller falls back to prefilling locally.
+caller falls back to prefilling locally. The prefill side checks the same before it sends
+a byte: a pull names the keys it expects, and the ``tail_hash`` when its range holds the
+partial last block; another key, or no ``tail_hash`` then, is a 409 (the KV is another
+tenant's data: it goes only to a pod that already knows the prompt under that model).
 
 Room for RDMA/NIXL: another ``KVTransfer`` implementation can move the same blocks by
 registered memory instead of a byte stream; the export/import bookkeeping in the engine
@@ -258,6 +261,11 @@ class PullRequest(BaseModel):
     # before any byte moves (another model, another prompt, a forged handle).
     block_hashes: list[int | None]
     layout: dict[str, Any]
+    # The chain key the puller expects for the prompt's partial last block when the range
+    # holds it (``expected_tail_hash``): that block has no key of its own, so without this
+    # a range of it alone is tied to no model, adapter or prompt. Required then: a pull
+    # that does not name it is refused (409), as one that names another.
+    tail_hash: int | None = None
 
 
 def layout_dict(layout: Any) -> dict[str, Any]:
@@ -501,6 +509,7 @@ class TcpKVTransfer(KVTransfer):
             num_blocks=plan.num_pull_blocks,
             block_hashes=expected_hashes(plan),
             layout=layout_dict(layout),
+            tail_hash=expected_tail_hash(plan),
         ).model_dump_json()
         t0 = time.monotonic()
         resp = None
@@ -854,6 +863,13 @@ class KVExportServer:
                     for i in range(req.first_block, end)]  # fmt: skip
             if have != req.block_hashes:
                 return _error(409, "the handle's block keys differ from the ones expected")
+            tail = entry.tail_hash if end > n_full else None
+            if tail is not None and req.tail_hash != tail:
+                return _error(
+                    409, "the handle's partial last block has another tail_hash than the one "
+                    "expected (another model, adapter or prompt, or a decode pod that "
+                    "predates tail_hash): prefill locally"
+                )  # fmt: skip
             bs = layout.block_size
             header = {
                 "layout": layout_dict(layout),
@@ -861,7 +877,7 @@ class KVExportServer:
                 "first_block": req.first_block,
                 "num_blocks": req.num_blocks,
                 "block_hashes": have,
-                "tail_hash": entry.tail_hash if end > n_full else None,
+                "tail_hash": tail,
                 "token_ids": entry.token_ids[req.first_block * bs : end * bs],
             }
             ids = entry.block_ids[req.first_block : end]

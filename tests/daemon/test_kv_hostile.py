@@ -28,6 +28,7 @@ from pagefleet.daemon.kv_transfer import (
     KVTransferParams,
     TcpKVTransfer,
     expected_hashes,
+    expected_tail_hash,
     header_limit,
     layout_dict,
 )
@@ -168,6 +169,7 @@ def test_a_reader_that_stops_reading_does_not_pin_the_handle_past_its_deadline()
         body = json.dumps({
             "handle": "h", "first_block": 0, "num_blocks": plan.num_pull_blocks,
             "block_hashes": expected_hashes(plan), "layout": layout_dict(decode.runner.kv_layout()),
+            "tail_hash": expected_tail_hash(plan),
         }).encode()  # fmt: skip
         decode.cancel_import(plan)
         loop = asyncio.get_running_loop()
@@ -429,5 +431,62 @@ def test_a_wait_answered_with_an_endless_error_body_reads_only_its_start() -> No
             await client.close()
         assert err.value.reason == "http_503", err.value
         assert peak < 32 << 20, f"{peak} bytes buffered of an error body"
+
+    asyncio.run(main())
+
+
+async def _raw_pull(port: int, body: dict) -> tuple[int, bytes]:
+    """POST ``body`` to the export server's pull path as any peer could; (status, body)."""
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(f"http://127.0.0.1:{port}/v1/kv/pull", json=body) as r,
+    ):
+        return r.status, await r.read()
+
+
+@pytest.mark.parametrize("tail", ["wrong", "absent"], ids=["a-wrong-tail-hash", "no-tail-hash"])
+def test_the_prefill_side_refuses_a_partial_block_asked_for_under_another_tail_hash(
+    tail: str,
+) -> None:
+    """Only the decode side compared the partial last block's chain key (tail_hash): a
+    pull whose range is that block alone carries no full block's key, so the prefill pod
+    sent its bytes to any caller naming the handle -- another model's or another
+    adapter's decode pod (or any peer) got KV that was not computed for it, and only a
+    client that checks the header threw it away. The prefill side now refuses (409, no
+    byte of KV sent) and the handle stays for the pod it belongs to."""
+    prompt = [(i * 7) % 200 + 5 for i in range(20)]  # two full blocks and a partial one
+
+    async def main() -> None:
+        prefill = _engine()
+        _, metrics = _metrics()
+        app = web.Application()
+        KVExportServer(lambda: prefill, prefill.collect_transfers, metrics).add_routes(app)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        port = runner.addresses[0][1]
+        try:
+            run_prefill(prefill, "h", prompt)
+            entry = prefill.exports.acquire("h", time.monotonic())
+            assert entry is not None and entry.tail_hash is not None
+            prefill.exports.release("h", consumed=False)
+            layout = layout_dict(prefill.runner.kv_layout())
+            body = {"handle": "h", "first_block": 2, "num_blocks": 1, "block_hashes": [None],
+                    "layout": layout}  # fmt: skip
+            if tail == "wrong":
+                body["tail_hash"] = entry.tail_hash ^ 1
+            status, got = await _raw_pull(port, body)
+            assert status == 409, (status, got[:200])
+            assert b"tail_hash" in got, got[:200]
+            assert prefill.exports.handles() == ["h"], "a refused pull consumed the handle"
+            # The pod the handle belongs to still pulls it.
+            status, got = await _raw_pull(port, {**body, "tail_hash": entry.tail_hash})
+            assert status == 200, got[:200]
+            prefill.collect_transfers()
+            assert prefill.exports.handles() == []
+            prefill.check_integrity()
+            assert prefill.kv.pool.num_referenced_blocks == 0
+        finally:
+            await runner.cleanup()
 
     asyncio.run(main())
