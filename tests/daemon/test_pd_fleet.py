@@ -562,6 +562,37 @@ async def test_gateway_releases_the_handle_when_every_decode_pod_fails(fleet, st
             await runner.cleanup()
 
 
+@pytest.mark.timeout(60)
+async def test_a_handle_whose_prefill_and_decode_both_fail_is_released_and_counted_once() -> None:
+    """The early prefill fails (its pod is gone: nothing listens) and so does the only
+    decode pod (it dies before its first byte). The gateway released the handle when the
+    prefill failed and again when no decode pod served the request: two release requests
+    and two counts in pagefleet_gateway_pd_handles_released_total for one handle, so the
+    series read twice the handles there were. Now one release, counted once."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    async with _DyingDecodePod() as bad:
+        gw, runner, url = await _gateway([dead], [bad.url])
+        try:
+            body = {"model": MODEL, "prompt": PROMPT + " at noon", "max_tokens": 4,
+                    "temperature": 0.0}  # fmt: skip
+            async with (
+                aiohttp.ClientSession() as s,
+                s.post(url + "/v1/completions", json=body) as r,
+            ):
+                assert r.status == 502, await r.text()
+            assert len(bad.seen) == 1 and bad.seen[0]["kv_transfer_params"]["remote_pending"]
+
+            async def settled() -> bool:  # the early prefill and every release are done
+                return not gw.pd._prefills and not gw.pd._releases
+
+            await _until(settled, timeout=10.0)
+            name = "pagefleet_gateway_pd_handles_released_total"
+            assert await _metric(url, name) == 1
+            assert await _metric(url, name, result="failed") == 1  # unreachable, once
+        finally:
+            await runner.cleanup()
+
+
 async def _until_sync(cond, timeout: float = 20.0) -> None:
     async def check() -> bool:
         return cond()
