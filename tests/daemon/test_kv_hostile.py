@@ -490,3 +490,55 @@ def test_the_prefill_side_refuses_a_partial_block_asked_for_under_another_tail_h
             await runner.cleanup()
 
     asyncio.run(main())
+
+
+async def test_concurrent_pulls_stage_no_more_than_the_budget(tmp_path) -> None:
+    """Each pull took a shared-memory stage of its whole payload (rounded up to the
+    pool's 8 MiB grain) before its first byte arrived, however many ran: N decode requests
+    pulling from slow or stalled prefill pods held N stages at once, with no bound but the
+    KV pool's size (tmpfs is the pod's memory: a burst of long prompts on a GPU decode
+    pod could stage more than it has). Pulls now stage within a byte budget; one that
+    finds no room waits for it (back-pressure) up to the pull's own timeout, then falls
+    back to a local prefill (``staging_full``), and every request is still answered."""
+    from .conftest import live_daemon
+    from .test_pd_fleet import MODEL, PROMPT, _config, _metric
+
+    config = _config("decode").model_copy(
+        update={"kv_pull_timeout_s": 1.0, "kv_stage_dir": str(tmp_path)}
+    )
+    n = 6
+    async with live_daemon(config) as d, aiohttp.ClientSession() as s:
+        side = d.daemon.pd
+        side.pull_budget.limit = 2 * side.stages.grain  # room for two pulls' stages
+        peak = 0
+
+        async def watch() -> None:
+            nonlocal peak
+            while True:
+                peak = max(peak, len(list(tmp_path.iterdir())))
+                await asyncio.sleep(0.005)
+
+        server = await asyncio.start_server(_hostile_peer("stalls-mid-body"), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+
+        async def one(i: int) -> int:
+            params = {"do_remote_prefill": True, "remote_host": "127.0.0.1",
+                      "remote_port": port, "remote_request_id": f"h{i}"}  # fmt: skip
+            body = {"model": MODEL, "prompt": f"{PROMPT} ({i})", "max_tokens": 2,
+                    "kv_transfer_params": params}  # fmt: skip
+            async with s.post(f"{d.url}/v1/completions", json=body) as r:
+                return r.status
+
+        watcher = asyncio.create_task(watch())
+        try:
+            async with server:
+                statuses = await asyncio.gather(*(one(i) for i in range(n)))
+        finally:
+            watcher.cancel()
+        assert statuses == [200] * n
+        assert peak <= 2, f"{peak} stages of {side.stages.grain} bytes at once, budget two"
+        failed = "pagefleet:kv_transfer_pulls_failed_total"
+        counted = sum([await _metric(d.url, failed, reason=r) for r in ("timeout", "staging_full")])
+        assert counted == n
+        assert side.pull_budget.used == 0, "a finished pull kept its share of the budget"
+        await d.daemon.engine_loop.invoke("check_integrity")
