@@ -68,7 +68,7 @@ from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pagefleet.daemon import kv_wire
-from pagefleet.daemon.kv_stage import KVStage, StagePool
+from pagefleet.daemon.kv_stage import ByteBudget, KVStage, StagePool
 from pagefleet.httpauth import bearer_header, upstream_refused_hint
 
 logger = logging.getLogger(__name__)
@@ -650,6 +650,10 @@ class KVExportServer:
         # Stages are reused (a new one per export cost ~17 ms of zero-fill and page faults
         # on the prefill core, as on the decode side: kv_stage.StagePool).
         self.stages = StagePool(keep=_MAX_STAGED)
+        # Bytes of the stages gathered for pulls of handles not staged at export, at once:
+        # each pull took one of its whole range, however many ran (a few slow decode pods
+        # pulling many handles held as many stages). Beyond it a pull streams layer by layer.
+        self.read_budget = ByteBudget(_READ_STAGING_BYTES)
         # Handle -> the stage its engine fills with every layer of its blocks as the prefill
         # finishes (``stage_export``), so that a pull never waits for a forward to gather
         # them; dropped after ``stage_ttl_s`` unpulled.
@@ -826,6 +830,28 @@ class KVExportServer:
             return None  # an engine that keeps no transfer handles
         return LocalKVSource(src)
 
+    async def _read_stage(
+        self, src: KVSource, ids: list[int], nbytes: int
+    ) -> tuple[KVStage | None, int]:
+        """A stage the engine process gathered ``ids`` into (``nbytes``) and the bytes of
+        ``read_budget`` it holds (give them back with the stage); (None, 0): the pull reads
+        layer by layer -- an engine in this process, no shared memory, or the budget held
+        by other pulls. Never waits for the budget: the layer-by-layer path sends the same
+        bytes, holding one layer at a time."""
+        read_stage = getattr(src, "read_stage", None)
+        need = -(-nbytes // self.stages.grain) * self.stages.grain  # the pool's rounding
+        if read_stage is None or not self.read_budget.try_take(need):
+            return None, 0
+        try:
+            stage = await read_stage(ids, self.stages)
+        except BaseException:
+            self.read_budget.give(need)
+            raise
+        if stage is None:
+            self.read_budget.give(need)
+            return None, 0
+        return stage, need
+
     async def pull(self, request: web.Request) -> web.StreamResponse:
         try:
             req = PullRequest.model_validate_json(await request.read())
@@ -851,6 +877,7 @@ class KVExportServer:
             )  # fmt: skip
         consumed = False
         stage = None
+        granted = 0  # bytes of ``read_budget`` the stage gathered for this pull holds
         try:
             end = req.first_block + req.num_blocks
             if end > len(entry.block_ids):
@@ -897,8 +924,8 @@ class KVExportServer:
             else:
                 if staged is not None:
                     self._dispose(staged)
-                read_stage = getattr(src, "read_stage", None)
-                stage = None if read_stage is None else await read_stage(ids, self.stages)
+                nbytes = 2 * layout.num_layers * len(ids) * bpl
+                stage, granted = await self._read_stage(src, ids, nbytes)
                 first, count = 0, len(ids)
             resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
             # A known length: the client reads a plain body, not chunked encoding.
@@ -946,6 +973,8 @@ class KVExportServer:
             if stage is not None:
                 # Read only by this handler now, which is done with it: reused.
                 self.stages.give_back(stage)
+            if granted:
+                self.read_budget.give(granted)
             src.release(req.handle, consumed=consumed)
             if consumed:
                 self._release()
@@ -956,6 +985,8 @@ class KVExportServer:
 _WRITE_CHUNK = 4 << 20
 # Export stages held at once (each a prompt's KV in tmpfs until pulled or expired).
 _MAX_STAGED = 4
+# Bytes of stages gathered at pull time (``KVExportServer.read_budget``), at once.
+_READ_STAGING_BYTES = 1 << 30
 
 
 @dataclass(slots=True)

@@ -542,3 +542,98 @@ async def test_concurrent_pulls_stage_no_more_than_the_budget(tmp_path) -> None:
         assert counted == n
         assert side.pull_budget.used == 0, "a finished pull kept its share of the budget"
         await d.daemon.engine_loop.invoke("check_integrity")
+
+
+@contextlib.asynccontextmanager
+async def _daemon_with_small_send_buffers(config):  # type: ignore[no-untyped-def]
+    """A daemon started as ``live_daemon`` does, on a listener whose accepted sockets have
+    4 KiB send buffers: a peer that stops reading holds the daemon's writes at once."""
+    from pagefleet.daemon.app import Daemon
+
+    daemon = Daemon(config)
+    runner = web.AppRunner(daemon.app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    listener.bind(("127.0.0.1", 0))
+    await web.SockSite(runner, listener).start()
+    try:
+        await daemon.start()
+        yield daemon, listener.getsockname()[1]
+    finally:
+        await daemon.drain(grace_s=2.0)
+        await daemon.stop()
+        await runner.cleanup()
+
+
+async def _stalled_pull(port: int, body: bytes) -> socket.socket:
+    """A connection that asks for a pull and never reads its answer (4 KiB window)."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await loop.sock_connect(sock, ("127.0.0.1", port))
+    head = b"POST /v1/kv/pull HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    await loop.sock_sendall(sock, head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    return sock
+
+
+async def test_concurrent_pulls_on_the_prefill_side_stage_no_more_than_its_budget(
+    tmp_path,
+) -> None:
+    """A pull of a handle whose KV was not staged at export (beyond the four kept) had the
+    engine process gather it into a new shared-memory stage of its own, however many such
+    pulls ran: ten decode pods pulling ten handles from a prefill pod, slowly, held ten
+    stages at once, bounded by nothing but the pinned handles. Beyond its byte budget a
+    pull now streams layer by layer from the engine instead (the same bytes, slower)."""
+    from pagefleet.daemon.kv_stage import ByteBudget
+    from pagefleet.engine.kv_export import tail_hash
+    from pagefleet.kvindex.hashing import block_hashes
+
+    from .test_pd_fleet import MODEL, _config
+
+    config = _config("prefill").model_copy(
+        update={"kv_stage_dir": str(tmp_path), "num_gpu_blocks": 512,
+                "kv_transfer_timeout_s": 20.0}
+    )  # fmt: skip
+    n, bs = 10, config.block_size
+    prompts = [[(i * 31 + j * 7) % 200 + 5 for j in range(100)] for i in range(n)]
+    async with _daemon_with_small_send_buffers(config) as (daemon, port):
+        url = f"http://127.0.0.1:{port}"
+        async with aiohttp.ClientSession() as s:
+            for i, ids in enumerate(prompts):
+                body = {"model": MODEL, "prompt": ids, "max_tokens": 1,
+                        "kv_transfer_params": {"do_remote_decode": True,
+                                               "remote_request_id": f"h{i}"}}  # fmt: skip
+                async with s.post(url + "/v1/completions", json=body) as r:
+                    assert r.status == 200, await r.text()
+        server = daemon.pd.export_server
+        staged_at_export = len(list(tmp_path.iterdir()))
+        assert 0 < staged_at_export < n, "some handles were not staged at export"
+        server.read_budget = ByteBudget(server.stages.grain)  # one read stage at a time
+        layout = layout_dict(daemon.engine_loop.kv_layout())
+        socks = []
+        try:
+            for i, ids in enumerate(prompts):
+                hashes = block_hashes(ids, bs, namespace=MODEL)
+                body = json.dumps({
+                    "handle": f"h{i}", "first_block": 0, "num_blocks": -(-len(ids) // bs),
+                    "block_hashes": [*hashes, None] if len(ids) % bs else hashes,
+                    "tail_hash": tail_hash(ids, hashes, bs, MODEL, None), "layout": layout,
+                }).encode()  # fmt: skip
+                socks.append(await _stalled_pull(port, body))
+            peak = 0
+            for _ in range(100):  # every pull has started sending (or waits to)
+                await asyncio.sleep(0.02)
+                peak = max(peak, len(list(tmp_path.iterdir())))
+            assert peak <= staged_at_export + 1, (
+                f"{peak - staged_at_export} stages gathered for pulls at once, budget one"
+            )
+        finally:
+            for sock in socks:
+                sock.close()
+        for _ in range(250):  # the dropped connections end their pulls
+            if server.read_budget.used == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert server.read_budget.used == 0, "a pull that ended kept its share of the budget"
