@@ -276,6 +276,7 @@ class PDSide:
             except BaseException:
                 if plan is not None:
                     loop.post_cancel_import(plan)
+                self._release_remote(tp)  # the caller left: nobody here will pull it
                 raise
             if plan is None or plan.deadline - time.monotonic() < _MIN_RESERVATION_LEFT_S:
                 if plan is not None:
@@ -336,6 +337,14 @@ class PDSide:
         except ValueError as exc:  # the reservation expired meanwhile
             self._fallback(rid, "reservation_expired", str(exc), tp)
             return None
+        except BaseException:
+            # Cancelled (the client left) mid-pull or mid-commit: unless the commit took
+            # the bytes, no pull of this handle will come from here; without this its
+            # blocks stayed pinned on the prefill pod until the handle's deadline. (Pulled
+            # already: the release finds nothing, harmless.)
+            if not committed:
+                self._release_remote(tp)
+            raise
         finally:
             if granted:
                 self.pull_budget.give(granted)

@@ -593,6 +593,49 @@ async def test_a_handle_whose_prefill_and_decode_both_fail_is_released_and_count
             await runner.cleanup()
 
 
+@pytest.mark.timeout(120)
+async def test_a_decode_request_aborted_mid_pull_frees_the_handle_on_the_prefill_pod(
+    fleet,
+) -> None:
+    """A client that leaves a decode pod while its pull is under way (here: waiting for
+    staging room) cancelled the pull, freed the decode pod's reservation -- and left the
+    prefill pod's handle pinned until its deadline (30 s by default): nobody told it that
+    no pull would come, unless a gateway was in the path. The decode pod now releases it,
+    as it does when a pull fails."""
+    p, d = fleet["prefill"], fleet["decode"]
+    base = {"model": MODEL, "prompt": "Aborted mid-pull: " + PROMPT, "max_tokens": 8,
+            "temperature": 0.0}  # fmt: skip
+    export = {"do_remote_decode": True, "remote_request_id": f"pd-{uuid.uuid4().hex}"}
+    status, pre = await _post(p.url, {**base, "max_tokens": 1, "kv_transfer_params": export})
+    assert status == 200, pre
+    handle = pre["kv_transfer_params"]["remote_request_id"]
+    assert handle in await p.daemon.engine_loop.export_handles()
+    budget = d.daemon.pd.pull_budget
+    limit, budget.limit = budget.limit, 1
+    assert budget.try_take(1)  # every pull now waits for staging room
+    try:
+        body = {**base, "kv_transfer_params": pre["kv_transfer_params"]}
+        decode = asyncio.create_task(_post(d.url, body))
+        await _until_sync(lambda: bool(budget._waiters), timeout=10.0)
+        decode.cancel()  # the client goes away: its connection closes
+        await asyncio.gather(decode, return_exceptions=True)
+
+        async def freed() -> bool:
+            return handle not in await p.daemon.engine_loop.export_handles()
+
+        await _until(freed, timeout=5.0)
+    finally:
+        budget.give(1)
+        budget.limit = limit
+    loop = d.daemon.engine_loop
+
+    async def reservation_gone() -> bool:
+        return (await loop.stats()).kv_usage == 0
+
+    await _until(reservation_gone, timeout=5.0)
+    await loop.invoke("check_integrity")
+
+
 async def _until_sync(cond, timeout: float = 20.0) -> None:
     async def check() -> bool:
         return cond()
