@@ -637,3 +637,109 @@ async def test_concurrent_pulls_on_the_prefill_side_stage_no_more_than_its_budge
                 break
             await asyncio.sleep(0.02)
         assert server.read_budget.used == 0, "a pull that ended kept its share of the budget"
+
+
+def test_a_handle_pulled_twice_at_once_is_sent_whole_to_both_and_freed_once() -> None:
+    """Two decode pods pull one handle at the same moment (a gateway's retry while the
+    first pod's pull is still under way): each gets the whole verified range, the handle
+    is freed once (counted released once, never expired), a third pull finds it gone, and
+    no block stays pinned on any side."""
+    prompt = [(i * 11) % 200 + 5 for i in range(300)]
+
+    async def main() -> None:
+        prefill = _engine()
+        _, metrics = _metrics()
+        app = web.Application()
+        KVExportServer(lambda: prefill, prefill.collect_transfers, metrics).add_routes(app)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        port = runner.addresses[0][1]
+        decodes = [_engine(), _engine(), _engine()]
+        clients = [TcpKVTransfer(timeout_s=10.0) for _ in decodes]
+        try:
+            run_prefill(prefill, "h", prompt)
+            plans = [e.reserve_import(f"r{i}", prompt) for i, e in enumerate(decodes)]
+            assert all(p is not None for p in plans)
+            layout = decodes[0].runner.kv_layout()
+            got = await asyncio.gather(
+                clients[0].pull(_params(port, "h"), plans[0], layout),
+                clients[1].pull(_params(port, "h"), plans[1], layout),
+            )
+            assert bytes(got[0].buf) == bytes(got[1].buf) and len(got[0].buf) > 0
+            prefill.collect_transfers()
+            assert prefill.exports.handles() == []
+            assert (prefill.exports.released_total, prefill.exports.expired_total) == (1, 0)
+            with pytest.raises(KVPullError) as err:
+                await clients[2].pull(_params(port, "h"), plans[2], layout)
+            assert err.value.reason == "not_found"
+            for e, p in zip(decodes, plans, strict=True):
+                e.cancel_import(p)
+            for e in (prefill, *decodes):
+                e.check_integrity()
+                assert e.kv.pool.num_referenced_blocks == 0
+        finally:
+            for c in clients:
+                await c.close()
+            await runner.cleanup()
+
+    asyncio.run(main())
+
+
+def test_a_truthful_header_then_fewer_payload_bytes_than_announced_is_a_protocol_failure(
+    tmp_path,
+) -> None:
+    """A prefill pod whose header checks out and whose stream ends (connection closed)
+    halfway through the payload it announced: the pull fails as ``protocol`` at once, into
+    a shared-memory stage as well, instead of waiting for its timeout or handing the
+    engine a half-filled stage."""
+    import torch
+
+    from pagefleet.daemon.kv_stage import KVStage, stage_bytes
+    from pagefleet.testing.pd import read_blocks
+
+    async def main() -> None:
+        prefill, decode = _engine(), _engine()
+        run_prefill(prefill, "h", PROMPT)
+        plan = decode.reserve_import("r", PROMPT)
+        assert plan is not None
+        header, data = read_blocks(prefill, "h", plan)
+        payload = b"".join(
+            bytes(t.contiguous().view(-1).view(torch.uint8).numpy()) for kv in data for t in kv
+        )
+        raw = json.dumps(header).encode()
+        body = struct.pack(">I", len(raw)) + raw + payload[: len(payload) // 2]
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            head = await reader.readuntil(b"\r\n\r\n")
+            n = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+            await reader.readexactly(n)
+            announced = 4 + len(raw) + len(payload)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % announced + body)
+            await writer.drain()
+            writer.close()  # the stream ends short of what was announced
+
+        layout = decode.runner.kv_layout()
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = TcpKVTransfer(timeout_s=5.0)
+        stage = KVStage.create(stage_bytes(layout, plan.num_pull_blocks), str(tmp_path))
+        assert stage is not None
+        try:
+            async with server:
+                for into in (None, stage):
+                    t0 = time.monotonic()
+                    with pytest.raises(KVPullError) as err:
+                        await client.pull(_params(port, "h"), plan, layout, into=into)
+                    assert err.value.reason == "protocol", err.value
+                    assert time.monotonic() - t0 < 2.0, "it waited for bytes never coming"
+        finally:
+            stage.close()
+            await client.close()
+            decode.cancel_import(plan)
+        prefill.collect_transfers()
+        for e in (prefill, decode):
+            e.check_integrity()
+            assert e.kv.pool.num_referenced_blocks == 0
+
+    asyncio.run(main())
