@@ -25,7 +25,9 @@ its log what to set when a prefill pod answers 401.
 
 A decode pod that will not pull a handle after all (its own cache holds every block, or it
 prefills locally) says so with ``POST /v1/kv/release`` (``{"handle": ...}``): the prefill
-pod unpins the blocks at once instead of at the handle's deadline.
+pod unpins the blocks at once instead of at the handle's deadline. A release that arrives
+before the handle's prefill request is remembered (as long as settled outcomes are): that
+prefill's export is freed as its request ends, never pinned for nobody.
 
 The bytes come straight out of the KV tensors (one gather per layer, no per-element Python);
 on CUDA the gather is staged through pinned host memory (``ModelRunner.read_kv_blocks``).
@@ -666,6 +668,10 @@ class KVExportServer:
         # how recently settled ones ended (True: exported), for waits that come after.
         self._awaited: dict[str, _Awaited] = {}
         self._settled: dict[str, tuple[bool, float]] = {}
+        # Handles released before anything was exported under them (a release and its
+        # prefill request travel separately; the release may come first), with when: their
+        # prefill, should it come, is never handed out (``expect`` keeps the outcome).
+        self._released: dict[str, float] = {}
         self.unknown_grace_s = _UNKNOWN_GRACE_S
 
     def add_routes(self, app: web.Application) -> None:
@@ -684,8 +690,11 @@ class KVExportServer:
         return handle in self._staged or self._settled.get(handle, (False, 0.0))[0]
 
     def expect(self, handle: str) -> None:
-        """``handle``'s prefill was admitted here: a wait for it waits for ``settle``."""
-        self._settled.pop(handle, None)
+        """``handle``'s prefill was admitted here: a wait for it waits for ``settle``.
+        A handle released before (``release``) stays settled as never exported: its export
+        is freed when its request ends instead of pinned for nobody."""
+        if handle not in self._released:
+            self._settled.pop(handle, None)
         entry = self._awaited.setdefault(handle, _Awaited(asyncio.Event(), time.monotonic()))
         entry.expected = True
 
@@ -706,6 +715,8 @@ class KVExportServer:
             if self._settled[oldest][1] >= cutoff:
                 break
             del self._settled[oldest]
+        while self._released and next(iter(self._released.values())) < cutoff:
+            del self._released[next(iter(self._released))]
 
     async def wait(self, request: web.Request) -> web.Response:
         """Answer when a handle is exported (200) or never will be (404), or at ``wait_s``
@@ -760,6 +771,11 @@ class KVExportServer:
         # A decode pod waiting for it stops waiting (e.g. the gateway gave up its prefill).
         self.settle(req.handle, exported=False)
         if src is None or await src.acquire(req.handle) is None:
+            if not self.exported(req.handle):
+                # Its prefill may not have arrived yet: remembered, so that it is not
+                # exported for nobody (``expect``). Pruned with the settled outcomes.
+                self._released.pop(req.handle, None)
+                self._released[req.handle] = time.monotonic()
             return _error(404, f"no live transfer handle {req.handle!r}")
         src.release(req.handle, consumed=True)
         self._release()

@@ -636,6 +636,37 @@ async def test_a_decode_request_aborted_mid_pull_frees_the_handle_on_the_prefill
     await loop.invoke("check_integrity")
 
 
+@pytest.mark.timeout(120)
+async def test_a_handle_released_before_its_prefill_arrives_is_not_left_pinned(fleet) -> None:
+    """A decode pod whose client left while it waited for a handle releases it; when that
+    release reaches the prefill pod before the prefill request itself (the two travel
+    separately), the prefill pod answered 404 and forgot it: the prefill then ran,
+    exported the handle, and its blocks stayed pinned for nobody until the deadline. A
+    release is now remembered, and the export it names is freed as its request ends."""
+    p = fleet["prefill"]
+    handle = f"pd-{uuid.uuid4().hex}"
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(p.url + "/v1/kv/release", json={"handle": handle}) as r,
+    ):
+        assert r.status == 404  # nothing exported under it yet
+    base = {"model": MODEL, "prompt": "Released first: " + PROMPT, "max_tokens": 1,
+            "temperature": 0.0}  # fmt: skip
+    export = {"do_remote_decode": True, "remote_request_id": handle}
+    status, pre = await _post(p.url, {**base, "kv_transfer_params": export})
+    assert status == 200, pre
+
+    async def freed() -> bool:
+        return handle not in await p.daemon.engine_loop.export_handles()
+
+    await _until(freed, timeout=5.0)
+    # A wait for it says at once that it will not come.
+    async with aiohttp.ClientSession() as s:
+        body = {"handle": handle, "wait_s": 5.0}
+        async with s.post(p.url + "/v1/kv/wait", json=body) as r:
+            assert r.status == 404
+
+
 async def _until_sync(cond, timeout: float = 20.0) -> None:
     async def check() -> bool:
         return cond()
