@@ -22,6 +22,7 @@ then uses the pipe) instead of killing a process with SIGBUS on a later write.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import mmap
 import os
@@ -145,6 +146,61 @@ class StagePool:
     def idle_paths(self) -> list[str]:
         """The files of the idle stages kept for reuse."""
         return [s.path for s in self._free]
+
+
+class ByteBudget:
+    """Bytes of pulled or exported KV a daemon's HTTP process stages at once (stages, or
+    buffers where there is no shared memory), one event loop's.
+
+    Each pull staged its whole payload before its first byte arrived, however many ran:
+    N pulls from slow peers held N stages at once, bounded by nothing but the KV pool, on
+    tmpfs that is the pod's memory. ``take`` waits for room (back-pressure) and says False
+    when none came in time; the caller then moves the bytes another way or falls back.
+
+    Invariant: ``used`` is the sum of the grants not yet given back (``give``), at most
+    ``limit`` unless one grant alone exceeds it: a payload larger than the whole budget
+    still goes, alone (else a long enough prompt could never be pulled)."""
+
+    __slots__ = ("_waiters", "limit", "used")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._waiters: list[asyncio.Future[None]] = []  # woken on every ``give``
+
+    def try_take(self, nbytes: int) -> bool:
+        """Grant ``nbytes`` now if they fit (or nothing else is held); never waits."""
+        if self.used and self.used + nbytes > self.limit:
+            return False
+        self.used += nbytes
+        return True
+
+    async def take(self, nbytes: int, wait_s: float) -> bool:
+        """Grant ``nbytes``, waiting up to ``wait_s`` for room; False when none came.
+        Cancel-safe: a cancelled wait holds nothing."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while not self.try_take(nbytes):
+            fut: asyncio.Future[None] = loop.create_future()
+            self._waiters.append(fut)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await fut
+            except TimeoutError:
+                return False
+            finally:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(fut)
+        return True
+
+    def give(self, nbytes: int) -> None:
+        """Return a grant (in a ``finally``); every waiter tries again."""
+        self.used -= nbytes
+        assert self.used >= 0, "a KV staging budget given back more than it granted"
+        waiters, self._waiters = self._waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
 
 
 def stage_bytes(layout: Any, num_blocks: int) -> int:

@@ -25,7 +25,9 @@ its log what to set when a prefill pod answers 401.
 
 A decode pod that will not pull a handle after all (its own cache holds every block, or it
 prefills locally) says so with ``POST /v1/kv/release`` (``{"handle": ...}``): the prefill
-pod unpins the blocks at once instead of at the handle's deadline.
+pod unpins the blocks at once instead of at the handle's deadline. A release that arrives
+before the handle's prefill request is remembered (as long as settled outcomes are): that
+prefill's export is freed as its request ends, never pinned for nobody.
 
 The bytes come straight out of the KV tensors (one gather per layer, no per-element Python);
 on CUDA the gather is staged through pinned host memory (``ModelRunner.read_kv_blocks``).
@@ -38,7 +40,10 @@ of another model or another prompt fails), and so does the partial last block's
 (``tail_hash``: a range of that block alone, e.g. a prompt shorter than a block, has no
 full block to carry the namespace and adapter), and the token ids equal its prompt's --
 and whose layout equals its own. Any failure is a ``KVPullError`` with a reason; the
-caller falls back to prefilling locally.
+caller falls back to prefilling locally. The prefill side checks the same before it sends
+a byte: a pull names the keys it expects, and the ``tail_hash`` when its range holds the
+partial last block; another key, or no ``tail_hash`` then, is a 409 (the KV is another
+tenant's data: it goes only to a pod that already knows the prompt under that model).
 
 Room for RDMA/NIXL: another ``KVTransfer`` implementation can move the same blocks by
 registered memory instead of a byte stream; the export/import bookkeeping in the engine
@@ -65,7 +70,7 @@ from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pagefleet.daemon import kv_wire
-from pagefleet.daemon.kv_stage import KVStage, StagePool
+from pagefleet.daemon.kv_stage import ByteBudget, KVStage, StagePool
 from pagefleet.httpauth import bearer_header, upstream_refused_hint
 
 logger = logging.getLogger(__name__)
@@ -258,6 +263,11 @@ class PullRequest(BaseModel):
     # before any byte moves (another model, another prompt, a forged handle).
     block_hashes: list[int | None]
     layout: dict[str, Any]
+    # The chain key the puller expects for the prompt's partial last block when the range
+    # holds it (``expected_tail_hash``): that block has no key of its own, so without this
+    # a range of it alone is tied to no model, adapter or prompt. Required then: a pull
+    # that does not name it is refused (409), as one that names another.
+    tail_hash: int | None = None
 
 
 def layout_dict(layout: Any) -> dict[str, Any]:
@@ -501,6 +511,7 @@ class TcpKVTransfer(KVTransfer):
             num_blocks=plan.num_pull_blocks,
             block_hashes=expected_hashes(plan),
             layout=layout_dict(layout),
+            tail_hash=expected_tail_hash(plan),
         ).model_dump_json()
         t0 = time.monotonic()
         resp = None
@@ -641,6 +652,10 @@ class KVExportServer:
         # Stages are reused (a new one per export cost ~17 ms of zero-fill and page faults
         # on the prefill core, as on the decode side: kv_stage.StagePool).
         self.stages = StagePool(keep=_MAX_STAGED)
+        # Bytes of the stages gathered for pulls of handles not staged at export, at once:
+        # each pull took one of its whole range, however many ran (a few slow decode pods
+        # pulling many handles held as many stages). Beyond it a pull streams layer by layer.
+        self.read_budget = ByteBudget(_READ_STAGING_BYTES)
         # Handle -> the stage its engine fills with every layer of its blocks as the prefill
         # finishes (``stage_export``), so that a pull never waits for a forward to gather
         # them; dropped after ``stage_ttl_s`` unpulled.
@@ -653,6 +668,10 @@ class KVExportServer:
         # how recently settled ones ended (True: exported), for waits that come after.
         self._awaited: dict[str, _Awaited] = {}
         self._settled: dict[str, tuple[bool, float]] = {}
+        # Handles released before anything was exported under them (a release and its
+        # prefill request travel separately; the release may come first), with when: their
+        # prefill, should it come, is never handed out (``expect`` keeps the outcome).
+        self._released: dict[str, float] = {}
         self.unknown_grace_s = _UNKNOWN_GRACE_S
 
     def add_routes(self, app: web.Application) -> None:
@@ -671,8 +690,11 @@ class KVExportServer:
         return handle in self._staged or self._settled.get(handle, (False, 0.0))[0]
 
     def expect(self, handle: str) -> None:
-        """``handle``'s prefill was admitted here: a wait for it waits for ``settle``."""
-        self._settled.pop(handle, None)
+        """``handle``'s prefill was admitted here: a wait for it waits for ``settle``.
+        A handle released before (``release``) stays settled as never exported: its export
+        is freed when its request ends instead of pinned for nobody."""
+        if handle not in self._released:
+            self._settled.pop(handle, None)
         entry = self._awaited.setdefault(handle, _Awaited(asyncio.Event(), time.monotonic()))
         entry.expected = True
 
@@ -693,6 +715,8 @@ class KVExportServer:
             if self._settled[oldest][1] >= cutoff:
                 break
             del self._settled[oldest]
+        while self._released and next(iter(self._released.values())) < cutoff:
+            del self._released[next(iter(self._released))]
 
     async def wait(self, request: web.Request) -> web.Response:
         """Answer when a handle is exported (200) or never will be (404), or at ``wait_s``
@@ -747,6 +771,11 @@ class KVExportServer:
         # A decode pod waiting for it stops waiting (e.g. the gateway gave up its prefill).
         self.settle(req.handle, exported=False)
         if src is None or await src.acquire(req.handle) is None:
+            if not self.exported(req.handle):
+                # Its prefill may not have arrived yet: remembered, so that it is not
+                # exported for nobody (``expect``). Pruned with the settled outcomes.
+                self._released.pop(req.handle, None)
+                self._released[req.handle] = time.monotonic()
             return _error(404, f"no live transfer handle {req.handle!r}")
         src.release(req.handle, consumed=True)
         self._release()
@@ -817,6 +846,28 @@ class KVExportServer:
             return None  # an engine that keeps no transfer handles
         return LocalKVSource(src)
 
+    async def _read_stage(
+        self, src: KVSource, ids: list[int], nbytes: int
+    ) -> tuple[KVStage | None, int]:
+        """A stage the engine process gathered ``ids`` into (``nbytes``) and the bytes of
+        ``read_budget`` it holds (give them back with the stage); (None, 0): the pull reads
+        layer by layer -- an engine in this process, no shared memory, or the budget held
+        by other pulls. Never waits for the budget: the layer-by-layer path sends the same
+        bytes, holding one layer at a time."""
+        read_stage = getattr(src, "read_stage", None)
+        need = -(-nbytes // self.stages.grain) * self.stages.grain  # the pool's rounding
+        if read_stage is None or not self.read_budget.try_take(need):
+            return None, 0
+        try:
+            stage = await read_stage(ids, self.stages)
+        except BaseException:
+            self.read_budget.give(need)
+            raise
+        if stage is None:
+            self.read_budget.give(need)
+            return None, 0
+        return stage, need
+
     async def pull(self, request: web.Request) -> web.StreamResponse:
         try:
             req = PullRequest.model_validate_json(await request.read())
@@ -842,6 +893,7 @@ class KVExportServer:
             )  # fmt: skip
         consumed = False
         stage = None
+        granted = 0  # bytes of ``read_budget`` the stage gathered for this pull holds
         try:
             end = req.first_block + req.num_blocks
             if end > len(entry.block_ids):
@@ -854,6 +906,13 @@ class KVExportServer:
                     for i in range(req.first_block, end)]  # fmt: skip
             if have != req.block_hashes:
                 return _error(409, "the handle's block keys differ from the ones expected")
+            tail = entry.tail_hash if end > n_full else None
+            if tail is not None and req.tail_hash != tail:
+                return _error(
+                    409, "the handle's partial last block has another tail_hash than the one "
+                    "expected (another model, adapter or prompt, or a decode pod that "
+                    "predates tail_hash): prefill locally"
+                )  # fmt: skip
             bs = layout.block_size
             header = {
                 "layout": layout_dict(layout),
@@ -861,7 +920,7 @@ class KVExportServer:
                 "first_block": req.first_block,
                 "num_blocks": req.num_blocks,
                 "block_hashes": have,
-                "tail_hash": entry.tail_hash if end > n_full else None,
+                "tail_hash": tail,
                 "token_ids": entry.token_ids[req.first_block * bs : end * bs],
             }
             ids = entry.block_ids[req.first_block : end]
@@ -881,8 +940,8 @@ class KVExportServer:
             else:
                 if staged is not None:
                     self._dispose(staged)
-                read_stage = getattr(src, "read_stage", None)
-                stage = None if read_stage is None else await read_stage(ids, self.stages)
+                nbytes = 2 * layout.num_layers * len(ids) * bpl
+                stage, granted = await self._read_stage(src, ids, nbytes)
                 first, count = 0, len(ids)
             resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
             # A known length: the client reads a plain body, not chunked encoding.
@@ -930,6 +989,8 @@ class KVExportServer:
             if stage is not None:
                 # Read only by this handler now, which is done with it: reused.
                 self.stages.give_back(stage)
+            if granted:
+                self.read_budget.give(granted)
             src.release(req.handle, consumed=consumed)
             if consumed:
                 self._release()
@@ -940,6 +1001,8 @@ class KVExportServer:
 _WRITE_CHUNK = 4 << 20
 # Export stages held at once (each a prompt's KV in tmpfs until pulled or expired).
 _MAX_STAGED = 4
+# Bytes of stages gathered at pull time (``KVExportServer.read_budget``), at once.
+_READ_STAGING_BYTES = 1 << 30
 
 
 @dataclass(slots=True)

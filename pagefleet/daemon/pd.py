@@ -38,7 +38,7 @@ from pydantic import ValidationError
 from pagefleet.daemon.config import DaemonConfig
 from pagefleet.daemon.engine_client import EngineHandle
 from pagefleet.daemon.engine_loop import RequestStream, StreamItem
-from pagefleet.daemon.kv_stage import StagePool, stage_bytes
+from pagefleet.daemon.kv_stage import ByteBudget, StagePool, stage_bytes
 from pagefleet.daemon.kv_transfer import (
     KVExportServer,
     KVPullError,
@@ -61,6 +61,10 @@ _HANDLE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 # A reservation with less than this left after the wait for a pending prefill is renewed
 # (the side write refuses one about to expire).
 _MIN_RESERVATION_LEFT_S = 10.0
+# Bytes the pulls in flight may stage at once (each its payload, rounded up to the stage
+# pool's grain): beyond it a pull waits for room, up to its own timeout, then the request
+# prefills locally (``staging_full``). A pull larger than this alone still goes.
+_PULL_STAGING_BYTES = 1 << 30
 
 
 @dataclass(slots=True, frozen=True)
@@ -111,6 +115,7 @@ class PDSide:
         # Pulls land in reused shared-memory stages (kv_stage.StagePool: a new one per pull
         # cost the decode core ~17 ms of CPU).
         self.stages = StagePool()
+        self.pull_budget = ByteBudget(_PULL_STAGING_BYTES)
         self._trace = ImportTrace.from_env()  # None unless PAGEFLEET_STEP_TRACE is set
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -271,6 +276,7 @@ class PDSide:
             except BaseException:
                 if plan is not None:
                     loop.post_cancel_import(plan)
+                self._release_remote(tp)  # the caller left: nobody here will pull it
                 raise
             if plan is None or plan.deadline - time.monotonic() < _MIN_RESERVATION_LEFT_S:
                 if plan is not None:
@@ -283,12 +289,22 @@ class PDSide:
         committed = False
         engine_saw_stage = False  # the engine may read the stage: never reuse it then
         stage = None
+        granted = 0  # bytes of ``pull_budget`` this pull holds
         try:
             kv = None
             if plan.num_pull_blocks:
                 layout = loop.kv_layout()
+                nbytes = stage_bytes(layout, plan.num_pull_blocks)
+                need = -(-nbytes // self.stages.grain) * self.stages.grain
+                if not await self.pull_budget.take(need, self.config.kv_pull_timeout_s):
+                    self._fallback(
+                        rid, "staging_full", f"{self.pull_budget.used} bytes of pulled KV "
+                        f"staged already (at most {self.pull_budget.limit})", tp,
+                    )  # fmt: skip
+                    return None
+                granted = need
                 # An engine in another process reads the pulled bytes from shared memory.
-                stage = self.stages.take(stage_bytes(layout, plan.num_pull_blocks), loop.new_stage)
+                stage = self.stages.take(nbytes, loop.new_stage)
                 try:
                     kv = await self.transfer.pull(tp, plan, layout, into=stage)
                 except KVPullError as exc:
@@ -321,7 +337,17 @@ class PDSide:
         except ValueError as exc:  # the reservation expired meanwhile
             self._fallback(rid, "reservation_expired", str(exc), tp)
             return None
+        except BaseException:
+            # Cancelled (the client left) mid-pull or mid-commit: unless the commit took
+            # the bytes, no pull of this handle will come from here; without this its
+            # blocks stayed pinned on the prefill pod until the handle's deadline. (Pulled
+            # already: the release finds nothing, harmless.)
+            if not committed:
+                self._release_remote(tp)
+            raise
         finally:
+            if granted:
+                self.pull_budget.give(granted)
             if stage is not None:
                 del kv  # views of the stage
                 # A commit that returned has copied the stage into the pool; one that

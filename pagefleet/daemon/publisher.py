@@ -68,7 +68,11 @@ class KVEventPublisher:
         backoff_initial_s: float = 0.2,
         backoff_max_s: float = 5.0,
         snapshot_timeout_s: float = 10.0,
+        lost_log_interval_s: float = 60.0,
     ) -> None:
+        """``lost_log_interval_s``: at most one warning that the index lost this pod per
+        that many seconds (an index that keeps losing it would log one a heartbeat); the
+        next one says how many went unlogged."""
         self.index = index
         self.pod = pod
         self._loop = loop
@@ -91,6 +95,12 @@ class KVEventPublisher:
         self._known = False
         self._last_resync = time.monotonic()
         self._down_logged = False
+        # Losses of the pod's entries seen (``_mark_lost``), every one, logged or not; when
+        # one was last logged and how many since were not.
+        self.losses = 0
+        self._lost_log_interval_s = lost_log_interval_s
+        self._lost_logged_at: float | None = None
+        self._lost_unlogged = 0
         self._tasks: list[asyncio.Task[None]] = []
         self.in_sync = asyncio.Event()
         self._back = asyncio.Event()  # a heartbeat succeeded after one failed
@@ -189,13 +199,28 @@ class KVEventPublisher:
             )
 
     def _mark_lost(self, what: str) -> None:
-        """The index answered, but did not know the pod any more: resync."""
-        logger.warning(
-            "the prefix index lost pod %s's entries (seen while %s: flushed, restarted, "
-            "evicted or garbage-collected); resyncing the full block set",
-            self.pod,
-            what,
-        )
+        """The index answered, but did not know the pod any more: resync. Warned about
+        once per ``lost_log_interval_s`` (a flapping index would flood the log)."""
+        self.losses += 1
+        now = time.monotonic()
+        since = self._lost_logged_at
+        if since is not None and now - since < self._lost_log_interval_s:
+            self._lost_unlogged += 1
+        else:
+            unlogged, self._lost_unlogged = self._lost_unlogged, 0
+            self._lost_logged_at = now
+            more = (
+                f"; {unlogged} more such losses in the last {now - since:.0f} s were not logged"
+                if unlogged and since is not None
+                else ""
+            )
+            logger.warning(
+                "the prefix index lost pod %s's entries (seen while %s: flushed, restarted, "
+                "evicted or garbage-collected); resyncing the full block set%s",
+                self.pod,
+                what,
+                more,
+            )
         self._need_resync = True
         self._asked += 1
         self.in_sync.clear()

@@ -60,6 +60,12 @@ from pagefleet.httpauth import upstream_refused_hint
 
 logger = logging.getLogger(__name__)
 
+# How long, and how many, released handles are remembered so that a handle is released
+# (and counted) once: its early prefill's failure and the decode request's end release it
+# within the request's life, which the proxy's timeouts bound far below this.
+_RELEASED_TTL_S = 600.0
+_RELEASED_KEEP = 100_000
+
 
 @dataclass(slots=True)
 class PDSettings:
@@ -99,6 +105,10 @@ class PDOrchestrator:
     # Early prefills running, by handle (a release of one waits for it: a handle released
     # before its prefill exported it would stay pinned until its deadline).
     _prefills: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    # Handles released already, with when (oldest first): a handle whose early prefill
+    # failed was released then, and one that no decode pod served is released again after
+    # it; the second release would find nothing and count the handle twice.
+    _released_at: dict[str, float] = field(default_factory=dict)
     _warned_refused: bool = False
 
     def __post_init__(self) -> None:
@@ -120,8 +130,9 @@ class PDOrchestrator:
         )
         self._released = Counter(
             "pagefleet_gateway_pd_handles_released",
-            "Prefill handles the gateway released because no decode pod served the request, "
-            "by result: released, gone (already pulled or expired), failed (unreachable).",
+            "Prefill handles the gateway released (their prefill failed, or no decode pod "
+            "served the request), each handle once, by result: released, gone (already "
+            "pulled or expired), failed (unreachable).",
             ["result"],
             **kw,
         )
@@ -289,6 +300,8 @@ class PDOrchestrator:
         early = self._prefills.get(str(handle)) if wait else None
         if early is not None:  # its prefill may export it yet: release it after that
             await asyncio.gather(early, return_exceptions=True)
+        if not self._first_release(str(handle)):
+            return  # released (and counted) already: one handle, one release, one count
         if ":" in str(host) and not str(host).startswith("["):
             host = f"[{host}]"  # IPv6 literal
         url = f"http://{host}:{port}/v1/kv/release"
@@ -303,6 +316,22 @@ class PDOrchestrator:
             logger.info("releasing prefill handle %s at %s failed: %s", handle, url, exc)
             result = "failed"
         self._released.labels(result=result).inc()
+
+    def _first_release(self, handle: str) -> bool:
+        """Record ``handle`` as released; False when it was already (within
+        ``_RELEASED_TTL_S``, the longest a request holding a handle lives past its
+        prefill's failure). Records older than that, or beyond ``_RELEASED_KEEP``, are
+        forgotten (amortised O(1) a call: the dict is in release order)."""
+        now = time.monotonic()
+        if handle in self._released_at:
+            return False
+        self._released_at[handle] = now
+        while self._released_at:
+            oldest, at = next(iter(self._released_at.items()))
+            if at >= now - _RELEASED_TTL_S and len(self._released_at) <= _RELEASED_KEEP:
+                break
+            del self._released_at[oldest]
+        return True
 
     async def _prefill(
         self,

@@ -28,6 +28,7 @@ from pagefleet.daemon.kv_transfer import (
     KVTransferParams,
     TcpKVTransfer,
     expected_hashes,
+    expected_tail_hash,
     header_limit,
     layout_dict,
 )
@@ -168,6 +169,7 @@ def test_a_reader_that_stops_reading_does_not_pin_the_handle_past_its_deadline()
         body = json.dumps({
             "handle": "h", "first_block": 0, "num_blocks": plan.num_pull_blocks,
             "block_hashes": expected_hashes(plan), "layout": layout_dict(decode.runner.kv_layout()),
+            "tail_hash": expected_tail_hash(plan),
         }).encode()  # fmt: skip
         decode.cancel_import(plan)
         loop = asyncio.get_running_loop()
@@ -429,5 +431,315 @@ def test_a_wait_answered_with_an_endless_error_body_reads_only_its_start() -> No
             await client.close()
         assert err.value.reason == "http_503", err.value
         assert peak < 32 << 20, f"{peak} bytes buffered of an error body"
+
+    asyncio.run(main())
+
+
+async def _raw_pull(port: int, body: dict) -> tuple[int, bytes]:
+    """POST ``body`` to the export server's pull path as any peer could; (status, body)."""
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(f"http://127.0.0.1:{port}/v1/kv/pull", json=body) as r,
+    ):
+        return r.status, await r.read()
+
+
+@pytest.mark.parametrize("tail", ["wrong", "absent"], ids=["a-wrong-tail-hash", "no-tail-hash"])
+def test_the_prefill_side_refuses_a_partial_block_asked_for_under_another_tail_hash(
+    tail: str,
+) -> None:
+    """Only the decode side compared the partial last block's chain key (tail_hash): a
+    pull whose range is that block alone carries no full block's key, so the prefill pod
+    sent its bytes to any caller naming the handle -- another model's or another
+    adapter's decode pod (or any peer) got KV that was not computed for it, and only a
+    client that checks the header threw it away. The prefill side now refuses (409, no
+    byte of KV sent) and the handle stays for the pod it belongs to."""
+    prompt = [(i * 7) % 200 + 5 for i in range(20)]  # two full blocks and a partial one
+
+    async def main() -> None:
+        prefill = _engine()
+        _, metrics = _metrics()
+        app = web.Application()
+        KVExportServer(lambda: prefill, prefill.collect_transfers, metrics).add_routes(app)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        port = runner.addresses[0][1]
+        try:
+            run_prefill(prefill, "h", prompt)
+            entry = prefill.exports.acquire("h", time.monotonic())
+            assert entry is not None and entry.tail_hash is not None
+            prefill.exports.release("h", consumed=False)
+            layout = layout_dict(prefill.runner.kv_layout())
+            body = {"handle": "h", "first_block": 2, "num_blocks": 1, "block_hashes": [None],
+                    "layout": layout}  # fmt: skip
+            if tail == "wrong":
+                body["tail_hash"] = entry.tail_hash ^ 1
+            status, got = await _raw_pull(port, body)
+            assert status == 409, (status, got[:200])
+            assert b"tail_hash" in got, got[:200]
+            assert prefill.exports.handles() == ["h"], "a refused pull consumed the handle"
+            # The pod the handle belongs to still pulls it.
+            status, got = await _raw_pull(port, {**body, "tail_hash": entry.tail_hash})
+            assert status == 200, got[:200]
+            prefill.collect_transfers()
+            assert prefill.exports.handles() == []
+            prefill.check_integrity()
+            assert prefill.kv.pool.num_referenced_blocks == 0
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+
+
+async def test_concurrent_pulls_stage_no_more_than_the_budget(tmp_path) -> None:
+    """Each pull took a shared-memory stage of its whole payload (rounded up to the
+    pool's 8 MiB grain) before its first byte arrived, however many ran: N decode requests
+    pulling from slow or stalled prefill pods held N stages at once, with no bound but the
+    KV pool's size (tmpfs is the pod's memory: a burst of long prompts on a GPU decode
+    pod could stage more than it has). Pulls now stage within a byte budget; one that
+    finds no room waits for it (back-pressure) up to the pull's own timeout, then falls
+    back to a local prefill (``staging_full``), and every request is still answered."""
+    from .conftest import live_daemon
+    from .test_pd_fleet import MODEL, PROMPT, _config, _metric
+
+    config = _config("decode").model_copy(
+        update={"kv_pull_timeout_s": 1.0, "kv_stage_dir": str(tmp_path)}
+    )
+    n = 6
+    async with live_daemon(config) as d, aiohttp.ClientSession() as s:
+        side = d.daemon.pd
+        side.pull_budget.limit = 2 * side.stages.grain  # room for two pulls' stages
+        peak = 0
+
+        async def watch() -> None:
+            nonlocal peak
+            while True:
+                peak = max(peak, len(list(tmp_path.iterdir())))
+                await asyncio.sleep(0.005)
+
+        server = await asyncio.start_server(_hostile_peer("stalls-mid-body"), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+
+        async def one(i: int) -> int:
+            params = {"do_remote_prefill": True, "remote_host": "127.0.0.1",
+                      "remote_port": port, "remote_request_id": f"h{i}"}  # fmt: skip
+            body = {"model": MODEL, "prompt": f"{PROMPT} ({i})", "max_tokens": 2,
+                    "kv_transfer_params": params}  # fmt: skip
+            async with s.post(f"{d.url}/v1/completions", json=body) as r:
+                return r.status
+
+        watcher = asyncio.create_task(watch())
+        try:
+            async with server:
+                statuses = await asyncio.gather(*(one(i) for i in range(n)))
+        finally:
+            watcher.cancel()
+        assert statuses == [200] * n
+        assert peak <= 2, f"{peak} stages of {side.stages.grain} bytes at once, budget two"
+        failed = "pagefleet:kv_transfer_pulls_failed_total"
+        counted = sum([await _metric(d.url, failed, reason=r) for r in ("timeout", "staging_full")])
+        assert counted == n
+        assert side.pull_budget.used == 0, "a finished pull kept its share of the budget"
+        await d.daemon.engine_loop.invoke("check_integrity")
+
+
+@contextlib.asynccontextmanager
+async def _daemon_with_small_send_buffers(config):  # type: ignore[no-untyped-def]
+    """A daemon started as ``live_daemon`` does, on a listener whose accepted sockets have
+    4 KiB send buffers: a peer that stops reading holds the daemon's writes at once."""
+    from pagefleet.daemon.app import Daemon
+
+    daemon = Daemon(config)
+    runner = web.AppRunner(daemon.app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    listener.bind(("127.0.0.1", 0))
+    await web.SockSite(runner, listener).start()
+    try:
+        await daemon.start()
+        yield daemon, listener.getsockname()[1]
+    finally:
+        await daemon.drain(grace_s=2.0)
+        await daemon.stop()
+        await runner.cleanup()
+
+
+async def _stalled_pull(port: int, body: bytes) -> socket.socket:
+    """A connection that asks for a pull and never reads its answer (4 KiB window)."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await loop.sock_connect(sock, ("127.0.0.1", port))
+    head = b"POST /v1/kv/pull HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    await loop.sock_sendall(sock, head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    return sock
+
+
+async def test_concurrent_pulls_on_the_prefill_side_stage_no_more_than_its_budget(
+    tmp_path,
+) -> None:
+    """A pull of a handle whose KV was not staged at export (beyond the four kept) had the
+    engine process gather it into a new shared-memory stage of its own, however many such
+    pulls ran: ten decode pods pulling ten handles from a prefill pod, slowly, held ten
+    stages at once, bounded by nothing but the pinned handles. Beyond its byte budget a
+    pull now streams layer by layer from the engine instead (the same bytes, slower)."""
+    from pagefleet.daemon.kv_stage import ByteBudget
+    from pagefleet.engine.kv_export import tail_hash
+    from pagefleet.kvindex.hashing import block_hashes
+
+    from .test_pd_fleet import MODEL, _config
+
+    config = _config("prefill").model_copy(
+        update={"kv_stage_dir": str(tmp_path), "num_gpu_blocks": 512,
+                "kv_transfer_timeout_s": 20.0}
+    )  # fmt: skip
+    n, bs = 10, config.block_size
+    prompts = [[(i * 31 + j * 7) % 200 + 5 for j in range(100)] for i in range(n)]
+    async with _daemon_with_small_send_buffers(config) as (daemon, port):
+        url = f"http://127.0.0.1:{port}"
+        async with aiohttp.ClientSession() as s:
+            for i, ids in enumerate(prompts):
+                body = {"model": MODEL, "prompt": ids, "max_tokens": 1,
+                        "kv_transfer_params": {"do_remote_decode": True,
+                                               "remote_request_id": f"h{i}"}}  # fmt: skip
+                async with s.post(url + "/v1/completions", json=body) as r:
+                    assert r.status == 200, await r.text()
+        server = daemon.pd.export_server
+        staged_at_export = len(list(tmp_path.iterdir()))
+        assert 0 < staged_at_export < n, "some handles were not staged at export"
+        server.read_budget = ByteBudget(server.stages.grain)  # one read stage at a time
+        layout = layout_dict(daemon.engine_loop.kv_layout())
+        socks = []
+        try:
+            for i, ids in enumerate(prompts):
+                hashes = block_hashes(ids, bs, namespace=MODEL)
+                body = json.dumps({
+                    "handle": f"h{i}", "first_block": 0, "num_blocks": -(-len(ids) // bs),
+                    "block_hashes": [*hashes, None] if len(ids) % bs else hashes,
+                    "tail_hash": tail_hash(ids, hashes, bs, MODEL, None), "layout": layout,
+                }).encode()  # fmt: skip
+                socks.append(await _stalled_pull(port, body))
+            peak = 0
+            for _ in range(100):  # every pull has started sending (or waits to)
+                await asyncio.sleep(0.02)
+                peak = max(peak, len(list(tmp_path.iterdir())))
+            assert peak <= staged_at_export + 1, (
+                f"{peak - staged_at_export} stages gathered for pulls at once, budget one"
+            )
+        finally:
+            for sock in socks:
+                sock.close()
+        for _ in range(250):  # the dropped connections end their pulls
+            if server.read_budget.used == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert server.read_budget.used == 0, "a pull that ended kept its share of the budget"
+
+
+def test_a_handle_pulled_twice_at_once_is_sent_whole_to_both_and_freed_once() -> None:
+    """Two decode pods pull one handle at the same moment (a gateway's retry while the
+    first pod's pull is still under way): each gets the whole verified range, the handle
+    is freed once (counted released once, never expired), a third pull finds it gone, and
+    no block stays pinned on any side."""
+    prompt = [(i * 11) % 200 + 5 for i in range(300)]
+
+    async def main() -> None:
+        prefill = _engine()
+        _, metrics = _metrics()
+        app = web.Application()
+        KVExportServer(lambda: prefill, prefill.collect_transfers, metrics).add_routes(app)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        port = runner.addresses[0][1]
+        decodes = [_engine(), _engine(), _engine()]
+        clients = [TcpKVTransfer(timeout_s=10.0) for _ in decodes]
+        try:
+            run_prefill(prefill, "h", prompt)
+            plans = [e.reserve_import(f"r{i}", prompt) for i, e in enumerate(decodes)]
+            assert all(p is not None for p in plans)
+            layout = decodes[0].runner.kv_layout()
+            got = await asyncio.gather(
+                clients[0].pull(_params(port, "h"), plans[0], layout),
+                clients[1].pull(_params(port, "h"), plans[1], layout),
+            )
+            assert bytes(got[0].buf) == bytes(got[1].buf) and len(got[0].buf) > 0
+            prefill.collect_transfers()
+            assert prefill.exports.handles() == []
+            assert (prefill.exports.released_total, prefill.exports.expired_total) == (1, 0)
+            with pytest.raises(KVPullError) as err:
+                await clients[2].pull(_params(port, "h"), plans[2], layout)
+            assert err.value.reason == "not_found"
+            for e, p in zip(decodes, plans, strict=True):
+                e.cancel_import(p)
+            for e in (prefill, *decodes):
+                e.check_integrity()
+                assert e.kv.pool.num_referenced_blocks == 0
+        finally:
+            for c in clients:
+                await c.close()
+            await runner.cleanup()
+
+    asyncio.run(main())
+
+
+def test_a_truthful_header_then_fewer_payload_bytes_than_announced_is_a_protocol_failure(
+    tmp_path,
+) -> None:
+    """A prefill pod whose header checks out and whose stream ends (connection closed)
+    halfway through the payload it announced: the pull fails as ``protocol`` at once, into
+    a shared-memory stage as well, instead of waiting for its timeout or handing the
+    engine a half-filled stage."""
+    import torch
+
+    from pagefleet.daemon.kv_stage import KVStage, stage_bytes
+    from pagefleet.testing.pd import read_blocks
+
+    async def main() -> None:
+        prefill, decode = _engine(), _engine()
+        run_prefill(prefill, "h", PROMPT)
+        plan = decode.reserve_import("r", PROMPT)
+        assert plan is not None
+        header, data = read_blocks(prefill, "h", plan)
+        payload = b"".join(
+            bytes(t.contiguous().view(-1).view(torch.uint8).numpy()) for kv in data for t in kv
+        )
+        raw = json.dumps(header).encode()
+        body = struct.pack(">I", len(raw)) + raw + payload[: len(payload) // 2]
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            head = await reader.readuntil(b"\r\n\r\n")
+            n = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+            await reader.readexactly(n)
+            announced = 4 + len(raw) + len(payload)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % announced + body)
+            await writer.drain()
+            writer.close()  # the stream ends short of what was announced
+
+        layout = decode.runner.kv_layout()
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = TcpKVTransfer(timeout_s=5.0)
+        stage = KVStage.create(stage_bytes(layout, plan.num_pull_blocks), str(tmp_path))
+        assert stage is not None
+        try:
+            async with server:
+                for into in (None, stage):
+                    t0 = time.monotonic()
+                    with pytest.raises(KVPullError) as err:
+                        await client.pull(_params(port, "h"), plan, layout, into=into)
+                    assert err.value.reason == "protocol", err.value
+                    assert time.monotonic() - t0 < 2.0, "it waited for bytes never coming"
+        finally:
+            stage.close()
+            await client.close()
+            decode.cancel_import(plan)
+        prefill.collect_transfers()
+        for e in (prefill, decode):
+            e.check_integrity()
+            assert e.kv.pool.num_referenced_blocks == 0
 
     asyncio.run(main())

@@ -189,3 +189,32 @@ def test_engine_side_mappings_are_kept_per_live_file(tmp_path) -> None:
     for s in (b, c, e):
         s.close()
     os.unlink(d.path)
+
+
+def test_byte_budget_waits_for_room_grants_an_oversized_payload_alone_and_times_out() -> None:
+    """kv_stage.ByteBudget: a grant that does not fit waits until a give makes room; one
+    larger than the whole budget goes when nothing else is held; a wait ends at its bound
+    with nothing held, and so does a cancelled one."""
+    from pagefleet.daemon.kv_stage import ByteBudget
+
+    async def main() -> None:
+        budget = ByteBudget(10 * MB)
+        assert await budget.take(6 * MB, 0.0)
+        assert not await budget.take(6 * MB, 0.05), "no room came within the wait"
+        waiter = asyncio.create_task(budget.take(6 * MB, 5.0))
+        await asyncio.sleep(0.01)
+        assert not waiter.done()
+        budget.give(6 * MB)
+        assert await waiter and budget.used == 6 * MB
+        cancelled = asyncio.create_task(budget.take(6 * MB, 5.0))
+        await asyncio.sleep(0.01)
+        cancelled.cancel()
+        await asyncio.gather(cancelled, return_exceptions=True)
+        budget.give(6 * MB)
+        assert budget.used == 0, "a cancelled wait holds nothing"
+        assert await budget.take(50 * MB, 0.0), "larger than the budget, alone: granted"
+        assert not budget.try_take(1)
+        budget.give(50 * MB)
+        assert budget.used == 0 and budget.try_take(1)
+
+    asyncio.run(main())

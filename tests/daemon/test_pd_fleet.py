@@ -562,6 +562,111 @@ async def test_gateway_releases_the_handle_when_every_decode_pod_fails(fleet, st
             await runner.cleanup()
 
 
+@pytest.mark.timeout(60)
+async def test_a_handle_whose_prefill_and_decode_both_fail_is_released_and_counted_once() -> None:
+    """The early prefill fails (its pod is gone: nothing listens) and so does the only
+    decode pod (it dies before its first byte). The gateway released the handle when the
+    prefill failed and again when no decode pod served the request: two release requests
+    and two counts in pagefleet_gateway_pd_handles_released_total for one handle, so the
+    series read twice the handles there were. Now one release, counted once."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    async with _DyingDecodePod() as bad:
+        gw, runner, url = await _gateway([dead], [bad.url])
+        try:
+            body = {"model": MODEL, "prompt": PROMPT + " at noon", "max_tokens": 4,
+                    "temperature": 0.0}  # fmt: skip
+            async with (
+                aiohttp.ClientSession() as s,
+                s.post(url + "/v1/completions", json=body) as r,
+            ):
+                assert r.status == 502, await r.text()
+            assert len(bad.seen) == 1 and bad.seen[0]["kv_transfer_params"]["remote_pending"]
+
+            async def settled() -> bool:  # the early prefill and every release are done
+                return not gw.pd._prefills and not gw.pd._releases
+
+            await _until(settled, timeout=10.0)
+            name = "pagefleet_gateway_pd_handles_released_total"
+            assert await _metric(url, name) == 1
+            assert await _metric(url, name, result="failed") == 1  # unreachable, once
+        finally:
+            await runner.cleanup()
+
+
+@pytest.mark.timeout(120)
+async def test_a_decode_request_aborted_mid_pull_frees_the_handle_on_the_prefill_pod(
+    fleet,
+) -> None:
+    """A client that leaves a decode pod while its pull is under way (here: waiting for
+    staging room) cancelled the pull, freed the decode pod's reservation -- and left the
+    prefill pod's handle pinned until its deadline (30 s by default): nobody told it that
+    no pull would come, unless a gateway was in the path. The decode pod now releases it,
+    as it does when a pull fails."""
+    p, d = fleet["prefill"], fleet["decode"]
+    base = {"model": MODEL, "prompt": "Aborted mid-pull: " + PROMPT, "max_tokens": 8,
+            "temperature": 0.0}  # fmt: skip
+    export = {"do_remote_decode": True, "remote_request_id": f"pd-{uuid.uuid4().hex}"}
+    status, pre = await _post(p.url, {**base, "max_tokens": 1, "kv_transfer_params": export})
+    assert status == 200, pre
+    handle = pre["kv_transfer_params"]["remote_request_id"]
+    assert handle in await p.daemon.engine_loop.export_handles()
+    budget = d.daemon.pd.pull_budget
+    limit, budget.limit = budget.limit, 1
+    assert budget.try_take(1)  # every pull now waits for staging room
+    try:
+        body = {**base, "kv_transfer_params": pre["kv_transfer_params"]}
+        decode = asyncio.create_task(_post(d.url, body))
+        await _until_sync(lambda: bool(budget._waiters), timeout=10.0)
+        decode.cancel()  # the client goes away: its connection closes
+        await asyncio.gather(decode, return_exceptions=True)
+
+        async def freed() -> bool:
+            return handle not in await p.daemon.engine_loop.export_handles()
+
+        await _until(freed, timeout=5.0)
+    finally:
+        budget.give(1)
+        budget.limit = limit
+    loop = d.daemon.engine_loop
+
+    async def reservation_gone() -> bool:
+        return (await loop.stats()).kv_usage == 0
+
+    await _until(reservation_gone, timeout=5.0)
+    await loop.invoke("check_integrity")
+
+
+@pytest.mark.timeout(120)
+async def test_a_handle_released_before_its_prefill_arrives_is_not_left_pinned(fleet) -> None:
+    """A decode pod whose client left while it waited for a handle releases it; when that
+    release reaches the prefill pod before the prefill request itself (the two travel
+    separately), the prefill pod answered 404 and forgot it: the prefill then ran,
+    exported the handle, and its blocks stayed pinned for nobody until the deadline. A
+    release is now remembered, and the export it names is freed as its request ends."""
+    p = fleet["prefill"]
+    handle = f"pd-{uuid.uuid4().hex}"
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(p.url + "/v1/kv/release", json={"handle": handle}) as r,
+    ):
+        assert r.status == 404  # nothing exported under it yet
+    base = {"model": MODEL, "prompt": "Released first: " + PROMPT, "max_tokens": 1,
+            "temperature": 0.0}  # fmt: skip
+    export = {"do_remote_decode": True, "remote_request_id": handle}
+    status, pre = await _post(p.url, {**base, "kv_transfer_params": export})
+    assert status == 200, pre
+
+    async def freed() -> bool:
+        return handle not in await p.daemon.engine_loop.export_handles()
+
+    await _until(freed, timeout=5.0)
+    # A wait for it says at once that it will not come.
+    async with aiohttp.ClientSession() as s:
+        body = {"handle": handle, "wait_s": 5.0}
+        async with s.post(p.url + "/v1/kv/wait", json=body) as r:
+            assert r.status == 404
+
+
 async def _until_sync(cond, timeout: float = 20.0) -> None:
     async def check() -> bool:
         return cond()

@@ -190,3 +190,51 @@ async def test_a_restarted_pods_heartbeat_after_an_outage_does_not_revive_its_ol
         assert pub.in_sync.is_set()
     finally:
         await pub.close()
+
+
+class _Flapping(MemoryKVIndex):
+    """An index that loses the pod between any two heartbeats (a Redis failing over to an
+    empty replica again and again, an eviction policy that keeps dropping its keys): every
+    heartbeat registers the pod anew."""
+
+    beats = 0
+
+    async def heartbeat(self, pod, load, ttl_s):  # type: ignore[no-untyped-def]
+        self.beats += 1
+        self._clear(pod)
+        self._expires.pop(pod, None)  # and forgets it was ever there
+        return await super().heartbeat(pod, load, ttl_s)
+
+
+async def test_an_index_that_keeps_losing_the_pod_is_warned_about_once_an_interval(
+    caplog,
+) -> None:
+    """Each loss logged a warning: an index flapping at the heartbeat's rate wrote one a
+    heartbeat (20 a second here, one a second by default) for as long as it flapped,
+    burying every other line. Now one warning an interval; the next one says how many
+    losses went unlogged meanwhile, and ``losses`` counts them all."""
+
+    async def snapshot(deliver: Callable[[set[int]], None]) -> None:
+        deliver(set())
+
+    index = _Flapping()
+    pub = KVEventPublisher(index, "pod-a", asyncio.get_running_loop(), load_fn=PodLoad,
+                           snapshot=snapshot, heartbeat_s=0.05,
+                           resync_interval_s=3600.0)  # fmt: skip
+    caplog.set_level("WARNING", logger="pagefleet.daemon.publisher")
+
+    def warned() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "lost pod" in r.getMessage()]
+
+    await pub.start()
+    try:
+        await _until(lambda: index.beats >= 10)  # nine losses at least (the first: none)
+        assert len(warned()) == 1, warned()
+        assert pub.losses >= 9
+        # The interval passes: one more warning, naming the losses it did not log.
+        pub._lost_log_interval_s = 0.0
+        await _until(lambda: len(warned()) >= 2)
+        assert "not logged" in warned()[1] and "more" in warned()[1], warned()[1]
+        assert pub.resyncs >= 1, "a loss still asks for a resync, logged or not"
+    finally:
+        await pub.close()
