@@ -17,7 +17,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,21 +41,55 @@ DELETION_POLL_S = 1.0
 
 
 @dataclass(slots=True)
+class _KeyLock:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    users: int = 0  # holders plus waiters; guarded by KeyedLocks._guard
+
+
+class KeyedLocks:
+    """One lock per (namespace, name), kept only while some handler holds or waits for it.
+
+    Invariant: every handler that holds or waits for a key counts in its entry, so all of
+    them share one lock object, and the entry is dropped when the last one leaves. An
+    operator that sees many InferenceServices come and go therefore holds no lock for a
+    name that no handler is using (a table that only grew kept one per name ever seen)."""
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._locks: dict[tuple[str, str], _KeyLock] = {}
+
+    def __len__(self) -> int:
+        with self._guard:
+            return len(self._locks)
+
+    @contextmanager
+    def hold(self, key: tuple[str, str]) -> Iterator[None]:
+        with self._guard:
+            entry = self._locks.setdefault(key, _KeyLock())
+            entry.users += 1
+        try:
+            with entry.lock:
+                yield
+        finally:
+            with self._guard:
+                entry.users -= 1
+                if entry.users == 0:
+                    del self._locks[key]
+
+
+@dataclass(slots=True)
 class OperatorContext:
     """What every handler needs; lives in kopf's memo for the operator's lifetime."""
 
     kube: KubeAPI
     settings: BuildSettings
-    locks: defaultdict[tuple[str, str], threading.Lock] = field(
-        default_factory=lambda: defaultdict(threading.Lock)
-    )
-    guard: threading.Lock = field(default_factory=threading.Lock)
+    locks: KeyedLocks = field(default_factory=KeyedLocks)
     autoscaler: Autoscaler | None = None
     metrics: OperatorMetrics | None = None
 
-    def lock(self, namespace: str, name: str) -> threading.Lock:
-        with self.guard:
-            return self.locks[(namespace, name)]
+    def lock(self, namespace: str, name: str) -> AbstractContextManager[None]:
+        """Serialises the passes of one InferenceService (``with ctx.lock(ns, name):``)."""
+        return self.locks.hold((namespace, name))
 
 
 def _ctx(memo: kopf.Memo) -> OperatorContext:
