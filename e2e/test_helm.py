@@ -249,3 +249,26 @@ def test_install_serve_upgrade_uninstall(
             }
         )
     )
+
+
+def test_uninstall_succeeds_when_a_watched_namespace_is_gone(
+    cluster: ControlPlane, kube: KubeClient, namespace: str, tmp_path: Path
+) -> None:
+    """A namespace the operator watched was deleted before `helm uninstall`: it has nothing
+    left to tear down, so the pre-delete hook must not fail the uninstall over it (it did:
+    the hook could neither bind its RBAC in the missing namespace nor list there)."""
+    t0 = time.monotonic()
+    ns = namespace
+    gone = f"{ns[:50]}-gone"
+    kube.create("/api/v1/namespaces", {"metadata": {"name": gone}})
+    helm = Helm(cluster, ns, tmp_path)
+    values: dict[str, Any] = {
+        "operator": {"command": [PAGEFLEET], "watchNamespaces": [ns, gone]},
+        "redis": {"enabled": False},
+    }
+    helm("install", RELEASE, str(CHART), "--wait", "--timeout", "3m", values=values)
+    kube.delete(f"/api/v1/namespaces/{gone}")
+    eventually(lambda: kube.get_or_none(f"/api/v1/namespaces/{gone}") is None, 60, "namespace gone")
+    out = helm("uninstall", RELEASE, "--wait", "--timeout", "2m")
+    assert "uninstalled" in out
+    print(json.dumps({"total_s": round(time.monotonic() - t0, 1)}))
