@@ -4,7 +4,8 @@
 - a resync timer: a full pass every few seconds, which repairs hand edits of children;
 - events of owned Deployments and Services: a deleted child triggers a full pass at once
   (restored within a second, not a resync period); a Deployment status change refreshes the
-  InferenceService's status without re-applying anything.
+  InferenceService's status without re-applying anything, except during a role switch,
+  when it runs a full pass (new pods turning Ready is what advances the switch).
 
 Handlers are sync (kopf runs them in its thread pool) and serialise per InferenceService
 with a lock from the memo, since the timer, a child event and a spec update may race; each
@@ -30,7 +31,12 @@ from pagefleet.operator.builders import BuildSettings
 from pagefleet.operator.kube import INFERENCE_SERVICE, KubeAPI, KubeError
 from pagefleet.operator.metrics import OperatorMetrics
 from pagefleet.operator.naming import LABEL_MANAGED_BY, LABEL_SERVICE, MANAGED_BY
-from pagefleet.operator.reconcile import Recorder, reconcile, refresh_status
+from pagefleet.operator.reconcile import (
+    Recorder,
+    reconcile,
+    refresh_status,
+    role_switch_in_progress,
+)
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +209,13 @@ def on_child_event(
             return
         with ctx.lock(namespace, owner):
             parent = _current(ctx, namespace, owner)
-            if parent is not None:  # else garbage-collected with its owner: nothing to do
+            if parent is None:  # garbage-collected with its owner: nothing to do
+                return
+            if role_switch_in_progress(parent):
+                # Without this the switch would advance only at the next resync, twice
+                # (gateway moved, then the old roles deleted): a minute at the default.
+                reconcile(ctx.kube, parent, ctx.settings, _recorder(parent))
+            else:
                 refresh_status(ctx.kube, parent, _recorder(parent))
     except KubeError as exc:
         # Event handlers are not retried; the resync timer catches up.

@@ -215,6 +215,34 @@ def test_child_deletion_event_restores_and_modification_refreshes_status(ctx, re
     assert next(c for c in status["conditions"] if c["type"] == "Ready")["status"] == "True"
 
 
+def _routed_service(kube: FakeKube) -> str:
+    cmd = kube.obj("Deployment", "ml", "llama-gateway")["spec"]["template"]["spec"]
+    cmd = cmd["containers"][0]["command"]
+    return str(cmd[cmd.index("--service") + 1])
+
+
+def test_a_role_switch_advances_on_child_events_not_only_on_resync(ctx):
+    # The switch waits for new pods to turn Ready, which reaches the operator as Deployment
+    # status events: a mere status refresh left it to the resync timer (30 s), twice.
+    kube: FakeKube = ctx.kube  # type: ignore[assignment]
+    memo = kopf.Memo(ctx=ctx)
+    handlers.on_change(body=kopf.Body(copy.deepcopy(_add_is(kube))), memo=memo)
+    kube.mark_deployments_ready()
+    obj = kube.obj("InferenceService", "ml", "llama")
+    obj["spec"]["roles"] = {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}
+    obj["metadata"]["generation"] += 1
+    handlers.on_change(body=kopf.Body(copy.deepcopy(obj)), memo=memo)
+    assert _routed_service(kube) == "llama-unified"
+    event = {"event": {"type": "MODIFIED"}, "namespace": "ml", "memo": memo}
+    labels = {"pagefleet.io/service": "llama"}
+    kube.mark_deployments_ready()  # the new pods are Ready
+    handlers.on_child_event(**event, labels=labels)
+    assert _routed_service(kube) == "llama-decode"
+    kube.mark_deployments_ready()  # the gateway pods rolled
+    handlers.on_child_event(**event, labels=labels)
+    assert kube.names("Deployment") == ["llama-decode", "llama-gateway", "llama-prefill"]
+
+
 def _max_num_seqs(kube: FakeKube) -> str:
     deploy = kube.obj("Deployment", "ml", "llama-unified")
     cmd = deploy["spec"]["template"]["spec"]["containers"][0]["command"]
