@@ -14,6 +14,9 @@ There is no cluster DNS: the InferenceService reaches the bundled Redis by its p
    during the rollout;
 3. `helm uninstall`: the pre-delete hook deletes the InferenceService while the operator
    still runs, so no finalizer is left stuck and nothing of the release remains.
+
+Two short uninstall cases follow (about 12 s and 22 s): a watched namespace deleted before
+the uninstall, and an operator scaled to 0 whose finalizers the hook releases itself.
 """
 
 from __future__ import annotations
@@ -249,3 +252,76 @@ def test_install_serve_upgrade_uninstall(
             }
         )
     )
+
+
+def test_uninstall_succeeds_when_a_watched_namespace_is_gone(
+    cluster: ControlPlane, kube: KubeClient, namespace: str, tmp_path: Path
+) -> None:
+    """A namespace the operator watched was deleted before `helm uninstall`: it has nothing
+    left to tear down, so the pre-delete hook must not fail the uninstall over it (it did:
+    the hook could neither bind its RBAC in the missing namespace nor list there)."""
+    t0 = time.monotonic()
+    ns = namespace
+    gone = f"{ns[:50]}-gone"
+    kube.create("/api/v1/namespaces", {"metadata": {"name": gone}})
+    helm = Helm(cluster, ns, tmp_path)
+    values: dict[str, Any] = {
+        "operator": {"command": [PAGEFLEET], "watchNamespaces": [ns, gone]},
+        "redis": {"enabled": False},
+    }
+    helm("install", RELEASE, str(CHART), "--wait", "--timeout", "3m", values=values)
+    kube.delete(f"/api/v1/namespaces/{gone}")
+    eventually(lambda: kube.get_or_none(f"/api/v1/namespaces/{gone}") is None, 60, "namespace gone")
+    out = helm("uninstall", RELEASE, "--wait", "--timeout", "2m")
+    assert "uninstalled" in out
+    print(json.dumps({"total_s": round(time.monotonic() - t0, 1)}))
+
+
+def test_uninstall_with_the_operator_scaled_to_zero_releases_the_finalizers(
+    cluster: ControlPlane, kube: KubeClient, namespace: str, tmp_path: Path
+) -> None:
+    """No operator replica is Ready (scaled to 0, crash-looping): nobody would release the
+    InferenceServices' finalizer, and `helm uninstall` failed at its timeout with each one
+    stuck in Terminating. The hook, told the operator's Deployment, releases it itself and
+    garbage collection still takes the children."""
+    t0 = time.monotonic()
+    ns = namespace
+    helm = Helm(cluster, ns, tmp_path)
+    spec = {
+        "model": {"source": {"path": "tiny"}},
+        "roles": {"unified": {"replicas": 0}},
+        "router": {"replicas": 0},
+        "index": {"redisURL": "redis://127.0.0.1:1/0"},
+    }
+    values: dict[str, Any] = {
+        "operator": {"command": [PAGEFLEET], "watchNamespaces": [ns], "resyncSeconds": 5},
+        "redis": {"enabled": False},
+        "uninstall": {"timeoutSeconds": 60},
+        "inferenceServices": [{"name": "orphan", "spec": spec}],
+    }
+    helm("install", RELEASE, str(CHART), "--wait", "--timeout", "3m", values=values)
+    path = f"{API}/namespaces/{ns}/inferenceservices/orphan"
+    eventually(
+        lambda: "pagefleet.io/finalizer" in (kube.get(path)["metadata"].get("finalizers") or []),
+        60,
+        "the operator's finalizer on the InferenceService",
+    )
+    deployments = f"/apis/apps/v1/namespaces/{ns}/deployments"
+    selector = {"labelSelector": "pagefleet.io/service=orphan"}
+    eventually(lambda: kube.get(deployments, selector)["items"], 60, "the service's Deployments")
+    cluster.kubectl("scale", f"deployment/{RELEASE}-pagefleet-operator", "--replicas=0", "-n", ns)
+    eventually(
+        lambda: live_pods(kube, ns, "app.kubernetes.io/component=operator") == [],
+        60,
+        "no operator pod",
+    )
+    t1 = time.monotonic()
+    out = helm("uninstall", RELEASE, "--wait", "--timeout", "2m")
+    uninstall_s = time.monotonic() - t1
+    assert "uninstalled" in out
+    assert kube.get_or_none(path) is None
+    eventually(lambda: kube.get(deployments, selector)["items"] == [], 60, "GC of its children")
+    # Well under the hook's 60 s wait for an operator that will not come.
+    assert uninstall_s < 45, uninstall_s
+    total_s = time.monotonic() - t0
+    print(json.dumps({"uninstall_s": round(uninstall_s, 1), "total_s": round(total_s, 1)}))

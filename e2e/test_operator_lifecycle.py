@@ -1,5 +1,6 @@
 """An InferenceService over its life on a real control plane: objects stored before a
-CRD rule existed must still be deletable once the rule is in place.
+CRD rule existed must still be deletable once the rule is in place; a role switch under
+traffic answers every request.
 
 The operator here is this module's own (same identity and flags as test_operator.py's).
 """
@@ -7,7 +8,11 @@ The operator here is this module's own (same identity and flags as test_operator
 from __future__ import annotations
 
 import copy
+import json
+import sys
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,8 +20,17 @@ import yaml
 
 from e2e.cluster import ControlPlane, eventually
 from e2e.kube_client import KubeClient
+from e2e.kube_helpers import ready_endpoints, tiny_checkpoint
 from e2e.operator_process import CRD, OperatorProcess
-from e2e.test_operator import API, apply, condition, events_for, get_is, infsvc
+from e2e.test_operator import (  # noqa: F401  (module fixture: redis_url)
+    API,
+    apply,
+    condition,
+    events_for,
+    get_is,
+    infsvc,
+    redis_url,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -228,3 +242,129 @@ def test_a_scale_of_an_autoscaled_role_is_no_drift(
     assert deploy["spec"]["replicas"] == 1
     reasons = [e["reason"] for e in events_for(cluster, namespace, name)]
     assert "DriftRepaired" not in reasons, reasons
+
+
+PAGEFLEET = str(Path(sys.executable).with_name("pagefleet"))
+
+
+class _Traffic:
+    """Completions through the gateway Service's ready endpoints, one at a time, as a
+    client behind kube-proxy would send them (there is no kube-proxy here). A connection
+    refused by a gateway pod that has meanwhile left the endpoints (rolled away) is sent
+    again to the ones listed now; any answer that is not a completion is a failure."""
+
+    def __init__(self, kube: KubeClient, ns: str, gateway: str) -> None:
+        self.kube, self.ns, self.gateway = kube, ns, gateway
+        self.results: list[str] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _once(self, i: int) -> str:
+        from openai import APIConnectionError, OpenAI
+
+        for _ in range(3):
+            ips = ready_endpoints(self.kube, self.ns, self.gateway)
+            if not ips:
+                return "no ready gateway endpoint"
+            ip = ips[i % len(ips)]
+            client = OpenAI(
+                base_url=f"http://{ip}:8080/v1", api_key="unused", max_retries=0, timeout=30
+            )
+            try:
+                out = client.completions.create(
+                    model="tiny", prompt=f"switch {i}", max_tokens=4, temperature=0
+                )
+            except APIConnectionError as exc:
+                if ip in ready_endpoints(self.kube, self.ns, self.gateway):
+                    return f"{type(exc).__name__}: {exc}"
+                continue  # that gateway pod was rolled away meanwhile
+            except Exception as exc:  # recorded, asserted by the test
+                return f"{type(exc).__name__}: {exc}"
+            return "ok" if out.usage and out.usage.completion_tokens > 0 else "empty"
+        return "gateway endpoints kept vanishing"
+
+    def _run(self) -> None:
+        i = 0
+        while not self.stop.is_set():
+            i += 1
+            self.results.append(self._once(i))
+            time.sleep(0.2)
+
+    def __enter__(self) -> _Traffic:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=60)
+
+
+def test_a_role_switch_under_traffic_answers_every_request(
+    cluster: ControlPlane,
+    kube: KubeClient,
+    namespace: str,
+    operator: OperatorProcess,
+    redis_url: str,  # noqa: F811
+) -> None:
+    """unified -> prefill + decode while a client sends completions. The pass deleted the
+    unified pool in the same pass that created the new one: until the new pods were Ready
+    the gateway had nothing to route to and answered 503. Now unified keeps serving until
+    prefill and decode have Ready pods and every gateway pod routes to them."""
+    t0 = time.monotonic()
+    name, ns = "switch", namespace
+    gw_kubeconfig = cluster.workdir / f"kubeconfig-sa-{ns}-{name}-gateway"
+    spec = {
+        "model": {"source": {"path": tiny_checkpoint()}, "servedModelName": "tiny"},
+        "command": [PAGEFLEET],
+        "engine": {"kvCacheMemoryMB": 16, "maxNumSeqs": 4},
+        "roles": {"unified": {"replicas": 1}},
+        "router": {"replicas": 1, "env": [{"name": "KUBECONFIG", "value": str(gw_kubeconfig)}]},
+        "index": {"redisURL": redis_url},
+    }
+    assert apply(cluster, infsvc(name, ns, spec)).returncode == 0
+    eventually(
+        lambda: kube.get_or_none(f"/api/v1/namespaces/{ns}/serviceaccounts/{name}-gateway"),
+        60,
+        "the gateway ServiceAccount",
+    )
+    cluster.service_account_kubeconfig(ns, f"{name}-gateway")
+    _settled(kube, ns, name, 1)
+    eventually(lambda: ready_endpoints(kube, ns, f"{name}-gateway"), 60, "a gateway endpoint")
+    serving_s = time.monotonic() - t0
+
+    t1 = time.monotonic()
+    seen: set[str] = set()
+    with _Traffic(kube, ns, f"{name}-gateway") as traffic:
+        eventually(lambda: "ok" in traffic.results, 60, "a first completion")
+        pd = {"unified": None, "prefill": {"replicas": 1}, "decode": {"replicas": 1}}
+        kube.merge_patch(f"{API}/namespaces/{ns}/inferenceservices/{name}", {"spec": {"roles": pd}})
+
+        def switched() -> bool:
+            obj = get_is(kube, ns, name)
+            seen.add(condition(obj, "Progressing").get("reason", ""))
+            gone = kube.get_or_none(f"/apis/apps/v1/namespaces/{ns}/deployments/{name}-unified")
+            return gone is None and condition(obj, "Ready").get("status") == "True"
+
+        eventually(switched, 180, "prefill + decode Ready and the unified pool gone")
+        time.sleep(2)  # a few requests through the new roles
+    switch_s = time.monotonic() - t1
+    failed = [r for r in traffic.results if r != "ok"]
+    assert traffic.results and not failed, f"{len(failed)}/{len(traffic.results)}: {failed[:3]}"
+    assert "RoleSwitch" in seen, seen
+    reasons = [e["reason"] for e in events_for(cluster, ns, name)]
+    assert "RoleSwitch" in reasons and "RoleSwitchComplete" in reasons, reasons
+    gw = kube.get(f"/apis/apps/v1/namespaces/{ns}/deployments/{name}-gateway")
+    cmd = gw["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert cmd[cmd.index("--service") + 1] == f"{name}-decode"
+    cluster.kubectl("delete", "infsvc", name, "-n", ns, "--wait=false")
+    operator.check_alive()
+    print(
+        json.dumps(
+            {
+                "serving_s": round(serving_s, 1),
+                "switch_under_traffic_s": round(switch_s, 1),
+                "requests": len(traffic.results),
+                "total_s": round(time.monotonic() - t0, 1),
+            }
+        )
+    )

@@ -172,13 +172,13 @@ def _resources(res: ResourceRequirements) -> dict[str, Any]:
     return out
 
 
-def _config_data(spec: InferenceServiceSpec, names: Names) -> dict[str, str]:
+def _config_data(spec: InferenceServiceSpec, names: Names, routed: list[str]) -> dict[str, str]:
     engine = spec.engine.model_dump(by_alias=True, mode="json")
     engine["model"] = spec.model.model_dump(by_alias=True, mode="json", exclude_none=True)
     # Not `replicas`: that is the Deployment's, and in the hashed config it would roll every
     # gateway pod on a pure scale change.
     router = spec.router.model_dump(by_alias=True, mode="json", include={"policy", "weights"})
-    router["services"] = {role: names.role(role) for role, _ in spec.roles.items()}
+    router["services"] = {role: names.role(role) for role in routed}
     return {
         "engine.json": json.dumps(engine, indent=2, sort_keys=True) + "\n",
         "router.json": json.dumps(router, indent=2, sort_keys=True) + "\n",
@@ -464,11 +464,13 @@ def build_gateway(
     redis_url: str,
     config_hash: str,
     settings: BuildSettings,
+    roles: list[str] | None = None,
 ) -> list[Manifest]:
     """The gateway's ServiceAccount + Role + RoleBinding (it watches EndpointSlices),
-    Deployment and Service."""
+    Deployment and Service. ``roles``: the role pools it routes to (None: the spec's)."""
     names = Names(owner.name, owner.namespace)
-    roles = [role for role, _ in spec.roles.items()]
+    if roles is None:
+        roles = [role for role, _ in spec.roles.items()]
     volumes, mounts = _volumes(spec, names)
     lbls = labels(owner.name, GATEWAY, GATEWAY)
     container: Manifest = {
@@ -542,13 +544,18 @@ def build_gateway(
     return [sa, role, binding, deploy, svc]
 
 
-def build_config_map(spec: InferenceServiceSpec, owner: Owner) -> Manifest:
+def build_config_map(
+    spec: InferenceServiceSpec, owner: Owner, routed: list[str] | None = None
+) -> Manifest:
+    """``routed``: the role pools the gateway routes to (None: the spec's)."""
     names = Names(owner.name, owner.namespace)
+    if routed is None:
+        routed = [role for role, _ in spec.roles.items()]
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _meta(owner, names.config, labels(owner.name, "config")),
-        "data": _config_data(spec, names),
+        "data": _config_data(spec, names, routed),
     }
 
 
@@ -557,18 +564,28 @@ def build_children(
     owner: Owner,
     settings: BuildSettings,
     current_replicas: dict[str, int] | None = None,
+    routed_roles: list[str] | None = None,
+    old_roles: list[str] | None = None,
 ) -> list[Manifest]:
     """Every child of one InferenceService, in apply order (config and RBAC before the
-    workloads that reference them). Raises SpecError when the spec cannot be realised."""
+    workloads that reference them). Raises SpecError when the spec cannot be realised.
+
+    During a role switch (unified <-> prefill/decode) ``routed_roles`` are the pools the
+    gateway routes to (None: the spec's roles) and ``old_roles`` the previous roles whose
+    pods still run: they stay behind the daemons' NetworkPolicy until they are removed.
+    Neither adds a role workload: the old ones are kept as they are, not rebuilt."""
     check_policy(spec, settings)
     redis_url = resolve_redis_url(spec, settings)
     spec = spec.model_copy(update={"index": effective_index(spec, settings)})
-    config = build_config_map(spec, owner)
+    spec_roles = [role for role, _ in spec.roles.items()]
+    routed = spec_roles if routed_roles is None else routed_roles
+    fenced = spec_roles + [r for r in (old_roles or []) if r not in spec_roles]
+    config = build_config_map(spec, owner, routed)
     daemon_hash = _config_hash(config["data"], ("engine.json",))
     gateway_hash = _config_hash(config["data"], ("router.json",))
     current = current_replicas or {}
     out: list[Manifest] = [config]
-    gateway = build_gateway(spec, owner, redis_url, gateway_hash, settings)
+    gateway = build_gateway(spec, owner, redis_url, gateway_hash, settings, routed)
     out += gateway[:3]  # ServiceAccount, Role, RoleBinding
     for role, role_spec in spec.roles.items():
         out += build_role(
@@ -579,7 +596,7 @@ def build_children(
         out += build_network_policies(
             owner.name,
             lambda name, lbls: _meta(owner, name, lbls),
-            [role for role, _ in spec.roles.items()],
+            fenced,
             list(settings.metrics_peers),
         )
     return out

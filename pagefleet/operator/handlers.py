@@ -4,7 +4,8 @@
 - a resync timer: a full pass every few seconds, which repairs hand edits of children;
 - events of owned Deployments and Services: a deleted child triggers a full pass at once
   (restored within a second, not a resync period); a Deployment status change refreshes the
-  InferenceService's status without re-applying anything.
+  InferenceService's status without re-applying anything, except during a role switch,
+  when it runs a full pass (new pods turning Ready is what advances the switch).
 
 Handlers are sync (kopf runs them in its thread pool) and serialise per InferenceService
 with a lock from the memo, since the timer, a child event and a spec update may race; each
@@ -17,7 +18,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +31,12 @@ from pagefleet.operator.builders import BuildSettings
 from pagefleet.operator.kube import INFERENCE_SERVICE, KubeAPI, KubeError
 from pagefleet.operator.metrics import OperatorMetrics
 from pagefleet.operator.naming import LABEL_MANAGED_BY, LABEL_SERVICE, MANAGED_BY
-from pagefleet.operator.reconcile import Recorder, reconcile, refresh_status
+from pagefleet.operator.reconcile import (
+    Recorder,
+    reconcile,
+    refresh_status,
+    role_switch_in_progress,
+)
 
 log = logging.getLogger(__name__)
 
@@ -40,21 +47,55 @@ DELETION_POLL_S = 1.0
 
 
 @dataclass(slots=True)
+class _KeyLock:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    users: int = 0  # holders plus waiters; guarded by KeyedLocks._guard
+
+
+class KeyedLocks:
+    """One lock per (namespace, name), kept only while some handler holds or waits for it.
+
+    Invariant: every handler that holds or waits for a key counts in its entry, so all of
+    them share one lock object, and the entry is dropped when the last one leaves. An
+    operator that sees many InferenceServices come and go therefore holds no lock for a
+    name that no handler is using (a table that only grew kept one per name ever seen)."""
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._locks: dict[tuple[str, str], _KeyLock] = {}
+
+    def __len__(self) -> int:
+        with self._guard:
+            return len(self._locks)
+
+    @contextmanager
+    def hold(self, key: tuple[str, str]) -> Iterator[None]:
+        with self._guard:
+            entry = self._locks.setdefault(key, _KeyLock())
+            entry.users += 1
+        try:
+            with entry.lock:
+                yield
+        finally:
+            with self._guard:
+                entry.users -= 1
+                if entry.users == 0:
+                    del self._locks[key]
+
+
+@dataclass(slots=True)
 class OperatorContext:
     """What every handler needs; lives in kopf's memo for the operator's lifetime."""
 
     kube: KubeAPI
     settings: BuildSettings
-    locks: defaultdict[tuple[str, str], threading.Lock] = field(
-        default_factory=lambda: defaultdict(threading.Lock)
-    )
-    guard: threading.Lock = field(default_factory=threading.Lock)
+    locks: KeyedLocks = field(default_factory=KeyedLocks)
     autoscaler: Autoscaler | None = None
     metrics: OperatorMetrics | None = None
 
-    def lock(self, namespace: str, name: str) -> threading.Lock:
-        with self.guard:
-            return self.locks[(namespace, name)]
+    def lock(self, namespace: str, name: str) -> AbstractContextManager[None]:
+        """Serialises the passes of one InferenceService (``with ctx.lock(ns, name):``)."""
+        return self.locks.hold((namespace, name))
 
 
 def _ctx(memo: kopf.Memo) -> OperatorContext:
@@ -168,7 +209,13 @@ def on_child_event(
             return
         with ctx.lock(namespace, owner):
             parent = _current(ctx, namespace, owner)
-            if parent is not None:  # else garbage-collected with its owner: nothing to do
+            if parent is None:  # garbage-collected with its owner: nothing to do
+                return
+            if role_switch_in_progress(parent):
+                # Without this the switch would advance only at the next resync, twice
+                # (gateway moved, then the old roles deleted): a minute at the default.
+                reconcile(ctx.kube, parent, ctx.settings, _recorder(parent))
+            else:
                 refresh_status(ctx.kube, parent, _recorder(parent))
     except KubeError as exc:
         # Event handlers are not retried; the resync timer catches up.

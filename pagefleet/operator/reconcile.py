@@ -4,6 +4,14 @@ The pass is level-triggered: it never looks at what changed, only at the spec an
 children that exist now. Running it twice in a row changes nothing the second time (server-side
 apply of identical manifests keeps every resourceVersion), which is what lets the operator
 run it from create/update/resume handlers, a resync timer and child-object events alike.
+
+A role switch (unified <-> prefill + decode) is a rollout, not a swap: the previous roles'
+workloads stay, and the gateway keeps routing to them, until every new role has a Ready pod;
+then the gateway is moved to the new roles, and once every gateway pod runs that template
+(its readiness needs ready endpoints of the pool it routes to) the previous roles are
+deleted. Removing them in the pass that created the new ones left no daemon serving for
+the new pods' start-up time: the gateway answered 503. Where the previous serving pool has
+no Ready pod, nothing is lost by switching at once, and the pass does.
 """
 
 from __future__ import annotations
@@ -16,7 +24,14 @@ from typing import Any
 from pydantic import ValidationError
 
 from pagefleet.api.inferenceservice import InferenceServiceSpec, name_problem, parse_spec
-from pagefleet.operator.builders import BuildSettings, Owner, SpecError, build_children
+from pagefleet.operator.builders import (
+    BuildSettings,
+    Owner,
+    SpecError,
+    build_children,
+    role_replicas,
+)
+from pagefleet.operator.commands import gateway_role
 from pagefleet.operator.kube import (
     CHILD_KINDS,
     DEPLOYMENT,
@@ -26,9 +41,9 @@ from pagefleet.operator.kube import (
     KubeError,
     kind_of,
 )
-from pagefleet.operator.naming import GATEWAY, Names, owned_selector
+from pagefleet.operator.naming import GATEWAY, LABEL_ROLE, Names, owned_selector
 from pagefleet.operator.podhealth import summarize
-from pagefleet.operator.status import WorkloadState, compute_status
+from pagefleet.operator.status import ROLE_SWITCH, WorkloadState, compute_status
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +87,100 @@ def _validation_message(exc: ValidationError) -> str:
         loc = ".".join(str(p) for p in err["loc"])
         parts.append(f"spec.{loc}: {err['msg']}" if loc else err["msg"])
     return "; ".join(parts)
+
+
+# Every daemon role a spec can name, in the order RolesSpec.items() lists them.
+DAEMON_ROLES = ("unified", "prefill", "decode")
+
+
+@dataclass(frozen=True, slots=True)
+class RoleSwitch:
+    """A change between unified and prefill + decode whose previous roles still run.
+
+    Invariant: the gateway routes to `old` exactly while `old` still serves (its routed
+    pool has a Ready pod) and some new role has no Ready pod yet (`waiting`); the old
+    workloads may go only once the gateway serves from the new roles on every pod, or
+    once they serve nothing anyway."""
+
+    old: tuple[str, ...]
+    new: tuple[str, ...]
+    waiting: tuple[str, ...]  # new roles without a Ready pod (among those that want one)
+    old_serving: bool
+
+    @property
+    def routes_old(self) -> bool:
+        return self.old_serving and bool(self.waiting)
+
+    @property
+    def routed(self) -> list[str]:
+        return list(self.old if self.routes_old else self.new)
+
+    def may_remove_old(self, gateway: WorkloadState) -> bool:
+        return not self.old_serving or (not self.waiting and gateway.ready_now)
+
+    def message(self, gateway: WorkloadState, ready: dict[str, str]) -> str:
+        head = f"switching roles {'+'.join(self.old)} -> {'+'.join(self.new)}: "
+        if self.routes_old:
+            return head + (
+                f"{'+'.join(self.old)} keeps serving until every new role has a Ready pod "
+                f"(waiting for {', '.join(f'{r} {ready[r]}' for r in self.waiting)})"
+            )
+        return head + (
+            f"the gateway moves to {'+'.join(self.new)}; {'+'.join(self.old)} is deleted once "
+            f"every gateway pod routes there ({gateway.ready}/{gateway.desired} gateway pods "
+            f"ready, {gateway.updated} on the new template)"
+        )
+
+
+def _ready_pods(deploy: Manifest | None) -> int:
+    return int(((deploy or {}).get("status") or {}).get("readyReplicas", 0) or 0)
+
+
+def plan_role_switch(
+    spec: InferenceServiceSpec,
+    names: Names,
+    uid: str,
+    existing: dict[tuple[str, str], Manifest],
+    current: dict[str, int],
+) -> RoleSwitch | None:
+    """The role switch under way, from the children that exist now; None when no role
+    outside the spec still has a Deployment of this InferenceService."""
+    new = tuple(role for role, _ in spec.roles.items())
+    old = tuple(
+        role
+        for role in DAEMON_ROLES
+        if role not in new
+        and _is_role_deployment(existing.get(("Deployment", names.role(role))), role, uid)
+    )
+    if not old:
+        return None
+    wanted = {role: role_replicas(rs, current.get(role)) for role, rs in spec.roles.items()}
+    waiting = tuple(
+        role
+        for role in new
+        if wanted[role] > 0 and _ready_pods(existing.get(("Deployment", names.role(role)))) < 1
+    )
+    # The pool the gateway routes to when on the old roles (commands.gateway_role): a
+    # prefill pool alone serves no completions.
+    serving = gateway_role(list(old)) if {"unified", "decode"} & set(old) else None
+    old_serving = (
+        serving is not None and _ready_pods(existing.get(("Deployment", names.role(serving)))) >= 1
+    )
+    return RoleSwitch(old=old, new=new, waiting=waiting, old_serving=old_serving)
+
+
+def _is_role_deployment(obj: Manifest | None, role: str, uid: str) -> bool:
+    if obj is None or not _controlled_by(obj, uid):
+        return False
+    return bool((obj["metadata"].get("labels") or {}).get(LABEL_ROLE) == role)
+
+
+def role_switch_in_progress(body: Manifest) -> bool:
+    """Whether the last full pass left a role switch under way (its Progressing reason):
+    then a child's status change is a reason for a full pass, since a new role's pod
+    turning Ready is what lets the switch advance."""
+    conds = (body.get("status") or {}).get("conditions", []) or []
+    return any(c.get("type") == "Progressing" and c.get("reason") == ROLE_SWITCH for c in conds)
 
 
 def observe(kube: KubeAPI, namespace: str, name: str) -> dict[tuple[str, str], Manifest]:
@@ -150,8 +259,19 @@ def reconcile(
         for role, _ in spec.roles.items()
         if ("Deployment", names.role(role)) in existing
     }
+    switch = plan_role_switch(spec, names, uid, existing, current)
+    # A role switch moves the gateway and its config in a later pass of the same
+    # generation: that is the rollout going on, not a hand edit being repaired.
+    steady = steady and switch is None
     try:
-        desired = build_children(spec, owner, settings, current)
+        desired = build_children(
+            spec,
+            owner,
+            settings,
+            current,
+            routed_roles=switch.routed if switch else None,
+            old_roles=list(switch.old) if switch else None,
+        )
     except SpecError as exc:
         return _degrade(kube, body, exc.reason, str(exc), record)
 
@@ -172,8 +292,14 @@ def reconcile(
             ) and _content(before) != _content(after):
                 verb = "DriftRepaired" if steady else "Updated"
                 result.actions.append((verb, *key))
+        gateway_now = WorkloadState.from_deployment(
+            GATEWAY, applied.get(("Deployment", names.gateway))
+        )
+        keep: set[tuple[str, str]] = set()
+        if switch is not None and not switch.may_remove_old(gateway_now):
+            keep = {(kind, names.role(r)) for r in switch.old for kind in ("Deployment", "Service")}
         for key, obj in existing.items():
-            if key in applied or not _controlled_by(obj, uid):
+            if key in applied or key in keep or not _controlled_by(obj, uid):
                 continue
             kube.delete(kind_of(obj), namespace, key[1])
             result.actions.append(("Deleted", *key))
@@ -197,20 +323,44 @@ def reconcile(
         WorkloadState.from_deployment(role, applied.get(("Deployment", names.role(role))))
         for role, _ in spec.roles.items()
     ]
-    gateway = WorkloadState.from_deployment(GATEWAY, applied.get(("Deployment", names.gateway)))
+    switching = None
+    if switch is not None and keep:
+        ready = {w.name: f"{w.ready}/{w.desired} ready" for w in roles}
+        switching = switch.message(gateway_now, ready)
     problem = summarize(kube.list(POD, namespace, owned_selector(name)))
     result.status = compute_status(
         generation,
         roles,
-        gateway,
+        gateway_now,
         names.gateway_url(),
         prev_status,
         pod_problem=problem,
         autoscaled=_autoscaled(spec),
+        role_switch=switching,
     )
+    _record_role_switch(prev_status, switch, switching, record)
     _record_degraded(prev_status, result.status, record)
     _write_status(kube, body, result.status)
     return result
+
+
+def _record_role_switch(
+    prev_status: Manifest,
+    switch: RoleSwitch | None,
+    switching: str | None,
+    record: Recorder,
+) -> None:
+    """One Event when a role switch starts keeping the previous roles, one when it ends
+    (not one per pass: the status message carries the progress)."""
+    was = role_switch_in_progress({"status": prev_status})
+    if switching is not None and not was:
+        record("Normal", ROLE_SWITCH, switching)
+    elif switch is not None and switching is None:
+        record(
+            "Normal",
+            "RoleSwitchComplete",
+            f"now serving from {'+'.join(switch.new)}; deleted {'+'.join(switch.old)}",
+        )
 
 
 def _autoscaled(spec: InferenceServiceSpec) -> set[str]:
@@ -252,6 +402,8 @@ def refresh_status(kube: KubeAPI, body: Manifest, record: Recorder) -> Manifest 
         for c in prev.get("conditions", []) or []
     ):
         return None  # only a full pass may clear Degraded
+    if role_switch_in_progress(body):
+        return None  # only a full pass knows what the switch waits for, and advances it
     deploys = {
         d["metadata"]["name"]: d
         for d in kube.list(DEPLOYMENT, meta["namespace"], owned_selector(meta["name"]))

@@ -20,6 +20,9 @@ Manifest = dict[str, Any]
 
 # Conditions owned by the autoscaler (pagefleet/operator/autoscaler.py).
 AUTOSCALER_CONDITIONS = ("ScalingActive",)
+# Progressing's reason while the previous roles' pods still serve during a change between
+# unified and prefill/decode (pagefleet/operator/reconcile.py).
+ROLE_SWITCH = "RoleSwitch"
 
 
 @dataclass(slots=True)
@@ -116,8 +119,12 @@ def compute_status(
     degraded_message: str = "",
     pod_problem: tuple[str, str] | None = None,
     autoscaled: Collection[str] | None = None,
+    role_switch: str | None = None,
 ) -> Manifest:
     """Full status of one InferenceService (a JSON merge patch replaces it as a whole).
+
+    ``role_switch``: why the previous roles' workloads are still there (a role switch is
+    under way); it makes Progressing True with reason RoleSwitch unless Degraded.
 
     Degraded comes from, in order: the caller's reason (spec or API problems), failing pods
     (`pod_problem`: the kubelet's reason and the container's last words), a Deployment that
@@ -147,22 +154,19 @@ def compute_status(
     workloads = [*roles, *([gateway] if gateway else [])]
     all_ready = bool(roles) and gateway is not None and all(w.ready_now for w in workloads)
     waiting = [w for w in workloads if not w.ready_now]
-    progressing = not degraded and bool(waiting)
-    conds.append(
-        condition(
-            "Progressing",
-            progressing,
-            "RollingOut" if progressing else ("Stalled" if degraded else "Complete"),
-            (
-                "waiting for "
-                + ", ".join(f"{w.name} ({w.ready}/{w.desired} ready)" for w in waiting)
-                if progressing
-                else ("blocked: see Degraded" if degraded else "all workloads on the current spec")
-            ),
-            generation,
-            prev_conds,
+    progressing = not degraded and (bool(waiting) or role_switch is not None)
+    if progressing and role_switch is not None:
+        reason, message = ROLE_SWITCH, role_switch
+    elif progressing:
+        reason = "RollingOut"
+        message = "waiting for " + ", ".join(
+            f"{w.name} ({w.ready}/{w.desired} ready)" for w in waiting
         )
-    )
+    elif degraded:
+        reason, message = "Stalled", "blocked: see Degraded"
+    else:
+        reason, message = "Complete", "all workloads on the current spec"
+    conds.append(condition("Progressing", progressing, reason, message, generation, prev_conds))
     conds.append(
         condition(
             "Degraded",
@@ -173,7 +177,7 @@ def compute_status(
             prev_conds,
         )
     )
-    ready = all_ready and not degraded
+    ready = all_ready and not degraded and role_switch is None
     conds.append(
         condition(
             "Ready",
@@ -213,4 +217,4 @@ def compute_status(
     }
 
 
-__all__ = ["GATEWAY", "WorkloadState", "compute_status", "condition"]
+__all__ = ["GATEWAY", "ROLE_SWITCH", "WorkloadState", "compute_status", "condition"]

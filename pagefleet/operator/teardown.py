@@ -11,6 +11,12 @@ release them, and `helm uninstall` would fail at its timeout with every service 
 Terminating. Given the operator's Deployment, the teardown then removes the finalizer
 itself: the operator's delete handler only forgets in-memory state, which a stopped
 operator does not hold, and garbage collection still takes the children.
+
+A watched namespace deleted before the uninstall holds nothing to tear down (its
+InferenceServices went with it); the API server answers a list there with 403 (the
+teardown's RoleBinding went too) or 404. Such a namespace is skipped once the teardown has
+seen that it no longer exists; a refusal in a namespace that still exists fails as before,
+since services there would be left unmanaged.
 """
 
 from __future__ import annotations
@@ -38,13 +44,18 @@ class Teardown:
         api: Any,
         namespaces: list[str] | None,
         operator_running: Callable[[], bool] | None = None,
+        namespace_exists: Callable[[str], bool] | None = None,
     ) -> None:
         """``operator_running``: whether an operator replica is Ready now; None: assume so
-        (wait for it, never release a finalizer here)."""
+        (wait for it, never release a finalizer here). ``namespace_exists``: whether a
+        namespace is still there (asked only when listing in it was refused); None: assume
+        so (a refusal then fails the teardown)."""
         self.api = api
         self.namespaces = namespaces
         self.operator_running = operator_running
+        self.namespace_exists = namespace_exists
         self.released: list[str] = []
+        self.gone: list[str] = []  # watched namespaces found deleted: nothing to tear down
 
     def list(self) -> list[dict[str, Any]]:
         if self.namespaces is None:
@@ -52,11 +63,31 @@ class Teardown:
                 GROUP, VERSION, PLURAL
             )["items"]
             return items
-        return [
-            item
-            for ns in self.namespaces
-            for item in self.api.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"]
-        ]
+        return [item for ns in self.namespaces for item in self._list_in(ns)]
+
+    def _list_in(self, namespace: str) -> list[dict[str, Any]]:
+        from kubernetes.client.exceptions import ApiException
+
+        if namespace in self.gone:
+            return []
+        try:
+            items: list[dict[str, Any]] = self.api.list_namespaced_custom_object(
+                GROUP, VERSION, namespace, PLURAL
+            )["items"]
+        except ApiException as exc:
+            if exc.status not in (403, 404) or self.namespace_exists is None:
+                raise
+            if self.namespace_exists(namespace):
+                raise  # services there would be left unmanaged: a person must look
+            log.warning(
+                "namespace %s no longer exists: nothing to tear down there (listing "
+                "InferenceServices in it answered %s)",
+                namespace,
+                exc.status,
+            )
+            self.gone.append(namespace)
+            return []
+        return items
 
     def delete_all(self) -> list[str]:
         from kubernetes.client.exceptions import ApiException
@@ -134,6 +165,23 @@ def deployment_ready(apps: Any, ref: str) -> Callable[[], bool]:
     return running
 
 
+def namespace_exists(core: Any) -> Callable[[str], bool]:
+    """Whether a namespace exists, read through ``core`` (a ``kubernetes.client.CoreV1Api``).
+    Only a 404 says it does not; any other error counts as existing (do not skip a namespace
+    on a doubt)."""
+
+    def exists(namespace: str) -> bool:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            core.read_namespace(namespace)
+        except ApiException as exc:
+            return exc.status != 404
+        return True
+
+    return exists
+
+
 @click.command("teardown")
 @click.option(
     "--namespace", "-n", "namespaces", multiple=True, help="Only this namespace (repeatable)."
@@ -178,7 +226,12 @@ def command(
         if operator_deployment is None
         else deployment_ready(client.AppsV1Api(), operator_deployment)
     )
-    teardown = Teardown(client.CustomObjectsApi(), list(namespaces) or None, running)
+    teardown = Teardown(
+        client.CustomObjectsApi(),
+        list(namespaces) or None,
+        running,
+        namespace_exists(client.CoreV1Api()),
+    )
     deleted = teardown.delete_all()
     log.info("deleted %d InferenceService(s): %s", len(deleted), ", ".join(deleted) or "-")
     left = teardown.wait_gone(timeout_seconds)

@@ -215,6 +215,8 @@ def test_helm_template_with_redis_namespaces_and_monitoring_apis():
     for d in docs:
         if "helm.sh/hook" in d["metadata"].get("annotations", {}):
             continue  # the uninstall hook's own RBAC: test_helm_template_default_install
+        if d["metadata"]["name"].endswith("-teardown"):
+            continue  # the hook's rights in the watched namespaces: the test below
         by_kind.setdefault(d["kind"], []).append(d)
     assert sorted(r["metadata"]["namespace"] for r in by_kind["Role"]) == ["team-a", "team-b"]
     assert len(by_kind["RoleBinding"]) == 2
@@ -248,6 +250,36 @@ def test_helm_template_with_redis_namespaces_and_monitoring_apis():
     groups = by_kind["PrometheusRule"][0]["spec"]["groups"]
     alerts = {r["alert"] for g in groups for r in g["rules"] if "alert" in r}
     assert {"PagefleetTTFTErrorBudgetBurnFast", "PagefleetTPOTErrorBudgetBurnSlow"} <= alerts
+
+
+def test_the_uninstall_hook_creates_nothing_in_a_watched_namespace():
+    """Helm creates hook objects when it runs the hook: one in a watched namespace deleted
+    since the install failed `helm uninstall` with 'namespaces ... not found'. The hook's
+    rights there are release objects instead (gone with the namespace), and it may read
+    just those namespaces to see that one is gone."""
+    docs = _template("--set", "operator.watchNamespaces={team-a,team-b}")
+    hooks = [d for d in docs if "helm.sh/hook" in d["metadata"].get("annotations", {})]
+    assert {d["metadata"].get("namespace") for d in hooks} == {"pagefleet-system", None}
+    teardown = [d for d in docs if d["metadata"]["name"] == "pf-pagefleet-teardown"]
+    in_watched = sorted(
+        (d["kind"], d["metadata"]["namespace"]) for d in teardown if d["kind"] != "ServiceAccount"
+    )
+    assert in_watched == [
+        ("Job", "pagefleet-system"),
+        ("Role", "team-a"),
+        ("Role", "team-b"),
+        ("RoleBinding", "team-a"),
+        ("RoleBinding", "team-b"),
+    ]
+    (ns_reader,) = [d for d in hooks if d["kind"] == "ClusterRole"]
+    assert ns_reader["rules"] == [
+        {
+            "apiGroups": [""],
+            "resources": ["namespaces"],
+            "resourceNames": ["team-a", "team-b"],
+            "verbs": ["get"],
+        }
+    ]
 
 
 def test_helm_template_security_options_and_bundled_redis_auth():

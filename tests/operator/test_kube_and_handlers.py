@@ -8,6 +8,7 @@ patches; 404 handling). The e2e suite runs the same code against a real kube-api
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import threading
@@ -214,6 +215,34 @@ def test_child_deletion_event_restores_and_modification_refreshes_status(ctx, re
     assert next(c for c in status["conditions"] if c["type"] == "Ready")["status"] == "True"
 
 
+def _routed_service(kube: FakeKube) -> str:
+    cmd = kube.obj("Deployment", "ml", "llama-gateway")["spec"]["template"]["spec"]
+    cmd = cmd["containers"][0]["command"]
+    return str(cmd[cmd.index("--service") + 1])
+
+
+def test_a_role_switch_advances_on_child_events_not_only_on_resync(ctx):
+    # The switch waits for new pods to turn Ready, which reaches the operator as Deployment
+    # status events: a mere status refresh left it to the resync timer (30 s), twice.
+    kube: FakeKube = ctx.kube  # type: ignore[assignment]
+    memo = kopf.Memo(ctx=ctx)
+    handlers.on_change(body=kopf.Body(copy.deepcopy(_add_is(kube))), memo=memo)
+    kube.mark_deployments_ready()
+    obj = kube.obj("InferenceService", "ml", "llama")
+    obj["spec"]["roles"] = {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}
+    obj["metadata"]["generation"] += 1
+    handlers.on_change(body=kopf.Body(copy.deepcopy(obj)), memo=memo)
+    assert _routed_service(kube) == "llama-unified"
+    event = {"event": {"type": "MODIFIED"}, "namespace": "ml", "memo": memo}
+    labels = {"pagefleet.io/service": "llama"}
+    kube.mark_deployments_ready()  # the new pods are Ready
+    handlers.on_child_event(**event, labels=labels)
+    assert _routed_service(kube) == "llama-decode"
+    kube.mark_deployments_ready()  # the gateway pods rolled
+    handlers.on_child_event(**event, labels=labels)
+    assert kube.names("Deployment") == ["llama-decode", "llama-gateway", "llama-prefill"]
+
+
 def _max_num_seqs(kube: FakeKube) -> str:
     deploy = kube.obj("Deployment", "ml", "llama-unified")
     cmd = deploy["spec"]["template"]["spec"]["containers"][0]["command"]
@@ -258,8 +287,8 @@ def test_a_status_refresh_that_waited_on_the_lock_reports_the_newer_generation(c
         return out
 
     kube.get = watched_get  # type: ignore[method-assign]
-    lock = ctx.lock("ml", "llama")
-    lock.acquire()  # an update pass is running
+    held = contextlib.ExitStack()
+    held.enter_context(ctx.lock("ml", "llama"))  # an update pass is running
     event = threading.Thread(
         target=handlers.on_child_event,
         kwargs={
@@ -273,7 +302,7 @@ def test_a_status_refresh_that_waited_on_the_lock_reports_the_newer_generation(c
     read_parent.wait(0.5)  # (before the fix the handler read its parent here, unlocked)
     reconcile(kube, _edit(kube, 32), ctx.settings, lambda *_: None)  # the update pass
     assert kube.obj("InferenceService", "ml", "llama")["status"]["observedGeneration"] == 3
-    lock.release()
+    held.close()
     event.join(5)
     status = kube.obj("InferenceService", "ml", "llama")["status"]
     assert status["observedGeneration"] == 3
@@ -318,6 +347,56 @@ def test_a_deletion_during_an_autoscaler_tick_still_forgets_the_service(ctx):
     handlers.on_delete(body=kopf.Body(dying), memo=memo)
     tick.join(5)
     assert autoscaler.memory == {}
+
+
+def _named_is(kube: FakeKube, name: str) -> dict[str, Any]:
+    body = _add_is(kube)
+    kube.objects.pop(("InferenceService", "ml", "llama"))
+    body["metadata"]["name"] = name
+    return kube.add(body)
+
+
+def test_services_that_come_and_go_leave_no_lock_behind(ctx):
+    # The per-service locks lived in a table that only grew: an operator on a cluster
+    # that creates and deletes many InferenceServices kept one lock per name ever seen.
+    kube: FakeKube = ctx.kube  # type: ignore[assignment]
+    memo = kopf.Memo(ctx=ctx)
+    for i in range(20):
+        body = _named_is(kube, f"batch-{i}")
+        handlers.on_change(body=kopf.Body(copy.deepcopy(body)), memo=memo)
+        handlers.on_resync(body=kopf.Body(copy.deepcopy(body)), memo=memo)
+        body["metadata"]["deletionTimestamp"] = "2026-12-03T00:00:00Z"
+        handlers.on_delete(body=kopf.Body(body), memo=memo)
+    assert len(ctx.locks) == 0
+
+
+def test_a_lock_in_use_is_not_dropped_under_its_waiters(ctx):
+    # Dropping a service's lock while a pass holds it would hand the next handler a fresh
+    # lock, and two passes of one service would run at once.
+    memo = kopf.Memo(ctx=ctx)
+    dying = _add_is(ctx.kube)
+    dying["metadata"]["deletionTimestamp"] = "2026-12-03T00:00:00Z"
+    inside: list[str] = []
+    held = contextlib.ExitStack()
+    held.enter_context(ctx.lock("ml", "llama"))  # a pass is running
+
+    def second_pass() -> None:
+        with ctx.lock("ml", "llama"):
+            inside.append("second")
+
+    delete = threading.Thread(
+        target=handlers.on_delete, kwargs={"body": kopf.Body(dying), "memo": memo}
+    )
+    other = threading.Thread(target=second_pass)
+    delete.start()
+    other.start()
+    time.sleep(0.2)
+    assert delete.is_alive() and inside == []  # both wait for the running pass
+    assert len(ctx.locks) == 1
+    held.close()
+    delete.join(5)
+    other.join(5)
+    assert inside == ["second"] and len(ctx.locks) == 0
 
 
 def _series(metrics: OperatorMetrics, service: str) -> list[str]:

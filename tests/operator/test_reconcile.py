@@ -193,6 +193,8 @@ def test_a_status_written_by_a_controller_mid_pass_is_no_drift(kube, unified_spe
 
 
 def test_switching_to_prefill_decode_replaces_the_role_workloads(kube, unified_spec):
+    # The unified pods never became Ready: nothing serves that a switch could interrupt,
+    # so the pass switches at once (the rollout case: the tests below).
     create_is(kube, unified_spec)
     reconcile(kube, body(kube), SETTINGS, Recorder())
     # A foreign object with our labels but another owner must survive pruning.
@@ -231,6 +233,145 @@ def test_switching_to_prefill_decode_replaces_the_role_workloads(kube, unified_s
     st = body(kube)["status"]
     assert [r["name"] for r in st["roles"]] == ["prefill", "decode"]
     assert {c["type"] for c in st["conditions"]} >= {"PrefillReady", "DecodeReady"}
+
+
+def set_ready(kube: FakeKube, name: str, ready: int) -> None:
+    """What the Deployment controller reports when `ready` of its pods are Ready on the
+    current template."""
+    dep = kube.obj("Deployment", "ml", name)
+    n = dep["spec"].get("replicas", 1)
+    dep["status"] = {
+        "observedGeneration": dep["metadata"]["generation"],
+        "replicas": n,
+        "readyReplicas": ready,
+        "updatedReplicas": n,
+        "availableReplicas": ready,
+    }
+
+
+def gateway_routes(kube: FakeKube) -> tuple[str, str | None]:
+    """(--service, --prefill-service or None) of the gateway's command."""
+    dep = kube.obj("Deployment", "ml", "llama-gateway")
+    cmd = dep["spec"]["template"]["spec"]["containers"][0]["command"]
+    prefill = cmd[cmd.index("--prefill-service") + 1] if "--prefill-service" in cmd else None
+    return cmd[cmd.index("--service") + 1], prefill
+
+
+def progressing(kube: FakeKube) -> tuple[str, str]:
+    c = cond(kube, "Progressing")
+    return c["reason"], c["message"]
+
+
+def test_a_role_switch_keeps_the_old_pool_serving_until_the_new_roles_are_ready(kube, unified_spec):
+    # unified -> prefill + decode deleted the unified Deployment in the pass that created
+    # the new ones: for the new pods' start-up time no daemon served and the gateway
+    # answered 503.
+    create_is(kube, unified_spec)
+    reconcile(kube, body(kube), SETTINGS, Recorder())
+    kube.mark_deployments_ready()
+    refresh_status(kube, body(kube), Recorder())
+    gateway_version = kube.obj("Deployment", "ml", "llama-gateway")["metadata"]["resourceVersion"]
+
+    def to_pd(spec):
+        spec["roles"] = {"prefill": {"replicas": 1}, "decode": {"replicas": 2}}
+
+    edit_spec(kube, to_pd)
+    rec = Recorder()
+    result = reconcile(kube, body(kube), SETTINGS, rec)
+    assert kube.names("Deployment") == [
+        "llama-decode",
+        "llama-gateway",
+        "llama-prefill",
+        "llama-unified",
+    ]
+    assert "llama-unified" in kube.names("Service")
+    assert not [a for a in result.actions if a[0] == "Deleted"]
+    # The gateway is not touched: every gateway pod keeps routing to the unified pool.
+    assert gateway_routes(kube) == ("llama-unified", None)
+    gateway = kube.obj("Deployment", "ml", "llama-gateway")
+    assert gateway["metadata"]["resourceVersion"] == gateway_version
+    # The unified pods stay behind the daemons' NetworkPolicy while they run.
+    policy = kube.obj("NetworkPolicy", "ml", "llama-daemons")
+    assert policy["spec"]["podSelector"]["matchExpressions"][0]["values"] == [
+        "decode",
+        "prefill",
+        "unified",
+    ]
+    reason, message = progressing(kube)
+    assert reason == "RoleSwitch"
+    assert "unified keeps serving" in message and "decode 0/2 ready" in message
+    assert cond(kube, "Ready")["status"] == "False"
+    assert ("Normal", "RoleSwitch") in [(t, r) for t, r, _ in rec.events]
+
+    # Passes while the new pods start: nothing moves, no Event repeated.
+    set_ready(kube, "llama-prefill", 1)
+    rec = Recorder()
+    assert reconcile(kube, body(kube), SETTINGS, rec).actions == []
+    assert gateway_routes(kube) == ("llama-unified", None)
+    assert rec.events == []
+
+    # Every new role has a Ready pod: the gateway moves to P/D, unified still serves the
+    # gateway pods that have not rolled yet.
+    set_ready(kube, "llama-decode", 1)
+    result = reconcile(kube, body(kube), SETTINGS, Recorder())
+    assert ("Updated", "Deployment", "llama-gateway") in result.actions
+    assert gateway_routes(kube) == ("llama-decode", "llama-prefill")
+    assert "llama-unified" in kube.names("Deployment")
+    reason, message = progressing(kube)
+    assert reason == "RoleSwitch" and "the gateway moves to prefill+decode" in message
+
+    # Every gateway pod routes to P/D: unified goes, and the switch is over.
+    set_ready(kube, "llama-gateway", 1)
+    rec = Recorder()
+    result = reconcile(kube, body(kube), SETTINGS, rec)
+    assert ("Deleted", "Deployment", "llama-unified") in result.actions
+    assert ("Deleted", "Service", "llama-unified") in result.actions
+    assert kube.names("Deployment") == ["llama-decode", "llama-gateway", "llama-prefill"]
+    assert "RoleSwitchComplete" in rec.reasons()
+    assert progressing(kube)[0] == "RollingOut"  # decode 1/2 ready
+    policy = kube.obj("NetworkPolicy", "ml", "llama-daemons")
+    assert "unified" in policy["spec"]["podSelector"]["matchExpressions"][0]["values"]
+    reconcile(kube, body(kube), SETTINGS, Recorder())  # the pass the deletion triggers
+    policy = kube.obj("NetworkPolicy", "ml", "llama-daemons")
+    assert policy["spec"]["podSelector"]["matchExpressions"][0]["values"] == ["decode", "prefill"]
+
+
+def test_a_switch_back_to_unified_keeps_prefill_decode_serving_meanwhile(kube, pd_spec):
+    create_is(kube, pd_spec)
+    reconcile(kube, body(kube), SETTINGS, Recorder())
+    kube.mark_deployments_ready()
+
+    def to_unified(spec):
+        spec["roles"] = {"unified": {"replicas": 1}}
+
+    edit_spec(kube, to_unified)
+    reconcile(kube, body(kube), SETTINGS, Recorder())
+    assert gateway_routes(kube) == ("llama-decode", "llama-prefill")
+    assert {"llama-prefill", "llama-decode"} <= set(kube.names("Deployment"))
+    assert refresh_status(kube, body(kube), Recorder()) is None  # a full pass's business
+    assert progressing(kube)[0] == "RoleSwitch"
+    set_ready(kube, "llama-unified", 1)
+    reconcile(kube, body(kube), SETTINGS, Recorder())
+    assert gateway_routes(kube) == ("llama-unified", None)
+    set_ready(kube, "llama-gateway", 1)
+    reconcile(kube, body(kube), SETTINGS, Recorder())
+    assert kube.names("Deployment") == ["llama-gateway", "llama-unified"]
+    assert cond(kube, "Ready")["status"] == "True"
+
+
+def test_a_new_role_scaled_to_zero_does_not_hold_the_switch_forever(kube, unified_spec):
+    create_is(kube, unified_spec)
+    reconcile(kube, body(kube), SETTINGS, Recorder())
+    kube.mark_deployments_ready()
+
+    def to_pd(spec):
+        spec["roles"] = {"prefill": {"replicas": 0}, "decode": {"replicas": 1}}
+
+    edit_spec(kube, to_pd)
+    reconcile(kube, body(kube), SETTINGS, Recorder())
+    set_ready(kube, "llama-decode", 1)  # prefill wants no pod: decode alone is enough
+    reconcile(kube, body(kube), SETTINGS, Recorder())
+    assert gateway_routes(kube) == ("llama-decode", "llama-prefill")
 
 
 def test_autoscaler_status_lasts_only_while_a_role_autoscales(kube, pd_spec):

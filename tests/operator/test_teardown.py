@@ -5,15 +5,24 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+from kubernetes.client.exceptions import ApiException
+
 from pagefleet.operator.teardown import Teardown
 
 
 class FakeCustomObjects:
     """Deleting marks an object terminating; the 'operator' releases it a poll later."""
 
-    def __init__(self, objs: dict[tuple[str, str], dict[str, Any]], release: bool) -> None:
+    def __init__(
+        self,
+        objs: dict[tuple[str, str], dict[str, Any]],
+        release: bool,
+        refused: frozenset[str] = frozenset(),
+    ) -> None:
         self.objs = objs
         self.release = release
+        self.refused = refused  # namespaces where listing answers 403 (no RoleBinding there)
         self.deletes: list[tuple[str, str]] = []
 
     def _items(self, ns: str | None) -> dict[str, Any]:
@@ -26,6 +35,8 @@ class FakeCustomObjects:
         return self._items(None)
 
     def list_namespaced_custom_object(self, group: str, version: str, ns: str, plural: str) -> Any:
+        if ns in self.refused:
+            raise ApiException(status=403, reason="Forbidden")
         return self._items(ns)
 
     def patch_namespaced_custom_object(
@@ -90,3 +101,31 @@ def test_while_the_operator_runs_it_releases_nothing() -> None:
     assert len(td.wait_gone(timeout_s=0.05, poll_s=0.01)) == 1
     assert objs[("a", "x")]["metadata"]["finalizers"] == ["pagefleet.io/finalizer"]
     assert td.released == []
+
+
+def test_a_watched_namespace_deleted_already_does_not_fail_the_teardown() -> None:
+    # `helm uninstall` failed when a namespace the operator watched had been deleted: the
+    # API server refuses the list there (the teardown's RoleBinding went with it), though
+    # nothing is left to tear down.
+    objs = {("a", "x"): _obj("a", "x")}
+    api = FakeCustomObjects(objs, release=True, refused=frozenset({"gone"}))
+    asked: list[str] = []
+
+    def exists(ns: str) -> bool:
+        asked.append(ns)
+        return ns != "gone"
+
+    td = Teardown(api, ["a", "gone"], namespace_exists=exists)
+    assert td.delete_all() == ["a/x"]
+    assert td.wait_gone(timeout_s=5, poll_s=0.01) == []
+    assert td.gone == ["gone"] and asked == ["gone"]  # looked up once, then skipped
+
+
+def test_a_refusal_in_a_namespace_that_still_exists_fails_the_teardown() -> None:
+    # Services there would be left unmanaged with a stuck finalizer: a person must look.
+    objs = {("a", "x"): _obj("a", "x")}
+    api = FakeCustomObjects(objs, release=True, refused=frozenset({"a"}))
+    td = Teardown(api, ["a"], namespace_exists=lambda ns: True)
+    with pytest.raises(ApiException) as err:
+        td.delete_all()
+    assert err.value.status == 403 and api.deletes == []
