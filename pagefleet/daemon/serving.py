@@ -194,6 +194,16 @@ class OpenAIServing:
         self._check_model(req.model)
         if req.suffix:
             raise APIError(400, "suffix is not supported by this model", param="suffix")
+        if req.echo and req.logprobs is not None:
+            # OpenAI's answer lists the prompt's tokens and logprobs first; the engine
+            # computes logits only where it samples, so it has none for the prompt. An
+            # answer with the output's tokens alone would be read as the prompt's.
+            raise APIError(
+                400,
+                "echo with logprobs needs the prompt tokens' logprobs, which this server "
+                "does not compute; drop logprobs, or drop echo and prepend the prompt yourself",
+                param="logprobs",
+            )
         tok = self._tokenizer()
         raw = req.prompts()
         size = sum(len(p) for p in raw if isinstance(p, str))
