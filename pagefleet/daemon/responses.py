@@ -7,7 +7,6 @@ shape never touches the engine or the queue: it reads the job's choices and one 
 from __future__ import annotations
 
 import json
-import uuid
 from json.encoder import encode_basestring
 from typing import Protocol
 
@@ -31,6 +30,7 @@ from pagefleet.api.openai import (
     ToolCall,
     ToolCallDelta,
     TopLogprob,
+    new_tool_call_id,
 )
 from pagefleet.daemon.job import Choice, Job
 from pagefleet.daemon.token_bytes import TokenBytesFn, utf8_bytes
@@ -360,7 +360,7 @@ def _tool_call_piece(ch: Choice, final: bool) -> list[ToolCallDelta] | None:
     piece = call.arguments[ch.tool_args_sent :]
     ch.tool_args_sent = len(call.arguments)
     if ch.tool_call_id is None:
-        ch.tool_call_id = f"call-{uuid.uuid4().hex}"
+        ch.tool_call_id = new_tool_call_id()
         fn = FunctionCallDelta(name=call.name, arguments=piece)
         return [ToolCallDelta(index=0, id=ch.tool_call_id, type="function", function=fn)]
     return [ToolCallDelta(index=0, function=FunctionCallDelta(arguments=piece))] if piece else None

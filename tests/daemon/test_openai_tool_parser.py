@@ -170,3 +170,67 @@ async def test_the_flag_names_its_formats_and_refuses_others() -> None:
     bad = CliRunner().invoke(command, ["--tool-call-parser", "mistral"])
     assert bad.exit_code != 0 and "mistral" in bad.output
     assert DaemonConfig().tool_call_parser == "none"
+
+
+# Mistral's chat templates check every tool call id of the history, as here (their words).
+ID_CHECK = (
+    "{% for m in messages %}"
+    "{% for tc in m.tool_calls or [] %}{% if tc.id is not defined or tc.id|length != 9 %}"
+    "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}"
+    "{% endif %}{% endfor %}"
+    "{% if m.role == 'tool' and (m.tool_call_id is not defined or m.tool_call_id|length != 9) %}"
+    "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}"
+    "{% endif %}{% endfor %}"
+)
+
+
+async def test_tool_call_ids_suit_a_template_that_checks_them(tmp_path: Path) -> None:
+    """A model whose template takes only 9-character alphanumeric ids (Mistral's): the
+    ids this daemon gives its calls, forced and parsed, go back in the history without
+    an error (they were "call-" and 32 hex digits: the next turn was a 400); an id from
+    another provider that the template refuses is a 400 naming messages, in the
+    template's words, streamed or not, never a 500."""
+    ckpt = tools_checkpoint(tmp_path / "tiny-mistral-ids")
+    cfg_path = ckpt / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = ID_CHECK + cfg["chat_template"]
+    cfg_path.write_text(json.dumps(cfg))
+    async with live_daemon(config(ckpt, "hermes")) as d:
+        c = openai.AsyncOpenAI(base_url=d.base_url, api_key="none", max_retries=0)
+        forced = await c.chat.completions.create(
+            model=MODEL, messages=MSGS, tools=TOOLS, max_tokens=60, temperature=0,
+            tool_choice={"type": "function", "function": {"name": "get_time"}},
+        )  # fmt: skip
+        parsed, streamed, deltas = await ask(c, TWO_CALLS, tools=TOOLS)
+        streamed_ids = [tc.id for d in deltas for tc in d.delta.tool_calls or [] if tc.id]
+        answers = [forced.choices[0], parsed, streamed]
+        ids = [t.id for a in answers for t in a.message.tool_calls]
+        assert streamed_ids == [t.id for t in streamed.message.tool_calls]
+        assert len(ids) == 5 and len(set(ids)) == 5, ids
+        assert all(re.fullmatch(r"[A-Za-z0-9]{9}", i) for i in ids), ids
+        for answer in answers:
+            history = [
+                *MSGS,
+                answer.message.model_dump(exclude_none=True),
+                *({"role": "tool", "tool_call_id": t.id, "content": "ok"}
+                  for t in answer.message.tool_calls),
+            ]  # fmt: skip
+            again = await c.chat.completions.create(
+                model=MODEL, messages=history, tools=TOOLS, max_tokens=2
+            )
+            assert again.choices[0].finish_reason in ("stop", "length")
+        foreign = [
+            *MSGS,
+            {"role": "assistant", "content": None, "tool_calls": [{
+                "id": "call_Vq3mX8kfNnB0pLr2sT7uYw1Z", "type": "function",
+                "function": {"name": "get_time", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "call_Vq3mX8kfNnB0pLr2sT7uYw1Z", "content": "9am"},
+        ]  # fmt: skip
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as e:
+                await c.chat.completions.create(
+                    model=MODEL, messages=foreign, tools=TOOLS, max_tokens=2, stream=stream
+                )
+            assert e.value.body["param"] == "messages", e.value.body
+            assert "length 9" in e.value.body["message"], e.value.body
+        await c.close()
