@@ -113,7 +113,10 @@ def _checked_call(body: str, tool_names: frozenset[str]) -> ParsedCall | None:
         obj = json.loads(body)
     except ValueError:
         return None
-    if not isinstance(obj, dict) or obj.get("name") not in tool_names:
+    if not isinstance(obj, dict):
+        return None
+    name = obj.get("name")
+    if not isinstance(name, str) or name not in tool_names:  # (a list is unhashable)
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):  # some models write the arguments as JSON text
@@ -123,7 +126,7 @@ def _checked_call(body: str, tool_names: frozenset[str]) -> ParsedCall | None:
             return None
     if not isinstance(args, dict):
         return None
-    return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
+    return ParsedCall(name, json.dumps(args, ensure_ascii=False))
 
 
 def _held_tag_prefix(text: str, tag: str) -> int:

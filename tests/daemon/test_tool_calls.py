@@ -57,6 +57,8 @@ HERMES_CASES: list[tuple[str, str, list[tuple[str, dict]]]] = [
      '<tool_call>{"name": "get_weather", "arguments": {"city": Paris}}</tool_call>', []),
     ('a<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>b',
      'a<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>b', []),
+    ('<tool_call>{"name": ["get_time"], "arguments": {}}</tool_call>',
+     '<tool_call>{"name": ["get_time"], "arguments": {}}</tool_call>', []),
     ('<tool_call>{"name": "get_time", "arguments": [1]}</tool_call>',
      '<tool_call>{"name": "get_time", "arguments": [1]}</tool_call>', []),
     # The good call stays a call next to a bad one; an unclosed last call that parses too.
