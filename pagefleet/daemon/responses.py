@@ -338,7 +338,7 @@ def _tool_call(text: str) -> ToolCall | None:
     arguments are the model's own text of them, as streamed (tool_calls.py)."""
     try:
         obj = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: past ~1000 nested levels
         return None
     call = read_call(text)
     args = call.arguments if call.complete else json.dumps(obj["arguments"])

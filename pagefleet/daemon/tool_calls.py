@@ -111,7 +111,7 @@ def _checked_call(body: str, tool_names: frozenset[str]) -> ParsedCall | None:
     Hermes writes ``arguments``, Llama 3 ``parameters``: either is read."""
     try:
         obj = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: past ~1000 nested levels
         return None
     if not isinstance(obj, dict):
         return None
@@ -122,7 +122,7 @@ def _checked_call(body: str, tool_names: frozenset[str]) -> ParsedCall | None:
     if isinstance(args, str):  # some models write the arguments as JSON text
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(args, dict):
         return None
@@ -272,7 +272,7 @@ def _json_calls(text: str, tool_names: frozenset[str]) -> list[ParsedCall] | Non
     while pos < len(text):
         try:
             _, end = dec.raw_decode(text, pos)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         call = _checked_call(text[pos:end], tool_names)
         if call is None:

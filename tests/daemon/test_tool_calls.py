@@ -133,3 +133,13 @@ def test_content_streams_before_the_call_closes() -> None:
     s = CallStream("llama3_json", TOOLS)
     assert s.feed("Sunny", final=False).content == "Sunny"
     assert s.feed(' {"name": "get_time"', final=False).content == ' {"name": "get_time"'
+
+
+def test_deeply_nested_text_is_content_not_an_error() -> None:
+    """json raises RecursionError (not ValueError) past ~1000 levels: a model that writes
+    that many brackets in a call gets its text back, not a 500."""
+    for parser, text in (
+        ("hermes", "<tool_call>" + "[" * 5000 + "</tool_call>"),
+        ("llama3_json", '{"name": "get_time", "parameters": ' + "[" * 5000),
+    ):
+        assert parse_calls(parser, text, TOOLS).content == text
