@@ -14,6 +14,8 @@ integer is accepted where a float is expected, as JSON has one number type.
 from __future__ import annotations
 
 import json
+import secrets
+import string
 import time
 import uuid
 from typing import Annotated, Any, Literal, TypeVar, get_args
@@ -649,8 +651,19 @@ class FunctionCall(BaseModel):
     arguments: str  # JSON text, as OpenAI sends it
 
 
+_ID_ALPHABET = string.ascii_letters + string.digits
+
+
+def new_tool_call_id() -> str:
+    """A tool call's id: 9 random letters and digits. Clients send it back in the history,
+    and chat templates differ in what they accept there: Mistral's raise on any id that is
+    not 9 alphanumeric characters (the 37-character ``call-<hex>`` ids made every next
+    turn a 400); Llama's, Qwen's and Hermes' ignore it. 62**9 ids: no clash in a chat."""
+    return "".join(secrets.choice(_ID_ALPHABET) for _ in range(9))
+
+
 class ToolCall(BaseModel):
-    id: str = Field(default_factory=lambda: _new_id("call"))
+    id: str = Field(default_factory=new_tool_call_id)
     type: Literal["function"] = "function"
     function: FunctionCall
 

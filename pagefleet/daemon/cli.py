@@ -17,6 +17,7 @@ from aiohttp import web
 
 from pagefleet.daemon.config import DEFAULT_LONG_PREFILL_TOKENS, DaemonConfig
 from pagefleet.daemon.termination import write_termination_message
+from pagefleet.daemon.tool_calls import TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -254,6 +255,16 @@ async def serve(config: DaemonConfig) -> None:
     "prompt and cached tokens, and when it reached the HTTP handler, the engine, the "
     "batch and its first token (monotonic clock); for benchmarks joining their requests "
     "to the daemon's view.",
+)
+@click.option(
+    "--tool-call-parser",
+    type=click.Choice(list(TOOL_CALL_PARSERS)),
+    default="none",
+    show_default=True,
+    help="With tool_choice auto (the default when a request has tools), read the calls "
+    "the model writes out of its text into message.tool_calls: hermes (<tool_call>{...}"
+    "</tool_call>: Qwen 2.5/3, Hermes) or llama3_json (the output is one JSON call: Llama "
+    "3.1+). none: the text is returned as content. vLLM's flag of the same name.",
 )
 @click.option(
     "--log-level",

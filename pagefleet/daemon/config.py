@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pagefleet.api.limits import DEFAULT_MAX_BODY_BYTES
+from pagefleet.daemon.tool_calls import ToolCallParser
 from pagefleet.engine.config import EngineConfig
 
 Role = Literal["unified", "prefill", "decode"]
@@ -91,6 +92,10 @@ class DaemonConfig(BaseModel):
     cuda_graphs: bool = False
     # One JSON line per finished prompt with its timings (request_log.py); None: off.
     request_log: str | None = None
+    # With tool_choice "auto", read the calls the model writes in this format out of its
+    # text into message.tool_calls (tool_calls.py; vLLM's --tool-call-parser); "none":
+    # the text is the content, as written.
+    tool_call_parser: ToolCallParser = "none"
 
     @model_validator(mode="after")
     def _budget_serves_every_stream(self) -> DaemonConfig:

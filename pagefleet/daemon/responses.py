@@ -7,7 +7,6 @@ shape never touches the engine or the queue: it reads the job's choices and one 
 from __future__ import annotations
 
 import json
-import uuid
 from json.encoder import encode_basestring
 from typing import Protocol
 
@@ -31,10 +30,11 @@ from pagefleet.api.openai import (
     ToolCall,
     ToolCallDelta,
     TopLogprob,
+    new_tool_call_id,
 )
 from pagefleet.daemon.job import Choice, Job
 from pagefleet.daemon.token_bytes import TokenBytesFn, utf8_bytes
-from pagefleet.daemon.tool_calls import read_call
+from pagefleet.daemon.tool_calls import CallStream, Parsed, ParsedCall, parse_calls, read_call
 from pagefleet.engine.outputs import CompletionDelta, TokenLogprob
 
 
@@ -176,26 +176,43 @@ class ChatShape:
     id_prefix = "chatcmpl"
     prompt_param = "messages"
 
-    def __init__(self, token_bytes: TokenBytesFn = utf8_bytes) -> None:
+    def __init__(
+        self,
+        token_bytes: TokenBytesFn = utf8_bytes,
+        tool_parser: str | None = None,
+        tool_names: frozenset[str] = frozenset(),
+    ) -> None:
         # The ``bytes`` of each logprob (token_bytes.py: a partial token's own bytes).
         self.token_bytes = token_bytes
+        # Auto tool choice (--tool-call-parser): the format calls are read from the text
+        # in, and the tools they may call; None: the text is the content, as written.
+        self.tool_parser = tool_parser
+        self.tool_names = tool_names
+        self._call_streams: dict[int, CallStream] = {}  # choice index -> its reader
 
     def response(self, job: Job, model: str) -> ChatCompletionResponse:
         want_lp = job.params.logprobs is not None
         return ChatCompletionResponse(
             id=job.base_id,
             model=model,
-            choices=[
-                ChatChoice(
-                    index=c.index,
-                    message=_message(job, c),
-                    logprobs=chat_logprobs(c.logprobs, self.token_bytes) if want_lp else None,
-                    finish_reason=_finish_reason(job, c.finish_reason),
-                    stop_reason=c.stop_reason,
-                )
-                for c in job.sorted_choices()
-            ],
+            choices=[self._choice(job, c, want_lp) for c in job.sorted_choices()],
             usage=job.usage(),
+        )
+
+    def _choice(self, job: Job, c: Choice, want_lp: bool) -> ChatChoice:
+        if self.tool_parser is None:
+            message = _message(job, c)
+            finish = _finish_reason(job, c.finish_reason)
+        else:
+            parsed = parse_calls(self.tool_parser, c.text, self.tool_names)
+            message = _parsed_message(parsed) if parsed.calls else _message(job, c)
+            finish = _auto_finish_reason(len(parsed.calls), c.finish_reason)
+        return ChatChoice(
+            index=c.index,
+            message=message,
+            logprobs=chat_logprobs(c.logprobs, self.token_bytes) if want_lp else None,
+            finish_reason=finish,
+            stop_reason=c.stop_reason,
         )
 
     def opening_chunks(self, job: Job, created: int, model: str) -> list[BaseModel]:
@@ -205,7 +222,10 @@ class ChatShape:
         self, job: Job, created: int, model: str, ch: Choice, delta: CompletionDelta
     ) -> ChatCompletionChunk:
         msg = DeltaMessage(content=delta.new_text)
-        if job.forced_tool_call:
+        finish = _finish_reason(job, delta.finish_reason)
+        if self.tool_parser is not None:
+            msg, finish = self._auto_delta(ch, delta)
+        elif job.forced_tool_call:
             msg.content = None
             msg.tool_calls = _tool_call_piece(ch, delta.finish_reason is not None)
             if delta.finish_reason is not None and ch.tool_call_id is None:
@@ -219,24 +239,44 @@ class ChatShape:
         return ChatCompletionChunk(
             id=job.base_id, created=created, model=model,
             choices=[ChatChunkChoice(
-                index=ch.index, delta=msg, logprobs=lp,
-                finish_reason=_finish_reason(job, delta.finish_reason),
+                index=ch.index, delta=msg, logprobs=lp, finish_reason=finish,
                 stop_reason=delta.stop_reason,
             )],
         )  # fmt: skip
 
+    def _auto_delta(self, ch: Choice, delta: CompletionDelta) -> tuple[DeltaMessage, str | None]:
+        """The content and calls a delta completes (auto tool choice), and its finish
+        reason: "tool_calls" when the model stopped after calling."""
+        stream = self._call_streams.get(ch.index)
+        if stream is None:
+            stream = self._call_streams[ch.index] = CallStream(
+                self.tool_parser or "", self.tool_names
+            )
+        before = stream.num_calls
+        parsed = stream.feed(delta.new_text, final=delta.finish_reason is not None)
+        calls = [
+            ToolCallDelta(
+                index=before + i,
+                id=call.id,
+                type="function",
+                function=FunctionCallDelta(
+                    name=call.function.name, arguments=call.function.arguments
+                ),
+            )
+            for i, call in enumerate(_tool_calls(parsed.calls))
+        ]
+        msg = DeltaMessage(content=parsed.content or None, tool_calls=calls or None)
+        return msg, _auto_finish_reason(stream.num_calls, delta.finish_reason)
+
     def chunk_json(
         self, job: Job, created: int, model: str, ch: Choice, delta: CompletionDelta
     ) -> bytes:
-        if (
-            job.forced_tool_call
-            or delta.logprobs
-            or type(delta.stop_reason) not in (str, int, type(None))
-        ):
+        held = job.forced_tool_call or self.tool_parser is not None  # text may be held back
+        if held or delta.logprobs or type(delta.stop_reason) not in (str, int, type(None)):
             chunk = self.chunk(job, created, model, ch, delta)
             (choice,) = chunk.choices
             if (
-                job.forced_tool_call
+                held
                 and choice.finish_reason is None
                 and choice.logprobs is None
                 and not choice.delta.model_dump(exclude_none=True)
@@ -298,7 +338,7 @@ def _tool_call(text: str) -> ToolCall | None:
     arguments are the model's own text of them, as streamed (tool_calls.py)."""
     try:
         obj = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: past ~1000 nested levels
         return None
     call = read_call(text)
     args = call.arguments if call.complete else json.dumps(obj["arguments"])
@@ -320,7 +360,7 @@ def _tool_call_piece(ch: Choice, final: bool) -> list[ToolCallDelta] | None:
     piece = call.arguments[ch.tool_args_sent :]
     ch.tool_args_sent = len(call.arguments)
     if ch.tool_call_id is None:
-        ch.tool_call_id = f"call-{uuid.uuid4().hex}"
+        ch.tool_call_id = new_tool_call_id()
         fn = FunctionCallDelta(name=call.name, arguments=piece)
         return [ToolCallDelta(index=0, id=ch.tool_call_id, type="function", function=fn)]
     return [ToolCallDelta(index=0, function=FunctionCallDelta(arguments=piece))] if piece else None
@@ -339,6 +379,19 @@ def _message(job: Job, c: Choice) -> ChatResponseMessage:
         if call is not None:
             return ChatResponseMessage(content=None, tool_calls=[call])
     return ChatResponseMessage(content=c.text)
+
+
+def _tool_calls(calls: list[ParsedCall]) -> list[ToolCall]:
+    return [ToolCall(function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
+
+
+def _parsed_message(parsed: Parsed) -> ChatResponseMessage:
+    """Calls read from the text (auto tool choice); content null when there is none."""
+    return ChatResponseMessage(content=parsed.content or None, tool_calls=_tool_calls(parsed.calls))
+
+
+def _auto_finish_reason(num_calls: int, reason: str | None) -> str | None:
+    return "tool_calls" if num_calls and reason == "stop" else reason
 
 
 def _finish_reason(job: Job, reason: str | None) -> str | None:

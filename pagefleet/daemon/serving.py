@@ -194,6 +194,16 @@ class OpenAIServing:
         self._check_model(req.model)
         if req.suffix:
             raise APIError(400, "suffix is not supported by this model", param="suffix")
+        if req.echo and req.logprobs is not None:
+            # OpenAI's answer lists the prompt's tokens and logprobs first; the engine
+            # computes logits only where it samples, so it has none for the prompt. An
+            # answer with the output's tokens alone would be read as the prompt's.
+            raise APIError(
+                400,
+                "echo with logprobs needs the prompt tokens' logprobs, which this server "
+                "does not compute; drop logprobs, or drop echo and prepend the prompt yourself",
+                param="logprobs",
+            )
         tok = self._tokenizer()
         raw = req.prompts()
         size = sum(len(p) for p in raw if isinstance(p, str))
@@ -226,10 +236,20 @@ class OpenAIServing:
             [prompt],
             req.effective_max_tokens(),
             logprobs,
-            ChatShape(token_bytes_of(self._tokenizer())),
+            self._chat_shape(req, tool_schema),
             echo=False,
             tool_schema=tool_schema,
         )
+
+    def _chat_shape(self, req: ChatCompletionRequest, tool_schema: str | None) -> ChatShape:
+        """The chat response shape; it reads calls out of the text (--tool-call-parser)
+        when the request has tools and leaves the choice to the model ("auto")."""
+        parser = self.config.tool_call_parser
+        auto = req.tools and tool_schema is None and req.tool_choice in (None, "auto")
+        if parser == "none" or not auto:
+            return ChatShape(token_bytes_of(self._tokenizer()))
+        names = frozenset(t.function.name for t in req.tools or [])
+        return ChatShape(token_bytes_of(self._tokenizer()), parser, names)
 
     def _tools(self, req: ChatCompletionRequest, template_kwargs: dict[str, Any]) -> str | None:
         """Put ``tools`` in the template's variables; return the JSON schema the output is

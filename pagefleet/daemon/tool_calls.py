@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 # Up to and including the name's closing quote; then up to the arguments' value.
 _NAME = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')
@@ -67,3 +68,221 @@ def read_call(text: str) -> CallSoFar:
         return CallSoFar(name, "", False)
     end = _value_end(rest)
     return CallSoFar(name, rest if end is None else rest[:end], end is not None)
+
+
+# -- auto tool choice: calls the model wrote in its own format (--tool-call-parser) -------
+#
+# With ``tool_choice`` "auto" nothing constrains the output: the model answers in text or
+# writes calls in the format its chat template taught it. A parser reads such calls out
+# of the text, whole (``parse_calls``) or as it grows (``CallStream``). One implementation
+# serves both: the whole text is the stream fed at once, so a streamed answer concatenates
+# to exactly the non-streamed one (content and calls alike).
+#
+# A call is held back until it is closed (hermes: ``</tool_call>``; llama3_json: the end
+# of the output) and checked: JSON, an object, a ``name`` among the request's tools, an
+# object of arguments. One that fails is the model's text and goes out as content as is;
+# a streamed piece is never taken back, so nothing of a call is sent before that check.
+
+ToolCallParser = Literal["none", "hermes", "llama3_json"]  # --tool-call-parser
+TOOL_CALL_PARSERS: tuple[str, ...] = get_args(ToolCallParser)
+
+_HERMES_OPEN = "<tool_call>"
+_HERMES_CLOSE = "</tool_call>"
+_PYTHON_TAG = "<|python_tag|>"  # Llama 3.1 may open its calls with it
+_CALL_SEP = re.compile(r"\s*;?\s*")  # between llama3_json calls
+
+
+@dataclass(slots=True, frozen=True)
+class ParsedCall:
+    name: str
+    arguments: str  # the arguments object as JSON text
+
+
+@dataclass(slots=True)
+class Parsed:
+    """What one ``feed`` found: content to send and calls completed since the last one."""
+
+    content: str = ""
+    calls: list[ParsedCall] = field(default_factory=list)
+
+
+def _checked_call(body: str, tool_names: frozenset[str]) -> ParsedCall | None:
+    """The call ``body`` states, or None when it is not a well-formed call of a tool.
+    Hermes writes ``arguments``, Llama 3 ``parameters``: either is read."""
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError):  # RecursionError: past ~1000 nested levels
+        return None
+    if not isinstance(obj, dict):
+        return None
+    name = obj.get("name")
+    if not isinstance(name, str) or name not in tool_names:  # (a list is unhashable)
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):  # some models write the arguments as JSON text
+        try:
+            args = json.loads(args)
+        except (ValueError, RecursionError):
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ParsedCall(name, json.dumps(args, ensure_ascii=False))
+
+
+def _held_tag_prefix(text: str, tag: str) -> int:
+    """How many trailing characters of ``text`` could be the start of ``tag``."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+class _Content:
+    """Content pieces, with trailing whitespace held until more text follows: a model
+    puts newlines around and between its calls, and an answer that only calls has null
+    content, not "\\n". Invariant: the pieces given out concatenate to the whole content,
+    less its trailing whitespace when there were calls."""
+
+    __slots__ = ("_held",)
+
+    def __init__(self) -> None:
+        self._held = ""
+
+    def add(self, text: str) -> str:
+        text = self._held + text
+        visible = text.rstrip()
+        if not visible:
+            self._held = text
+            return ""
+        self._held = text[len(visible) :]
+        return visible
+
+    def end(self, had_calls: bool) -> str:
+        held, self._held = self._held, ""
+        return "" if had_calls else held
+
+
+class CallStream:
+    """Reads one choice's calls out of its text as the text grows (see above).
+
+    ``feed(piece, final)`` takes the next piece of text (``final``: the output ended) and
+    returns the content and calls it completes. Invariant: for any split of a text into
+    pieces, the results concatenate to ``parse_calls(text)``.
+    """
+
+    __slots__ = (
+        "_buf",
+        "_content",
+        "_format",
+        "_in_call",
+        "_is_text",
+        "_pos",
+        "_tools",
+        "num_calls",
+    )
+
+    def __init__(self, parser: str, tool_names: frozenset[str]) -> None:
+        if parser not in TOOL_CALL_PARSERS or parser == "none":
+            raise ValueError(f"unknown tool call parser {parser!r}; one of {TOOL_CALL_PARSERS}")
+        self._format = parser
+        self._tools = tool_names
+        self._buf = ""
+        self._pos = 0  # text before it is dealt with
+        self._in_call = False  # hermes: _pos is at an opening tag
+        self._is_text = False  # llama3_json: the output is text, not calls
+        self._content = _Content()
+        self.num_calls = 0
+
+    def feed(self, piece: str, final: bool) -> Parsed:
+        self._buf += piece
+        out = Parsed()
+        if self._format == "hermes":
+            self._hermes(out, final)
+        else:
+            self._json_whole(out, final)
+        self.num_calls += len(out.calls)
+        if final:
+            out.content += self._content.end(self.num_calls > 0)
+        return out
+
+    def _text(self, out: Parsed, end: int) -> None:
+        out.content += self._content.add(self._buf[self._pos : end])
+        self._pos = end
+
+    def _hermes(self, out: Parsed, final: bool) -> None:
+        buf = self._buf
+        while True:
+            if not self._in_call:
+                at = buf.find(_HERMES_OPEN, self._pos)
+                if at < 0:
+                    # Keep back what may be the start of a tag: "<tool" is no content yet.
+                    self._text(
+                        out, len(buf) if final else len(buf) - _held_tag_prefix(buf, _HERMES_OPEN)
+                    )
+                    return
+                self._text(out, at)
+                self._in_call = True
+            body_at = self._pos + len(_HERMES_OPEN)
+            close = buf.find(_HERMES_CLOSE, body_at)
+            if close < 0 and not final:
+                return  # the call is still being written
+            end = len(buf) if close < 0 else close + len(_HERMES_CLOSE)
+            call = _checked_call(buf[body_at : close if close >= 0 else len(buf)], self._tools)
+            self._in_call = False
+            if call is None:
+                self._text(out, end)  # not a call after all: the model's text, as written
+            else:
+                out.calls.append(call)
+                self._pos = end
+            if close < 0:
+                return
+
+    def _json_whole(self, out: Parsed, final: bool) -> None:
+        """llama3_json: the whole output is one call, or several joined by ";"."""
+        if self._is_text:
+            self._text(out, len(self._buf))
+            return
+        start = len(self._buf) - len(self._buf[self._pos :].lstrip())
+        if start == len(self._buf) and not final:
+            return  # only whitespace so far: nothing decides yet
+        rest = self._buf[start:]
+        if not (
+            rest.startswith("{") or rest.startswith(_PYTHON_TAG) or _PYTHON_TAG.startswith(rest)
+        ):
+            self._is_text = True  # text: it streams as content from here on
+            self._text(out, len(self._buf))
+            return
+        if not final:
+            return  # maybe a call: held until the output ends
+        calls = _json_calls(rest.removeprefix(_PYTHON_TAG), self._tools)
+        if calls is None:
+            self._text(out, len(self._buf))
+        else:
+            out.calls += calls
+            self._pos = len(self._buf)
+
+
+def _json_calls(text: str, tool_names: frozenset[str]) -> list[ParsedCall] | None:
+    """The calls of a llama3_json output (``{...}`` or ``{...}; {...}``); None unless
+    every part is a call of a tool."""
+    calls = []
+    dec = json.JSONDecoder()
+    pos = 0
+    text = text.strip()
+    while pos < len(text):
+        try:
+            _, end = dec.raw_decode(text, pos)
+        except (ValueError, RecursionError):
+            return None
+        call = _checked_call(text[pos:end], tool_names)
+        if call is None:
+            return None
+        calls.append(call)
+        pos = end
+        pos = _CALL_SEP.match(text, pos).end()  # type: ignore[union-attr]  # always matches
+    return calls or None
+
+
+def parse_calls(parser: str, text: str, tool_names: frozenset[str]) -> Parsed:
+    """The content and calls of a whole output (the stream of it fed at once)."""
+    return CallStream(parser, tool_names).feed(text, final=True)

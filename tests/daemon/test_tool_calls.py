@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+import random
 
-from pagefleet.daemon.tool_calls import read_call
+from pagefleet.daemon.tool_calls import CallStream, ParsedCall, parse_calls, read_call
 
 TEXTS = [
     '{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}',
@@ -34,3 +35,111 @@ def test_text_of_another_shape_reads_no_call() -> None:
     assert read_call('{"arguments": {}, "name": "f"}').name is None
     assert read_call("hello").name is None
     assert read_call('{"name": "f", "arguments": 3}').arguments == ""
+
+
+# -- auto tool choice: parse_calls / CallStream ------------------------------------------
+
+TOOLS = frozenset({"get_weather", "get_time"})
+W = '{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}'
+T = '{"name": "get_time", "arguments": {}}'
+
+HERMES_CASES: list[tuple[str, str, list[tuple[str, dict]]]] = [
+    # (output, content, calls)
+    (f"<tool_call>\n{W}\n</tool_call>", "", [("get_weather", {"city": "Paris", "days": 3})]),
+    (
+        f"Let me check.\n<tool_call>\n{W}\n</tool_call>\n<tool_call>{T}</tool_call>\n",
+        "Let me check.",
+        [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {})],
+    ),
+    ("no call here, a < sign and <tool", "no call here, a < sign and <tool", []),
+    # Malformed: bad JSON, an unknown tool, arguments that are no object: text as written.
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": Paris}}</tool_call>',
+     '<tool_call>{"name": "get_weather", "arguments": {"city": Paris}}</tool_call>', []),
+    ('a<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>b',
+     'a<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>b', []),
+    ('<tool_call>{"name": ["get_time"], "arguments": {}}</tool_call>',
+     '<tool_call>{"name": ["get_time"], "arguments": {}}</tool_call>', []),
+    ('<tool_call>{"name": "get_time", "arguments": [1]}</tool_call>',
+     '<tool_call>{"name": "get_time", "arguments": [1]}</tool_call>', []),
+    # The good call stays a call next to a bad one; an unclosed last call that parses too.
+    (f"<tool_call>{{bad</tool_call><tool_call>{T}", "<tool_call>{bad</tool_call>",
+     [("get_time", {})]),
+    (f"<tool_call>{W[:-3]}", f"<tool_call>{W[:-3]}", []),  # cut short: text
+    ("", "", []),
+]  # fmt: skip
+
+LLAMA_CASES: list[tuple[str, str, list[tuple[str, dict]]]] = [
+    ('{"name": "get_time", "parameters": {}}', "", [("get_time", {})]),
+    (f'<|python_tag|>{W}; {{"name": "get_time", "parameters": {{}}}}',
+     "", [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {})]),
+    ('  {"name": "get_time", "parameters": {"tz": "UTC"}}\n', "", [("get_time", {"tz": "UTC"})]),
+    ("The answer is {x}.", "The answer is {x}.", []),
+    ('{"name": "get_time", "parameters": {}} and more',
+     '{"name": "get_time", "parameters": {}} and more', []),
+    ('{"name": "nope", "parameters": {}}', '{"name": "nope", "parameters": {}}', []),
+    ('{"name": "get_time", "parameters": {', '{"name": "get_time", "parameters": {', []),
+]  # fmt: skip
+
+
+def _calls(parsed_calls: list[ParsedCall]) -> list[tuple[str, dict]]:
+    return [(c.name, json.loads(c.arguments)) for c in parsed_calls]
+
+
+def _splits(text: str) -> list[list[str]]:
+    """The text whole, a character at a time, and in seeded random pieces."""
+    rng = random.Random(len(text))
+    out = [[text], list(text) or [""]]
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(1, 6))))
+        out.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)])
+    return out
+
+
+def test_whole_outputs_split_into_content_and_calls() -> None:
+    for parser, cases in (("hermes", HERMES_CASES), ("llama3_json", LLAMA_CASES)):
+        for text, content, calls in cases:
+            got = parse_calls(parser, text, TOOLS)
+            assert (got.content, _calls(got.calls)) == (content, calls), (parser, text)
+
+
+def test_any_split_streams_to_the_whole_answer_and_never_shows_a_tag() -> None:
+    """Fed in any pieces, a stream's content and calls concatenate to the whole parse; no
+    content piece of a well-formed call's output ever holds tag or call text."""
+    for parser, cases in (("hermes", HERMES_CASES), ("llama3_json", LLAMA_CASES)):
+        for text, content, calls in cases:
+            for pieces in _splits(text):
+                stream = CallStream(parser, TOOLS)
+                got = [stream.feed(p, final=i == len(pieces) - 1) for i, p in enumerate(pieces)]
+                assert "".join(g.content for g in got) == content, (parser, pieces)
+                assert _calls([c for g in got for c in g.calls]) == calls, (parser, pieces)
+                assert stream.num_calls == len(calls)
+                if calls and "{" not in content:  # (a malformed call's text is content)
+                    assert not any("tool_call" in g.content or "{" in g.content for g in got)
+
+
+def test_content_streams_before_the_call_closes() -> None:
+    """Text before a call goes out as it comes (not held to the end); the call waits for
+    its closing tag; a possible tag start is held only until it proves to be text."""
+    s = CallStream("hermes", TOOLS)
+    assert s.feed("Let me check", final=False).content == "Let me check"
+    assert s.feed(" now <tool", final=False).content == " now"
+    opened = s.feed("_call>" + W, final=False)
+    assert (opened.content, opened.calls) == ("", [])
+    closed = s.feed("</tool_call>", final=False)
+    assert _calls(closed.calls) == [("get_weather", {"city": "Paris", "days": 3})]
+    s = CallStream("hermes", TOOLS)
+    assert s.feed("a <tool", final=False).content == "a"
+    assert s.feed("s>", final=False).content == " <tools>"
+    s = CallStream("llama3_json", TOOLS)
+    assert s.feed("Sunny", final=False).content == "Sunny"
+    assert s.feed(' {"name": "get_time"', final=False).content == ' {"name": "get_time"'
+
+
+def test_deeply_nested_text_is_content_not_an_error() -> None:
+    """json raises RecursionError (not ValueError) past ~1000 levels: a model that writes
+    that many brackets in a call gets its text back, not a 500."""
+    for parser, text in (
+        ("hermes", "<tool_call>" + "[" * 5000 + "</tool_call>"),
+        ("llama3_json", '{"name": "get_time", "parameters": ' + "[" * 5000),
+    ):
+        assert parse_calls(parser, text, TOOLS).content == text
