@@ -304,11 +304,14 @@ class _DyingDecodePod:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         app = web.Application()
-        app.router.add_get("/ready", lambda _: web.json_response({"ready": True}))
-        app.router.add_get("/health", lambda _: web.json_response({"ok": True}))
+        app.router.add_get("/ready", self._ok)
+        app.router.add_get("/health", self._ok)
         app.router.add_post("/v1/completions", self._die)
         app.router.add_post("/v1/chat/completions", self._die)
         self.runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0)
+
+    async def _ok(self, _: web.Request) -> web.Response:
+        return web.json_response({"ready": True, "ok": True})
 
     async def _die(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
