@@ -25,6 +25,8 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+from pagefleet.api.openai import ToolCallParser
+
 GROUP = "pagefleet.io"
 VERSION = "v1alpha1"
 KIND = "InferenceService"
@@ -262,6 +264,11 @@ class EngineSpec(_Model):
     prefills join at its next chunk instead of waiting out the whole prompt."""
     enable_prefix_caching: bool = True
     """Reuse cached KV blocks of identical prompt prefixes."""
+    tool_call_parser: ToolCallParser = "none"
+    """How the daemons read tool calls out of the model's text when a chat request has tools
+    and tool_choice "auto": `hermes` (<tool_call>{...}</tool_call>), `llama3_json` (the
+    whole output one JSON call), or `none` (the text is returned as content). Pick the
+    format the model was trained to write; a forced tool_choice works with any."""
 
 
 # ---------------------------------------------------------------------------------- roles

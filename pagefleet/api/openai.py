@@ -651,6 +651,11 @@ class FunctionCall(BaseModel):
     arguments: str  # JSON text, as OpenAI sends it
 
 
+# How a daemon reads tool calls out of free text when ``tool_choice`` is "auto": the
+# daemon's --tool-call-parser and the CRD's engine.toolCallParser take these names.
+ToolCallParser = Literal["none", "hermes", "llama3_json"]
+TOOL_CALL_PARSERS: tuple[str, ...] = get_args(ToolCallParser)
+
 _ID_ALPHABET = string.ascii_letters + string.digits
 
 

@@ -15,9 +15,9 @@ from typing import cast
 import click
 from aiohttp import web
 
+from pagefleet.api.openai import TOOL_CALL_PARSERS
 from pagefleet.daemon.config import DEFAULT_LONG_PREFILL_TOKENS, DaemonConfig
 from pagefleet.daemon.termination import write_termination_message
-from pagefleet.daemon.tool_calls import TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
 

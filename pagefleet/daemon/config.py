@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pagefleet.api.limits import DEFAULT_MAX_BODY_BYTES
-from pagefleet.daemon.tool_calls import ToolCallParser
+from pagefleet.api.openai import ToolCallParser
 from pagefleet.engine.config import EngineConfig
 
 Role = Literal["unified", "prefill", "decode"]

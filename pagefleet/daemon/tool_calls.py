@@ -17,7 +17,8 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+
+from pagefleet.api.openai import TOOL_CALL_PARSERS
 
 # Up to and including the name's closing quote; then up to the arguments' value.
 _NAME = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')
@@ -83,8 +84,6 @@ def read_call(text: str) -> CallSoFar:
 # object of arguments. One that fails is the model's text and goes out as content as is;
 # a streamed piece is never taken back, so nothing of a call is sent before that check.
 
-ToolCallParser = Literal["none", "hermes", "llama3_json"]  # --tool-call-parser
-TOOL_CALL_PARSERS: tuple[str, ...] = get_args(ToolCallParser)
 
 _HERMES_OPEN = "<tool_call>"
 _HERMES_CLOSE = "</tool_call>"

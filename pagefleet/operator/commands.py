@@ -108,6 +108,8 @@ def daemon_command(
         cmd += ["--max-model-len", str(spec.model.max_model_len)]
     if eng.num_gpu_blocks is not None:
         cmd += ["--num-gpu-blocks", str(eng.num_gpu_blocks)]
+    if eng.tool_call_parser != "none":
+        cmd += ["--tool-call-parser", eng.tool_call_parser]
     if role_spec is not None and role_spec.cost_per_hour:
         cmd += ["--cost-per-hour", f"{role_spec.cost_per_hour:g}"]
     return cmd

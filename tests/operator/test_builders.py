@@ -391,6 +391,25 @@ def test_daemon_and_gateway_clis_accept_the_operators_command_lines(pd_spec):
         assert gateway_cli.make_context("gateway", args).params["policy"] == policy
 
 
+def test_tool_call_parser_reaches_the_daemons_and_defaults_to_none(unified_spec):
+    """engine.toolCallParser is the daemon's --tool-call-parser, parsed by its real CLI; a
+    name the daemon does not know is refused at the spec, not in a crash-looping pod."""
+    from pagefleet.daemon.cli import command as daemon_cli
+
+    def parser_of(spec: dict[str, Any]) -> str:
+        dep = children(spec)[("Deployment", "llama-unified")]
+        cmd = dep["spec"]["template"]["spec"]["containers"][0]["command"]
+        ctx = daemon_cli.make_context("daemon", _subcommand_args(cmd, "daemon"))
+        return ctx.params["tool_call_parser"]
+
+    assert parser_of(unified_spec) == "none"
+    unified_spec.setdefault("engine", {})["toolCallParser"] = "hermes"
+    assert parser_of(unified_spec) == "hermes"
+    unified_spec["engine"]["toolCallParser"] = "mistral"
+    with pytest.raises(ValueError, match="toolCallParser"):
+        parse_spec(unified_spec)
+
+
 def test_scaling_the_gateway_does_not_roll_its_pods(unified_spec):
     before = children(unified_spec)
     unified_spec["router"] = {"replicas": 3}
