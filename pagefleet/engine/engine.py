@@ -264,7 +264,7 @@ class LLMEngine(Generic[TokenizerT]):
                 )
             words: list[list[int]] = []
             for word in params.bad_words:
-                for text in (word, " " + word.lstrip()):
+                for text in (word.lstrip(), " " + word.lstrip()):
                     try:
                         ids = list(encode(text, add_special_tokens=False))
                     except TypeError:  # a tokenizer without the keyword adds nothing

@@ -219,6 +219,13 @@ def test_bad_words_are_tokenized_and_token_ids_checked() -> None:
     params = SamplingParams(bad_words=["hello world"])
     eng.add_request("a", [5, 6], params)
     assert params.bad_words_token_ids and all(params.bad_words_token_ids)
+    # A word written with its leading space bans it both alone and after a space, as
+    # the same word without the space does (vLLM strips it before either spelling).
+    spaced = SamplingParams(bad_words=[" hello"])
+    eng.add_request("s", [5, 6], spaced)
+    plain = SamplingParams(bad_words=["hello"])
+    eng.add_request("p", [5, 6], plain)
+    assert sorted(spaced.bad_words_token_ids) == sorted(plain.bad_words_token_ids)
     with pytest.raises(InvalidRequestError) as err:
         eng.add_request("b", [5, 6], SamplingParams(logit_bias={10**6: 1.0}))
     assert err.value.param == "logit_bias"
