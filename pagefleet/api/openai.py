@@ -592,6 +592,7 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call (auto tool choice)
 
     def forced_tool_schema(self) -> dict[str, Any] | None:
         """The JSON schema the output must match when ``tool_choice`` forces a call:

@@ -181,6 +181,7 @@ class ChatShape:
         token_bytes: TokenBytesFn = utf8_bytes,
         tool_parser: str | None = None,
         tool_names: frozenset[str] = frozenset(),
+        max_calls: int | None = None,
     ) -> None:
         # The ``bytes`` of each logprob (token_bytes.py: a partial token's own bytes).
         self.token_bytes = token_bytes
@@ -188,6 +189,7 @@ class ChatShape:
         # in, and the tools they may call; None: the text is the content, as written.
         self.tool_parser = tool_parser
         self.tool_names = tool_names
+        self.max_calls = max_calls  # 1 with parallel_tool_calls false
         self._call_streams: dict[int, CallStream] = {}  # choice index -> its reader
 
     def response(self, job: Job, model: str) -> ChatCompletionResponse:
@@ -204,7 +206,7 @@ class ChatShape:
             message = _message(job, c)
             finish = _finish_reason(job, c.finish_reason)
         else:
-            parsed = parse_calls(self.tool_parser, c.text, self.tool_names)
+            parsed = parse_calls(self.tool_parser, c.text, self.tool_names, self.max_calls)
             message = _parsed_message(parsed) if parsed.calls else _message(job, c)
             finish = _auto_finish_reason(len(parsed.calls), c.finish_reason)
         return ChatChoice(
@@ -250,7 +252,7 @@ class ChatShape:
         stream = self._call_streams.get(ch.index)
         if stream is None:
             stream = self._call_streams[ch.index] = CallStream(
-                self.tool_parser or "", self.tool_names
+                self.tool_parser or "", self.tool_names, self.max_calls
             )
         before = stream.num_calls
         parsed = stream.feed(delta.new_text, final=delta.finish_reason is not None)

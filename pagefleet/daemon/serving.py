@@ -249,7 +249,8 @@ class OpenAIServing:
         if parser == "none" or not auto:
             return ChatShape(token_bytes_of(self._tokenizer()))
         names = frozenset(t.function.name for t in req.tools or [])
-        return ChatShape(token_bytes_of(self._tokenizer()), parser, names)
+        one = 1 if req.parallel_tool_calls is False else None
+        return ChatShape(token_bytes_of(self._tokenizer()), parser, names, one)
 
     def _tools(self, req: ChatCompletionRequest, template_kwargs: dict[str, Any]) -> str | None:
         """Put ``tools`` in the template's variables; return the JSON schema the output is

@@ -175,12 +175,17 @@ class CallStream:
         "_format",
         "_in_call",
         "_is_text",
+        "_max_calls",
         "_pos",
         "_tools",
         "num_calls",
     )
 
-    def __init__(self, parser: str, tool_names: frozenset[str]) -> None:
+    def __init__(
+        self, parser: str, tool_names: frozenset[str], max_calls: int | None = None
+    ) -> None:
+        """``max_calls``: calls beyond it are dropped, text and all (the request's
+        ``parallel_tool_calls: false`` asks for one)."""
         if parser not in TOOL_CALL_PARSERS or parser == "none":
             raise ValueError(f"unknown tool call parser {parser!r}; one of {TOOL_CALL_PARSERS}")
         self._format = parser
@@ -190,6 +195,7 @@ class CallStream:
         self._in_call = False  # hermes: _pos is at an opening tag
         self._is_text = False  # llama3_json: the output is text, not calls
         self._content = _Content()
+        self._max_calls = max_calls
         self.num_calls = 0
 
     def feed(self, piece: str, final: bool) -> Parsed:
@@ -199,6 +205,8 @@ class CallStream:
             self._hermes(out, final)
         else:
             self._json_whole(out, final)
+        if self._max_calls is not None:
+            del out.calls[max(0, self._max_calls - self.num_calls) :]
         self.num_calls += len(out.calls)
         if final:
             out.content += self._content.end(self.num_calls > 0)
@@ -282,6 +290,8 @@ def _json_calls(text: str, tool_names: frozenset[str]) -> list[ParsedCall] | Non
     return calls or None
 
 
-def parse_calls(parser: str, text: str, tool_names: frozenset[str]) -> Parsed:
+def parse_calls(
+    parser: str, text: str, tool_names: frozenset[str], max_calls: int | None = None
+) -> Parsed:
     """The content and calls of a whole output (the stream of it fed at once)."""
-    return CallStream(parser, tool_names).feed(text, final=True)
+    return CallStream(parser, tool_names, max_calls).feed(text, final=True)

@@ -134,6 +134,13 @@ async def test_two_calls_and_a_round_trip_of_the_history(hermes) -> None:
     assert again.choices[0].finish_reason in ("stop", "length")
 
 
+async def test_parallel_tool_calls_false_returns_the_first_call_only(hermes) -> None:
+    whole, streamed, _ = await ask(hermes, TWO_CALLS, tools=TOOLS, parallel_tool_calls=False)
+    assert calls_of(whole) == [("get_weather", {"city": "Oslo"})] == calls_of(streamed)
+    assert whole.message.content is None and streamed.message.content is None
+    assert whole.finish_reason == "tool_calls" == streamed.finish_reason
+
+
 async def test_what_is_not_a_well_formed_call_stays_text(hermes) -> None:
     """Bad JSON, a tool the request did not offer, no tools, tool_choice none: the text
     as the model wrote it, whole and streamed alike, finish_reason stop."""

@@ -135,6 +135,23 @@ def test_content_streams_before_the_call_closes() -> None:
     assert s.feed(' {"name": "get_time"', final=False).content == ' {"name": "get_time"'
 
 
+def test_max_calls_drops_the_calls_past_it_whole_or_streamed() -> None:
+    text = f"Sure.<tool_call>{W}</tool_call>\n<tool_call>{T}</tool_call>"
+    whole = parse_calls("hermes", text, TOOLS, max_calls=1)
+    assert (whole.content, [c.name for c in whole.calls]) == ("Sure.", ["get_weather"])
+    stream = CallStream("hermes", TOOLS, max_calls=1)
+    pieces = [
+        stream.feed(text[i : i + 7], final=i + 7 >= len(text)) for i in range(0, len(text), 7)
+    ]
+    assert "".join(p.content for p in pieces) == "Sure."
+    assert [c.name for p in pieces for c in p.calls] == ["get_weather"]
+    assert stream.num_calls == 1
+    joined = ";".join([W, T])
+    assert [c.name for c in parse_calls("llama3_json", joined, TOOLS, max_calls=1).calls] == [
+        "get_weather"
+    ]
+
+
 def test_deeply_nested_text_is_content_not_an_error() -> None:
     """json raises RecursionError (not ValueError) past ~1000 levels: a model that writes
     that many brackets in a call gets its text back, not a 500."""
