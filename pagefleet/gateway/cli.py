@@ -63,6 +63,9 @@ class GatewayConfig(BaseModel):
     first_byte_timeout_s: float = Field(60.0, gt=0)
     inter_chunk_timeout_s: float = Field(30.0, gt=0)
     request_timeout_s: float = Field(600.0, gt=0)
+    body_timeout_s: float = Field(30.0, gt=0)
+    client_write_timeout_s: float = Field(30.0, gt=0)
+    keepalive_timeout_s: float = Field(75.0, gt=0)
     probe_interval_s: float = Field(1.0, ge=0)
     probe_timeout_s: float = Field(1.0, gt=0)
     probe_failures: int = Field(2, ge=1)
@@ -211,6 +214,8 @@ def build_gateway(config: GatewayConfig):  # -> Gateway (imports kept local for 
             first_byte_timeout_s=config.first_byte_timeout_s,
             inter_chunk_timeout_s=config.inter_chunk_timeout_s,
             request_timeout_s=config.request_timeout_s,
+            body_timeout_s=config.body_timeout_s,
+            client_write_timeout_s=config.client_write_timeout_s,
             max_body_bytes=config.max_body_bytes,
             max_concurrency=config.max_concurrency,
             max_model_len=max_model_len,
@@ -269,8 +274,15 @@ async def serve(config: GatewayConfig, *, exit_watchdog: bool = False) -> None:
     # cancelled, which closes their upstream stream: the daemon aborts the request). Its
     # default, 60 s, kept a gateway with one open stream alive past `pagefleet up`'s 10 s
     # grace (SIGKILLed) and past a pod's termination grace.
+    # keepalive_timeout also bounds a connection that never completes its headers
+    # (aiohttp's only timer before a request starts); its default, 3630 s, let idle and
+    # slowloris connections hold a socket each for an hour.
     runner = web.AppRunner(
-        gateway.make_app(), handler_cancellation=True, access_log=None, shutdown_timeout=drain_s
+        gateway.make_app(),
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=drain_s,
+        keepalive_timeout=config.keepalive_timeout_s,
     )
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
@@ -451,6 +463,31 @@ def _split(value: str | None) -> list[str]:
     show_default=True,
     type=float,
     help="Non-streamed requests: seconds for the whole answer.",
+)
+@click.option(
+    "--body-timeout",
+    "body_timeout_s",
+    default=30.0,
+    show_default=True,
+    type=float,
+    help="Seconds a request body may take to arrive after its headers (then a 408).",
+)
+@click.option(
+    "--client-write-timeout",
+    "client_write_timeout_s",
+    default=30.0,
+    show_default=True,
+    type=float,
+    help="Streams: seconds a client may leave sent bytes unread before it is cut (and the "
+    "pod's request with it).",
+)
+@click.option(
+    "--keepalive-timeout",
+    "keepalive_timeout_s",
+    default=75.0,
+    show_default=True,
+    type=float,
+    help="Seconds an idle connection, or one still sending its headers, is kept open.",
 )
 @click.option(
     "--probe-interval",

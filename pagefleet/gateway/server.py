@@ -14,7 +14,12 @@ Invariants:
   client never gets a 200 that looks complete but is not.
 - Upstream error responses (other 4xx and 5xx, and 429/503 once no other pod is left)
   reach the client with their status and body unchanged.
-- Bodies over ``max_body_bytes`` (the daemon's limit) are refused before being read;
+- Bodies over ``max_body_bytes`` (the daemon's limit) are refused before being read; a
+  body that has not fully arrived ``body_timeout_s`` after its headers is a 408 and the
+  connection is closed, so a client trickling bytes cannot hold an admission slot;
+- A write to the client that cannot complete within ``client_write_timeout_s`` (it stopped
+  reading) cuts its connection and the pod's request with it: the pod's sequence and the
+  gateway's slot are never held by a client that reads nothing;
   large bodies are parsed and tokenized in worker processes, so ``/health`` and other
   streams never wait for them; at most ``max_concurrency`` requests are open at once.
 - Every proxied response names the pod that served it in ``x-pagefleet-pod``.
@@ -114,6 +119,14 @@ class ProxySettings:
     # the request ends with a 504 and is not re-sent: the pod may still be generating it.
     request_timeout_s: float = 600.0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # From the request's headers to the last byte of its body. A client uploading a
+    # maximal body (4 MiB) needs ~140 KB/s to make it; one trickling bytes to hold a slot
+    # gets a 408 instead.
+    body_timeout_s: float = 30.0
+    # The longest one write to the client may wait for it to take the bytes (its socket
+    # buffers are full: it stopped reading). Past it the client is cut and so is the pod's
+    # request, whose daemon then aborts the sequence and frees its blocks.
+    client_write_timeout_s: float = 30.0
     max_concurrency: int = 1024
     # Context length the gateway checks prompts against (None: leave it to the daemons).
     max_model_len: int | None = None
@@ -307,16 +320,58 @@ class Gateway:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, "chat", "/v1/chat/completions")
 
-    async def _read_body(self, request: web.Request) -> bytes | None:
-        """The body, or None when it exceeds the cap (checked before reading when declared)."""
+    async def _read_body(self, request: web.Request) -> bytes | web.Response:
+        """The body, or the refusal to send: 413 when it exceeds the cap (checked before
+        reading when declared), 408 when it has not arrived within ``body_timeout_s``."""
         limit = self.proxy.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
-            return None
+            return self._refused_too_large()
         try:
-            body = await request.read()
+            async with asyncio.timeout(self.proxy.body_timeout_s):
+                body = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            return None
-        return body if len(body) <= limit else None
+            return self._refused_too_large()
+        except TimeoutError:
+            self.metrics.rejected.labels(reason="body_timeout").inc()
+            resp = error_response(
+                408,
+                f"the request body did not arrive within {self.proxy.body_timeout_s:.0f}s "
+                "(the gateway's --body-timeout); send it whole, without pauses",
+                "invalid_request_error",
+                code="request_timeout",
+            )
+            # The rest of the body may still trickle in: this connection cannot carry
+            # another request.
+            resp.force_close()
+            return resp
+        return body if len(body) <= limit else self._refused_too_large()
+
+    def _refused_too_large(self) -> web.Response:
+        self.metrics.rejected.labels(reason="too_large").inc()
+        return self._too_large()
+
+    async def _to_client(
+        self, request: web.Request, resp: web.StreamResponse, data: bytes | None
+    ) -> None:
+        """Write ``data`` to the client (None: end the response; ``resp`` is prepared
+        first when it is not yet). A client that does not take it within
+        ``client_write_timeout_s`` has its connection aborted, and ConnectionResetError
+        (one of ``_CLIENT_GONE``) is raised, as for a client that hung up."""
+        limit = self.proxy.client_write_timeout_s
+        try:
+            async with asyncio.timeout(limit):
+                if not resp.prepared:
+                    await resp.prepare(request)
+                if data is None:
+                    await resp.write_eof()
+                else:
+                    await resp.write(data)
+        except TimeoutError:
+            if request.transport is not None:
+                request.transport.abort()  # its unsent bytes go too: nothing waits on them
+            raise ConnectionResetError(
+                f"the client took no bytes for {limit:.0f}s (--client-write-timeout)"
+            ) from None
 
     async def _handle(self, request: web.Request, kind: str, path: str) -> web.StreamResponse:
         t_arrival = time.perf_counter()
@@ -340,9 +395,8 @@ class Gateway:
         self, request: web.Request, kind: str, path: str, t_arrival: float
     ) -> web.StreamResponse:
         body = await self._read_body(request)
-        if body is None:
-            self.metrics.rejected.labels(reason="too_large").inc()
-            return self._too_large()
+        if isinstance(body, web.Response):
+            return body
         assert self.intake is not None
         try:
             intake: Intake = await self.intake.inspect(kind, body)
@@ -629,8 +683,7 @@ class Gateway:
             self._count(ep, decision, predicted_hit, upstream.status)
             resp = web.StreamResponse(status=upstream.status, headers=out_headers)
             try:
-                await resp.prepare(request)
-                await resp.write(first)
+                await self._to_client(request, resp, first)
             except _CLIENT_GONE as exc:
                 logger.debug("client went away before its stream from %s began: %s", ep.pod, exc)
                 return resp
@@ -690,10 +743,10 @@ class Gateway:
                 break
             tail = (tail + chunk)[-64:]
             try:
-                await resp.write(chunk)
+                await self._to_client(request, resp, chunk)
             except _CLIENT_GONE as exc:
-                # The client hung up; leaving closes the upstream connection, which makes
-                # the daemon abort the request and free its blocks.
+                # The client hung up or stopped reading; leaving closes the upstream
+                # connection, which makes the daemon abort the request and free its blocks.
                 logger.debug("client went away while streaming from %s: %s", ep.pod, exc)
                 return
         self.metrics.upstream_latency_seconds.labels(pod=ep.pod).observe(time.perf_counter() - t0)
@@ -706,8 +759,8 @@ class Gateway:
                     "server_error",
                     "upstream_stream_broken",
                 )
-                await resp.write(b"data: " + dumps(body) + b"\n\n")
-            await resp.write_eof()
+                await self._to_client(request, resp, b"data: " + dumps(body) + b"\n\n")
+            await self._to_client(request, resp, None)
 
     def _count(
         self, ep: Endpoint, decision: RoutingDecision, predicted_hit: int, status: int

@@ -9,9 +9,11 @@ as clean 200s and waited 300 s for a hung pod.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -66,6 +68,7 @@ class Upstream:
     gap_s: float = 0.02
     headers: list[dict[str, str]] = field(default_factory=list)
     runner: web.AppRunner | None = None
+    gone_at: float | None = None  # "flood": when its reader went away
 
     @property
     def url(self) -> str:
@@ -111,6 +114,14 @@ class Upstream:
             return resp
         if b == "stall":
             await asyncio.sleep(3600)
+        if b == "flood":  # as fast as the reader takes it, until the reader is gone
+            chunk = f"data: {json.dumps(CHUNK)}\n\n".encode() * 64
+            try:
+                while True:
+                    await resp.write(chunk)
+            except (ConnectionError, asyncio.CancelledError):
+                self.gone_at = time.monotonic()
+                raise
         if b == "eof":  # a clean end of the HTTP body, but the SSE stream never finished
             await resp.write_eof()
             return resp
@@ -399,6 +410,88 @@ async def test_concurrency_limit_answers_429_with_retry_after(make_fleet) -> Non
             h.close()
 
 
+async def _raw(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    host, port = url.removeprefix("http://").split(":")
+    return await asyncio.open_connection(host, int(port))
+
+
+async def test_a_body_sent_slowly_is_a_408_that_frees_its_admission_slot(make_fleet) -> None:
+    """Slowloris on the body: headers promise 1000 bytes, 10 arrive, then a byte a while.
+    The gateway waited for the rest forever, holding one of its ``max_concurrency`` slots:
+    that many such connections refused every real client with 429s."""
+    fleet = await make_fleet(["ok"], max_concurrency=1, body_timeout_s=0.5)
+    reader, writer = await _raw(fleet.url)
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    writer.write(head + b"Content-Length: 1000\r\n\r\n" + b'{"prompt":')
+    t0 = time.monotonic()
+
+    async def trickle() -> None:
+        with contextlib.suppress(ConnectionError):
+            for _ in range(100):
+                await asyncio.sleep(0.2)
+                writer.write(b" ")
+                await writer.drain()
+
+    dribble = asyncio.create_task(trickle())
+    try:
+        async with asyncio.timeout(5):
+            answer = await reader.read(4096)
+        took = time.monotonic() - t0
+        status_line, _, rest = answer.partition(b"\r\n")
+        assert status_line.split()[1] == b"408", answer
+        body = json.loads(rest.partition(b"\r\n\r\n")[2])
+        assert _is_openai_error(body) and body["error"]["code"] == "request_timeout"
+        assert took < 2.0, f"answered after {took:.2f}s for a 0.5s body timeout"
+        # The slot is free again: a real client is served, not refused with a 429.
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(fleet.url + "/v1/completions", json={"prompt": "hi"}) as r,
+        ):
+            assert r.status == 200, await r.text()
+        assert fleet.upstreams[0].hits == 1
+    finally:
+        dribble.cancel()
+        writer.close()
+
+
+async def test_a_client_that_stops_reading_a_stream_is_cut_and_its_pod_request_ended(
+    make_fleet,
+) -> None:
+    """A client that opens a stream and never reads it: the gateway's write to it blocks
+    once the socket buffers fill, so it stops reading the pod, whose write blocks in turn.
+    Nothing timed that out: the pod's sequence and the gateway's slot stayed taken for as
+    long as the client kept the connection open."""
+    fleet = await make_fleet(["flood"], client_write_timeout_s=0.5, inter_chunk_timeout_s=30)
+    up = fleet.upstreams[0]
+    host, port = fleet.url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills fast
+    sock.connect((host, int(port)))
+    sock.setblocking(False)
+    reader, writer = await asyncio.open_connection(sock=sock)
+    body = json.dumps({"prompt": "hi", "stream": True}).encode()
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    first = await reader.read(200)  # the stream has begun; now stop reading
+    assert first.startswith(b"HTTP/1.1 200"), first
+    reader._transport.pause_reading()  # type: ignore[attr-defined]
+    t0 = time.monotonic()
+    try:
+        deadline = t0 + 10
+        while time.monotonic() < deadline and up.gone_at is None:
+            await asyncio.sleep(0.05)
+        assert up.gone_at is not None, "the pod's request is still open 10s later"
+        assert up.gone_at - t0 < 5
+        while time.monotonic() < deadline and fleet.gateway.router.inflight:
+            await asyncio.sleep(0.05)
+        assert fleet.gateway.router.inflight == {}
+    finally:
+        writer.close()
+
+
 async def test_unknown_route_and_bad_json_are_openai_shaped(make_fleet) -> None:
     fleet = await make_fleet(["ok"])
     async with aiohttp.ClientSession() as s:
@@ -585,12 +678,14 @@ async def test_pods_without_heartbeat_rank_after_live_ones_and_lookups_are_clamp
 # -- the event loop stays free while a maximal request is handled --------------------------
 
 
-def _spawn_gateway(port: int, upstream: str, workers: int, log: Path) -> subprocess.Popen:
+def _spawn_gateway(
+    port: int, upstream: str, workers: int, log: Path, extra: tuple[str, ...] = ()
+) -> subprocess.Popen:
     argv = [
         sys.executable, "-m", "pagefleet.cli", "gateway", "--host", "127.0.0.1",
         "--port", str(port), "--endpoints", upstream, "--policy", "least_load",
         "--model", "tiny", "--max-model-len", "4096", "--intake-workers", str(workers),
-        "--probe-interval", "0",
+        "--probe-interval", "0", *extra,
     ]  # fmt: skip
     return subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=os.environ)
 
@@ -690,3 +785,39 @@ async def test_health_answers_within_50ms_while_a_maximal_request_is_handled(tmp
     assert max(busy) < 0.25, max(busy)
     assert max(results[0][0]) > 0.25 and max(results[0][0]) > 4 * max(busy)
     assert up.hits == 0
+
+
+async def test_idle_and_half_sent_connections_close_at_the_keepalive_timeout(tmp_path) -> None:
+    """aiohttp's only timer before a request starts is its keep-alive timeout, 3630 s by
+    default: a connection that sent nothing, or headers it never finished (slowloris), or
+    one left idle after a request, held a socket of the gateway process for an hour."""
+    up = await _upstream("ok")
+    port = free_port()
+    log = tmp_path / "gw.log"
+    proc = _spawn_gateway(port, up.url, 0, log, ("--keepalive-timeout", "1"))
+    url = f"http://127.0.0.1:{port}"
+    conns = []
+    try:
+        await _wait_ready(url, log)
+        for sent in (
+            b"",
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ",
+            b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n",  # answered, then left idle
+        ):
+            reader, writer = await _raw(url)
+            writer.write(sent)
+            conns.append((reader, writer))
+        t0 = time.monotonic()
+        for reader, _ in conns:
+            async with asyncio.timeout(5):
+                await reader.read()  # returns at EOF: the gateway closed the connection
+        took = time.monotonic() - t0
+        assert took < 4, f"connections closed after {took:.1f}s for a 1s keep-alive timeout"
+        assert proc.poll() is None, log.read_text()
+    finally:
+        for _, writer in conns:
+            writer.close()
+        proc.terminate()
+        proc.wait(10)
+        assert up.runner is not None
+        await up.runner.cleanup()
