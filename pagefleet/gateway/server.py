@@ -405,6 +405,18 @@ class Gateway:
             return error_response(
                 503, str(exc), "server_error", code="intake_failed", headers={"Retry-After": "1"}
             )
+        if intake.model is not None and intake.model != self.served_model_name:
+            # The daemon's own 404, without a pod round trip: every daemon behind this
+            # gateway serves this one name.
+            self.metrics.rejected.labels(reason="model_not_found").inc()
+            return error_response(
+                404,
+                f"The model `{intake.model}` does not exist; this gateway serves "
+                f"`{self.served_model_name}` (GET /v1/models)",
+                "invalid_request_error",
+                code="model_not_found",
+                param="model",
+            )
         if intake.error is not None:
             err = intake.error
             self.metrics.rejected.labels(

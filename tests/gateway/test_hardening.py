@@ -492,6 +492,31 @@ async def test_a_client_that_stops_reading_a_stream_is_cut_and_its_pod_request_e
         writer.close()
 
 
+async def test_a_model_this_gateway_does_not_serve_is_a_404_that_reaches_no_pod(
+    make_fleet,
+) -> None:
+    """A request for another service's model was routed, counted and sent to a daemon,
+    which refused it: a pod round trip (and a slot) per request a client could point at any
+    name. The gateway serves one model and answers as the daemon would, itself."""
+    fleet = await make_fleet(["ok"])
+    client = openai.AsyncOpenAI(base_url=fleet.url + "/v1", api_key="x", max_retries=0)
+    try:
+        with pytest.raises(openai.NotFoundError) as exc:
+            await client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+        body = exc.value.body
+        assert isinstance(body, dict) and body["code"] == "model_not_found", body
+        assert body["param"] == "model" and "`tiny`" in body["message"]
+        with pytest.raises(openai.NotFoundError):
+            await client.chat.completions.create(
+                model="other", messages=[{"role": "user", "content": "hi"}], stream=True
+            )
+        assert fleet.upstreams[0].hits == 0
+        ok = await client.completions.create(model="tiny", prompt="hi", max_tokens=2)
+        assert ok.choices[0].text == "ok" and fleet.upstreams[0].hits == 1
+    finally:
+        await client.close()
+
+
 async def test_unknown_route_and_bad_json_are_openai_shaped(make_fleet) -> None:
     fleet = await make_fleet(["ok"])
     async with aiohttp.ClientSession() as s:
