@@ -387,9 +387,17 @@ class Gateway:
             )
         self._active += 1
         try:
-            return await self._admitted(request, kind, path, t_arrival)
+            resp = await self._admitted(request, kind, path, t_arrival)
         finally:
             self._active -= 1
+        if not resp.prepared:
+            # A whole answer (non-streamed, or an error), sent here rather than by aiohttp,
+            # whose write waits without a bound for a client that does not read: that held
+            # the connection and the answer, megabytes of it, in memory indefinitely. The
+            # admission slot is already free: this wait ends within the write timeout.
+            with contextlib.suppress(*_CLIENT_GONE):
+                await self._to_client(request, resp, None)
+        return resp
 
     async def _admitted(
         self, request: web.Request, kind: str, path: str, t_arrival: float

@@ -95,6 +95,8 @@ class Upstream:
             await resp.prepare(request)
             await asyncio.sleep(3600)
         if not body.get("stream"):
+            if b == "big":  # a long answer, several MiB (n and logprobs make them)
+                return web.json_response({**DONE_BODY, "pad": "x" * (4 << 20)})
             if b == "cut":  # promise more than is sent, then drop the connection
                 resp = web.StreamResponse(headers={"Content-Length": "1000"})
                 await resp.prepare(request)
@@ -488,6 +490,37 @@ async def test_a_client_that_stops_reading_a_stream_is_cut_and_its_pod_request_e
         while time.monotonic() < deadline and fleet.gateway.router.inflight:
             await asyncio.sleep(0.05)
         assert fleet.gateway.router.inflight == {}
+    finally:
+        writer.close()
+
+
+async def test_a_client_that_does_not_read_a_long_answer_is_cut(make_fleet) -> None:
+    """A non-streamed answer larger than the socket buffers, to a client that never
+    reads it: the write waited for it without a bound, holding the connection and the
+    whole answer in the gateway's memory for as long as the client stayed connected."""
+    fleet = await make_fleet(["big"], client_write_timeout_s=0.5)
+    host, port = fleet.url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    sock.setblocking(False)
+    reader, writer = await asyncio.open_connection(sock=sock)
+    body = json.dumps({"prompt": "hi"}).encode()
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    first = await reader.read(100)
+    assert first.startswith(b"HTTP/1.1 200"), first
+    reader._transport.pause_reading()  # type: ignore[attr-defined]
+    server = fleet.runner.server
+    assert server is not None
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and server.connections:
+            await asyncio.sleep(0.05)
+        assert not server.connections, "the gateway still holds the connection 10s later"
     finally:
         writer.close()
 
