@@ -59,6 +59,7 @@ class GatewayConfig(BaseModel):
     log_level: str = "warning"
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024)
     max_concurrency: int = Field(1024, ge=1)
+    max_response_bytes: int = Field(256 << 20, ge=1024)
     max_model_len: int | None = Field(None, ge=2)
     first_byte_timeout_s: float = Field(60.0, gt=0)
     inter_chunk_timeout_s: float = Field(30.0, gt=0)
@@ -218,6 +219,7 @@ def build_gateway(config: GatewayConfig):  # -> Gateway (imports kept local for 
             client_write_timeout_s=config.client_write_timeout_s,
             max_body_bytes=config.max_body_bytes,
             max_concurrency=config.max_concurrency,
+            max_response_bytes=config.max_response_bytes,
             max_model_len=max_model_len,
             intake_workers=config.intake_workers,
         ),
@@ -433,6 +435,14 @@ def _split(value: str | None) -> list[str]:
     show_default=True,
     type=int,
     help="Requests open at once across the gateway; past it, 429 with Retry-After.",
+)
+@click.option(
+    "--max-response-bytes",
+    default=256 << 20,
+    show_default=True,
+    type=int,
+    help="Largest non-streamed answer the gateway holds to relay; past it, a 502 "
+    "(streams are passed through, not held).",
 )
 @click.option(
     "--max-model-len",

@@ -14,6 +14,8 @@ Invariants:
   client never gets a 200 that looks complete but is not.
 - Upstream error responses (other 4xx and 5xx, and 429/503 once no other pod is left)
   reach the client with their status and body unchanged.
+- A non-streamed answer or error body is held whole before it is sent, at most
+  ``max_response_bytes`` of it: a larger one is a final 502 (any pod would send the same).
 - Bodies over ``max_body_bytes`` (the daemon's limit) are refused before being read; a
   body that has not fully arrived ``body_timeout_s`` after its headers is a 408 and the
   connection is closed, so a client trickling bytes cannot hold an admission slot;
@@ -128,6 +130,10 @@ class ProxySettings:
     # request, whose daemon then aborts the sequence and frees its blocks.
     client_write_timeout_s: float = 30.0
     max_concurrency: int = 1024
+    # A non-streamed answer is held whole before it is sent (a cut one must not go out as a
+    # 200): past this size it is a 502 instead. 64x the request cap: n=128 choices of 4k
+    # tokens with top logprobs still fit; more is for streaming, which is not held.
+    max_response_bytes: int = 256 << 20
     # Context length the gateway checks prompts against (None: leave it to the daemons).
     max_model_len: int | None = None
     # Worker processes for large bodies (``pagefleet gateway`` starts 2); 0: all inline.
@@ -154,6 +160,10 @@ class _Attempt:
 
 class _Failed(Exception):
     """An attempt failed before anything reached the client; the message says why."""
+
+
+class _TooLarge(Exception):
+    """The pod's answer exceeds ``max_response_bytes``."""
 
 
 class _TimedOut(_Failed):
@@ -667,7 +677,9 @@ class Gateway:
             if upstream.status >= 400 or not stream:
                 try:
                     async with asyncio.timeout(left):
-                        payload = await upstream.read()
+                        payload = await self._read_whole(upstream)
+                except _TooLarge:
+                    return self._answer_too_large(ep, stream)
                 except TimeoutError:
                     self.router.mark_hung(ep)
                     if not stream:
@@ -714,6 +726,36 @@ class Gateway:
             upstream.release()
             if not upstream.closed:
                 upstream.close()
+
+    async def _read_whole(self, upstream: aiohttp.ClientResponse) -> bytes:
+        """The pod's whole body; raises _TooLarge, having read no more than the cap, as
+        soon as it (or its declared length) exceeds ``max_response_bytes``."""
+        cap = self.proxy.max_response_bytes
+        if upstream.content_length is not None and upstream.content_length > cap:
+            raise _TooLarge
+        parts: list[bytes] = []
+        size = 0
+        while chunk := await upstream.content.readany():
+            size += len(chunk)
+            if size > cap:
+                raise _TooLarge
+            parts.append(chunk)
+        return b"".join(parts)
+
+    def _answer_too_large(self, ep: Endpoint, stream: bool) -> web.Response:
+        """The final 502 of an answer over ``max_response_bytes``: not retried, since any
+        pod would compute the same answer; the pod is not marked (it is not unhealthy)."""
+        cap = self.proxy.max_response_bytes
+        what = "error body" if stream else "answer"
+        return error_response(
+            502,
+            f"model pod {ep.pod} sent an {what} over {cap} bytes (the gateway's "
+            "--max-response-bytes); ask for fewer tokens, choices or logprobs, or stream it "
+            "(streams are passed through, not held)",
+            "upstream_error",
+            code="upstream_response_too_large",
+            headers={POD_HEADER: ep.pod},
+        )
 
     def _not_answered(self, ep: Endpoint, budget: float) -> web.Response:
         """The 504 of a non-streamed request whose pod did not answer within ``budget``

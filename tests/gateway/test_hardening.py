@@ -525,6 +525,27 @@ async def test_a_client_that_does_not_read_a_long_answer_is_cut(make_fleet) -> N
         writer.close()
 
 
+async def test_an_answer_over_the_response_cap_is_a_502_not_buffered_whole(make_fleet) -> None:
+    """A non-streamed answer is read whole before its status goes out (so a cut one is a
+    retry or a 502, never a truncated 200). Unbounded, a pod's huge (or endless) answer was
+    buffered whole: one such response per request could exhaust the gateway's memory."""
+    fleet = await make_fleet(["big", "big"], max_response_bytes=1 << 20)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(fleet.url + "/v1/completions", json={"prompt": "hi"}) as r:
+            assert r.status == 502, r.status
+            body = await r.json()
+            assert _is_openai_error(body)
+            assert body["error"]["code"] == "upstream_response_too_large"
+            assert "stream" in body["error"]["message"]
+        # Final, not retried: every pod would compute the same answer.
+        assert sum(u.hits for u in fleet.upstreams) == 1
+        streamed = {"prompt": "hi", "stream": True}
+        async with s.post(fleet.url + "/v1/completions", json=streamed) as r:
+            assert r.status == 200 and (await r.read()).endswith(b"data: [DONE]\n\n")
+        async with s.get(fleet.url + "/health") as r:
+            assert r.status == 200
+
+
 async def test_a_model_this_gateway_does_not_serve_is_a_404_that_reaches_no_pod(
     make_fleet,
 ) -> None:
