@@ -10,6 +10,7 @@ import asyncio
 import faulthandler
 import json
 import logging
+import resource
 import signal
 import sys
 from pathlib import Path
@@ -577,4 +578,26 @@ def command(**kw: object) -> None:
         )
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
+    raise_open_files_limit()
     asyncio.run(serve(config, exit_watchdog=True))
+
+
+def raise_open_files_limit() -> None:
+    """Lift the soft limit on open files to the hard one: each client connection and each
+    upstream one is a file, and the soft limit a shell hands down (1024 on most desktops)
+    made accept() fail with EMFILE at about that many connections, leaving every new client,
+    health probes included, waiting in the listen backlog. Containers usually start high."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:
+            logger.warning(
+                "could not raise the open-files limit from %d to %d (%s): the gateway "
+                "refuses connections past about %d; raise it with ulimit -n",
+                soft,
+                target,
+                exc,
+                soft,
+            )

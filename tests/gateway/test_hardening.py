@@ -13,6 +13,7 @@ import contextlib
 import gzip
 import json
 import os
+import resource
 import socket
 import statistics
 import subprocess
@@ -758,7 +759,12 @@ async def test_pods_without_heartbeat_rank_after_live_ones_and_lookups_are_clamp
 
 
 def _spawn_gateway(
-    port: int, upstream: str, workers: int, log: Path, extra: tuple[str, ...] = ()
+    port: int,
+    upstream: str,
+    workers: int,
+    log: Path,
+    extra: tuple[str, ...] = (),
+    preexec_fn: Callable[[], None] | None = None,
 ) -> subprocess.Popen:
     argv = [
         sys.executable, "-m", "pagefleet.cli", "gateway", "--host", "127.0.0.1",
@@ -766,7 +772,9 @@ def _spawn_gateway(
         "--model", "tiny", "--max-model-len", "4096", "--intake-workers", str(workers),
         "--probe-interval", "0", *extra,
     ]  # fmt: skip
-    return subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=os.environ)
+    return subprocess.Popen(
+        argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=os.environ, preexec_fn=preexec_fn
+    )
 
 
 async def _probe_health(
@@ -893,6 +901,47 @@ async def test_idle_and_half_sent_connections_close_at_the_keepalive_timeout(tmp
         took = time.monotonic() - t0
         assert took < 4, f"connections closed after {took:.1f}s for a 1s keep-alive timeout"
         assert proc.poll() is None, log.read_text()
+    finally:
+        for _, writer in conns:
+            writer.close()
+        proc.terminate()
+        proc.wait(10)
+        assert up.runner is not None
+        await up.runner.cleanup()
+
+
+def _low_open_files_limit() -> None:
+    """A desktop's default soft limit on open files, in the child only (hard left as is)."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+
+
+async def test_hundreds_of_open_connections_do_not_lock_out_new_clients(tmp_path) -> None:
+    """The gateway ran with the soft open-files limit it inherited (1024 on most desktops,
+    `pagefleet up`): that many client connections, idle or not, and accept() failed with
+    EMFILE, so every new client, health probes included, waited in the backlog."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < 2048:
+        pytest.skip(f"the hard open-files limit here is {hard}: no headroom to raise into")
+    up = await _upstream("ok")
+    port = free_port()
+    log = tmp_path / "gw.log"
+    proc = _spawn_gateway(port, up.url, 0, log, preexec_fn=_low_open_files_limit)
+    url = f"http://127.0.0.1:{port}"
+    conns = []
+    try:
+        await _wait_ready(url, log)
+        async with asyncio.timeout(20):  # before: the backlog filled and connect() hung
+            for _ in range(400):  # well past the inherited 256
+                conns.append(await _raw(url))
+        async with aiohttp.ClientSession() as s:
+            async with asyncio.timeout(5), s.get(url + "/health") as r:
+                assert r.status == 200
+            async with (
+                asyncio.timeout(5),
+                s.post(url + "/v1/completions", json={"prompt": "hi"}) as r,
+            ):
+                assert r.status == 200, await r.text()
     finally:
         for _, writer in conns:
             writer.close()
