@@ -14,6 +14,8 @@ Invariants:
   client never gets a 200 that looks complete but is not.
 - Upstream error responses (other 4xx and 5xx, and 429/503 once no other pod is left)
   reach the client with their status and body unchanged.
+- A pod's 401 is about the gateway's upstream key: a final 401 ``upstream_auth_failed``
+  that says so, never passed on as if the client's key were wrong.
 - A non-streamed answer or error body is held whole before it is sent, at most
   ``max_response_bytes`` of it: a larger one is a final 502 (any pod would send the same).
 - Bodies over ``max_body_bytes`` (the daemon's limit) are refused before being read; a
@@ -50,7 +52,7 @@ from pagefleet.gateway.metrics import GatewayMetrics
 from pagefleet.gateway.pd import PDOrchestrator
 from pagefleet.gateway.prompts import PromptTokenizer
 from pagefleet.gateway.router import Router, RoutingDecision, Ticket
-from pagefleet.httpauth import AuthPolicy, Credentials, bearer_header
+from pagefleet.httpauth import AuthPolicy, Credentials, bearer_header, upstream_refused_hint
 
 logger = logging.getLogger(__name__)
 
@@ -188,6 +190,7 @@ class Gateway:
     _started: float = field(default_factory=time.time)
     _active: int = 0
     _auth: AuthPolicy | None = None
+    _upstream_auth_logged: bool = False
 
     def __post_init__(self) -> None:
         self.router.metrics = self.metrics
@@ -664,6 +667,8 @@ class Gateway:
             if route:
                 out_headers[ROUTE_HEADER] = route
             left = max(0.001, budget - (time.perf_counter() - t0))
+            if upstream.status == 401:
+                return self._upstream_refused_key(ep)
             if upstream.status in (429, 503) and more_left:
                 self.router.mark_failed(ep)
                 # A bounded start of the body: a pod that sends the headers and then
@@ -754,6 +759,24 @@ class Gateway:
             "(streams are passed through, not held)",
             "upstream_error",
             code="upstream_response_too_large",
+            headers={POD_HEADER: ep.pod},
+        )
+
+    def _upstream_refused_key(self, ep: Endpoint) -> web.Response:
+        """A pod's 401 is about the gateway's key, never the client's (already accepted,
+        and never forwarded): the status stays (clients and tests key on it) but the body
+        says whose credentials failed, and the fix is logged once. Not retried: every pod
+        takes the same keys."""
+        if not self._upstream_auth_logged:
+            self._upstream_auth_logged = True
+            hint = upstream_refused_hint("gateway", self.upstream_key is not None)
+            logger.error("model pod %s refused the gateway's credentials: %s", ep.pod, hint)
+        return error_response(
+            401,
+            f"model pod {ep.pod} refused the gateway's own credentials (not the client's); "
+            "the gateway is misconfigured, tell its operator (details in its log)",
+            "upstream_error",
+            code="upstream_auth_failed",
             headers={POD_HEADER: ep.pod},
         )
 

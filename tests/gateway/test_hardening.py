@@ -89,6 +89,10 @@ class Upstream:
         self.headers.append(dict(request.headers))
         body = await request.json()
         b = self.behaviour
+        if b == "keyed":  # a daemon with API keys, and the gateway has not the right one
+            err = {"message": "incorrect API key provided", "type": "invalid_request_error",
+                   "param": None, "code": "invalid_api_key"}  # fmt: skip
+            return web.json_response({"error": err}, status=401)
         if b == "hang" or body.get("prompt") == "hang":  # this request only, or all
             await asyncio.sleep(3600)
         if b == "503stall":  # a refusal's headers, then a body that never comes
@@ -660,6 +664,30 @@ async def test_api_keys(make_fleet) -> None:
     with pytest.raises(openai.AuthenticationError):
         await client.completions.create(model="tiny", prompt="hi")
     await client.close()
+
+
+async def test_a_pod_refusing_the_gateways_key_is_not_blamed_on_the_client(
+    make_fleet, caplog
+) -> None:
+    """The daemons require a key and the gateway's (PAGEFLEET_UPSTREAM_API_KEY) is missing
+    or stale: each pod's 401 "incorrect API key provided" reached the client, whose key the
+    gateway had just accepted, so users rotated good keys while the gateway logged nothing.
+    The status stays 401 (the hop's credentials failed); the body says whose."""
+    fleet = await make_fleet(["keyed", "keyed"], credentials=Credentials.from_keys(["k1"]))
+    client = openai.AsyncOpenAI(base_url=fleet.url + "/v1", api_key="k1", max_retries=0)
+    try:
+        for _ in range(2):
+            with pytest.raises(openai.AuthenticationError) as exc:
+                await client.completions.create(model="tiny", prompt="hi")
+            body = exc.value.body
+            assert isinstance(body, dict) and body["code"] == "upstream_auth_failed", body
+            assert "not the client's" in body["message"], body
+    finally:
+        await client.close()
+    # Not re-sent to the other pod (they share the key) and said once in the log.
+    assert sum(u.hits for u in fleet.upstreams) == 2
+    hints = [r for r in caplog.records if "PAGEFLEET_UPSTREAM_API_KEY" in r.getMessage()]
+    assert len(hints) == 1, [r.getMessage() for r in caplog.records]
 
 
 def test_credentials_from_env_files_and_hashing(tmp_path: Path) -> None:
