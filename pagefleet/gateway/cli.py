@@ -489,8 +489,8 @@ def _split(value: str | None) -> list[str]:
     default=30.0,
     show_default=True,
     type=float,
-    help="Streams: seconds a client may leave sent bytes unread before it is cut (and the "
-    "pod's request with it).",
+    help="Seconds a client may leave sent bytes unread before it is cut (a stream's pod "
+    "request with it).",
 )
 @click.option(
     "--keepalive-timeout",
@@ -498,7 +498,8 @@ def _split(value: str | None) -> list[str]:
     default=75.0,
     show_default=True,
     type=float,
-    help="Seconds an idle connection, or one still sending its headers, is kept open.",
+    help="Seconds an idle connection, or one still sending its headers, is kept open; "
+    "keep it above the idle timeout of a load balancer in front (GCP's: 600 s).",
 )
 @click.option(
     "--probe-interval",
