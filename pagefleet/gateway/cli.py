@@ -10,6 +10,7 @@ import asyncio
 import faulthandler
 import json
 import logging
+import resource
 import signal
 import sys
 from pathlib import Path
@@ -59,10 +60,14 @@ class GatewayConfig(BaseModel):
     log_level: str = "warning"
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024)
     max_concurrency: int = Field(1024, ge=1)
+    max_response_bytes: int = Field(256 << 20, ge=1024)
     max_model_len: int | None = Field(None, ge=2)
     first_byte_timeout_s: float = Field(60.0, gt=0)
     inter_chunk_timeout_s: float = Field(30.0, gt=0)
     request_timeout_s: float = Field(600.0, gt=0)
+    body_timeout_s: float = Field(30.0, gt=0)
+    client_write_timeout_s: float = Field(30.0, gt=0)
+    keepalive_timeout_s: float = Field(75.0, gt=0)
     probe_interval_s: float = Field(1.0, ge=0)
     probe_timeout_s: float = Field(1.0, gt=0)
     probe_failures: int = Field(2, ge=1)
@@ -211,8 +216,11 @@ def build_gateway(config: GatewayConfig):  # -> Gateway (imports kept local for 
             first_byte_timeout_s=config.first_byte_timeout_s,
             inter_chunk_timeout_s=config.inter_chunk_timeout_s,
             request_timeout_s=config.request_timeout_s,
+            body_timeout_s=config.body_timeout_s,
+            client_write_timeout_s=config.client_write_timeout_s,
             max_body_bytes=config.max_body_bytes,
             max_concurrency=config.max_concurrency,
+            max_response_bytes=config.max_response_bytes,
             max_model_len=max_model_len,
             intake_workers=config.intake_workers,
         ),
@@ -269,8 +277,15 @@ async def serve(config: GatewayConfig, *, exit_watchdog: bool = False) -> None:
     # cancelled, which closes their upstream stream: the daemon aborts the request). Its
     # default, 60 s, kept a gateway with one open stream alive past `pagefleet up`'s 10 s
     # grace (SIGKILLed) and past a pod's termination grace.
+    # keepalive_timeout also bounds a connection that never completes its headers
+    # (aiohttp's only timer before a request starts); its default, 3630 s, let idle and
+    # slowloris connections hold a socket each for an hour.
     runner = web.AppRunner(
-        gateway.make_app(), handler_cancellation=True, access_log=None, shutdown_timeout=drain_s
+        gateway.make_app(),
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=drain_s,
+        keepalive_timeout=config.keepalive_timeout_s,
     )
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
@@ -423,6 +438,14 @@ def _split(value: str | None) -> list[str]:
     help="Requests open at once across the gateway; past it, 429 with Retry-After.",
 )
 @click.option(
+    "--max-response-bytes",
+    default=256 << 20,
+    show_default=True,
+    type=int,
+    help="Largest non-streamed answer the gateway holds to relay; past it, a 502 "
+    "(streams are passed through, not held).",
+)
+@click.option(
     "--max-model-len",
     default=None,
     type=int,
@@ -451,6 +474,32 @@ def _split(value: str | None) -> list[str]:
     show_default=True,
     type=float,
     help="Non-streamed requests: seconds for the whole answer.",
+)
+@click.option(
+    "--body-timeout",
+    "body_timeout_s",
+    default=30.0,
+    show_default=True,
+    type=float,
+    help="Seconds a request body may take to arrive after its headers (then a 408).",
+)
+@click.option(
+    "--client-write-timeout",
+    "client_write_timeout_s",
+    default=30.0,
+    show_default=True,
+    type=float,
+    help="Seconds a client may leave sent bytes unread before it is cut (a stream's pod "
+    "request with it).",
+)
+@click.option(
+    "--keepalive-timeout",
+    "keepalive_timeout_s",
+    default=75.0,
+    show_default=True,
+    type=float,
+    help="Seconds an idle connection, or one still sending its headers, is kept open; "
+    "keep it above the idle timeout of a load balancer in front (GCP's: 600 s).",
 )
 @click.option(
     "--probe-interval",
@@ -530,4 +579,26 @@ def command(**kw: object) -> None:
         )
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
+    raise_open_files_limit()
     asyncio.run(serve(config, exit_watchdog=True))
+
+
+def raise_open_files_limit() -> None:
+    """Lift the soft limit on open files to the hard one: each client connection and each
+    upstream one is a file, and the soft limit a shell hands down (1024 on most desktops)
+    made accept() fail with EMFILE at about that many connections, leaving every new client,
+    health probes included, waiting in the listen backlog. Containers usually start high."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:
+            logger.warning(
+                "could not raise the open-files limit from %d to %d (%s): the gateway "
+                "refuses connections past about %d; raise it with ulimit -n",
+                soft,
+                target,
+                exc,
+                soft,
+            )

@@ -56,6 +56,7 @@ class Intake:
     """What the gateway needs of a body: routing inputs, or why it is refused."""
 
     stream: bool = False
+    model: str | None = None  # as the client named it (None: not sent)
     session_key: str | None = None
     token_ids: list[int] | None = None  # the first prompt's ids (None: route on load)
     error: IntakeError | None = None
@@ -147,7 +148,7 @@ def _inspect(
         # from inside the fleet to any address, with the fleet's upstream key, and forged
         # K/V entering a prefix cache that other clients' requests then decode from.
         return Intake(error=IntakeError(400, _CLIENT_KV_PARAMS, "kv_transfer_params"))
-    out = Intake(stream=parsed.stream, session_key=_session_from_body(parsed))
+    out = Intake(stream=parsed.stream, model=parsed.model, session_key=_session_from_body(parsed))
     limit = max_model_len
     if isinstance(parsed, ChatCompletionRequest):
         if tok is None:

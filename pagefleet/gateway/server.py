@@ -14,7 +14,16 @@ Invariants:
   client never gets a 200 that looks complete but is not.
 - Upstream error responses (other 4xx and 5xx, and 429/503 once no other pod is left)
   reach the client with their status and body unchanged.
-- Bodies over ``max_body_bytes`` (the daemon's limit) are refused before being read;
+- A pod's 401 is about the gateway's upstream key: a final 401 ``upstream_auth_failed``
+  that says so, never passed on as if the client's key were wrong.
+- A non-streamed answer or error body is held whole before it is sent, at most
+  ``max_response_bytes`` of it: a larger one is a final 502 (any pod would send the same).
+- Bodies over ``max_body_bytes`` (the daemon's limit) are refused before being read; a
+  body that has not fully arrived ``body_timeout_s`` after its headers is a 408 and the
+  connection is closed, so a client trickling bytes cannot hold an admission slot;
+- A write to the client that cannot complete within ``client_write_timeout_s`` (it stopped
+  reading) cuts its connection and the pod's request with it: the pod's sequence and the
+  gateway's slot are never held by a client that reads nothing;
   large bodies are parsed and tokenized in worker processes, so ``/health`` and other
   streams never wait for them; at most ``max_concurrency`` requests are open at once.
 - Every proxied response names the pod that served it in ``x-pagefleet-pod``.
@@ -43,7 +52,7 @@ from pagefleet.gateway.metrics import GatewayMetrics
 from pagefleet.gateway.pd import PDOrchestrator
 from pagefleet.gateway.prompts import PromptTokenizer
 from pagefleet.gateway.router import Router, RoutingDecision, Ticket
-from pagefleet.httpauth import AuthPolicy, Credentials, bearer_header
+from pagefleet.httpauth import AuthPolicy, Credentials, bearer_header, upstream_refused_hint
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +123,19 @@ class ProxySettings:
     # the request ends with a 504 and is not re-sent: the pod may still be generating it.
     request_timeout_s: float = 600.0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # From the request's headers to the last byte of its body. A client uploading a
+    # maximal body (4 MiB) needs ~140 KB/s to make it; one trickling bytes to hold a slot
+    # gets a 408 instead.
+    body_timeout_s: float = 30.0
+    # The longest one write to the client may wait for it to take the bytes (its socket
+    # buffers are full: it stopped reading). Past it the client is cut and so is the pod's
+    # request, whose daemon then aborts the sequence and frees its blocks.
+    client_write_timeout_s: float = 30.0
     max_concurrency: int = 1024
+    # A non-streamed answer is held whole before it is sent (a cut one must not go out as a
+    # 200): past this size it is a 502 instead. 64x the request cap: n=128 choices of 4k
+    # tokens with top logprobs still fit; more is for streaming, which is not held.
+    max_response_bytes: int = 256 << 20
     # Context length the gateway checks prompts against (None: leave it to the daemons).
     max_model_len: int | None = None
     # Worker processes for large bodies (``pagefleet gateway`` starts 2); 0: all inline.
@@ -143,6 +164,10 @@ class _Failed(Exception):
     """An attempt failed before anything reached the client; the message says why."""
 
 
+class _TooLarge(Exception):
+    """The pod's answer exceeds ``max_response_bytes``."""
+
+
 class _TimedOut(_Failed):
     """The pod's response headers did not come within the attempt's budget."""
 
@@ -165,6 +190,7 @@ class Gateway:
     _started: float = field(default_factory=time.time)
     _active: int = 0
     _auth: AuthPolicy | None = None
+    _upstream_auth_logged: bool = False
 
     def __post_init__(self) -> None:
         self.router.metrics = self.metrics
@@ -307,16 +333,58 @@ class Gateway:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, "chat", "/v1/chat/completions")
 
-    async def _read_body(self, request: web.Request) -> bytes | None:
-        """The body, or None when it exceeds the cap (checked before reading when declared)."""
+    async def _read_body(self, request: web.Request) -> bytes | web.Response:
+        """The body, or the refusal to send: 413 when it exceeds the cap (checked before
+        reading when declared), 408 when it has not arrived within ``body_timeout_s``."""
         limit = self.proxy.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
-            return None
+            return self._refused_too_large()
         try:
-            body = await request.read()
+            async with asyncio.timeout(self.proxy.body_timeout_s):
+                body = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            return None
-        return body if len(body) <= limit else None
+            return self._refused_too_large()
+        except TimeoutError:
+            self.metrics.rejected.labels(reason="body_timeout").inc()
+            resp = error_response(
+                408,
+                f"the request body did not arrive within {self.proxy.body_timeout_s:.0f}s "
+                "(the gateway's --body-timeout); send it whole, without pauses",
+                "invalid_request_error",
+                code="request_timeout",
+            )
+            # The rest of the body may still trickle in: this connection cannot carry
+            # another request.
+            resp.force_close()
+            return resp
+        return body if len(body) <= limit else self._refused_too_large()
+
+    def _refused_too_large(self) -> web.Response:
+        self.metrics.rejected.labels(reason="too_large").inc()
+        return self._too_large()
+
+    async def _to_client(
+        self, request: web.Request, resp: web.StreamResponse, data: bytes | None
+    ) -> None:
+        """Write ``data`` to the client (None: end the response; ``resp`` is prepared
+        first when it is not yet). A client that does not take it within
+        ``client_write_timeout_s`` has its connection aborted, and ConnectionResetError
+        (one of ``_CLIENT_GONE``) is raised, as for a client that hung up."""
+        limit = self.proxy.client_write_timeout_s
+        try:
+            async with asyncio.timeout(limit):
+                if not resp.prepared:
+                    await resp.prepare(request)
+                if data is None:
+                    await resp.write_eof()
+                else:
+                    await resp.write(data)
+        except TimeoutError:
+            if request.transport is not None:
+                request.transport.abort()  # its unsent bytes go too: nothing waits on them
+            raise ConnectionResetError(
+                f"the client took no bytes for {limit:.0f}s (--client-write-timeout)"
+            ) from None
 
     async def _handle(self, request: web.Request, kind: str, path: str) -> web.StreamResponse:
         t_arrival = time.perf_counter()
@@ -332,17 +400,24 @@ class Gateway:
             )
         self._active += 1
         try:
-            return await self._admitted(request, kind, path, t_arrival)
+            resp = await self._admitted(request, kind, path, t_arrival)
         finally:
             self._active -= 1
+        if not resp.prepared:
+            # A whole answer (non-streamed, or an error), sent here rather than by aiohttp,
+            # whose write waits without a bound for a client that does not read: that held
+            # the connection and the answer, megabytes of it, in memory indefinitely. The
+            # admission slot is already free: this wait ends within the write timeout.
+            with contextlib.suppress(*_CLIENT_GONE):
+                await self._to_client(request, resp, None)
+        return resp
 
     async def _admitted(
         self, request: web.Request, kind: str, path: str, t_arrival: float
     ) -> web.StreamResponse:
         body = await self._read_body(request)
-        if body is None:
-            self.metrics.rejected.labels(reason="too_large").inc()
-            return self._too_large()
+        if isinstance(body, web.Response):
+            return body
         assert self.intake is not None
         try:
             intake: Intake = await self.intake.inspect(kind, body)
@@ -350,6 +425,18 @@ class Gateway:
             self.metrics.rejected.labels(reason="intake_failed").inc()
             return error_response(
                 503, str(exc), "server_error", code="intake_failed", headers={"Retry-After": "1"}
+            )
+        if intake.model is not None and intake.model != self.served_model_name:
+            # The daemon's own 404, without a pod round trip: every daemon behind this
+            # gateway serves this one name.
+            self.metrics.rejected.labels(reason="model_not_found").inc()
+            return error_response(
+                404,
+                f"The model `{intake.model}` does not exist; this gateway serves "
+                f"`{self.served_model_name}` (GET /v1/models)",
+                "invalid_request_error",
+                code="model_not_found",
+                param="model",
             )
         if intake.error is not None:
             err = intake.error
@@ -580,6 +667,8 @@ class Gateway:
             if route:
                 out_headers[ROUTE_HEADER] = route
             left = max(0.001, budget - (time.perf_counter() - t0))
+            if upstream.status == 401:
+                return self._upstream_refused_key(ep)
             if upstream.status in (429, 503) and more_left:
                 self.router.mark_failed(ep)
                 # A bounded start of the body: a pod that sends the headers and then
@@ -593,7 +682,9 @@ class Gateway:
             if upstream.status >= 400 or not stream:
                 try:
                     async with asyncio.timeout(left):
-                        payload = await upstream.read()
+                        payload = await self._read_whole(upstream)
+                except _TooLarge:
+                    return self._answer_too_large(ep, stream)
                 except TimeoutError:
                     self.router.mark_hung(ep)
                     if not stream:
@@ -629,8 +720,7 @@ class Gateway:
             self._count(ep, decision, predicted_hit, upstream.status)
             resp = web.StreamResponse(status=upstream.status, headers=out_headers)
             try:
-                await resp.prepare(request)
-                await resp.write(first)
+                await self._to_client(request, resp, first)
             except _CLIENT_GONE as exc:
                 logger.debug("client went away before its stream from %s began: %s", ep.pod, exc)
                 return resp
@@ -641,6 +731,54 @@ class Gateway:
             upstream.release()
             if not upstream.closed:
                 upstream.close()
+
+    async def _read_whole(self, upstream: aiohttp.ClientResponse) -> bytes:
+        """The pod's whole body; raises _TooLarge, having read no more than the cap, as
+        soon as it (or its declared length) exceeds ``max_response_bytes``."""
+        cap = self.proxy.max_response_bytes
+        if upstream.content_length is not None and upstream.content_length > cap:
+            raise _TooLarge
+        parts: list[bytes] = []
+        size = 0
+        while chunk := await upstream.content.readany():
+            size += len(chunk)
+            if size > cap:
+                raise _TooLarge
+            parts.append(chunk)
+        return b"".join(parts)
+
+    def _answer_too_large(self, ep: Endpoint, stream: bool) -> web.Response:
+        """The final 502 of an answer over ``max_response_bytes``: not retried, since any
+        pod would compute the same answer; the pod is not marked (it is not unhealthy)."""
+        cap = self.proxy.max_response_bytes
+        what = "error body" if stream else "answer"
+        return error_response(
+            502,
+            f"model pod {ep.pod} sent an {what} over {cap} bytes (the gateway's "
+            "--max-response-bytes); ask for fewer tokens, choices or logprobs, or stream it "
+            "(streams are passed through, not held)",
+            "upstream_error",
+            code="upstream_response_too_large",
+            headers={POD_HEADER: ep.pod},
+        )
+
+    def _upstream_refused_key(self, ep: Endpoint) -> web.Response:
+        """A pod's 401 is about the gateway's key, never the client's (already accepted,
+        and never forwarded): the status stays (clients and tests key on it) but the body
+        says whose credentials failed, and the fix is logged once. Not retried: every pod
+        takes the same keys."""
+        if not self._upstream_auth_logged:
+            self._upstream_auth_logged = True
+            hint = upstream_refused_hint("gateway", self.upstream_key is not None)
+            logger.error("model pod %s refused the gateway's credentials: %s", ep.pod, hint)
+        return error_response(
+            401,
+            f"model pod {ep.pod} refused the gateway's own credentials (not the client's); "
+            "the gateway is misconfigured, tell its operator (details in its log)",
+            "upstream_error",
+            code="upstream_auth_failed",
+            headers={POD_HEADER: ep.pod},
+        )
 
     def _not_answered(self, ep: Endpoint, budget: float) -> web.Response:
         """The 504 of a non-streamed request whose pod did not answer within ``budget``
@@ -690,10 +828,10 @@ class Gateway:
                 break
             tail = (tail + chunk)[-64:]
             try:
-                await resp.write(chunk)
+                await self._to_client(request, resp, chunk)
             except _CLIENT_GONE as exc:
-                # The client hung up; leaving closes the upstream connection, which makes
-                # the daemon abort the request and free its blocks.
+                # The client hung up or stopped reading; leaving closes the upstream
+                # connection, which makes the daemon abort the request and free its blocks.
                 logger.debug("client went away while streaming from %s: %s", ep.pod, exc)
                 return
         self.metrics.upstream_latency_seconds.labels(pod=ep.pod).observe(time.perf_counter() - t0)
@@ -706,8 +844,8 @@ class Gateway:
                     "server_error",
                     "upstream_stream_broken",
                 )
-                await resp.write(b"data: " + dumps(body) + b"\n\n")
-            await resp.write_eof()
+                await self._to_client(request, resp, b"data: " + dumps(body) + b"\n\n")
+            await self._to_client(request, resp, None)
 
     def _count(
         self, ep: Endpoint, decision: RoutingDecision, predicted_hit: int, status: int

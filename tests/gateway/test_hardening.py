@@ -9,9 +9,12 @@ as clean 200s and waited 300 s for a hung pod.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
 import os
+import resource
+import socket
 import statistics
 import subprocess
 import sys
@@ -66,6 +69,7 @@ class Upstream:
     gap_s: float = 0.02
     headers: list[dict[str, str]] = field(default_factory=list)
     runner: web.AppRunner | None = None
+    gone_at: float | None = None  # "flood": when its reader went away
 
     @property
     def url(self) -> str:
@@ -85,6 +89,10 @@ class Upstream:
         self.headers.append(dict(request.headers))
         body = await request.json()
         b = self.behaviour
+        if b == "keyed":  # a daemon with API keys, and the gateway has not the right one
+            err = {"message": "incorrect API key provided", "type": "invalid_request_error",
+                   "param": None, "code": "invalid_api_key"}  # fmt: skip
+            return web.json_response({"error": err}, status=401)
         if b == "hang" or body.get("prompt") == "hang":  # this request only, or all
             await asyncio.sleep(3600)
         if b == "503stall":  # a refusal's headers, then a body that never comes
@@ -92,6 +100,8 @@ class Upstream:
             await resp.prepare(request)
             await asyncio.sleep(3600)
         if not body.get("stream"):
+            if b == "big":  # a long answer, several MiB (n and logprobs make them)
+                return web.json_response({**DONE_BODY, "pad": "x" * (4 << 20)})
             if b == "cut":  # promise more than is sent, then drop the connection
                 resp = web.StreamResponse(headers={"Content-Length": "1000"})
                 await resp.prepare(request)
@@ -111,6 +121,14 @@ class Upstream:
             return resp
         if b == "stall":
             await asyncio.sleep(3600)
+        if b == "flood":  # as fast as the reader takes it, until the reader is gone
+            chunk = f"data: {json.dumps(CHUNK)}\n\n".encode() * 64
+            try:
+                while True:
+                    await resp.write(chunk)
+            except (ConnectionError, asyncio.CancelledError):
+                self.gone_at = time.monotonic()
+                raise
         if b == "eof":  # a clean end of the HTTP body, but the SSE stream never finished
             await resp.write_eof()
             return resp
@@ -399,6 +417,165 @@ async def test_concurrency_limit_answers_429_with_retry_after(make_fleet) -> Non
             h.close()
 
 
+async def _raw(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    host, port = url.removeprefix("http://").split(":")
+    return await asyncio.open_connection(host, int(port))
+
+
+async def test_a_body_sent_slowly_is_a_408_that_frees_its_admission_slot(make_fleet) -> None:
+    """Slowloris on the body: headers promise 1000 bytes, 10 arrive, then a byte a while.
+    The gateway waited for the rest forever, holding one of its ``max_concurrency`` slots:
+    that many such connections refused every real client with 429s."""
+    fleet = await make_fleet(["ok"], max_concurrency=1, body_timeout_s=0.5)
+    reader, writer = await _raw(fleet.url)
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    writer.write(head + b"Content-Length: 1000\r\n\r\n" + b'{"prompt":')
+    t0 = time.monotonic()
+
+    async def trickle() -> None:
+        with contextlib.suppress(ConnectionError):
+            for _ in range(100):
+                await asyncio.sleep(0.2)
+                writer.write(b" ")
+                await writer.drain()
+
+    dribble = asyncio.create_task(trickle())
+    try:
+        async with asyncio.timeout(5):
+            answer = await reader.read(4096)
+        took = time.monotonic() - t0
+        status_line, _, rest = answer.partition(b"\r\n")
+        assert status_line.split()[1] == b"408", answer
+        body = json.loads(rest.partition(b"\r\n\r\n")[2])
+        assert _is_openai_error(body) and body["error"]["code"] == "request_timeout"
+        assert took < 2.0, f"answered after {took:.2f}s for a 0.5s body timeout"
+        # The slot is free again: a real client is served, not refused with a 429.
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(fleet.url + "/v1/completions", json={"prompt": "hi"}) as r,
+        ):
+            assert r.status == 200, await r.text()
+        assert fleet.upstreams[0].hits == 1
+    finally:
+        dribble.cancel()
+        writer.close()
+
+
+async def test_a_client_that_stops_reading_a_stream_is_cut_and_its_pod_request_ended(
+    make_fleet,
+) -> None:
+    """A client that opens a stream and never reads it: the gateway's write to it blocks
+    once the socket buffers fill, so it stops reading the pod, whose write blocks in turn.
+    Nothing timed that out: the pod's sequence and the gateway's slot stayed taken for as
+    long as the client kept the connection open."""
+    fleet = await make_fleet(["flood"], client_write_timeout_s=0.5, inter_chunk_timeout_s=30)
+    up = fleet.upstreams[0]
+    host, port = fleet.url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills fast
+    sock.connect((host, int(port)))
+    sock.setblocking(False)
+    reader, writer = await asyncio.open_connection(sock=sock)
+    body = json.dumps({"prompt": "hi", "stream": True}).encode()
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    first = await reader.read(200)  # the stream has begun; now stop reading
+    assert first.startswith(b"HTTP/1.1 200"), first
+    reader._transport.pause_reading()  # type: ignore[attr-defined]
+    t0 = time.monotonic()
+    try:
+        deadline = t0 + 10
+        while time.monotonic() < deadline and up.gone_at is None:
+            await asyncio.sleep(0.05)
+        assert up.gone_at is not None, "the pod's request is still open 10s later"
+        assert up.gone_at - t0 < 5
+        while time.monotonic() < deadline and fleet.gateway.router.inflight:
+            await asyncio.sleep(0.05)
+        assert fleet.gateway.router.inflight == {}
+    finally:
+        writer.close()
+
+
+async def test_a_client_that_does_not_read_a_long_answer_is_cut(make_fleet) -> None:
+    """A non-streamed answer larger than the socket buffers, to a client that never
+    reads it: the write waited for it without a bound, holding the connection and the
+    whole answer in the gateway's memory for as long as the client stayed connected."""
+    fleet = await make_fleet(["big"], client_write_timeout_s=0.5)
+    host, port = fleet.url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    sock.setblocking(False)
+    reader, writer = await asyncio.open_connection(sock=sock)
+    body = json.dumps({"prompt": "hi"}).encode()
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    first = await reader.read(100)
+    assert first.startswith(b"HTTP/1.1 200"), first
+    reader._transport.pause_reading()  # type: ignore[attr-defined]
+    server = fleet.runner.server
+    assert server is not None
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and server.connections:
+            await asyncio.sleep(0.05)
+        assert not server.connections, "the gateway still holds the connection 10s later"
+    finally:
+        writer.close()
+
+
+async def test_an_answer_over_the_response_cap_is_a_502_not_buffered_whole(make_fleet) -> None:
+    """A non-streamed answer is read whole before its status goes out (so a cut one is a
+    retry or a 502, never a truncated 200). Unbounded, a pod's huge (or endless) answer was
+    buffered whole: one such response per request could exhaust the gateway's memory."""
+    fleet = await make_fleet(["big", "big"], max_response_bytes=1 << 20)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(fleet.url + "/v1/completions", json={"prompt": "hi"}) as r:
+            assert r.status == 502, r.status
+            body = await r.json()
+            assert _is_openai_error(body)
+            assert body["error"]["code"] == "upstream_response_too_large"
+            assert "stream" in body["error"]["message"]
+        # Final, not retried: every pod would compute the same answer.
+        assert sum(u.hits for u in fleet.upstreams) == 1
+        streamed = {"prompt": "hi", "stream": True}
+        async with s.post(fleet.url + "/v1/completions", json=streamed) as r:
+            assert r.status == 200 and (await r.read()).endswith(b"data: [DONE]\n\n")
+        async with s.get(fleet.url + "/health") as r:
+            assert r.status == 200
+
+
+async def test_a_model_this_gateway_does_not_serve_is_a_404_that_reaches_no_pod(
+    make_fleet,
+) -> None:
+    """A request for another service's model was routed, counted and sent to a daemon,
+    which refused it: a pod round trip (and a slot) per request a client could point at any
+    name. The gateway serves one model and answers as the daemon would, itself."""
+    fleet = await make_fleet(["ok"])
+    client = openai.AsyncOpenAI(base_url=fleet.url + "/v1", api_key="x", max_retries=0)
+    try:
+        with pytest.raises(openai.NotFoundError) as exc:
+            await client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+        body = exc.value.body
+        assert isinstance(body, dict) and body["code"] == "model_not_found", body
+        assert body["param"] == "model" and "`tiny`" in body["message"]
+        with pytest.raises(openai.NotFoundError):
+            await client.chat.completions.create(
+                model="other", messages=[{"role": "user", "content": "hi"}], stream=True
+            )
+        assert fleet.upstreams[0].hits == 0
+        ok = await client.completions.create(model="tiny", prompt="hi", max_tokens=2)
+        assert ok.choices[0].text == "ok" and fleet.upstreams[0].hits == 1
+    finally:
+        await client.close()
+
+
 async def test_unknown_route_and_bad_json_are_openai_shaped(make_fleet) -> None:
     fleet = await make_fleet(["ok"])
     async with aiohttp.ClientSession() as s:
@@ -487,6 +664,30 @@ async def test_api_keys(make_fleet) -> None:
     with pytest.raises(openai.AuthenticationError):
         await client.completions.create(model="tiny", prompt="hi")
     await client.close()
+
+
+async def test_a_pod_refusing_the_gateways_key_is_not_blamed_on_the_client(
+    make_fleet, caplog
+) -> None:
+    """The daemons require a key and the gateway's (PAGEFLEET_UPSTREAM_API_KEY) is missing
+    or stale: each pod's 401 "incorrect API key provided" reached the client, whose key the
+    gateway had just accepted, so users rotated good keys while the gateway logged nothing.
+    The status stays 401 (the hop's credentials failed); the body says whose."""
+    fleet = await make_fleet(["keyed", "keyed"], credentials=Credentials.from_keys(["k1"]))
+    client = openai.AsyncOpenAI(base_url=fleet.url + "/v1", api_key="k1", max_retries=0)
+    try:
+        for _ in range(2):
+            with pytest.raises(openai.AuthenticationError) as exc:
+                await client.completions.create(model="tiny", prompt="hi")
+            body = exc.value.body
+            assert isinstance(body, dict) and body["code"] == "upstream_auth_failed", body
+            assert "not the client's" in body["message"], body
+    finally:
+        await client.close()
+    # Not re-sent to the other pod (they share the key) and said once in the log.
+    assert sum(u.hits for u in fleet.upstreams) == 2
+    hints = [r for r in caplog.records if "PAGEFLEET_UPSTREAM_API_KEY" in r.getMessage()]
+    assert len(hints) == 1, [r.getMessage() for r in caplog.records]
 
 
 def test_credentials_from_env_files_and_hashing(tmp_path: Path) -> None:
@@ -585,14 +786,23 @@ async def test_pods_without_heartbeat_rank_after_live_ones_and_lookups_are_clamp
 # -- the event loop stays free while a maximal request is handled --------------------------
 
 
-def _spawn_gateway(port: int, upstream: str, workers: int, log: Path) -> subprocess.Popen:
+def _spawn_gateway(
+    port: int,
+    upstream: str,
+    workers: int,
+    log: Path,
+    extra: tuple[str, ...] = (),
+    preexec_fn: Callable[[], None] | None = None,
+) -> subprocess.Popen:
     argv = [
         sys.executable, "-m", "pagefleet.cli", "gateway", "--host", "127.0.0.1",
         "--port", str(port), "--endpoints", upstream, "--policy", "least_load",
         "--model", "tiny", "--max-model-len", "4096", "--intake-workers", str(workers),
-        "--probe-interval", "0",
+        "--probe-interval", "0", *extra,
     ]  # fmt: skip
-    return subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=os.environ)
+    return subprocess.Popen(
+        argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=os.environ, preexec_fn=preexec_fn
+    )
 
 
 async def _probe_health(
@@ -690,3 +900,80 @@ async def test_health_answers_within_50ms_while_a_maximal_request_is_handled(tmp
     assert max(busy) < 0.25, max(busy)
     assert max(results[0][0]) > 0.25 and max(results[0][0]) > 4 * max(busy)
     assert up.hits == 0
+
+
+async def test_idle_and_half_sent_connections_close_at_the_keepalive_timeout(tmp_path) -> None:
+    """aiohttp's only timer before a request starts is its keep-alive timeout, 3630 s by
+    default: a connection that sent nothing, or headers it never finished (slowloris), or
+    one left idle after a request, held a socket of the gateway process for an hour."""
+    up = await _upstream("ok")
+    port = free_port()
+    log = tmp_path / "gw.log"
+    proc = _spawn_gateway(port, up.url, 0, log, ("--keepalive-timeout", "1"))
+    url = f"http://127.0.0.1:{port}"
+    conns = []
+    try:
+        await _wait_ready(url, log)
+        for sent in (
+            b"",
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ",
+            b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n",  # answered, then left idle
+        ):
+            reader, writer = await _raw(url)
+            writer.write(sent)
+            conns.append((reader, writer))
+        t0 = time.monotonic()
+        for reader, _ in conns:
+            async with asyncio.timeout(5):
+                await reader.read()  # returns at EOF: the gateway closed the connection
+        took = time.monotonic() - t0
+        assert took < 4, f"connections closed after {took:.1f}s for a 1s keep-alive timeout"
+        assert proc.poll() is None, log.read_text()
+    finally:
+        for _, writer in conns:
+            writer.close()
+        proc.terminate()
+        proc.wait(10)
+        assert up.runner is not None
+        await up.runner.cleanup()
+
+
+def _low_open_files_limit() -> None:
+    """A desktop's default soft limit on open files, in the child only (hard left as is)."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+
+
+async def test_hundreds_of_open_connections_do_not_lock_out_new_clients(tmp_path) -> None:
+    """The gateway ran with the soft open-files limit it inherited (1024 on most desktops,
+    `pagefleet up`): that many client connections, idle or not, and accept() failed with
+    EMFILE, so every new client, health probes included, waited in the backlog."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < 2048:
+        pytest.skip(f"the hard open-files limit here is {hard}: no headroom to raise into")
+    up = await _upstream("ok")
+    port = free_port()
+    log = tmp_path / "gw.log"
+    proc = _spawn_gateway(port, up.url, 0, log, preexec_fn=_low_open_files_limit)
+    url = f"http://127.0.0.1:{port}"
+    conns = []
+    try:
+        await _wait_ready(url, log)
+        async with asyncio.timeout(20):  # before: the backlog filled and connect() hung
+            for _ in range(400):  # well past the inherited 256
+                conns.append(await _raw(url))
+        async with aiohttp.ClientSession() as s:
+            async with asyncio.timeout(5), s.get(url + "/health") as r:
+                assert r.status == 200
+            async with (
+                asyncio.timeout(5),
+                s.post(url + "/v1/completions", json={"prompt": "hi"}) as r,
+            ):
+                assert r.status == 200, await r.text()
+    finally:
+        for _, writer in conns:
+            writer.close()
+        proc.terminate()
+        proc.wait(10)
+        assert up.runner is not None
+        await up.runner.cleanup()
