@@ -14,8 +14,8 @@ Invariants:
   client never gets a 200 that looks complete but is not.
 - Upstream error responses (other 4xx and 5xx, and 429/503 once no other pod is left)
   reach the client with their status and body unchanged.
-- A pod's 401 is about the gateway's upstream key: a final 401 ``upstream_auth_failed``
-  that says so, never passed on as if the client's key were wrong.
+- A pod's 401 is about the gateway's upstream key: a final 502 ``upstream_auth_failed``
+  that says so, never passed on as a 401, which clients read as their own key being wrong.
 - A non-streamed answer or error body is held whole before it is sent, at most
   ``max_response_bytes`` of it: a larger one is a final 502 (any pod would send the same).
 - Bodies over ``max_body_bytes`` (the daemon's limit) are refused before being read; a
@@ -764,15 +764,16 @@ class Gateway:
 
     def _upstream_refused_key(self, ep: Endpoint) -> web.Response:
         """A pod's 401 is about the gateway's key, never the client's (already accepted,
-        and never forwarded): the status stays (clients and tests key on it) but the body
-        says whose credentials failed, and the fix is logged once. Not retried: every pod
-        takes the same keys."""
+        and never forwarded): a 502, since a 401 makes clients (the openai client's
+        AuthenticationError) blame and rotate their own good key; the body says whose
+        credentials failed, and the fix is logged once. Not retried: every pod takes the
+        same keys."""
         if not self._upstream_auth_logged:
             self._upstream_auth_logged = True
             hint = upstream_refused_hint("gateway", self.upstream_key is not None)
             logger.error("model pod %s refused the gateway's credentials: %s", ep.pod, hint)
         return error_response(
-            401,
+            502,
             f"model pod {ep.pod} refused the gateway's own credentials (not the client's); "
             "the gateway is misconfigured, tell its operator (details in its log)",
             "upstream_error",

@@ -838,7 +838,7 @@ async def test_pd_with_api_keys_on_the_daemons_still_pulls(fleet, monkeypatch, c
             for i in range(2):
                 other = {**body, "prompt": f"{i} {PROMPT}"}
                 status, _ = await _post_as(bare_url, other, client_key)
-                assert status == 401  # the decode pod's answer, passed through
+                assert status == 502  # the decode pod's 401, named as the gateway's key
 
             async def both_refused() -> bool:  # both early prefills have ended
                 return await _metric(bare_url, pd_total, reason="prefill_failed") == 2

@@ -672,13 +672,15 @@ async def test_a_pod_refusing_the_gateways_key_is_not_blamed_on_the_client(
     """The daemons require a key and the gateway's (PAGEFLEET_UPSTREAM_API_KEY) is missing
     or stale: each pod's 401 "incorrect API key provided" reached the client, whose key the
     gateway had just accepted, so users rotated good keys while the gateway logged nothing.
-    The status stays 401 (the hop's credentials failed); the body says whose."""
+    Now a 502 (the openai client's AuthenticationError would blame the client's key) whose
+    body says whose key failed."""
     fleet = await make_fleet(["keyed", "keyed"], credentials=Credentials.from_keys(["k1"]))
     client = openai.AsyncOpenAI(base_url=fleet.url + "/v1", api_key="k1", max_retries=0)
     try:
         for _ in range(2):
-            with pytest.raises(openai.AuthenticationError) as exc:
+            with pytest.raises(openai.InternalServerError) as exc:
                 await client.completions.create(model="tiny", prompt="hi")
+            assert exc.value.status_code == 502
             body = exc.value.body
             assert isinstance(body, dict) and body["code"] == "upstream_auth_failed", body
             assert "not the client's" in body["message"], body
