@@ -84,6 +84,9 @@ WAIT_PATH = "/v1/kv/wait"
 _UNKNOWN_GRACE_S = 10.0
 # How long a settled handle's outcome is remembered for waits that arrive after it.
 _SETTLED_TTL_S = 120.0
+# ... and how many of them at most, and of handles released early: anyone who may call
+# /v1/kv/release can name any handle, and each adds an entry for the TTL.
+_MAX_REMEMBERED = 100_000
 _HEADER_LEN = struct.Struct(">I")
 _MAX_HANDLE = 256  # characters of a transfer handle in a pull, wait or release request
 
@@ -673,6 +676,7 @@ class KVExportServer:
         # prefill, should it come, is never handed out (``expect`` keeps the outcome).
         self._released: dict[str, float] = {}
         self.unknown_grace_s = _UNKNOWN_GRACE_S
+        self.max_remembered = _MAX_REMEMBERED
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post(PULL_PATH, self.pull)
@@ -707,16 +711,21 @@ class KVExportServer:
         entry = self._awaited.pop(handle, None)
         if entry is not None:
             entry.event.set()
-        # Forget outcomes older than _SETTLED_TTL_S: the dict is in settling order, so the
-        # oldest are first (amortised O(1) a call).
+        self._forget_old(now)
+
+    def _forget_old(self, now: float) -> None:
+        """Forget outcomes and early releases older than _SETTLED_TTL_S, and the oldest
+        beyond ``max_remembered``: both dicts are in insertion order, so the oldest are
+        first (amortised O(1) a call)."""
         cutoff = now - max(_SETTLED_TTL_S, self.stage_ttl_s + 10.0)
-        while self._settled:
-            oldest = next(iter(self._settled))
-            if self._settled[oldest][1] >= cutoff:
-                break
-            del self._settled[oldest]
-        while self._released and next(iter(self._released.values())) < cutoff:
-            del self._released[next(iter(self._released))]
+        for record in (self._settled, self._released):
+            while record:
+                oldest = next(iter(record))
+                when = record[oldest]
+                at = when[1] if isinstance(when, tuple) else when
+                if at >= cutoff and len(record) <= self.max_remembered:
+                    break
+                del record[oldest]
 
     async def wait(self, request: web.Request) -> web.Response:
         """Answer when a handle is exported (200) or never will be (404), or at ``wait_s``
@@ -775,7 +784,8 @@ class KVExportServer:
                 # Its prefill may not have arrived yet: remembered, so that it is not
                 # exported for nobody (``expect``). Pruned with the settled outcomes.
                 self._released.pop(req.handle, None)
-                self._released[req.handle] = time.monotonic()
+                self._released[req.handle] = now = time.monotonic()
+                self._forget_old(now)
             return _error(404, f"no live transfer handle {req.handle!r}")
         src.release(req.handle, consumed=True)
         self._release()

@@ -670,6 +670,25 @@ async def test_a_handle_released_before_its_prefill_arrives_is_not_left_pinned(f
             assert r.status == 404
 
 
+async def test_releases_of_made_up_handles_are_remembered_up_to_a_bound(fleet) -> None:
+    """Each release of a handle the prefill pod never exported is remembered (its prefill
+    may still come) for two minutes: a caller naming fresh handles in a loop grew the
+    records without bound. The oldest go past ``max_remembered``."""
+    p = fleet["prefill"]
+    server = p.daemon.pd.export_server
+    server.max_remembered = 20
+    try:
+        async with aiohttp.ClientSession() as s:
+            for i in range(60):
+                body = {"handle": f"made-up-{i}-{uuid.uuid4().hex}"}
+                async with s.post(p.url + "/v1/kv/release", json=body) as r:
+                    assert r.status == 404
+        assert len(server._released) <= 20 and len(server._settled) <= 20
+        assert any(h.startswith("made-up-59-") for h in server._released)  # newest kept
+    finally:
+        server.max_remembered = KVExportServer(lambda: None, lambda: None).max_remembered
+
+
 async def _until_sync(cond, timeout: float = 20.0) -> None:
     async def check() -> bool:
         return cond()
