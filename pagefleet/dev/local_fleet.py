@@ -635,7 +635,10 @@ def command(
         if num_prefill
         else f"{num_daemons} daemon(s)"
     )
-    click.echo(f"starting Redis, {what} and a gateway (logs: {fleet.log_dir})", err=True)
+    # An external Redis is used, not started: say which, so a user can tell where the
+    # fleet indexes (the URL is shown without its password, split off above).
+    redis_what = f"using Redis at {redis_url}" if redis_url else "starting Redis"
+    click.echo(f"{redis_what}, {what} and a gateway (logs: {fleet.log_dir})", err=True)
     t0 = time.monotonic()
     try:
         fleet.start()
