@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from pagefleet.dev import process
 from pagefleet.dev.process import free_port
@@ -498,6 +499,23 @@ class LocalFleet:
         self.stop()
 
 
+def _gateway_port(port: int, run_bench: bool) -> int:
+    """The gateway's port for ``up``: ``port`` as given, refused up front when taken.
+
+    Only --bench without an explicit --port takes any free port: a benchmark needs no fixed
+    address, and the default 8080 being busy must not stop `make run`. A port the user
+    typed is kept, --bench or not (a dashboard or a second client points at it)."""
+    ctx = click.get_current_context()
+    explicit = ctx.get_parameter_source("gateway_port") is not ParameterSource.DEFAULT
+    if run_bench and not explicit:
+        return 0
+    if port:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                raise click.UsageError(f"port {port} is in use; pass --port 0 or another")
+    return port
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-n", "--num-daemons", default=2, show_default=True, type=click.IntRange(min=1))
 @click.option(
@@ -540,7 +558,7 @@ class LocalFleet:
     default=8080,
     show_default=True,
     type=click.IntRange(0, 65535),
-    help="Gateway port (0: any free port).",
+    help="Gateway port (0: any free port; with --bench and no --port, any free port).",
 )
 @click.option(
     "--kv-cache-memory-mb",
@@ -586,12 +604,7 @@ def command(
     """Start Redis, N daemons and a gateway on this machine; Ctrl-C (or SIGTERM) stops
     them all."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if gateway_port and not run_bench:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", gateway_port)) == 0:
-                raise click.UsageError(f"port {gateway_port} is in use; pass --port 0 or another")
-    elif run_bench:
-        gateway_port = 0
+    gateway_port = _gateway_port(gateway_port, run_bench)
     if redis_url:
         # Children inherit the environment; their command lines (visible to every local
         # user) get the URL without the password.

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from pagefleet.dev.process import free_port
 from pagefleet.dev.redis_server import LocalRedis
 
 pytestmark = pytest.mark.slow
@@ -64,3 +65,11 @@ def test_an_external_redis_is_used_not_started(tmp_path: Path) -> None:
             assert client.dbsize() > 0, "the daemon published nothing into the given Redis"
         finally:
             client.close()
+
+
+def test_bench_keeps_the_port_given(tmp_path: Path) -> None:
+    """`up --bench --port N` put the gateway on a random port: a second client, a
+    dashboard or a firewall rule pointed at N found nothing."""
+    port = free_port()
+    with _up(tmp_path, "--bench", "--bench-requests", "2", "--port", str(port)) as up:
+        assert _gateway_port(up) == port
