@@ -49,6 +49,9 @@ GATEWAY_STOP_S = 10.0
 # DAEMON_STOP_S covers all of it: a clean stop never needs SIGKILL.
 DAEMON_DRAIN_S = 6.0
 DAEMON_STOP_S = DAEMON_DRAIN_S + 5.0 + 2 * 3.0 + 3.0
+# A daemon stuck past all of that (a hung engine) ends itself a little before our SIGKILL,
+# its threads' stacks in its log (the daemon's --shutdown-timeout).
+DAEMON_SHUTDOWN_S = DAEMON_STOP_S - 2.0
 
 
 def resolve_checkpoint_dir(spec: str) -> Path:
@@ -319,6 +322,7 @@ class LocalFleet:
             name = f"{role}-{i}"
         # Before the spec's own arguments, so a caller's --drain-timeout wins.
         argv += ["--drain-timeout", str(DAEMON_DRAIN_S)]
+        argv += ["--shutdown-timeout", str(DAEMON_SHUTDOWN_S)]
         argv += self.spec.daemon_args
         return Child(name, argv, f"http://{host}:{port}", self.log_dir / f"{name}.log")
 
