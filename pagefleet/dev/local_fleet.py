@@ -503,6 +503,19 @@ class LocalFleet:
         self.stop()
 
 
+def _refuse_bench_options_without_bench(run_bench: bool) -> None:
+    """--plot and --bench-requests only shape the --bench run: without it they would be
+    ignored while the fleet serves, and the plots a user waits for never come."""
+    if run_bench:
+        return
+    ctx = click.get_current_context()
+    for name, flag in (("plot", "--plot"), ("bench_requests", "--bench-requests")):
+        if ctx.get_parameter_source(name) is not ParameterSource.DEFAULT:
+            raise click.UsageError(
+                f"{flag} goes with --bench (e.g. `pagefleet up --bench {flag} ...`)"
+            )
+
+
 def _gateway_port(port: int, run_bench: bool) -> int:
     """The gateway's port for ``up``: ``port`` as given, refused up front when taken.
 
@@ -608,6 +621,7 @@ def command(
     """Start Redis, N daemons and a gateway on this machine; Ctrl-C (or SIGTERM) stops
     them all."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    _refuse_bench_options_without_bench(run_bench)
     gateway_port = _gateway_port(gateway_port, run_bench)
     if redis_url:
         # Children inherit the environment; their command lines (visible to every local
