@@ -40,9 +40,21 @@ HANDLER_SHUTDOWN_S = 3.0
 # the kubelet's SIGKILL. Its parts: --drain-timeout (30 s), 5 s for aborted requests to end,
 # aiohttp's cleanup (twice HANDLER_SHUTDOWN_S), the engine's stop (up to 10 s).
 DEFAULT_SHUTDOWN_TIMEOUT_S = 55.0
+# What a shutdown needs after the drain when nothing is stuck: the aborted requests' last
+# chunks, the index goodbye, the engine's stop. A drain is cut short to leave this much.
+AFTER_DRAIN_S = 10.0
 # Past the deadline the Python-level exit (a thread) gets this long; then faulthandler ends
 # the process from C, which works even while some thread holds the GIL.
 EXIT_BACKSTOP_S = 2.0
+
+
+def drain_within_deadline(drain_s: float, deadline_s: float | None) -> float:
+    """The drain that leaves AFTER_DRAIN_S of the shutdown deadline: requests still open
+    then are aborted in time for their clients to read finish_reason "abort", instead of
+    being cut by the deadline's exit."""
+    if deadline_s is None:
+        return drain_s
+    return max(0.0, min(drain_s, deadline_s - AFTER_DRAIN_S))
 
 
 class StopSignals:
@@ -143,10 +155,19 @@ async def serve(config: DaemonConfig, shutdown_timeout_s: float | None = None) -
         await runner.cleanup()
         raise click.ClickException(f"{why}; exiting")
     died.cancel()
-    logger.warning("stop signal: draining (up to %.0fs)", config.drain_timeout_s)
+    drain_s = drain_within_deadline(config.drain_timeout_s, shutdown_timeout_s)
+    if drain_s < config.drain_timeout_s:
+        logger.warning(
+            "--drain-timeout %.0fs does not fit --shutdown-timeout %.0fs: open requests get "
+            "%.1fs, then are aborted",
+            config.drain_timeout_s,
+            shutdown_timeout_s,
+            drain_s,
+        )
+    logger.warning("stop signal: draining (up to %.0fs)", drain_s)
     if not start.done():
         start.cancel()
-    await daemon.drain()
+    await daemon.drain(drain_s)
     await daemon.stop()
     await runner.cleanup()
     if daemon.engine_died.is_set():
@@ -311,9 +332,10 @@ async def serve(config: DaemonConfig, shutdown_timeout_s: float | None = None) -
     show_default=True,
     type=click.FloatRange(min=0, min_open=True),
     help="Seconds from SIGTERM until the process has exited, whatever is stuck (a stream, "
-    "the engine): past it, stacks are logged and it exits 1. Keep it above --drain-timeout "
-    "plus ~20 s and below the pod's terminationGracePeriodSeconds (60 from the operator). "
-    "A second SIGTERM or Ctrl-C exits at once.",
+    "the engine): past it, stacks are logged and it exits 1. Open requests are aborted 10 s "
+    "before it at the latest (--drain-timeout is cut short to fit). Keep it below the pod's "
+    "terminationGracePeriodSeconds (60 from the operator). A second SIGTERM or Ctrl-C "
+    "exits at once.",
 )
 @click.option(
     "--cost-per-hour",

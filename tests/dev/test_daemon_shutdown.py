@@ -127,6 +127,20 @@ def test_drain_timeout_aborts_a_stream_with_a_clear_finish_reason(tmp_path: Path
         assert rc == 0, d.output()
 
 
+def test_a_drain_longer_than_the_deadline_still_ends_streams_in_band(tmp_path: Path) -> None:
+    """--drain-timeout past --shutdown-timeout: the deadline's exit would cut the stream
+    with no word. Open requests are aborted early enough for their clients to read
+    finish_reason "abort", and the daemon exits 0 before the deadline."""
+    args = ("--drain-timeout", "120", "--shutdown-timeout", "10.5")  # aborts after 0.5 s
+    with _daemon(tmp_path, *args) as d, _stream(d.base) as resp:
+        d.proc.send_signal(signal.SIGTERM)
+        rest = resp.read()
+        rc, took = _exit_within(d.proc, 20)
+        assert b'"finish_reason":"abort"' in rest, rest[-300:]
+        assert rest.rstrip().endswith(b"data: [DONE]")
+        assert rc == 0 and took < 10.5, (rc, took, d.output())
+
+
 def test_a_stuck_stream_cannot_outlive_the_shutdown_deadline(tmp_path: Path) -> None:
     """Engine hung mid-stream, drain long: the daemon must still be gone by
     --shutdown-timeout, say why in its log, and take its engine process with it."""
