@@ -1,16 +1,27 @@
 """``pagefleet daemon``: serve one model over the OpenAI API until SIGTERM.
 
 Shutdown (SIGTERM or SIGINT): /ready turns 503, new requests get 503, in-flight ones finish
-within --drain-timeout (aborted after), the pod leaves the prefix index, exit status 0.
+within --drain-timeout (aborted after: streams end with finish_reason "abort"), the pod
+leaves the prefix index, exit status 0.
+
+Invariants: from the first stop signal the process is gone within --shutdown-timeout,
+whatever is stuck (a stream, the engine, a cleanup): past it the daemon logs every thread's
+stack, kills its engine process and exits 1. A second stop signal exits at once (status
+128 + the signal). Kubernetes bounds a pod by its terminationGracePeriodSeconds; a daemon
+run by hand or under systemd has only these bounds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import faulthandler
 import logging
+import os
 import signal
 import sys
-from typing import cast
+import threading
+from typing import TYPE_CHECKING, cast
 
 import click
 from aiohttp import web
@@ -19,20 +30,100 @@ from pagefleet.api.openai import TOOL_CALL_PARSERS
 from pagefleet.daemon.config import DEFAULT_LONG_PREFILL_TOKENS, DaemonConfig
 from pagefleet.daemon.termination import write_termination_message
 
+if TYPE_CHECKING:
+    from pagefleet.daemon.app import Daemon
+
 logger = logging.getLogger(__name__)
 
 HANDLER_SHUTDOWN_S = 3.0
+# The default bound on a whole shutdown, a little under the terminationGracePeriodSeconds
+# (60) of the pods the operator builds: a pod ends on its own terms (stacks logged) before
+# the kubelet's SIGKILL. Its parts: --drain-timeout (30 s), 5 s for aborted requests to end,
+# aiohttp's cleanup (twice HANDLER_SHUTDOWN_S), the engine's stop (up to 10 s).
+DEFAULT_SHUTDOWN_TIMEOUT_S = 55.0
+# What a shutdown needs after the drain when nothing is stuck: the aborted requests' last
+# chunks, the index goodbye, the engine's stop. A drain is cut short to leave this much.
+AFTER_DRAIN_S = 10.0
+# Past the deadline the Python-level exit (a thread) gets this long; then faulthandler ends
+# the process from C, which works even while some thread holds the GIL.
+EXIT_BACKSTOP_S = 2.0
 
 
-async def serve(config: DaemonConfig) -> None:
-    """Run the daemon until a stop signal, then drain and clean up."""
+def drain_within_deadline(drain_s: float, deadline_s: float | None) -> float:
+    """The drain that leaves AFTER_DRAIN_S of the shutdown deadline: requests still open
+    then are aborted in time for their clients to read finish_reason "abort", instead of
+    being cut by the deadline's exit."""
+    if deadline_s is None:
+        return drain_s
+    return max(0.0, min(drain_s, deadline_s - AFTER_DRAIN_S))
+
+
+class StopSignals:
+    """The daemon's SIGTERM/SIGINT. The first sets ``stop`` (the graceful drain begins) and
+    arms the shutdown deadline; a second exits the process at once.
+
+    Invariant: once ``stop`` is set, the process ends within ``deadline_s`` (plus
+    EXIT_BACKSTOP_S), its engine process killed with it; ``deadline_s`` None arms nothing."""
+
+    def __init__(self, daemon: Daemon, deadline_s: float | None) -> None:
+        self.daemon = daemon
+        self.deadline_s = deadline_s
+        self.stop = asyncio.Event()
+
+    def install(self, loop: asyncio.AbstractEventLoop) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.received, sig)
+
+    def received(self, sig: signal.Signals) -> None:
+        if self.stop.is_set():
+            # Someone chose not to wait for the drain (a second Ctrl-C, `kill` again).
+            self.exit_now(f"second {sig.name} during the shutdown: exiting now", 128 + sig)
+        self.stop.set()
+        if self.deadline_s is not None:
+            timer = threading.Timer(self.deadline_s, self._overdue)
+            timer.daemon = True
+            timer.start()
+            # Never cancelled: the process is ending either way.
+            faulthandler.dump_traceback_later(self.deadline_s + EXIT_BACKSTOP_S, exit=True)
+
+    def _overdue(self) -> None:
+        logger.error(
+            "shutdown not done %.0fs after the stop signal (--shutdown-timeout): exiting "
+            "with %d request(s) still open; where every thread was:",
+            self.deadline_s,
+            self.daemon.admission.inflight,
+        )
+        with contextlib.suppress(OSError, ValueError):
+            faulthandler.dump_traceback(sys.stderr, all_threads=True)
+        self.exit_now("shutdown deadline passed", 1)
+
+    def exit_now(self, why: str, status: int) -> None:
+        """End the process now: open connections close (their clients see the stream cut),
+        the engine process is SIGKILLed (a stopped or hung one would outlive us), the pod's
+        index entries expire with its heartbeat."""
+        logger.error(
+            "%s (%d request(s) open, exit status %d)", why, self.daemon.admission.inflight, status
+        )
+        handle = self.daemon.engine_loop
+        pid = handle.pid if handle is not None else None
+        if pid is not None and pid != os.getpid():
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        os._exit(status)
+
+
+async def serve(config: DaemonConfig, shutdown_timeout_s: float | None = None) -> None:
+    """Run the daemon until a stop signal, then drain and clean up; with
+    ``shutdown_timeout_s`` (the CLI), the process exits within that long of the signal."""
     from pagefleet.daemon.app import Daemon
 
     daemon = Daemon(config)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    signals = StopSignals(daemon, shutdown_timeout_s)
+    stop = signals.stop
+    signals.install(asyncio.get_running_loop())
     # handler_cancellation: a client that hangs up cancels its handler, which aborts its
     # engine requests (their blocks go back to the pool at once).
     # shutdown_timeout: by runner.cleanup every admitted request has ended (drain waits,
@@ -65,10 +156,19 @@ async def serve(config: DaemonConfig) -> None:
         await runner.cleanup()
         raise click.ClickException(f"{why}; exiting")
     died.cancel()
-    logger.warning("stop signal: draining (up to %.0fs)", config.drain_timeout_s)
+    drain_s = drain_within_deadline(config.drain_timeout_s, shutdown_timeout_s)
+    if drain_s < config.drain_timeout_s:
+        logger.warning(
+            "--drain-timeout %.0fs does not fit --shutdown-timeout %.0fs: open requests get "
+            "%.1fs, then are aborted",
+            config.drain_timeout_s,
+            shutdown_timeout_s,
+            drain_s,
+        )
+    logger.warning("stop signal: draining (up to %.0fs)", drain_s)
     if not start.done():
         start.cancel()
-    await daemon.drain()
+    await daemon.drain(drain_s)
     await daemon.stop()
     await runner.cleanup()
     if daemon.engine_died.is_set():
@@ -223,7 +323,20 @@ async def serve(config: DaemonConfig) -> None:
     default=30.0,
     show_default=True,
     type=float,
-    help="Seconds to finish in-flight requests on SIGTERM.",
+    help="Seconds to finish in-flight requests on SIGTERM; then they are aborted (streams "
+    "end with finish_reason abort).",
+)
+@click.option(
+    "--shutdown-timeout",
+    "shutdown_timeout_s",
+    default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Seconds from SIGTERM until the process has exited, whatever is stuck (a stream, "
+    "the engine): past it, stacks are logged and it exits 1. Open requests are aborted 10 s "
+    "before it at the latest (--drain-timeout is cut short to fit). Keep it below the pod's "
+    "terminationGracePeriodSeconds (60 from the operator). A second SIGTERM or Ctrl-C "
+    "exits at once.",
 )
 @click.option(
     "--cost-per-hour",
@@ -292,8 +405,9 @@ def command(**kwargs: object) -> None:
         stream=sys.stderr,
     )
     termination_log = cast("str | None", kwargs.pop("termination_log"))
+    shutdown_timeout_s = cast("float", kwargs.pop("shutdown_timeout_s"))
     try:
-        _run(kwargs)
+        _run(kwargs, shutdown_timeout_s)
     except click.ClickException as exc:
         # Kubernetes shows this line as the container's last termination message.
         write_termination_message(exc.format_message(), termination_log)
@@ -303,9 +417,9 @@ def command(**kwargs: object) -> None:
         raise
 
 
-def _run(kwargs: dict[str, object]) -> None:
+def _run(kwargs: dict[str, object], shutdown_timeout_s: float) -> None:
     try:
         config = DaemonConfig(**kwargs)  # type: ignore[arg-type]
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
-    asyncio.run(serve(config))
+    asyncio.run(serve(config, shutdown_timeout_s))

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from pagefleet.dev import process
 from pagefleet.dev.process import free_port
@@ -48,6 +49,9 @@ GATEWAY_STOP_S = 10.0
 # DAEMON_STOP_S covers all of it: a clean stop never needs SIGKILL.
 DAEMON_DRAIN_S = 6.0
 DAEMON_STOP_S = DAEMON_DRAIN_S + 5.0 + 2 * 3.0 + 3.0
+# A daemon stuck past all of that (a hung engine) ends itself a little before our SIGKILL,
+# its threads' stacks in its log (the daemon's --shutdown-timeout).
+DAEMON_SHUTDOWN_S = DAEMON_STOP_S - 2.0
 
 
 def resolve_checkpoint_dir(spec: str) -> Path:
@@ -318,6 +322,7 @@ class LocalFleet:
             name = f"{role}-{i}"
         # Before the spec's own arguments, so a caller's --drain-timeout wins.
         argv += ["--drain-timeout", str(DAEMON_DRAIN_S)]
+        argv += ["--shutdown-timeout", str(DAEMON_SHUTDOWN_S)]
         argv += self.spec.daemon_args
         return Child(name, argv, f"http://{host}:{port}", self.log_dir / f"{name}.log")
 
@@ -498,6 +503,36 @@ class LocalFleet:
         self.stop()
 
 
+def _refuse_bench_options_without_bench(run_bench: bool) -> None:
+    """--plot and --bench-requests only shape the --bench run: without it they would be
+    ignored while the fleet serves, and the plots a user waits for never come."""
+    if run_bench:
+        return
+    ctx = click.get_current_context()
+    for name, flag in (("plot", "--plot"), ("bench_requests", "--bench-requests")):
+        if ctx.get_parameter_source(name) is not ParameterSource.DEFAULT:
+            raise click.UsageError(
+                f"{flag} goes with --bench (e.g. `pagefleet up --bench {flag} ...`)"
+            )
+
+
+def _gateway_port(port: int, run_bench: bool) -> int:
+    """The gateway's port for ``up``: ``port`` as given, refused up front when taken.
+
+    Only --bench without an explicit --port takes any free port: a benchmark needs no fixed
+    address, and the default 8080 being busy must not stop `make run`. A port the user
+    typed is kept, --bench or not (a dashboard or a second client points at it)."""
+    ctx = click.get_current_context()
+    explicit = ctx.get_parameter_source("gateway_port") is not ParameterSource.DEFAULT
+    if run_bench and not explicit:
+        return 0
+    if port:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                raise click.UsageError(f"port {port} is in use; pass --port 0 or another")
+    return port
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-n", "--num-daemons", default=2, show_default=True, type=click.IntRange(min=1))
 @click.option(
@@ -540,7 +575,7 @@ class LocalFleet:
     default=8080,
     show_default=True,
     type=click.IntRange(0, 65535),
-    help="Gateway port (0: any free port).",
+    help="Gateway port (0: any free port; with --bench and no --port, any free port).",
 )
 @click.option(
     "--kv-cache-memory-mb",
@@ -586,12 +621,8 @@ def command(
     """Start Redis, N daemons and a gateway on this machine; Ctrl-C (or SIGTERM) stops
     them all."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if gateway_port and not run_bench:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", gateway_port)) == 0:
-                raise click.UsageError(f"port {gateway_port} is in use; pass --port 0 or another")
-    elif run_bench:
-        gateway_port = 0
+    _refuse_bench_options_without_bench(run_bench)
+    gateway_port = _gateway_port(gateway_port, run_bench)
     if redis_url:
         # Children inherit the environment; their command lines (visible to every local
         # user) get the URL without the password.
@@ -635,7 +666,10 @@ def command(
         if num_prefill
         else f"{num_daemons} daemon(s)"
     )
-    click.echo(f"starting Redis, {what} and a gateway (logs: {fleet.log_dir})", err=True)
+    # An external Redis is used, not started: say which, so a user can tell where the
+    # fleet indexes (the URL is shown without its password, split off above).
+    redis_what = f"using Redis at {redis_url}" if redis_url else "starting Redis"
+    click.echo(f"{redis_what}, {what} and a gateway (logs: {fleet.log_dir})", err=True)
     t0 = time.monotonic()
     try:
         fleet.start()

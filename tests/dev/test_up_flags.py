@@ -38,3 +38,15 @@ def test_a_log_dir_that_is_a_file_is_refused(tmp_path: Path) -> None:
     assert result.exit_code == 2, result.output
     assert "--log-dir" in result.output and "Traceback" not in result.output
     assert "starting Redis" not in result.output
+
+
+# Without the refusal, `up` started and served until interrupted: the timeout ends that.
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args", [["--plot", "plots"], ["--bench-requests", "8"]])
+def test_bench_options_without_bench_are_refused(args: list[str]) -> None:
+    """`up --plot DIR` (or --bench-requests) without --bench started a fleet and never wrote
+    a plot: the user waited for files that could not come. Refused, naming --bench."""
+    result = CliRunner().invoke(command, ["--model", "tiny", "--port", "0", *args])
+    assert result.exit_code == 2, result.output
+    assert "--bench" in result.output and args[0] in result.output
+    assert "starting Redis" not in result.output
