@@ -43,7 +43,13 @@ from pagefleet.operator.kube import (
 )
 from pagefleet.operator.naming import GATEWAY, LABEL_ROLE, Names, owned_selector
 from pagefleet.operator.podhealth import summarize
-from pagefleet.operator.status import ROLE_SWITCH, WorkloadState, compute_status
+from pagefleet.operator.status import (
+    ROLE_SWITCH,
+    ROLE_SWITCH_STALLED,
+    SwitchStall,
+    WorkloadState,
+    compute_status,
+)
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +137,29 @@ class RoleSwitch:
             f"ready, {gateway.updated} on the new template)"
         )
 
+    def stall(self, names: Names) -> SwitchStall:
+        """The words for a switch that Degraded blocks: the old roles stay until a person
+        acts, so say what serves meanwhile and the ways out (fix the new roles, revert,
+        or size the old pool by hand: nothing else scales it while it is off the spec)."""
+        old, new = "+".join(self.old), "+".join(self.new)
+        if self.routes_old:
+            serving = f"{old} keeps serving and is not deleted"
+        else:
+            serving = (
+                f"gateway pods not yet on the new template keep routing to {old}, "
+                "which is not deleted"
+            )
+        deployments = ", ".join(f"deployment/{names.role(r)}" for r in self.old)
+        return SwitchStall(
+            head=f"switching roles {old} -> {new} is stalled",
+            advice=(
+                f"{serving}. To finish the switch, fix that (the new pods' events and "
+                f"logs say more); to abandon it, set spec.roles back to {old}; meanwhile "
+                f"`kubectl -n {names.namespace} scale {deployments} --replicas=N` sizes the "
+                "old pool (the operator leaves its replicas alone until the switch ends)"
+            ),
+        )
+
 
 def _ready_pods(deploy: Manifest | None) -> int:
     return int(((deploy or {}).get("status") or {}).get("readyReplicas", 0) or 0)
@@ -176,11 +205,15 @@ def _is_role_deployment(obj: Manifest | None, role: str, uid: str) -> bool:
 
 
 def role_switch_in_progress(body: Manifest) -> bool:
-    """Whether the last full pass left a role switch under way (its Progressing reason):
-    then a child's status change is a reason for a full pass, since a new role's pod
-    turning Ready is what lets the switch advance."""
-    conds = (body.get("status") or {}).get("conditions", []) or []
-    return any(c.get("type") == "Progressing" and c.get("reason") == ROLE_SWITCH for c in conds)
+    """Whether the last full pass left a role switch under way, advancing or stalled (its
+    Progressing reason): then a child's status change is a reason for a full pass, since a
+    new role's pod turning Ready is what lets the switch advance."""
+    return _progressing_reason(body.get("status") or {}) in (ROLE_SWITCH, ROLE_SWITCH_STALLED)
+
+
+def _progressing_reason(status: Manifest) -> str | None:
+    conds = status.get("conditions", []) or []
+    return next((c.get("reason") for c in conds if c.get("type") == "Progressing"), None)
 
 
 def observe(kube: KubeAPI, namespace: str, name: str) -> dict[tuple[str, str], Manifest]:
@@ -323,10 +356,11 @@ def reconcile(
         WorkloadState.from_deployment(role, applied.get(("Deployment", names.role(role))))
         for role, _ in spec.roles.items()
     ]
-    switching = None
+    switching, stall = None, None
     if switch is not None and keep:
         ready = {w.name: f"{w.ready}/{w.desired} ready" for w in roles}
         switching = switch.message(gateway_now, ready)
+        stall = switch.stall(names)
     problem = summarize(kube.list(POD, namespace, owned_selector(name)))
     result.status = compute_status(
         generation,
@@ -337,8 +371,9 @@ def reconcile(
         pod_problem=problem,
         autoscaled=_autoscaled(spec),
         role_switch=switching,
+        role_switch_stalled=stall,
     )
-    _record_role_switch(prev_status, switch, switching, record)
+    _record_role_switch(prev_status, result.status, switch, switching, record)
     _record_degraded(prev_status, result.status, record)
     _write_status(kube, body, result.status)
     return result
@@ -346,21 +381,31 @@ def reconcile(
 
 def _record_role_switch(
     prev_status: Manifest,
+    status: Manifest,
     switch: RoleSwitch | None,
     switching: str | None,
     record: Recorder,
 ) -> None:
-    """One Event when a role switch starts keeping the previous roles, one when it ends
-    (not one per pass: the status message carries the progress)."""
+    """One Event when a role switch starts keeping the previous roles, one Warning when it
+    turns stalled, one when it ends (not one per pass: the status message carries the
+    progress, and a stalled switch is still the same switch)."""
     was = role_switch_in_progress({"status": prev_status})
+    stalled = _progressing_reason(status) == ROLE_SWITCH_STALLED
     if switching is not None and not was:
         record("Normal", ROLE_SWITCH, switching)
-    elif switch is not None and switching is None:
+    if stalled and _progressing_reason(prev_status) != ROLE_SWITCH_STALLED:
+        record("Warning", ROLE_SWITCH_STALLED, _progressing_message(status))
+    if switch is not None and switching is None:
         record(
             "Normal",
             "RoleSwitchComplete",
             f"now serving from {'+'.join(switch.new)}; deleted {'+'.join(switch.old)}",
         )
+
+
+def _progressing_message(status: Manifest) -> str:
+    conds = status.get("conditions", []) or []
+    return next((c.get("message", "") for c in conds if c.get("type") == "Progressing"), "")
 
 
 def _autoscaled(spec: InferenceServiceSpec) -> set[str]:

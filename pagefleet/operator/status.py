@@ -23,6 +23,23 @@ AUTOSCALER_CONDITIONS = ("ScalingActive",)
 # Progressing's reason while the previous roles' pods still serve during a change between
 # unified and prefill/decode (pagefleet/operator/reconcile.py).
 ROLE_SWITCH = "RoleSwitch"
+# Progressing's reason while such a switch is blocked by what makes the service Degraded
+# (a new role past its Deployment's progressDeadlineSeconds, its pods failing): the switch
+# keeps the previous roles serving and waits for a person.
+ROLE_SWITCH_STALLED = "RoleSwitchStalled"
+
+
+@dataclass(frozen=True, slots=True)
+class SwitchStall:
+    """How to word Progressing when a role switch is blocked: `head` names the switch,
+    `advice` says what still serves and what a person can do; Degraded's cause goes
+    between them."""
+
+    head: str
+    advice: str
+
+    def message(self, cause: str) -> str:
+        return f"{self.head}: blocked by {cause.rstrip('. ')}; {self.advice}"
 
 
 @dataclass(slots=True)
@@ -120,11 +137,14 @@ def compute_status(
     pod_problem: tuple[str, str] | None = None,
     autoscaled: Collection[str] | None = None,
     role_switch: str | None = None,
+    role_switch_stalled: SwitchStall | None = None,
 ) -> Manifest:
     """Full status of one InferenceService (a JSON merge patch replaces it as a whole).
 
     ``role_switch``: why the previous roles' workloads are still there (a role switch is
-    under way); it makes Progressing True with reason RoleSwitch unless Degraded.
+    under way); it makes Progressing True with reason RoleSwitch unless Degraded. When
+    Degraded, Progressing is False with reason RoleSwitchStalled and the message
+    ``role_switch_stalled`` (what still serves, what to do) followed by Degraded's cause.
 
     Degraded comes from, in order: the caller's reason (spec or API problems), failing pods
     (`pod_problem`: the kubelet's reason and the container's last words), a Deployment that
@@ -162,6 +182,10 @@ def compute_status(
         message = "waiting for " + ", ".join(
             f"{w.name} ({w.ready}/{w.desired} ready)" for w in waiting
         )
+    elif degraded and role_switch is not None:
+        reason = ROLE_SWITCH_STALLED
+        stall = role_switch_stalled or SwitchStall(role_switch, "see Degraded")
+        message = stall.message(degraded_message)
     elif degraded:
         reason, message = "Stalled", "blocked: see Degraded"
     else:
@@ -217,4 +241,12 @@ def compute_status(
     }
 
 
-__all__ = ["GATEWAY", "ROLE_SWITCH", "WorkloadState", "compute_status", "condition"]
+__all__ = [
+    "GATEWAY",
+    "ROLE_SWITCH",
+    "ROLE_SWITCH_STALLED",
+    "SwitchStall",
+    "WorkloadState",
+    "compute_status",
+    "condition",
+]

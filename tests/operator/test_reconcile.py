@@ -10,7 +10,7 @@ from fake_kube import FakeKube
 
 from pagefleet.operator.builders import BuildSettings
 from pagefleet.operator.kube import KubeError
-from pagefleet.operator.reconcile import reconcile, refresh_status
+from pagefleet.operator.reconcile import reconcile, refresh_status, role_switch_in_progress
 
 SETTINGS = BuildSettings()
 
@@ -372,6 +372,99 @@ def test_a_new_role_scaled_to_zero_does_not_hold_the_switch_forever(kube, unifie
     set_ready(kube, "llama-decode", 1)  # prefill wants no pod: decode alone is enough
     reconcile(kube, body(kube), SETTINGS, Recorder())
     assert gateway_routes(kube) == ("llama-decode", "llama-prefill")
+
+
+def past_deadline(kube: FakeKube, name: str) -> str:
+    """What the Deployment controller reports once `name` made no progress for its
+    progressDeadlineSeconds (600 s unless set): no Ready pod, Progressing False."""
+    set_ready(kube, name, 0)
+    stuck = f"ReplicaSet {name}-5d4f has timed out progressing"
+    kube.obj("Deployment", "ml", name)["status"]["conditions"] = [
+        {
+            "type": "Progressing",
+            "status": "False",
+            "reason": "ProgressDeadlineExceeded",
+            "message": stuck + ".",
+        }
+    ]
+    return stuck
+
+
+def switch_to_pd_from_serving_unified(kube: FakeKube, unified_spec: dict[str, Any]) -> None:
+    create_is(kube, unified_spec)
+    reconcile(kube, body(kube), SETTINGS, Recorder())
+    kube.mark_deployments_ready()
+
+    def to_pd(spec):
+        spec["roles"] = {"prefill": {"replicas": 1}, "decode": {"replicas": 2}}
+
+    edit_spec(kube, to_pd)
+
+
+def test_a_role_switch_whose_new_role_never_gets_ready_says_it_is_stalled(kube, unified_spec):
+    # The decode pods never became Ready (no GPU node, a readiness that never passes): the
+    # switch kept unified serving, which is right, but Progressing fell to a bare "Stalled"
+    # that named no switch and no way out, and every resync posted the RoleSwitch Event
+    # again (its "already announced" check looked for Progressing=RoleSwitch only).
+    switch_to_pd_from_serving_unified(kube, unified_spec)
+    rec = Recorder()
+    reconcile(kube, body(kube), SETTINGS, rec)
+    set_ready(kube, "llama-prefill", 1)
+    stuck = past_deadline(kube, "llama-decode")
+    for _ in range(3):  # the child event's pass and two resyncs
+        assert role_switch_in_progress(body(kube))  # child events keep running full passes
+        reconcile(kube, body(kube), SETTINGS, rec)
+    c = cond(kube, "Progressing")
+    assert (c["status"], c["reason"]) == ("False", "RoleSwitchStalled")
+    assert "unified -> prefill+decode" in c["message"] and stuck in c["message"]
+    assert "unified keeps serving" in c["message"]
+    assert "spec.roles back to unified" in c["message"]  # a way out
+    assert "deployment/llama-unified" in c["message"]
+    degraded = cond(kube, "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "RolloutFailed")
+    assert cond(kube, "Ready")["status"] == "False"
+    # Never cut service on a stuck switch.
+    assert "llama-unified" in kube.names("Deployment") and "llama-unified" in kube.names("Service")
+    assert gateway_routes(kube) == ("llama-unified", None)
+    # One Event per announcement, not one per pass.
+    assert rec.reasons().count("RoleSwitch") == 1
+    stalled = [(t, m) for t, r, m in rec.events if r == "RoleSwitchStalled"]
+    assert len(stalled) == 1 and stalled[0][0] == "Warning" and stuck in stalled[0][1]
+    assert rec.reasons().count("RolloutFailed") == 1
+
+    # Fixed (a GPU node joined): decode turns Ready, the switch resumes on its own.
+    set_ready(kube, "llama-decode", 1)
+    rec = Recorder()
+    reconcile(kube, body(kube), SETTINGS, rec)
+    assert gateway_routes(kube) == ("llama-decode", "llama-prefill")
+    assert progressing(kube)[0] == "RoleSwitch"
+    assert cond(kube, "Degraded")["status"] == "False"
+    assert "RoleSwitch" not in rec.reasons() and "RoleSwitchStalled" not in rec.reasons()
+    set_ready(kube, "llama-gateway", 1)
+    reconcile(kube, body(kube), SETTINGS, rec)
+    assert "llama-unified" not in kube.names("Deployment")
+    assert "RoleSwitchComplete" in rec.reasons()
+
+
+def test_a_role_switch_to_crash_looping_pods_is_stalled_at_once(kube, unified_spec):
+    # A crash loop needs a person as surely as a passed deadline; the pods say so long
+    # before the Deployment's 600 s run out.
+    from test_podhealth import CRASHING, pod
+
+    switch_to_pd_from_serving_unified(kube, unified_spec)
+    reconcile(kube, body(kube), SETTINGS, Recorder())
+    kube.add(pod("llama-decode-a", component="decode", **CRASHING))
+    rec = Recorder()
+    reconcile(kube, body(kube), SETTINGS, rec)
+    reconcile(kube, body(kube), SETTINGS, rec)
+    reason, message = progressing(kube)
+    assert reason == "RoleSwitchStalled" and "llama-decode-a" in message
+    assert cond(kube, "Degraded")["reason"] == "CrashLoopBackOff"
+    assert gateway_routes(kube) == ("llama-unified", None)
+    assert [(t, r) for t, r, _ in rec.events] == [
+        ("Warning", "RoleSwitchStalled"),
+        ("Warning", "CrashLoopBackOff"),
+    ]
 
 
 def test_autoscaler_status_lasts_only_while_a_role_autoscales(kube, pd_spec):
