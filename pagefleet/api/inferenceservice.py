@@ -561,9 +561,23 @@ class RouterSpec(_Model):
     """Streams: the longest silence between two chunks; past it the daemon counts as hung and
     the client gets an error event (never a stream that merely stops)."""
     request_timeout_seconds: float = Field(default=600.0, gt=0, le=86400)
-    """Non-streamed requests: seconds for the whole answer."""
+    """Non-streamed requests: seconds for the whole answer (raise it for long generations
+    that are not streamed: past it the client gets a 504)."""
     max_concurrency: int = Field(default=1024, ge=1)
     """Requests each gateway pod serves at once; past it, 429 with Retry-After."""
+    body_timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
+    """Seconds a request body may take to arrive after its headers; past it, a 408 (raise
+    it for clients that upload long prompts over slow links)."""
+    client_write_timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
+    """Seconds a client may leave sent bytes unread before the gateway cuts it (and a
+    stream's daemon request with it)."""
+    keepalive_timeout_seconds: float = Field(default=75.0, gt=0, le=86400)
+    """Seconds an idle client connection, or one still sending its headers, is kept open;
+    keep it above the idle timeout of a load balancer in front (GCP's: 600 s), else the
+    gateway closes connections the balancer still reuses."""
+    max_response_bytes: int = Field(default=256 << 20, ge=1024, le=1 << 32)
+    """Largest non-streamed answer, in bytes, a gateway pod holds to relay; past it, a 502
+    (streams are passed through, not held). Each held answer costs that much memory."""
 
 
 # ---------------------------------------------------------------------------------- index

@@ -159,6 +159,10 @@ def gateway_command(
         "--inter-chunk-timeout", f"{r.inter_chunk_timeout_seconds:g}",
         "--request-timeout", f"{r.request_timeout_seconds:g}",
         "--max-concurrency", str(r.max_concurrency),
+        "--body-timeout", f"{r.body_timeout_seconds:g}",
+        "--client-write-timeout", f"{r.client_write_timeout_seconds:g}",
+        "--keepalive-timeout", f"{r.keepalive_timeout_seconds:g}",
+        "--max-response-bytes", str(r.max_response_bytes),
     ]  # fmt: skip
     if spec.model.max_model_len is not None:
         cmd += ["--max-model-len", str(spec.model.max_model_len)]

@@ -391,6 +391,84 @@ def test_daemon_and_gateway_clis_accept_the_operators_command_lines(pd_spec):
         assert gateway_cli.make_context("gateway", args).params["policy"] == policy
 
 
+def gateway_config(spec: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The GatewayConfig the real `pagefleet gateway` command builds from the operator's
+    command line: click's parsing and the gateway's own validation both run; only the
+    serving is left out."""
+    from click.testing import CliRunner
+
+    from pagefleet.gateway import cli as gateway_cli
+
+    seen: list[Any] = []
+
+    async def capture(config: Any, **_: Any) -> None:
+        seen.append(config)
+
+    monkeypatch.setattr(gateway_cli, "serve", capture)
+    gw = children(spec)[("Deployment", "llama-gateway")]["spec"]["template"]["spec"]
+    args = _subcommand_args(gw["containers"][0]["command"], "gateway")
+    result = CliRunner().invoke(gateway_cli.command, args)
+    assert result.exit_code == 0, result.output
+    (config,) = seen
+    return config
+
+
+def test_router_spec_sets_every_gateway_limit_an_operator_user_needs(unified_spec, monkeypatch):
+    # Operator-built gateways always ran with the gateway's defaults for the body, client
+    # write and keep-alive timeouts and the non-streamed answer cap: behind a load balancer
+    # with a 600 s idle timeout (GCP) the gateway's 75 s keep-alive closed connections under
+    # it, and a slow client upload over 30 s was a 408, with no way to change either.
+    unified_spec["router"] = {
+        "requestTimeoutSeconds": 3600,
+        "maxConcurrency": 64,
+        "bodyTimeoutSeconds": 120,
+        "clientWriteTimeoutSeconds": 45.5,
+        "keepaliveTimeoutSeconds": 620,
+        "maxResponseBytes": 1 << 30,
+    }
+    config = gateway_config(unified_spec, monkeypatch)
+    assert config.request_timeout_s == 3600 and config.max_concurrency == 64
+    assert config.body_timeout_s == 120 and config.client_write_timeout_s == 45.5
+    assert config.keepalive_timeout_s == 620 and config.max_response_bytes == 1 << 30
+
+
+def test_router_spec_defaults_are_the_gateways_own(unified_spec, monkeypatch):
+    from pagefleet.gateway.cli import GatewayConfig
+
+    config = gateway_config(unified_spec, monkeypatch)
+    defaults = GatewayConfig(discovery="k8s", service="x")
+    for field in (
+        "request_timeout_s",
+        "first_byte_timeout_s",
+        "inter_chunk_timeout_s",
+        "max_concurrency",
+        "body_timeout_s",
+        "client_write_timeout_s",
+        "keepalive_timeout_s",
+        "max_response_bytes",
+    ):
+        assert getattr(config, field) == getattr(defaults, field), field
+
+
+@pytest.mark.parametrize(
+    ("router", "why"),
+    [
+        ({"bodyTimeoutSeconds": 0}, "greater than 0"),
+        ({"clientWriteTimeoutSeconds": -1}, "greater than 0"),
+        ({"clientWriteTimeoutSeconds": 3601}, "less than or equal to 3600"),
+        ({"keepaliveTimeoutSeconds": 0}, "greater than 0"),
+        ({"keepaliveTimeoutSeconds": 86401}, "less than or equal to 86400"),
+        # The gateway refuses less than 1 KiB: a pod would crash-loop on it.
+        ({"maxResponseBytes": 1023}, "greater than or equal to 1024"),
+        ({"maxConcurrency": 0}, "greater than or equal to 1"),
+    ],
+)
+def test_router_limits_out_of_range_are_refused_at_the_spec(unified_spec, router, why):
+    unified_spec["router"] = router
+    with pytest.raises(ValueError, match=f"router.{next(iter(router))}\n.*{why}"):
+        parse_spec(unified_spec)
+
+
 def test_tool_call_parser_reaches_the_daemons_and_defaults_to_none(unified_spec):
     """engine.toolCallParser is the daemon's --tool-call-parser, parsed by its real CLI; a
     name the daemon does not know is refused at the spec, not in a crash-looping pod."""
