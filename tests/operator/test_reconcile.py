@@ -446,6 +446,27 @@ def test_a_role_switch_whose_new_role_never_gets_ready_says_it_is_stalled(kube, 
     assert "RoleSwitchComplete" in rec.reasons()
 
 
+def test_reverting_a_stalled_switch_drops_the_new_roles_and_keeps_serving(kube, unified_spec):
+    # The way out the stalled message offers: spec.roles back to unified.
+    switch_to_pd_from_serving_unified(kube, unified_spec)
+    reconcile(kube, body(kube), SETTINGS, Recorder())
+    past_deadline(kube, "llama-decode")
+    reconcile(kube, body(kube), SETTINGS, Recorder())
+    assert progressing(kube)[0] == "RoleSwitchStalled"
+    unified_version = kube.obj("Deployment", "ml", "llama-unified")["metadata"]["resourceVersion"]
+    edit_spec(kube, lambda spec: spec.update(roles=unified_spec["roles"]))
+    rec = Recorder()
+    reconcile(kube, body(kube), SETTINGS, rec)
+    assert kube.names("Deployment") == ["llama-gateway", "llama-unified"]
+    assert kube.obj("Deployment", "ml", "llama-unified")["metadata"]["resourceVersion"] == (
+        unified_version
+    )  # its pods were never touched: no gap in service
+    assert gateway_routes(kube) == ("llama-unified", None)
+    assert "RoleSwitchComplete" in rec.reasons()
+    assert cond(kube, "Degraded")["status"] == "False"
+    assert cond(kube, "Ready")["status"] == "True"
+
+
 def test_a_role_switch_to_crash_looping_pods_is_stalled_at_once(kube, unified_spec):
     # A crash loop needs a person as surely as a passed deadline; the pods say so long
     # before the Deployment's 600 s run out.
