@@ -32,6 +32,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
+from pagefleet.api.model_names import default_served_model_name
 from pagefleet.dev import process
 from pagefleet.dev.process import free_port
 from pagefleet.kvindex.redis_auth import PASSWORD_ENV, split_password
@@ -328,7 +329,8 @@ class LocalFleet:
 
     @property
     def served_model_name(self) -> str:
-        return self.spec.served_model_name or self.spec.model
+        # The daemons' and the gateway's own default, passed to both explicitly.
+        return self.spec.served_model_name or default_served_model_name(self.spec.model)
 
     @property
     def namespace(self) -> str:
@@ -558,7 +560,11 @@ def _gateway_port(port: int, run_bench: bool) -> int:
     show_default=True,
     help="Checkpoint directory, .gguf file, or preset (smollm2-135m, tiny, ...).",
 )
-@click.option("--served-model-name", default=None)
+@click.option(
+    "--served-model-name",
+    default=None,
+    help="Model name clients send (default: --model as given; a .gguf file's stem).",
+)
 @click.option("--redis-url", default=None, help="Use this Redis instead of starting one.")
 @click.option(
     "--policy",
