@@ -239,6 +239,14 @@ class LocalFleet:
     def disaggregated(self) -> bool:
         return self.spec.num_prefill > 0
 
+    def daemons_by_role(self) -> str:
+        """The daemons' URLs for a person: "daemons URL, URL", or in a P/D fleet
+        "prefill URL; decode URL, URL", so the reader knows which log and metrics are whose."""
+        if not self.disaggregated:
+            return f"daemons {', '.join(self.daemon_urls)}"
+        pools = (f"{role} {', '.join(self.role_urls(role))}" for role in ("prefill", "decode"))
+        return "; ".join(pools)
+
     def role_urls(self, role: str) -> list[str]:
         """URLs of the daemons of one role (prefill, decode; unified fleets: all)."""
         return [d.url for d in self.daemons if d.name.startswith(role)] or (
@@ -687,8 +695,8 @@ def command(
         click.get_current_context().exit(128 + signal.SIGINT)
     try:
         click.echo(
-            f"fleet ready in {time.monotonic() - t0:.1f}s: redis {fleet.redis_url}, "
-            f"daemons {', '.join(fleet.daemon_urls)}",
+            f"fleet ready in {time.monotonic() - t0:.1f}s: redis {fleet.redis_url}; "
+            f"{fleet.daemons_by_role()}",
             err=True,
         )
         click.echo(

@@ -1,0 +1,36 @@
+"""What `pagefleet up --bench` prints, read as a user reads it: a P/D fleet's ready line
+says which daemon is which role. One real fleet (Redis, a prefill and a decode daemon, a
+gateway) for the module."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def pd_up_bench(tmp_path_factory: pytest.TempPathFactory) -> subprocess.CompletedProcess[str]:
+    logs = tmp_path_factory.mktemp("logs")
+    argv = [
+        sys.executable, "-m", "pagefleet.cli", "up",
+        "--model", "tiny", "--prefill", "1", "--decode", "1",
+        "--bench", "--bench-requests", "4", "--log-dir", str(logs),
+    ]  # fmt: skip
+    up = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert up.returncode == 0, f"stdout:\n{up.stdout}\nstderr:\n{up.stderr}"
+    return up
+
+
+def test_pd_ready_line_says_which_daemon_is_prefill_and_which_decode(
+    pd_up_bench: subprocess.CompletedProcess[str],
+) -> None:
+    """`up --prefill 1 --decode 1` printed "daemons http://A, http://B": nothing said
+    which one prefills, so a user could not tell which log or metrics to read."""
+    ready = next(ln for ln in pd_up_bench.stderr.splitlines() if "fleet ready" in ln)
+    assert "prefill http://127.0.0.1:" in ready, ready
+    assert "decode http://127.0.0.1:" in ready, ready
+    assert "daemons http" not in ready, ready
