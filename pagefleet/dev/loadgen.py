@@ -11,7 +11,8 @@ load, which hides part of its lead).
 Figures: TTFT = first streamed token; ITL = gaps between streamed tokens; TPOT =
 (end-to-end - TTFT) / (output tokens - 1); goodput = requests meeting both SLOs per second;
 cluster prefix hit rate = sum(cached_tokens) / sum(prompt_tokens) from the usage the
-daemons report; per-pod share from the gateway's ``x-pagefleet-pod`` header.
+daemons report; per-pod share from the gateway's ``x-pagefleet-pod`` header (a daemon
+does not send it: bench pointed at one reports the share as unknown, not a pod "").
 """
 
 from __future__ import annotations
@@ -272,7 +273,10 @@ def summarize(
         for r in ok
         if r.ttft * 1000 <= slo_ttft_ms and (math.isnan(r.tpot) or r.tpot * 1000 <= slo_tpot_ms)
     ]
-    pods = Counter(r.pod for r in ok)
+    # Only a gateway names the pod it routed to; a request without the header is counted
+    # apart, never as a pod named "".
+    pods = Counter(r.pod for r in ok if r.pod)
+    routed = sum(pods.values())
     report: dict[str, Any] = {
         "requests": len(results),
         "failed": len(results) - len(ok),
@@ -285,8 +289,10 @@ def summarize(
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "completion_tokens": out_tokens,
-        "pod_share": {p: round(n / len(ok), 4) for p, n in sorted(pods.items())} if ok else {},
-        "max_pod_share": round(max(pods.values()) / len(ok), 4) if ok else 0.0,
+        "pod_share": {p: round(n / routed, 4) for p, n in sorted(pods.items())},
+        # None: no response named its pod (bench pointed at a daemon, not a gateway).
+        "max_pod_share": round(max(pods.values()) / routed, 4) if routed else None,
+        "requests_without_pod": len(ok) - routed,
         "errors": sorted({r.error for r in results if r.error})[:5],
     }
     report["ttft_ms_mean"] = round(sum(ttft) / len(ttft), 2) if ttft else None
@@ -317,8 +323,8 @@ def print_report(report: dict[str, Any], title: str = "pagefleet bench") -> None
     )
     console.print(
         f"cluster prefix hit rate {report['prefix_hit_rate']:.1%} "
-        f"({report['cached_tokens']}/{report['prompt_tokens']} prompt tokens) | per-pod share "
-        + ", ".join(f"{p or '?'} {s:.0%}" for p, s in report["pod_share"].items())
+        f"({report['cached_tokens']}/{report['prompt_tokens']} prompt tokens) | "
+        + _pod_share_text(report)
     )
     if "cost_per_1m_output_tokens" in report:
         console.print(
@@ -327,6 +333,20 @@ def print_report(report: dict[str, Any], title: str = "pagefleet bench") -> None
         )
     if report["errors"]:
         console.print(f"[red]errors: {report['errors']}[/red]")
+
+
+def _pod_share_text(report: dict[str, Any]) -> str:
+    """Where requests went, as the gateway's x-pagefleet-pod header said; "unknown" when
+    no response carried it (a daemon sends none), never a pod named "?"."""
+    if not report["pod_share"]:
+        return (
+            "per-pod share unknown: no response carried the x-pagefleet-pod header (only a "
+            "pagefleet gateway sets it; --url names a daemon or another server)"
+        )
+    text = "per-pod share " + ", ".join(f"{p} {s:.0%}" for p, s in report["pod_share"].items())
+    if report["requests_without_pod"]:
+        text += f" (of the requests that named their pod; {report['requests_without_pod']} did not)"
+    return text
 
 
 def write_plots(results: list[RequestResult], report: dict[str, Any], out_dir: Path) -> list[Path]:
@@ -362,6 +382,8 @@ def write_plots(results: list[RequestResult], report: dict[str, Any], out_dir: P
     share = report["pod_share"]
     ax.bar(range(len(share)), list(share.values()))
     ax.set_xticks(range(len(share)), list(share), rotation=20, fontsize=8)
+    if not share:  # an empty chart would read as "no requests"
+        ax.text(0.5, 0.5, "unknown: no x-pagefleet-pod header", ha="center", transform=ax.transAxes)
     ax.set_ylabel("share of requests")
     ax.set_title(f"per-pod share (prefix hit rate {report['prefix_hit_rate']:.0%})")
     fig.tight_layout()
