@@ -293,6 +293,8 @@ def summarize(
         # None: no response named its pod (bench pointed at a daemon, not a gateway).
         "max_pod_share": round(max(pods.values()) / routed, 4) if routed else None,
         "requests_without_pod": len(ok) - routed,
+        "slo_ttft_ms": slo_ttft_ms,
+        "slo_tpot_ms": slo_tpot_ms,
         "errors": sorted({r.error for r in results if r.error})[:5],
     }
     report["ttft_ms_mean"] = round(sum(ttft) / len(ttft), 2) if ttft else None
@@ -314,16 +316,24 @@ def print_report(report: dict[str, Any], title: str = "pagefleet bench") -> None
     t.add_column("p90", justify="right")
     t.add_column("p99", justify="right")
     for name in ("ttft_ms", "tpot_ms", "itl_ms"):
-        t.add_row(name, *(str(report.get(f"{name}_p{q}")) for q in (50, 90, 99)))
+        t.add_row(name, *(_cell(report.get(f"{name}_p{q}")) for q in (50, 90, 99)))
     console.print(t)
+    # The table's names are terse; say once what each measures (the table is narrower
+    # than this line, which a caption would wrap into four).
     console.print(
-        f"requests {report['requests']} (failed {report['failed']}) in {report['wall_s']} s | "
-        f"throughput {report['throughput_req_s']} req/s, {report['throughput_out_tok_s']} tok/s"
-        f" | goodput {report['goodput_req_s']} req/s ({report['slo_attainment']:.0%} within SLO)"
+        "TTFT: time to first token; TPOT: time per output token after the first; "
+        "ITL: gap between streamed tokens; in ms"
     )
     console.print(
-        f"cluster prefix hit rate {report['prefix_hit_rate']:.1%} "
-        f"({report['cached_tokens']}/{report['prompt_tokens']} prompt tokens) | "
+        f"requests {report['requests']} (failed {report['failed']}) in {report['wall_s']} s | "
+        f"throughput {report['throughput_req_s']} req/s, "
+        f"{report['throughput_out_tok_s']} output tok/s | goodput {report['goodput_req_s']} "
+        f"req/s ({report['slo_attainment']:.0%} within SLO: TTFT <= {report['slo_ttft_ms']:g} "
+        f"ms, TPOT <= {report['slo_tpot_ms']:g} ms)"
+    )
+    console.print(
+        f"cluster prefix hit rate {report['prefix_hit_rate']:.1%} ({report['cached_tokens']} "
+        f"of {report['prompt_tokens']} prompt tokens served from the prefix cache) | "
         + _pod_share_text(report)
     )
     if "cost_per_1m_output_tokens" in report:
@@ -333,6 +343,12 @@ def print_report(report: dict[str, Any], title: str = "pagefleet bench") -> None
         )
     if report["errors"]:
         console.print(f"[red]errors: {report['errors']}[/red]")
+
+
+def _cell(value: float | None) -> str:
+    """A percentile for the table: "-" when no request produced one (e.g. no ITL when
+    every answer is one token), not Python's "None"."""
+    return "-" if value is None else str(value)
 
 
 def _pod_share_text(report: dict[str, Any]) -> str:

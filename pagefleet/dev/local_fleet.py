@@ -544,7 +544,14 @@ def _gateway_port(port: int, run_bench: bool) -> int:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("-n", "--num-daemons", default=2, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "-n",
+    "--num-daemons",
+    default=2,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Unified daemons (each prefills and decodes); --prefill/--decode replace it.",
+)
 @click.option(
     "--prefill",
     "num_prefill",
@@ -579,6 +586,7 @@ def _gateway_port(port: int, run_bench: bool) -> int:
     default="cache_aware",
     show_default=True,
     type=click.Choice(["cache_aware", "least_load", "round_robin", "session"]),
+    help="How the gateway picks a daemon for each request (see pagefleet gateway).",
 )
 @click.option(
     "--weights", default=None, help="Gateway cache_aware weights (see pagefleet gateway)."
@@ -595,7 +603,7 @@ def _gateway_port(port: int, run_bench: bool) -> int:
     "--kv-cache-memory-mb",
     default=None,
     type=click.IntRange(min=1),
-    help="Per-daemon KV budget (MiB).",
+    help="Per-daemon KV cache budget in MiB (default: the daemon's, 256).",
 )
 @click.option(
     "--log-dir",
@@ -607,9 +615,16 @@ def _gateway_port(port: int, run_bench: bool) -> int:
     "--bench",
     "run_bench",
     is_flag=True,
-    help="Run a short `pagefleet bench` against the fleet, print its report, stop.",
+    help="Run a short `pagefleet bench` through the gateway, print its report and one "
+    "sample answer, then stop the fleet.",
 )
-@click.option("--bench-requests", default=48, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--bench-requests",
+    default=48,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="With --bench: chat requests (conversation turns) to send.",
+)
 @click.option(
     "--plot",
     default=None,

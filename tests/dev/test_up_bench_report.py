@@ -1,6 +1,6 @@
 """What `pagefleet up --bench` prints, read as a user reads it: a P/D fleet's ready line
-says which daemon is which role. One real fleet (Redis, a prefill and a decode daemon, a
-gateway) for the module."""
+says which daemon is which role, and each figure of the report carries its unit and
+meaning. One real fleet (Redis, a prefill and a decode daemon, a gateway) for the module."""
 
 from __future__ import annotations
 
@@ -25,6 +25,11 @@ def pd_up_bench(tmp_path_factory: pytest.TempPathFactory) -> subprocess.Complete
     return up
 
 
+def _flat(text: str) -> str:
+    """``text`` with every run of whitespace one space: rich wraps lines at 80 columns."""
+    return " ".join(text.split())
+
+
 def test_pd_ready_line_says_which_daemon_is_prefill_and_which_decode(
     pd_up_bench: subprocess.CompletedProcess[str],
 ) -> None:
@@ -34,3 +39,17 @@ def test_pd_ready_line_says_which_daemon_is_prefill_and_which_decode(
     assert "prefill http://127.0.0.1:" in ready, ready
     assert "decode http://127.0.0.1:" in ready, ready
     assert "daemons http" not in ready, ready
+
+
+def test_bench_report_names_its_units_and_slo(
+    pd_up_bench: subprocess.CompletedProcess[str],
+) -> None:
+    """The report said "goodput 0.0 req/s (0% within SLO)" without the SLO, "24.3 tok/s"
+    for output tokens only, and TTFT/TPOT/ITL without saying what they measure."""
+    out = _flat(pd_up_bench.stdout)
+    assert "within SLO: TTFT <= 500 ms, TPOT <= 100 ms)" in out, out
+    assert "output tok/s" in out, out
+    assert "TTFT: time to first token" in out and "TPOT:" in out and "ITL:" in out, out
+    assert "prompt tokens served from the prefix cache" in out, out
+    # Still there for scripts and tests that read it (`make run`).
+    assert "ttft_ms" in out and "cluster prefix hit rate" in out and "\nA: " in pd_up_bench.stdout
