@@ -68,6 +68,18 @@ class BenchOptions(BaseModel):
     cost_per_hour: float = Field(0.0, ge=0, description="dollars per hour per replica")
     replicas: int = Field(1, ge=1, description="replicas behind --url (for the cost)")
 
+    def load_description(self) -> str:
+        """The load the figures were measured under, in the report's words: throughput and
+        latency mean little without it."""
+        if self.request_rate is None:
+            arrival = f"closed loop, {self.concurrency} conversations in flight"
+        else:
+            arrival = f"open loop, {self.request_rate:g} new conversations/s (Poisson)"
+        return (
+            f"load: {arrival}; {self.num_tenants} tenants, up to {self.max_turns} turns each, "
+            f"{self.max_tokens} output tokens per request (ignore_eos)"
+        )
+
     def workload(self) -> WorkloadSpec:
         return WorkloadSpec(
             num_conversations=self.num_requests,  # trimmed to num_requests turns below
@@ -441,6 +453,7 @@ def run_bench_sync(opts: BenchOptions) -> dict[str, Any]:
     report, results = asyncio.run(run_bench(opts))
     ended = time.time()
     print_report(report, f"pagefleet bench: {report['requests']} chat requests via {opts.url}")
+    click.echo(opts.load_description())
     if opts.plot_dir is not None:
         from pagefleet.dev.slo_plots import plot_bench
 

@@ -45,11 +45,15 @@ def test_bench_report_names_its_units_and_slo(
     pd_up_bench: subprocess.CompletedProcess[str],
 ) -> None:
     """The report said "goodput 0.0 req/s (0% within SLO)" without the SLO, "24.3 tok/s"
-    for output tokens only, and TTFT/TPOT/ITL without saying what they measure."""
+    for output tokens only, TTFT/TPOT/ITL without saying what they measure, and nothing
+    of the load (concurrency, output length) its throughput was measured under."""
     out = _flat(pd_up_bench.stdout)
     assert "within SLO: TTFT <= 500 ms, TPOT <= 100 ms)" in out, out
     assert "output tok/s" in out, out
     assert "TTFT: time to first token" in out and "TPOT:" in out and "ITL:" in out, out
     assert "prompt tokens served from the prefix cache" in out, out
+    # Throughput means little without the load it was measured under.
+    assert "load: closed loop, 8 conversations in flight" in out, out
+    assert "16 output tokens per request" in out, out
     # Still there for scripts and tests that read it (`make run`).
     assert "ttft_ms" in out and "cluster prefix hit rate" in out and "\nA: " in pd_up_bench.stdout
