@@ -481,7 +481,7 @@ def run_bench_sync(opts: BenchOptions) -> dict[str, Any]:
     "--model",
     default="smollm2-135m",
     show_default=True,
-    help="Served model name (pagefleet up serves its --model under that name).",
+    help="Served model name, as GET /v1/models lists it (`pagefleet up` prints it).",
 )
 @click.option("-n", "--num-requests", default=48, show_default=True, type=int)
 @click.option(
