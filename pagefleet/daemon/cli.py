@@ -226,7 +226,11 @@ async def serve(config: DaemonConfig, shutdown_timeout_s: float | None = None) -
     default=None,
     help="Address decode pods pull this pod's KV from (default: $POD_IP, else --host).",
 )
-@click.option("--served-model-name", default=None, help="Model name in the API (default: --model).")
+@click.option(
+    "--served-model-name",
+    default=None,
+    help="Model name in the API (default: --model as given; a .gguf file's stem).",
+)
 @click.option(
     "--redis-url",
     default=None,

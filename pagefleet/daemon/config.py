@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pagefleet.api.limits import DEFAULT_MAX_BODY_BYTES
+from pagefleet.api.model_names import default_served_model_name
 from pagefleet.api.openai import ToolCallParser
 from pagefleet.engine.config import EngineConfig
 
@@ -34,7 +35,7 @@ class DaemonConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     model: str = "tiny"
-    served_model_name: str | None = None  # default: the model argument
+    served_model_name: str | None = None  # default: default_served_model_name(model)
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     role: Role = "unified"
@@ -109,7 +110,7 @@ class DaemonConfig(BaseModel):
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or self.model
+        return self.served_model_name or default_served_model_name(self.model)
 
     @property
     def namespace(self) -> str:

@@ -11,7 +11,8 @@ load, which hides part of its lead).
 Figures: TTFT = first streamed token; ITL = gaps between streamed tokens; TPOT =
 (end-to-end - TTFT) / (output tokens - 1); goodput = requests meeting both SLOs per second;
 cluster prefix hit rate = sum(cached_tokens) / sum(prompt_tokens) from the usage the
-daemons report; per-pod share from the gateway's ``x-pagefleet-pod`` header.
+daemons report; per-pod share from the gateway's ``x-pagefleet-pod`` header (a daemon
+does not send it: bench pointed at one reports the share as unknown, not a pod "").
 """
 
 from __future__ import annotations
@@ -66,6 +67,18 @@ class BenchOptions(BaseModel):
     timeout_s: float = 120.0
     cost_per_hour: float = Field(0.0, ge=0, description="dollars per hour per replica")
     replicas: int = Field(1, ge=1, description="replicas behind --url (for the cost)")
+
+    def load_description(self) -> str:
+        """The load the figures were measured under, in the report's words: throughput and
+        latency mean little without it."""
+        if self.request_rate is None:
+            arrival = f"closed loop, {self.concurrency} conversations in flight"
+        else:
+            arrival = f"open loop, {self.request_rate:g} new conversations/s (Poisson)"
+        return (
+            f"load: {arrival}; {self.num_tenants} tenants, up to {self.max_turns} turns each, "
+            f"{self.max_tokens} output tokens per request (ignore_eos)"
+        )
 
     def workload(self) -> WorkloadSpec:
         return WorkloadSpec(
@@ -272,7 +285,10 @@ def summarize(
         for r in ok
         if r.ttft * 1000 <= slo_ttft_ms and (math.isnan(r.tpot) or r.tpot * 1000 <= slo_tpot_ms)
     ]
-    pods = Counter(r.pod for r in ok)
+    # Only a gateway names the pod it routed to; a request without the header is counted
+    # apart, never as a pod named "".
+    pods = Counter(r.pod for r in ok if r.pod)
+    routed = sum(pods.values())
     report: dict[str, Any] = {
         "requests": len(results),
         "failed": len(results) - len(ok),
@@ -285,8 +301,12 @@ def summarize(
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "completion_tokens": out_tokens,
-        "pod_share": {p: round(n / len(ok), 4) for p, n in sorted(pods.items())} if ok else {},
-        "max_pod_share": round(max(pods.values()) / len(ok), 4) if ok else 0.0,
+        "pod_share": {p: round(n / routed, 4) for p, n in sorted(pods.items())},
+        # None: no response named its pod (bench pointed at a daemon, not a gateway).
+        "max_pod_share": round(max(pods.values()) / routed, 4) if routed else None,
+        "requests_without_pod": len(ok) - routed,
+        "slo_ttft_ms": slo_ttft_ms,
+        "slo_tpot_ms": slo_tpot_ms,
         "errors": sorted({r.error for r in results if r.error})[:5],
     }
     report["ttft_ms_mean"] = round(sum(ttft) / len(ttft), 2) if ttft else None
@@ -308,17 +328,25 @@ def print_report(report: dict[str, Any], title: str = "pagefleet bench") -> None
     t.add_column("p90", justify="right")
     t.add_column("p99", justify="right")
     for name in ("ttft_ms", "tpot_ms", "itl_ms"):
-        t.add_row(name, *(str(report.get(f"{name}_p{q}")) for q in (50, 90, 99)))
+        t.add_row(name, *(_cell(report.get(f"{name}_p{q}")) for q in (50, 90, 99)))
     console.print(t)
+    # The table's names are terse; say once what each measures (the table is narrower
+    # than this line, which a caption would wrap into four).
     console.print(
-        f"requests {report['requests']} (failed {report['failed']}) in {report['wall_s']} s | "
-        f"throughput {report['throughput_req_s']} req/s, {report['throughput_out_tok_s']} tok/s"
-        f" | goodput {report['goodput_req_s']} req/s ({report['slo_attainment']:.0%} within SLO)"
+        "TTFT: time to first token; TPOT: time per output token after the first; "
+        "ITL: gap between streamed tokens; in ms"
     )
     console.print(
-        f"cluster prefix hit rate {report['prefix_hit_rate']:.1%} "
-        f"({report['cached_tokens']}/{report['prompt_tokens']} prompt tokens) | per-pod share "
-        + ", ".join(f"{p or '?'} {s:.0%}" for p, s in report["pod_share"].items())
+        f"requests {report['requests']} (failed {report['failed']}) in {report['wall_s']} s | "
+        f"throughput {report['throughput_req_s']} req/s, "
+        f"{report['throughput_out_tok_s']} output tok/s | goodput {report['goodput_req_s']} "
+        f"req/s ({report['slo_attainment']:.0%} within SLO: TTFT <= {report['slo_ttft_ms']:g} "
+        f"ms, TPOT <= {report['slo_tpot_ms']:g} ms)"
+    )
+    console.print(
+        f"cluster prefix hit rate {report['prefix_hit_rate']:.1%} ({report['cached_tokens']} "
+        f"of {report['prompt_tokens']} prompt tokens served from the prefix cache) | "
+        + _pod_share_text(report)
     )
     if "cost_per_1m_output_tokens" in report:
         console.print(
@@ -327,6 +355,26 @@ def print_report(report: dict[str, Any], title: str = "pagefleet bench") -> None
         )
     if report["errors"]:
         console.print(f"[red]errors: {report['errors']}[/red]")
+
+
+def _cell(value: float | None) -> str:
+    """A percentile for the table: "-" when no request produced one (e.g. no ITL when
+    every answer is one token), not Python's "None"."""
+    return "-" if value is None else str(value)
+
+
+def _pod_share_text(report: dict[str, Any]) -> str:
+    """Where requests went, as the gateway's x-pagefleet-pod header said; "unknown" when
+    no response carried it (a daemon sends none), never a pod named "?"."""
+    if not report["pod_share"]:
+        return (
+            "per-pod share unknown: no response carried the x-pagefleet-pod header (only a "
+            "pagefleet gateway sets it; --url names a daemon or another server)"
+        )
+    text = "per-pod share " + ", ".join(f"{p} {s:.0%}" for p, s in report["pod_share"].items())
+    if report["requests_without_pod"]:
+        text += f" (of the requests that named their pod; {report['requests_without_pod']} did not)"
+    return text
 
 
 def write_plots(results: list[RequestResult], report: dict[str, Any], out_dir: Path) -> list[Path]:
@@ -362,6 +410,8 @@ def write_plots(results: list[RequestResult], report: dict[str, Any], out_dir: P
     share = report["pod_share"]
     ax.bar(range(len(share)), list(share.values()))
     ax.set_xticks(range(len(share)), list(share), rotation=20, fontsize=8)
+    if not share:  # an empty chart would read as "no requests"
+        ax.text(0.5, 0.5, "unknown: no x-pagefleet-pod header", ha="center", transform=ax.transAxes)
     ax.set_ylabel("share of requests")
     ax.set_title(f"per-pod share (prefix hit rate {report['prefix_hit_rate']:.0%})")
     fig.tight_layout()
@@ -403,6 +453,7 @@ def run_bench_sync(opts: BenchOptions) -> dict[str, Any]:
     report, results = asyncio.run(run_bench(opts))
     ended = time.time()
     print_report(report, f"pagefleet bench: {report['requests']} chat requests via {opts.url}")
+    click.echo(opts.load_description())
     if opts.plot_dir is not None:
         from pagefleet.dev.slo_plots import plot_bench
 
@@ -430,7 +481,7 @@ def run_bench_sync(opts: BenchOptions) -> dict[str, Any]:
     "--model",
     default="smollm2-135m",
     show_default=True,
-    help="Served model name (pagefleet up serves its --model under that name).",
+    help="Served model name, as GET /v1/models lists it (`pagefleet up` prints it).",
 )
 @click.option("-n", "--num-requests", default=48, show_default=True, type=int)
 @click.option(

@@ -32,6 +32,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
+from pagefleet.api.model_names import default_served_model_name
 from pagefleet.dev import process
 from pagefleet.dev.process import free_port
 from pagefleet.kvindex.redis_auth import PASSWORD_ENV, split_password
@@ -238,6 +239,14 @@ class LocalFleet:
     def disaggregated(self) -> bool:
         return self.spec.num_prefill > 0
 
+    def daemons_by_role(self) -> str:
+        """The daemons' URLs for a person: "daemons URL, URL", or in a P/D fleet
+        "prefill URL; decode URL, URL", so the reader knows which log and metrics are whose."""
+        if not self.disaggregated:
+            return f"daemons {', '.join(self.daemon_urls)}"
+        pools = (f"{role} {', '.join(self.role_urls(role))}" for role in ("prefill", "decode"))
+        return "; ".join(pools)
+
     def role_urls(self, role: str) -> list[str]:
         """URLs of the daemons of one role (prefill, decode; unified fleets: all)."""
         return [d.url for d in self.daemons if d.name.startswith(role)] or (
@@ -328,7 +337,8 @@ class LocalFleet:
 
     @property
     def served_model_name(self) -> str:
-        return self.spec.served_model_name or self.spec.model
+        # The daemons' and the gateway's own default, passed to both explicitly.
+        return self.spec.served_model_name or default_served_model_name(self.spec.model)
 
     @property
     def namespace(self) -> str:
@@ -534,7 +544,14 @@ def _gateway_port(port: int, run_bench: bool) -> int:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("-n", "--num-daemons", default=2, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "-n",
+    "--num-daemons",
+    default=2,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Unified daemons (each prefills and decodes); --prefill/--decode replace it.",
+)
 @click.option(
     "--prefill",
     "num_prefill",
@@ -558,13 +575,18 @@ def _gateway_port(port: int, run_bench: bool) -> int:
     show_default=True,
     help="Checkpoint directory, .gguf file, or preset (smollm2-135m, tiny, ...).",
 )
-@click.option("--served-model-name", default=None)
+@click.option(
+    "--served-model-name",
+    default=None,
+    help="Model name clients send (default: --model as given; a .gguf file's stem).",
+)
 @click.option("--redis-url", default=None, help="Use this Redis instead of starting one.")
 @click.option(
     "--policy",
     default="cache_aware",
     show_default=True,
     type=click.Choice(["cache_aware", "least_load", "round_robin", "session"]),
+    help="How the gateway picks a daemon for each request (see pagefleet gateway).",
 )
 @click.option(
     "--weights", default=None, help="Gateway cache_aware weights (see pagefleet gateway)."
@@ -581,7 +603,7 @@ def _gateway_port(port: int, run_bench: bool) -> int:
     "--kv-cache-memory-mb",
     default=None,
     type=click.IntRange(min=1),
-    help="Per-daemon KV budget (MiB).",
+    help="Per-daemon KV cache budget in MiB (default: the daemon's, 256).",
 )
 @click.option(
     "--log-dir",
@@ -593,9 +615,16 @@ def _gateway_port(port: int, run_bench: bool) -> int:
     "--bench",
     "run_bench",
     is_flag=True,
-    help="Run a short `pagefleet bench` against the fleet, print its report, stop.",
+    help="Run a short `pagefleet bench` through the gateway, print its report and one "
+    "sample answer, then stop the fleet.",
 )
-@click.option("--bench-requests", default=48, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--bench-requests",
+    default=48,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="With --bench: chat requests (conversation turns) to send.",
+)
 @click.option(
     "--plot",
     default=None,
@@ -681,8 +710,8 @@ def command(
         click.get_current_context().exit(128 + signal.SIGINT)
     try:
         click.echo(
-            f"fleet ready in {time.monotonic() - t0:.1f}s: redis {fleet.redis_url}, "
-            f"daemons {', '.join(fleet.daemon_urls)}",
+            f"fleet ready in {time.monotonic() - t0:.1f}s: redis {fleet.redis_url}; "
+            f"{fleet.daemons_by_role()}",
             err=True,
         )
         click.echo(

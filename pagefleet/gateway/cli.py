@@ -21,6 +21,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pagefleet.api.limits import DEFAULT_MAX_BODY_BYTES
+from pagefleet.api.model_names import default_served_model_name
 from pagefleet.gateway.policies import POLICY_NAMES, RoutingWeights
 
 logger = logging.getLogger(__name__)
@@ -99,7 +100,10 @@ class GatewayConfig(BaseModel):
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or self.model or "model"
+        # As the daemons name it (a .gguf file: its stem), or every request gets a 404.
+        if self.served_model_name:
+            return self.served_model_name
+        return default_served_model_name(self.model) if self.model else "model"
 
     @property
     def namespace_key(self) -> str:
@@ -348,7 +352,11 @@ def _split(value: str | None) -> list[str]:
     show_default=True,
     help="Checkpoint directory or tiny preset: its tokenizer computes block keys.",
 )
-@click.option("--served-model-name", default=None, help="Model name in the API (default: --model).")
+@click.option(
+    "--served-model-name",
+    default=None,
+    help="Model name in the API (default: --model as given; a .gguf file's stem).",
+)
 @click.option(
     "--block-size",
     default=16,

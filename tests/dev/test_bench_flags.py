@@ -24,3 +24,11 @@ def test_out_of_range_flags_are_usage_errors(args: list[str], flag: str) -> None
     result = CliRunner().invoke(command, ["--url", "http://127.0.0.1:9", "--no-progress", *args])
     assert result.exit_code == 2, result.output
     assert flag in result.output
+
+
+def test_model_help_points_at_the_served_name() -> None:
+    """--model's help said `pagefleet up` serves its --model under that name: wrong for a
+    .gguf path (served under its stem). It points at /v1/models, which is always right."""
+    help_text = " ".join(CliRunner().invoke(command, ["--help"]).output.split())
+    model_help = help_text.split("--model TEXT")[1].split("-n, --num-requests")[0]
+    assert "/v1/models" in model_help, model_help

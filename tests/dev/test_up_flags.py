@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner
 
@@ -50,3 +51,15 @@ def test_bench_options_without_bench_are_refused(args: list[str]) -> None:
     assert result.exit_code == 2, result.output
     assert "--bench" in result.output and args[0] in result.output
     assert "starting Redis" not in result.output
+
+
+def test_every_up_option_says_what_it_does() -> None:
+    """`pagefleet up --help` listed -n, --served-model-name, --policy and --bench-requests
+    with no word on what they do (--served-model-name: nothing on its default)."""
+    ctx = click.Context(command)
+    bare = [
+        p.opts[-1] for p in command.get_params(ctx) if isinstance(p, click.Option) and not p.help
+    ]
+    assert bare == []
+    help_text = " ".join(CliRunner().invoke(command, ["--help"]).output.split())
+    assert "a .gguf file's stem" in help_text
