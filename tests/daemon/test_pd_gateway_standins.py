@@ -38,12 +38,15 @@ class Pod:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         app = web.Application()
-        app.router.add_get("/ready", lambda _: web.json_response({"ready": True}))
+        app.router.add_get("/ready", self._ready)
         app.router.add_post("/v1/completions", self._gen)
         app.router.add_post("/v1/chat/completions", self._gen)
         app.router.add_post("/v1/kv/release", self._release)
         app.router.add_post("/v1/kv/wait", self._wait)
         self.runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0)
+
+    async def _ready(self, _: web.Request) -> web.Response:
+        return web.json_response({"ready": True})
 
     async def _gen(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
