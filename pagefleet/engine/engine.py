@@ -732,7 +732,14 @@ class LLMEngine(Generic[TokenizerT]):
         if scores is None or req.prompt_logprobs_sent or req.needs_prompt_logits:
             return None
         req.prompt_logprobs_sent = True
-        text = self._token_text
+        texts: dict[int, str] = {}  # a prompt's top-k repeat the same few tokens
+
+        def text(tok: int) -> str:
+            t = texts.get(tok)
+            if t is None:
+                t = texts[tok] = self._token_text(tok)
+            return t
+
         out: list[PromptLogprob | None] = [None]
         for tok, sc in zip(req.prompt_token_ids[1:], scores, strict=True):
             top = [(t, text(t), v) for t, v in zip(sc.top_ids, sc.top_logprobs, strict=True)]

@@ -299,8 +299,9 @@ class ModelRunner:
             lp = torch.log_softmax(self.model.compute_logits(hidden[idx]).float(), dim=-1)
             tgt = torch.tensor(targets[s : s + len(part)], device=lp.device).unsqueeze(-1)
             chosen = lp.gather(-1, tgt)
-            # As vLLM: 1 + the number of tokens strictly more likely.
-            ranks = (lp > chosen).sum(dim=-1) + 1
+            # As vLLM: 1 + the number of tokens strictly more likely (count_nonzero: a
+            # bool tensor's sum() is ~13x slower on CPU).
+            ranks = torch.count_nonzero(lp > chosen, dim=-1) + 1
             if num_top:
                 top = torch.topk(lp, min(num_top, lp.shape[-1]), dim=-1)
                 top_ids, top_lps = top.indices.tolist(), top.values.tolist()
