@@ -252,6 +252,18 @@ async def test_echo_returns_the_prompt_and_scores_it_with_logprobs(client, live)
         if max_tokens == 0:
             assert ref.text == PROMPT and len(tokens) == n_prompt
 
+    # n samples: each choice's first chunk carries the echo and the prompt's logprobs.
+    firsts: dict[int, object] = {}
+    async for c in await client.completions.create(
+        echo=True, logprobs=1, stream=True, n=2, **{**kw, "temperature": 1.0}
+    ):
+        for ch in c.choices:
+            firsts.setdefault(ch.index, ch)
+    assert sorted(firsts) == [0, 1]
+    for ch in firsts.values():
+        assert ch.text.startswith(PROMPT) and ch.logprobs.token_logprobs[0] is None
+        assert ch.logprobs.tokens[:n_prompt] == lp.tokens[:n_prompt]
+
     # max_tokens 0 means nothing without echo: a 400 naming it.
     with pytest.raises(openai.BadRequestError) as e:
         await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0)

@@ -178,3 +178,13 @@ def test_preempted_and_recomputed_prompts_are_scored_once(oracle: Oracle) -> Non
 def test_prompt_logprobs_range_is_checked() -> None:
     with pytest.raises(ValueError, match="prompt_logprobs must be in"):
         SamplingParams(prompt_logprobs=21)
+
+
+def test_beam_search_reports_prompt_logprobs_with_its_result(oracle: Oracle) -> None:
+    """Beam search answers once, at the end: the prompt's scores come with that answer."""
+    engine = _engine()
+    params = _params(use_beam_search=True, n=2, best_of=3, max_tokens=4)
+    (res,) = engine.generate([oracle.prompts[3]], params)
+    assert len(res.outputs) == 2
+    _check(res.prompt_logprobs, oracle.prompts[3], oracle.log_softmax[3])
+    engine.check_integrity()
