@@ -188,3 +188,25 @@ def test_beam_search_reports_prompt_logprobs_with_its_result(oracle: Oracle) -> 
     assert len(res.outputs) == 2
     _check(res.prompt_logprobs, oracle.prompts[3], oracle.log_softmax[3])
     engine.check_integrity()
+
+
+def test_scores_are_computed_in_slices_of_rows(oracle: Oracle, monkeypatch) -> None:
+    """A chunk's positions are scored a slice of rows at a time (so a long prompt never
+    holds its whole [positions, vocab] logits): slices of 7 rows, boundaries inside every
+    chunk, give the same scores."""
+    from pagefleet.engine import model_runner
+
+    monkeypatch.setattr(model_runner, "PROMPT_SCORE_ROWS", 7)
+    engine = _engine(long_prefill_token_threshold=20, max_num_batched_tokens=64)
+    seen: list[int] = []
+    score = engine.runner.score_prompt
+
+    def spy(hidden, rows, targets, num_top):
+        seen.append(len(rows))
+        return score(hidden, rows, targets, num_top)
+
+    engine.runner.score_prompt = spy
+    results = engine.generate(oracle.prompts, _params())
+    assert max(seen) > 7  # chunks longer than a slice were scored
+    for res, prompt, lsm in zip(results, oracle.prompts, oracle.log_softmax, strict=True):
+        _check(res.prompt_logprobs, prompt, lsm)
