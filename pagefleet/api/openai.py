@@ -150,7 +150,6 @@ IGNORED_FIELDS = frozenset(
 # (vLLM's defaults): any other value is refused rather than silently ignored.
 ACCEPTED_DEFAULTS: dict[str, object] = {
     "spaces_between_special_tokens": True,
-    "prompt_logprobs": None,
     "truncate_prompt_tokens": None,
     "return_tokens_as_token_ids": False,
     "continue_final_message": False,
@@ -298,6 +297,9 @@ class _SamplingFields(_Lenient):
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
+    # vLLM's extension: each prompt token's logprob (the first has none) and the top k,
+    # returned as ``prompt_logprobs`` (not with stream, as vLLM).
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     guided_choice: list[str] | None = Field(default=None, min_length=1)
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -391,7 +393,8 @@ Prompt = str | list[str] | list[NonNegInt] | list[list[NonNegInt]]
 
 class CompletionRequest(_SamplingFields):
     prompt: Prompt
-    max_tokens: int | None = Field(default=16, ge=1)
+    # 0 with echo scores the prompt without generating (lm-eval's loglikelihood requests).
+    max_tokens: int | None = Field(default=16, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
@@ -435,12 +438,26 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class Logprob(BaseModel):
+    """vLLM's logprob of one token in ``prompt_logprobs``; rank 1 is the most likely."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: one entry per prompt token, None for the first (it has no
+# context), else token id -> its Logprob: the prompt token itself and the top k.
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 def _new_id(prefix: str) -> str:
@@ -712,6 +729,8 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage | None = None
     system_fingerprint: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's prompt_logprobs: on the response, not each choice (chat has one prompt).
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):

@@ -36,7 +36,13 @@ import pickle
 from dataclasses import dataclass
 from typing import Any
 
-from pagefleet.engine.outputs import CompletionDelta, RequestMetrics, RequestOutput, TokenLogprob
+from pagefleet.engine.outputs import (
+    CompletionDelta,
+    PromptLogprob,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprob,
+)
 
 # Largest message worth pickling in one piece; a larger one is a bug (a whole KV pool).
 MAX_MESSAGE_BYTES = 1 << 31
@@ -116,6 +122,9 @@ def pack_outputs(outputs: list[RequestOutput]) -> list[tuple[Any, ...]]:
                     )
                     for d in o.deltas
                 ],
+                None if o.prompt_logprobs is None
+                else [None if p is None else (p.token_id, p.token, p.logprob, p.rank, p.top)
+                      for p in o.prompt_logprobs],
             )
         )  # fmt: skip
     return out
@@ -123,7 +132,7 @@ def pack_outputs(outputs: list[RequestOutput]) -> list[tuple[Any, ...]]:
 
 def unpack_outputs(packed: list[tuple[Any, ...]]) -> list[RequestOutput]:
     out = []
-    for rid, finished, num_gen, m, deltas in packed:
+    for rid, finished, num_gen, m, deltas, plps in packed:
         out.append(
             RequestOutput(
                 rid,
@@ -139,6 +148,8 @@ def unpack_outputs(packed: list[tuple[Any, ...]]) -> list[RequestOutput]:
                 finished,
                 RequestMetrics(*m),
                 num_gen,
+                None if plps is None
+                else [None if p is None else PromptLogprob(*p) for p in plps],
             )
         )  # fmt: skip
     return out
@@ -147,7 +158,8 @@ def unpack_outputs(packed: list[tuple[Any, ...]]) -> list[RequestOutput]:
 # The fields pack_outputs carries, per dataclass, in order (checked by a test).
 PACKED_FIELDS = {
     RequestOutput: ("request_id", "prompt_token_ids", "deltas", "finished", "metrics",
-                    "num_generated_tokens"),
+                    "num_generated_tokens", "prompt_logprobs"),
+    PromptLogprob: ("token_id", "token", "logprob", "rank", "top"),
     RequestMetrics: ("arrival_time", "first_scheduled_time", "first_token_time",
                      "last_token_time", "finished_time", "num_cached_tokens"),
     CompletionDelta: ("index", "new_token_ids", "new_text", "logprobs", "finish_reason",

@@ -15,7 +15,7 @@ from pagefleet.daemon.engine_handle import StreamItem
 from pagefleet.daemon.kv_transfer import KVTransferParams
 from pagefleet.daemon.metrics import DaemonMetrics
 from pagefleet.daemon.request_log import RequestLog
-from pagefleet.engine.outputs import CompletionDelta, RequestOutput, TokenLogprob
+from pagefleet.engine.outputs import CompletionDelta, PromptLogprob, RequestOutput, TokenLogprob
 from pagefleet.engine.sampling_params import SamplingParams
 
 
@@ -38,6 +38,9 @@ class Choice:
     # each token's text_offset is the non-streamed one (a chunk's text can start earlier
     # than its first token's, when text held back by an earlier token arrives with it).
     logprob_chars_sent: int = 0
+    # Streamed echo with logprobs: the echo goes out with the choice's first chunk (its
+    # prompt logprobs come with the request's first output, not before).
+    sent_echo: bool = False
 
 
 @dataclass(slots=True)
@@ -61,6 +64,16 @@ class Job:
     # P/D prefill: the engine request id of the (only) prompt when the caller named its
     # transfer handle (kv_transfer_params.remote_request_id with do_remote_decode)
     handle: str | None = None
+    # max_tokens 0 with echo (scoring): the engine generates one token, dropped here.
+    echo_only: bool = False
+    # The top k of vLLM's ``prompt_logprobs`` field as the caller asked for it (None: not
+    # asked; echo with logprobs asks the engine for prompt logprobs without it).
+    prompt_logprobs_k: int | None = None
+    # Per prompt: each token's logprob (None first), from the request's first output.
+    prompt_logprobs: dict[int, list[PromptLogprob | None]] = field(default_factory=dict)
+    # Per prompt: the first token's text (it has no logprob entry to carry it), for echo
+    # with logprobs.
+    first_token_texts: list[str] = field(default_factory=list)
 
     def rid(self, i: int) -> str:
         if i == 0 and self.handle is not None:
@@ -73,6 +86,14 @@ class Job:
 
     def echo_text(self, choice_index: int) -> str:
         return self.echo[choice_index // self.params.n] if self.echo else ""
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """Echo with logprobs: the prompt tokens' logprobs come before the output's."""
+        return self.echo is not None and self.params.logprobs is not None
+
+    def choice_prompt_logprobs(self, choice_index: int) -> list[PromptLogprob | None] | None:
+        return self.prompt_logprobs.get(choice_index // self.params.n)
 
     def prompt_index(self, rid: str) -> int:
         if rid == self.handle:
@@ -107,8 +128,12 @@ class Job:
         """Fold one engine output into the choices; record metrics of what finished."""
         out: RequestOutput = item.output
         self.cached_tokens[out.request_id] = out.metrics.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs[self.prompt_index(out.request_id)] = out.prompt_logprobs
         touched = []
         for delta in out.deltas:
+            if self.echo_only:
+                delta = _scoring_only(delta)
             ch = self.choice(out.request_id, delta)
             k = len(delta.new_token_ids)
             if k:
@@ -137,3 +162,13 @@ class Job:
                     out.num_generated_tokens // self.params.n,
                 )
         return touched
+
+
+def _scoring_only(delta: CompletionDelta) -> CompletionDelta:
+    """``delta`` without what was generated (max_tokens 0): no tokens, text or logprobs,
+    and an ending is "length", as OpenAI reports it (an abort stays an abort)."""
+    finish = delta.finish_reason
+    if finish is not None and finish != "abort":
+        finish = "length"
+    lps = None if delta.logprobs is None else []
+    return CompletionDelta(delta.index, [], "", lps, finish, None)

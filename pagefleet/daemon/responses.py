@@ -27,6 +27,8 @@ from pagefleet.api.openai import (
     DeltaMessage,
     FunctionCall,
     FunctionCallDelta,
+    Logprob,
+    PromptLogprobs,
     ToolCall,
     ToolCallDelta,
     TopLogprob,
@@ -35,7 +37,7 @@ from pagefleet.api.openai import (
 from pagefleet.daemon.job import Choice, Job
 from pagefleet.daemon.token_bytes import TokenBytesFn, utf8_bytes
 from pagefleet.daemon.tool_calls import CallStream, Parsed, ParsedCall, parse_calls, read_call
-from pagefleet.engine.outputs import CompletionDelta, TokenLogprob
+from pagefleet.engine.outputs import CompletionDelta, PromptLogprob, TokenLogprob
 
 
 class ResponseShape(Protocol):
@@ -101,27 +103,30 @@ class CompletionShape:
 
     def response(self, job: Job, model: str) -> CompletionResponse:
         want_lp = job.params.logprobs is not None
-        return CompletionResponse(
-            id=job.base_id,
-            model=model,
-            choices=[
+        choices = []
+        for c in job.sorted_choices():
+            lp = None
+            if want_lp:
+                lp = completion_logprobs(c.logprobs, job.text_base(c.index))
+                if job.echo_logprobs:
+                    lp = _joined(_echo_logprobs(job, c.index), lp)
+            choices.append(
                 CompletionChoice(
                     index=c.index,
                     text=job.echo_text(c.index) + c.text,
-                    logprobs=completion_logprobs(c.logprobs, job.text_base(c.index))
-                    if want_lp
-                    else None,
+                    logprobs=lp,
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
+                    prompt_logprobs=vllm_prompt_logprobs(
+                        job.choice_prompt_logprobs(c.index), job.prompt_logprobs_k
+                    ),
                 )
-                for c in job.sorted_choices()
-            ],
-            usage=job.usage(),
-        )
+            )
+        return CompletionResponse(id=job.base_id, model=model, choices=choices, usage=job.usage())
 
     def opening_chunks(self, job: Job, created: int, model: str) -> list[BaseModel]:
-        if job.echo is None:
-            return []
+        if job.echo is None or job.echo_logprobs:
+            return []  # with logprobs the echo goes with each choice's first chunk
         n = job.params.n
         return [
             CompletionStreamResponse(
@@ -138,15 +143,22 @@ class CompletionShape:
         self, job: Job, created: int, model: str, ch: Choice, delta: CompletionDelta
     ) -> CompletionStreamResponse:
         lp = None
-        if job.params.logprobs is not None and delta.logprobs:
-            lp = completion_logprobs(
-                delta.logprobs, job.text_base(ch.index) + ch.logprob_chars_sent
-            )
-            ch.logprob_chars_sent += sum(len(t.token) for t in delta.logprobs)
+        text = delta.new_text
+        echo_now = job.echo_logprobs and not ch.sent_echo
+        if job.params.logprobs is not None and (delta.logprobs or echo_now):
+            out_lps = delta.logprobs or []
+            lp = completion_logprobs(out_lps, job.text_base(ch.index) + ch.logprob_chars_sent)
+            ch.logprob_chars_sent += sum(len(t.token) for t in out_lps)
+            if echo_now:
+                lp = _joined(_echo_logprobs(job, ch.index), lp)
+        if echo_now:
+            # The echo and its logprobs, known once the request's first output came.
+            text = job.echo_text(ch.index) + text
+            ch.sent_echo = True
         return CompletionStreamResponse(
             id=job.base_id, created=created, model=model,
             choices=[CompletionChoice(
-                index=ch.index, text=delta.new_text, logprobs=lp,
+                index=ch.index, text=text, logprobs=lp,
                 finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
             )],
         )  # fmt: skip
@@ -154,7 +166,11 @@ class CompletionShape:
     def chunk_json(
         self, job: Job, created: int, model: str, ch: Choice, delta: CompletionDelta
     ) -> bytes:
-        if delta.logprobs or type(delta.stop_reason) not in (str, int, type(None)):
+        if (
+            delta.logprobs
+            or type(delta.stop_reason) not in (str, int, type(None))
+            or (job.echo_logprobs and not ch.sent_echo)
+        ):
             return (
                 self.chunk(job, created, model, ch, delta)
                 .model_dump_json(exclude_none=True)
@@ -199,6 +215,7 @@ class ChatShape:
             model=model,
             choices=[self._choice(job, c, want_lp) for c in job.sorted_choices()],
             usage=job.usage(),
+            prompt_logprobs=vllm_prompt_logprobs(job.prompt_logprobs.get(0), job.prompt_logprobs_k),
         )
 
     def _choice(self, job: Job, c: Choice, want_lp: bool) -> ChatChoice:
@@ -316,6 +333,65 @@ def completion_logprobs(lps: list[TokenLogprob], offset: int) -> CompletionLogpr
         out.top_logprobs.append(top)
         out.text_offset.append(offset)
         offset += len(lp.token)
+    return out
+
+
+def _echo_logprobs(job: Job, choice_index: int) -> CompletionLogprobs:
+    """The echoed prompt's part of a choice's logprobs (OpenAI: the first token's logprob
+    and top_logprobs are null). Offsets index the echoed text, counted back from its end:
+    the tokens' texts can be longer than the prompt as sent (a BOS the tokenizer added), so
+    such a leading token sits at 0 and the output's first token at ``len(echo)``, where
+    the output's own offsets start."""
+    out = CompletionLogprobs()
+    plps = job.choice_prompt_logprobs(choice_index)
+    if plps is None:  # the request ended before its prompt was scored (aborted)
+        return out
+    first = job.first_token_texts[choice_index // job.params.n]
+    tokens = [first, *(e.token if e is not None else "" for e in plps[1:])]
+    pos = len(job.echo_text(choice_index)) - sum(map(len, tokens))
+    k = job.params.logprobs or 0
+    for token, entry in zip(tokens, plps, strict=True):
+        out.tokens.append(token)
+        out.text_offset.append(max(pos, 0))
+        pos += len(token)
+        if entry is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
+        out.token_logprobs.append(entry.logprob)
+        top: dict[str, float] = {entry.token: entry.logprob}  # as completion_logprobs
+        for _, t, v in entry.top[:k]:
+            top.setdefault(t, v)
+        out.top_logprobs.append(top)
+    return out
+
+
+def _joined(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(
+        tokens=a.tokens + b.tokens,
+        token_logprobs=a.token_logprobs + b.token_logprobs,
+        top_logprobs=a.top_logprobs + b.top_logprobs,
+        text_offset=a.text_offset + b.text_offset,
+    )
+
+
+def vllm_prompt_logprobs(
+    plps: list[PromptLogprob | None] | None, k: int | None
+) -> PromptLogprobs | None:
+    """vLLM's ``prompt_logprobs`` (None unless asked, ``k`` not None): per prompt token,
+    None for the first, else token id -> {logprob, rank, decoded_token} of the token itself
+    and the ``k`` most likely (ranks 1..k)."""
+    if plps is None or k is None:
+        return None
+    out: PromptLogprobs = []
+    for e in plps:
+        if e is None:
+            out.append(None)
+            continue
+        entry = {e.token_id: Logprob(logprob=e.logprob, rank=e.rank, decoded_token=e.token)}
+        for rank, (tid, text, v) in enumerate(e.top[:k], start=1):
+            entry.setdefault(tid, Logprob(logprob=v, rank=rank, decoded_token=text))
+        out.append(entry)
     return out
 
 

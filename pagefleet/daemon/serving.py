@@ -194,15 +194,15 @@ class OpenAIServing:
         self._check_model(req.model)
         if req.suffix:
             raise APIError(400, "suffix is not supported by this model", param="suffix")
-        if req.echo and req.logprobs is not None:
-            # OpenAI's answer lists the prompt's tokens and logprobs first; the engine
-            # computes logits only where it samples, so it has none for the prompt. An
-            # answer with the output's tokens alone would be read as the prompt's.
+        # max_tokens 0 with echo scores the prompt (lm-eval's loglikelihood requests): the
+        # engine samples one token, as vLLM, which the job drops.
+        echo_only = req.max_tokens == 0
+        if echo_only and not req.echo:
             raise APIError(
                 400,
-                "echo with logprobs needs the prompt tokens' logprobs, which this server "
-                "does not compute; drop logprobs, or drop echo and prepend the prompt yourself",
-                param="logprobs",
+                "max_tokens 0 generates nothing: it is for scoring the prompt with echo=true "
+                "(and logprobs); set echo or a max_tokens of at least 1",
+                param="max_tokens",
             )
         tok = self._tokenizer()
         raw = req.prompts()
@@ -211,7 +211,14 @@ class OpenAIServing:
             lambda: [p if isinstance(p, list) else tok.encode(p) for p in raw], size
         )
         return await self._generate(
-            request, req, prompts, req.max_tokens, req.logprobs, _COMPLETION, echo=req.echo
+            request,
+            req,
+            prompts,
+            1 if echo_only else req.max_tokens,
+            req.logprobs,
+            _COMPLETION,
+            echo=req.echo,
+            echo_only=echo_only,
         )
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -297,13 +304,24 @@ class OpenAIServing:
         *,
         echo: bool,
         tool_schema: str | None = None,
+        echo_only: bool = False,
     ) -> web.StreamResponse:
         """Validate, admit, run on the engine and answer (whole or streamed) in ``shape``."""
         max_tokens_param = "max_tokens"
         if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
             max_tokens_param = "max_completion_tokens"  # the field the caller set
         self._check_lengths(prompts, max_tokens, shape.prompt_param, max_tokens_param)
-        params = self._sampling_params(req, max_tokens, logprobs)
+        if req.prompt_logprobs is not None and req.stream:
+            raise APIError(
+                400,
+                "prompt_logprobs cannot stream (as in vLLM); send stream=false, or on "
+                "/v1/completions use echo with logprobs, which streams",
+                param="prompt_logprobs",
+            )
+        # Echo with logprobs lists the prompt tokens' logprobs first (OpenAI's answer).
+        echo_k = logprobs if echo and isinstance(req, CompletionRequest) else None
+        asked = [k for k in (echo_k, req.prompt_logprobs) if k is not None]
+        params = self._sampling_params(req, max_tokens, logprobs, max(asked, default=None))
         if tool_schema is not None:
             # Built from the tools' parameters: a schema that fails to compile is theirs.
             params.guided = GuidedSpec("json", tool_schema, source="tools")
@@ -325,7 +343,12 @@ class OpenAIServing:
             forced_tool_call=tool_schema is not None,
             t_http=request.get(_T_HTTP, 0.0),
             trace=self.request_log,
+            echo_only=echo_only,
+            prompt_logprobs_k=req.prompt_logprobs,
         )
+        if job.echo_logprobs:
+            tok = self._tokenizer()
+            job.first_token_texts = [tok.decode(p[:1], skip_special_tokens=False) for p in prompts]
         if self.pd is not None:
             try:
                 job.transfer = self.pd.parse(req.kv_transfer_params, params.n, len(prompts))
@@ -522,6 +545,7 @@ class OpenAIServing:
         req: CompletionRequest | ChatCompletionRequest,
         max_tokens: int | None,
         logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         try:
             guided = req.guided()
@@ -553,6 +577,7 @@ class OpenAIServing:
                 stop_token_ids=list(req.stop_token_ids or []),
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
                 presence_penalty=req.presence_penalty or 0.0,

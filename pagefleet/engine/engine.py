@@ -36,6 +36,7 @@ from pagefleet.engine.outputs import (
     CompletionOutput,
     EngineStats,
     GenerateResult,
+    PromptLogprob,
     RequestMetrics,
     RequestOutput,
     TokenLogprob,
@@ -229,6 +230,8 @@ class LLMEngine(Generic[TokenizerT]):
             lora_id=lora_id,
             forked=params.n == 1 or params.use_beam_search,  # beams fork in beam.py
         )
+        if params.prompt_logprobs is not None:
+            req.prompt_scores = []
         if params.use_beam_search:
             room = self.max_model_len - len(token_ids)
             eos = frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)
@@ -646,6 +649,10 @@ class LLMEngine(Generic[TokenizerT]):
             raise ValueError(
                 f"the KV reservation for {plan.request_id!r} expired before the pull ended"
             )
+        if params.prompt_logprobs is not None:
+            # Pulled KV comes without logits; the prompt must be computed here.
+            self.cancel_import(plan)
+            raise ValueError("prompt_logprobs needs the prompt computed locally, not imported")
         try:
             req = self._new_request(
                 plan.request_id, plan.token_ids, params, arrival_time, plan.lora_id
@@ -715,7 +722,29 @@ class LLMEngine(Generic[TokenizerT]):
             finished=finished,
             metrics=req.metrics,
             num_generated_tokens=sum(s.num_output_tokens for s in req.seqs),
+            prompt_logprobs=self._take_prompt_logprobs(req),
         )
+
+    def _take_prompt_logprobs(self, req: Request) -> list[PromptLogprob | None] | None:
+        """The request's prompt logprobs, once, as soon as every prompt token has its score
+        (its first output; an abort before that gets none)."""
+        scores = req.prompt_scores
+        if scores is None or req.prompt_logprobs_sent or req.needs_prompt_logits:
+            return None
+        req.prompt_logprobs_sent = True
+        texts: dict[int, str] = {}  # a prompt's top-k repeat the same few tokens
+
+        def text(tok: int) -> str:
+            t = texts.get(tok)
+            if t is None:
+                t = texts[tok] = self._token_text(tok)
+            return t
+
+        out: list[PromptLogprob | None] = [None]
+        for tok, sc in zip(req.prompt_token_ids[1:], scores, strict=True):
+            top = [(t, text(t), v) for t, v in zip(sc.top_ids, sc.top_logprobs, strict=True)]
+            out.append(PromptLogprob(tok, text(tok), sc.logprob, sc.rank, top))
+        return out
 
     def _publish_events(self) -> None:
         events = self.kv.take_events()
@@ -797,6 +826,8 @@ class LLMEngine(Generic[TokenizerT]):
                         [CompletionOutput(i, [], "") for i in range(n)],
                         out.metrics,
                     )
+                if out.prompt_logprobs is not None:
+                    res.prompt_logprobs = out.prompt_logprobs
                 for d in out.deltas:
                     o = res.outputs[d.index]
                     o.token_ids.extend(d.new_token_ids)

@@ -120,7 +120,9 @@ class KVCacheManager:
         logits are needed): when the chain covers every token, the count is
         ``num_tokens - 1`` and the last block will be copied on write by ``allocate_slots``.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or seq.request.needs_prompt_logits:
+            # prompt_logprobs needs the logits of every prompt position (as vLLM, such a
+            # request takes no hits; its blocks are still cached for others).
             return [], 0
         hits: list[KVBlock] = []
         for h in seq.full_block_hashes(self.block_size, self.namespace):

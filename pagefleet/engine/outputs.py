@@ -20,6 +20,19 @@ class TokenLogprob:
 
 
 @dataclass(slots=True)
+class PromptLogprob:
+    """One prompt token's score (``SamplingParams.prompt_logprobs``): the log-softmax of
+    the raw logits at the position before it. ``rank`` is 1 for the most likely token;
+    ``top`` the k most likely ``(id, text, logprob)``, best first (ranks 1..k)."""
+
+    token_id: int
+    token: str
+    logprob: float
+    rank: int
+    top: list[tuple[int, str, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class CompletionDelta:
     index: int  # which of the n sequences
     new_token_ids: list[int]
@@ -47,6 +60,9 @@ class RequestOutput:
     finished: bool  # every sequence of the request has finished
     metrics: RequestMetrics
     num_generated_tokens: int = 0  # over all n sequences, so far
+    # With prompt_logprobs: one entry per prompt token (None for the first, which has no
+    # context), on the request's first output only; None otherwise.
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
 @dataclass(slots=True)
@@ -69,6 +85,7 @@ class GenerateResult:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     metrics: RequestMetrics
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
 @dataclass(slots=True)

@@ -102,6 +102,17 @@ class Sequence:
 
 
 @dataclass(slots=True)
+class PromptScore:
+    """The raw score of one prompt token (the runner's part of ``prompt_logprobs``; the
+    engine adds the texts): its logprob and rank, and the top-k ids and logprobs."""
+
+    logprob: float
+    rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(slots=True)
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -116,6 +127,19 @@ class Request:
     kv_imported: bool = False
     # Beam search state (beam.py); its live beams are the unfinished ``seqs``.
     beam: BeamSearch | None = None
+    # prompt_logprobs: entry i scores prompt token i + 1 from the logits at position i.
+    # Filled in position order by the runner, chunk by chunk; a recompute (preemption, a
+    # fork's recompute) finds the positions already scored and skips them. None when not
+    # asked for.
+    prompt_scores: list[PromptScore] | None = None
+    prompt_logprobs_sent: bool = False
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Prompt positions still lack their scores: the prefix cache must not skip them
+        (a cache hit has KV but no logits), so the whole prompt is computed."""
+        scores = self.prompt_scores
+        return scores is not None and len(scores) < len(self.prompt_token_ids) - 1
 
     @property
     def is_finished(self) -> bool:

@@ -31,6 +31,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token
+    # vLLM's prompt_logprobs: each prompt token's logprob (the first has none) and the top
+    # k at its position, from the raw logits. None (the default) costs nothing; a request
+    # that sets it skips prefix-cache hits (cached positions have no logits).
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # Penalties with vLLM's meaning: presence/frequency count output tokens only and are
@@ -102,6 +106,8 @@ class SamplingParams:
             raise ValueError("bad_words must not contain an empty word")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         if self.best_of is not None and self.best_of < self.n:
             raise ValueError(f"best_of must be >= n, got best_of={self.best_of} and n={self.n}")
         if self.use_beam_search:

@@ -160,12 +160,11 @@ async def test_logprobs(client):
     assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
 
 
-async def test_echo_returns_the_prompt_and_refuses_logprobs(client):
-    """echo puts the prompt before the output, whole and streamed. With logprobs OpenAI
-    also returns the prompt tokens' logprobs (the first one null); the engine computes
-    none for the prompt, so echo with logprobs is a 400 naming logprobs: the answer used
-    to list only the output's tokens, which a scorer (lm-eval's loglikelihood) would
-    silently read as the prompt's."""
+async def test_echo_returns_the_prompt_and_scores_it_with_logprobs(client, live):
+    """echo puts the prompt before the output, whole and streamed. With logprobs the prompt
+    tokens' logprobs come first, as OpenAI's (the first null), with text offsets into the
+    echoed text; max_tokens 0 scores the prompt alone (lm-eval's loglikelihood requests).
+    Echo with logprobs used to be a 400: the engine computed no logprobs for the prompt."""
     kw = dict(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
               extra_body={"ignore_eos": True})  # fmt: skip
     plain = await client.completions.create(**kw)
@@ -175,12 +174,148 @@ async def test_echo_returns_the_prompt_and_refuses_logprobs(client):
     parts = [c async for c in await client.completions.create(echo=True, stream=True, **kw)]
     streamed = "".join(c.choices[0].text for c in parts if c.choices)
     assert streamed == text
-    for stream in (False, True):
-        for logprobs in (0, 1):
-            with pytest.raises(openai.BadRequestError) as e:
-                await client.completions.create(echo=True, logprobs=logprobs, stream=stream, **kw)
-            assert e.value.body["param"] == "logprobs", e.value.body
-            assert "prompt" in e.value.body["message"]
+
+    body = {"model": MODEL, "prompt": PROMPT}
+    async with aiohttp.ClientSession() as s, s.post(f"{live.url}/tokenize", json=body) as r:
+        ids = (await r.json())["tokens"]
+    n_prompt = len(ids)
+    out = (await client.completions.create(logprobs=2, **kw)).choices[0].logprobs
+    whole = await client.completions.create(echo=True, logprobs=2, **kw)
+    choice = whole.choices[0]
+    lp = choice.logprobs
+    assert choice.text == text
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == n_prompt + 4
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert all(len(t) >= 1 for t in lp.top_logprobs[1:])
+    # The output's part is what the same request without echo returns.
+    assert lp.tokens[n_prompt:] == out.tokens
+    assert lp.token_logprobs[n_prompt:] == pytest.approx(out.token_logprobs, abs=1e-4)
+    # Offsets index the echoed text: every prompt token after the BOS the tokenizer adds
+    # sits where its text is, and the output starts where the prompt ends.
+    assert lp.text_offset == sorted(lp.text_offset)
+    for tok, off in zip(lp.tokens[1:n_prompt], lp.text_offset[1:n_prompt], strict=True):
+        assert text[off : off + len(tok)] == tok
+    assert lp.text_offset[n_prompt] == len(PROMPT)
+
+    # Scoring prompt + continuation (max_tokens 0, as lm-eval) gives the continuation's
+    # tokens the logprobs they had when generated: the prompt path agrees with decoding.
+    gen = await client.completions.create(
+        model=MODEL,
+        prompt=ids,
+        max_tokens=4,
+        temperature=0,
+        logprobs=0,
+        extra_body={"ignore_eos": True},
+    )
+    body = {"model": MODEL, "prompt": PROMPT + gen.choices[0].text}
+    async with aiohttp.ClientSession() as s, s.post(f"{live.url}/tokenize", json=body) as r:
+        full = (await r.json())["tokens"]
+    scored = await client.completions.create(
+        model=MODEL, prompt=full, max_tokens=0, echo=True, logprobs=1
+    )
+    sc = scored.choices[0]
+    assert sc.finish_reason == "length" and scored.usage.completion_tokens == 0
+    assert sc.text == "<s>" + PROMPT + gen.choices[0].text  # ids echo their special tokens
+    assert len(sc.logprobs.tokens) == len(full)
+    # The continuation re-tokenizes as generated (greedy, so this holds run to run).
+    assert full[:n_prompt] == ids and len(full) == n_prompt + 4
+    assert sc.logprobs.tokens[n_prompt:] == gen.choices[0].logprobs.tokens
+    assert sc.logprobs.token_logprobs[n_prompt:] == pytest.approx(
+        gen.choices[0].logprobs.token_logprobs, abs=1e-4
+    )
+
+    # Streamed: the echo chunk carries the prompt's logprobs; joined, the stream's
+    # logprobs are the whole answer's.
+    for max_tokens in (4, 0):
+        args = {**kw, "max_tokens": max_tokens}
+        ref = (await client.completions.create(echo=True, logprobs=2, **args)).choices[0]
+        chunks = [
+            c.choices[0]
+            async for c in await client.completions.create(
+                echo=True, logprobs=2, stream=True, **args
+            )
+            if c.choices
+        ]
+        assert chunks[0].text.startswith(PROMPT)
+        assert chunks[0].logprobs.token_logprobs[0] is None
+        tokens, lps, offsets = [], [], []
+        for c in chunks:
+            if c.logprobs:
+                tokens += c.logprobs.tokens
+                lps += c.logprobs.token_logprobs
+                offsets += c.logprobs.text_offset
+        assert "".join(c.text for c in chunks) == ref.text
+        assert tokens == ref.logprobs.tokens and offsets == ref.logprobs.text_offset
+        assert lps[0] is None and lps[1:] == pytest.approx(ref.logprobs.token_logprobs[1:])
+        assert chunks[-1].finish_reason == "length"
+        if max_tokens == 0:
+            assert ref.text == PROMPT and len(tokens) == n_prompt
+
+    # n samples: each choice's first chunk carries the echo and the prompt's logprobs.
+    firsts: dict[int, object] = {}
+    async for c in await client.completions.create(
+        echo=True, logprobs=1, stream=True, n=2, **{**kw, "temperature": 1.0}
+    ):
+        for ch in c.choices:
+            firsts.setdefault(ch.index, ch)
+    assert sorted(firsts) == [0, 1]
+    for ch in firsts.values():
+        assert ch.text.startswith(PROMPT) and ch.logprobs.token_logprobs[0] is None
+        assert ch.logprobs.tokens[:n_prompt] == lp.tokens[:n_prompt]
+
+    # max_tokens 0 means nothing without echo: a 400 naming it.
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0)
+    assert e.value.body["param"] == "max_tokens", e.value.body
+
+
+async def test_prompt_logprobs_as_vllm_returns_them(client):
+    """vLLM's ``prompt_logprobs``: per completion choice (on the chat response), None for
+    the first token, then token id -> {logprob, rank, decoded_token} of the prompt token
+    and the top k; refused with stream, as vLLM."""
+    r = await client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, n=2,
+        extra_body={"prompt_logprobs": 3},
+    )  # fmt: skip
+    n_prompt = r.usage.prompt_tokens
+    first = r.choices[0].prompt_logprobs
+    assert len(first) == n_prompt and first[0] is None
+    assert r.choices[1].prompt_logprobs == first  # one prompt, n samples
+    for entry in first[1:]:
+        assert 3 <= len(entry) <= 4  # the prompt token, and the top 3
+        ranks = sorted(v["rank"] for v in entry.values())
+        assert ranks[:3] == [1, 2, 3] or ranks[0] == 1
+        assert all(
+            v["logprob"] <= 0 and isinstance(v["decoded_token"], str) for v in entry.values()
+        )
+    # The legacy echo logprobs and vLLM's agree on every prompt token.
+    e = await client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=0,
+        extra_body={"prompt_logprobs": 0},
+    )  # fmt: skip
+    c = e.choices[0]
+    for i, entry in enumerate(c.prompt_logprobs[1:], start=1):
+        (only,) = entry.values()  # prompt_logprobs 0: the prompt token alone
+        assert only["logprob"] == pytest.approx(c.logprobs.token_logprobs[i], abs=1e-6)
+        assert only["decoded_token"] == c.logprobs.tokens[i]
+    chat = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+        extra_body={"prompt_logprobs": 1},
+    )  # fmt: skip
+    plp = chat.model_extra["prompt_logprobs"]
+    assert len(plp) == chat.usage.prompt_tokens and plp[0] is None
+    assert all(1 <= len(x) <= 2 for x in plp[1:])
+    for call in (
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, stream=True,
+                                  extra_body={"prompt_logprobs": 1}),
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=1, stream=True,
+                                       extra_body={"prompt_logprobs": 1}),
+    ):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as err:
+            await call
+        assert err.value.body["param"] == "prompt_logprobs"
 
 
 async def test_bad_inputs_on_real_engine(client, live):
@@ -345,9 +480,9 @@ async def test_sampling_controls_reach_the_engine(client):
     with pytest.raises(openai.BadRequestError) as e:
         await client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-            response_format={"type": "json_object"}, extra_body={"prompt_logprobs": 1},
+            response_format={"type": "json_object"}, extra_body={"truncate_prompt_tokens": 1},
         )  # fmt: skip
-    assert e.value.body["param"] in {"response_format", "prompt_logprobs"}
+    assert e.value.body["param"] in {"response_format", "truncate_prompt_tokens"}
 
 
 async def test_structured_output_through_the_openai_client(client):

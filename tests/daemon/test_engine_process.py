@@ -31,7 +31,13 @@ from pagefleet.daemon.config import DaemonConfig
 from pagefleet.daemon.engine_client import EngineClient
 from pagefleet.daemon.engine_loop import EngineLoop
 from pagefleet.dev.process import free_port
-from pagefleet.engine.outputs import CompletionDelta, RequestMetrics, RequestOutput, TokenLogprob
+from pagefleet.engine.outputs import (
+    CompletionDelta,
+    PromptLogprob,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprob,
+)
 
 from .conftest import live_daemon, wait_daemon_ready
 
@@ -48,11 +54,13 @@ def test_step_outputs_cross_the_pipe_whole():
         [CompletionDelta(0, [7, 8], "ab", [TokenLogprob(7, "a", -0.5, [(9, "z", -1.0)])]),
          CompletionDelta(1, [5], "c", None, "stop", "\n")],
         True, RequestMetrics(1.0, 2.0, 3.0, 4.0, 5.0, 16), 3,
+        [None, PromptLogprob(2, "b", -2.5, 3, [(4, "d", -0.1)])],
     )  # fmt: skip
     (back,) = ipc.unpack_outputs(ipc.loads(ipc.dumps(ipc.pack_outputs([out]))))
     assert back == RequestOutput(
-        out.request_id, [], out.deltas, out.finished, out.metrics, out.num_generated_tokens
-    )
+        out.request_id, [], out.deltas, out.finished, out.metrics, out.num_generated_tokens,
+        out.prompt_logprobs,
+    )  # fmt: skip
 
 
 async def test_engine_runs_in_another_process_and_errors_cross_the_wire():
