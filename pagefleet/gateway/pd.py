@@ -208,6 +208,12 @@ class PDOrchestrator:
         if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list)):
             # A transfer handle carries one prompt's KV: the prefill pod refuses the batch.
             return None, "multi_prompt"
+        if original.get("prompt_logprobs") is not None or (
+            original.get("echo") and original.get("logprobs") is not None
+        ):
+            # Scoring the prompt needs its logits, which pulled KV does not carry: the
+            # decode engine would refuse the import and prefill it again anyway.
+            return None, "prompt_logprobs"
         return original, ""
 
     async def _remote_prefill(

@@ -197,6 +197,24 @@ async def _post(url: str, body: dict) -> tuple[int, dict]:
         return r.status, await r.json()
 
 
+async def test_a_prompt_scoring_request_is_prefilled_on_the_decode_pod(fleet) -> None:
+    """Prompt logprobs (vLLM's ``prompt_logprobs``, or ``echo`` with ``logprobs``) need the
+    prompt's logits, which a pulled KV does not carry: the decode engine refused the import
+    and prefilled locally anyway, after a wasted remote prefill and pull (counted as a
+    failed transfer). The gateway keeps such requests whole."""
+    url = fleet["gateway"]
+    total = "pagefleet_gateway_pd_requests_total"
+    for i, extra in enumerate(({"prompt_logprobs": 1}, {"echo": True, "logprobs": 1})):
+        body = {"model": MODEL, "prompt": f"Scored {i}: " + PROMPT, "max_tokens": 1,
+                "temperature": 0.0, **extra}  # fmt: skip
+        local0 = await _metric(url, total, path="local", reason="prompt_logprobs")
+        remote0 = await _metric(url, total, path="remote")
+        status, got = await _post(url, body)
+        assert status == 200, got
+        assert await _metric(url, total, path="local", reason="prompt_logprobs") == local0 + 1
+        assert await _metric(url, total, path="remote") == remote0
+
+
 async def test_bad_transfer_params_fall_back_or_400(fleet) -> None:
     p, d, u = fleet["prefill"], fleet["decode"], fleet["unified"]
     base = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0.0}
