@@ -327,6 +327,24 @@ async def serve(config: DaemonConfig, shutdown_timeout_s: float | None = None) -
     "end with finish_reason abort).",
 )
 @click.option(
+    "--client-write-timeout",
+    "client_write_timeout_s",
+    default=30.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Seconds a client may leave sent bytes unread before it is cut and its request "
+    "aborted (its blocks freed), as the gateway's flag of the same name.",
+)
+@click.option(
+    "--max-stream-backlog-mb",
+    default=64,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="A stream whose client is this many MiB of output behind is cut and its request "
+    "aborted: the engine cannot pause one sequence, so a slow reader's output would "
+    "otherwise pile up in the daemon.",
+)
+@click.option(
     "--shutdown-timeout",
     "shutdown_timeout_s",
     default=DEFAULT_SHUTDOWN_TIMEOUT_S,
