@@ -246,6 +246,7 @@ class Daemon:
                 self._send_middleware,
                 self._errors_middleware,
                 self.auth.middleware,
+                self._body_middleware,
             ],
             client_max_size=self.config.max_body_bytes,
         )
@@ -284,6 +285,29 @@ class Daemon:
             except CLIENT_GONE as exc:
                 logger.debug("client went away before its answer: %s", exc)
         return resp
+
+    @web.middleware
+    async def _body_middleware(
+        self, request: web.Request, handler: Callable[[web.Request], Any]
+    ) -> web.StreamResponse:
+        """Read a request's body whole within ``body_timeout_s`` of its headers (handlers
+        then get it from aiohttp's cache): a client trickling a body held a handler and its
+        connection for as long as it kept sending, a byte now and then."""
+        if request.body_exists:
+            try:
+                async with asyncio.timeout(self.config.body_timeout_s):
+                    await request.read()
+            except TimeoutError:
+                self.metrics.rejected("body_timeout")
+                resp = APIError(
+                    408,
+                    f"the request body did not arrive within {self.config.body_timeout_s:.0f}s "
+                    "(the daemon's --body-timeout); send it whole, without pauses",
+                    code="request_timeout",
+                ).response()
+                resp.force_close()  # the rest may still trickle in: no next request here
+                return resp
+        return await handler(request)
 
     @web.middleware
     async def _errors_middleware(

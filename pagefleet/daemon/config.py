@@ -76,6 +76,11 @@ class DaemonConfig(BaseModel):
     # socket) is aborted: a batch engine cannot pause one sequence, and without a bound the
     # daemon held a slow reader's whole output (n x logprobs: tens of MB) in memory.
     max_stream_backlog_mb: int = Field(default=64, ge=1)
+    # From a request's headers to the last byte of its body (then a 408).
+    body_timeout_s: float = Field(default=30.0, gt=0)
+    # An idle connection, or one still sending its headers (slowloris), is closed after
+    # this long (aiohttp's default, 3630 s, let each hold a socket for an hour).
+    keepalive_timeout_s: float = Field(default=75.0, gt=0)
     heartbeat_s: float = Field(default=1.0, gt=0)
     heartbeat_ttl_s: float = Field(default=5.0, gt=0)
     log_level: str = "warning"

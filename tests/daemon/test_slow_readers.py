@@ -10,14 +10,18 @@ n=8 choices with top-20 logprobs is tens of MB).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -27,7 +31,7 @@ from pagefleet.daemon.app import Daemon
 from pagefleet.daemon.config import DaemonConfig
 from pagefleet.dev.process import free_port
 
-from .conftest import LiveDaemon
+from .conftest import LiveDaemon, wait_daemon_ready
 
 # Seconds of generation on a CPU, tens of MB of SSE with n=8 and top-20 logprobs: far more
 # than the socket buffers on the way take (the client's receive buffer is pinned to 4 KiB).
@@ -219,3 +223,77 @@ async def test_a_client_that_hangs_up_while_queued_is_dropped_at_once(stream: bo
         assert d.held()[:2] == (1, 1), d.held()
         assert took < 1.0
         running.cancel()
+
+
+def spawn_daemon(port: int, log: Path, *args: str) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "pagefleet.cli", "daemon", "--model", "tiny",
+            "--port", str(port), "--max-model-len", "256", "--block-size", "8",
+            "--num-gpu-blocks", "64", *args]  # fmt: skip
+    return subprocess.Popen(
+        argv, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+
+
+async def test_idle_slowloris_and_trickled_bodies_are_closed_in_bounded_time(tmp_path):
+    """`pagefleet daemon` ran aiohttp's default keep-alive timeout, 3630 s, its only timer
+    before a request starts: a connection that sent nothing, headers it never finished, or
+    was left idle after a request, held a socket for an hour; a body sent a byte at a time
+    held a handler for as long as it trickled."""
+    port = free_port()
+    log = tmp_path / "daemon.log"
+    proc = spawn_daemon(port, log, "--keepalive-timeout", "1", "--body-timeout", "0.5")
+    url = f"http://127.0.0.1:{port}"
+    conns = []
+    try:
+        async with aiohttp.ClientSession() as s:
+            await wait_daemon_ready(s, url, proc)
+        for sent in (
+            b"",
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ",
+            b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n",  # answered, then left idle
+        ):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(sent)
+            conns.append((reader, writer))
+        t0 = time.monotonic()
+        for reader, _ in conns:
+            async with asyncio.timeout(8):
+                await reader.read()  # returns at EOF: the daemon closed the connection
+        took = time.monotonic() - t0
+        print(f"\nIDLE/SLOWLORIS: all closed after {took:.2f}s (keep-alive timeout 1s)")
+        assert took < 4, f"connections closed after {took:.1f}s for a 1s keep-alive timeout"
+        # A body promised whole but trickled: a 408 at the body timeout, connection closed.
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        conns.append((reader, writer))
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000\r\n\r\n" + b'{"prompt":'
+        )
+        t0 = time.monotonic()
+
+        async def trickle() -> None:
+            with contextlib.suppress(ConnectionError):
+                for _ in range(50):
+                    await asyncio.sleep(0.2)
+                    writer.write(b" ")
+                    await writer.drain()
+
+        dribble = asyncio.create_task(trickle())
+        try:
+            async with asyncio.timeout(8):
+                answer = await reader.read(4096)  # the answer; aiohttp then lingers (10 s)
+        finally:
+            dribble.cancel()
+        took = time.monotonic() - t0
+        status, _, rest = answer.partition(b"\r\n")
+        assert status.split()[1] == b"408", answer
+        error = json.loads(rest.partition(b"\r\n\r\n")[2])["error"]
+        assert error["code"] == "request_timeout", error
+        assert took < 3, f"the trickled body was answered after {took:.1f}s"
+        assert proc.poll() is None, log.read_text()
+    finally:
+        for _, writer in conns:
+            writer.close()
+        proc.terminate()
+        proc.wait(20)
