@@ -21,10 +21,14 @@ Invariants:
 - admin paths accept only the admin token, never a client key; with client keys but no
   admin token configured they are closed (403);
 - with nothing configured every path is open, as before, and one warning says so.
+
+Also the write deadline both servers put on their clients (``write_within``): a client that
+stops reading is cut, never waited for.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
@@ -73,6 +77,39 @@ def upstream_refused_hint(component: str, key_sent: bool) -> str:
         f"{why}: set {ENV_UPSTREAM} (or {ENV_UPSTREAM_FILE}) on the {component} to a key "
         f"listed in the daemons' {ENV_KEYS}"
     )
+
+
+class ClientWriteTimeout(ConnectionResetError):
+    """A client left written bytes unread past the write timeout; its connection is cut."""
+
+
+async def write_within(
+    request: web.Request,
+    resp: web.StreamResponse,
+    data: bytes | None,
+    limit_s: float,
+    flag: str = "--client-write-timeout",
+) -> None:
+    """Write ``data`` to the client (None: end the response; ``resp`` is prepared first when
+    it is not yet). A write the client does not take within ``limit_s`` (its socket buffers
+    are full: it stopped reading) aborts the connection, unsent bytes and all, and raises
+    ClientWriteTimeout, a ConnectionResetError as for a client that hung up. ``flag``: the
+    setting the error names.
+
+    Why: aiohttp's write waits for a slow client without a bound, so a client that kept its
+    socket open but read nothing held the handler, its answer and its connection forever."""
+    try:
+        async with asyncio.timeout(limit_s):
+            if not resp.prepared:
+                await resp.prepare(request)
+            if data is None:
+                await resp.write_eof()
+            else:
+                await resp.write(data)
+    except TimeoutError:
+        if request.transport is not None:
+            request.transport.abort()  # its unsent bytes go too: nothing waits on them
+        raise ClientWriteTimeout(f"the client took no bytes for {limit_s:.0f}s ({flag})") from None
 
 
 def _digest(key: str) -> bytes:

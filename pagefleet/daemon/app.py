@@ -40,7 +40,13 @@ from pagefleet.daemon.metrics import LABELS, DaemonMetrics
 from pagefleet.daemon.pd import PDSide
 from pagefleet.daemon.publisher import KVEventPublisher
 from pagefleet.daemon.serving import CLIENT_GONE, OpenAIServing
-from pagefleet.httpauth import AuthPolicy, Credentials, upstream_key_from_env
+from pagefleet.httpauth import (
+    AuthPolicy,
+    ClientWriteTimeout,
+    Credentials,
+    upstream_key_from_env,
+    write_within,
+)
 from pagefleet.kvindex.events import KVEventBatch
 from pagefleet.kvindex.index import KVIndex, PodLoad
 
@@ -236,7 +242,12 @@ class Daemon:
     def _build_app(self) -> web.Application:
         quiet_preface.install()
         app = web.Application(
-            middlewares=[self._errors_middleware, self.auth.middleware],
+            middlewares=[
+                self._send_middleware,
+                self._errors_middleware,
+                self.auth.middleware,
+                self._body_middleware,
+            ],
             client_max_size=self.config.max_body_bytes,
         )
         r = app.router
@@ -256,6 +267,47 @@ class Daemon:
         # As vLLM's: benchmarks start cold without a restart. Not exposed by the gateway.
         r.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         return app
+
+    @web.middleware
+    async def _send_middleware(
+        self, request: web.Request, handler: Callable[[web.Request], Any]
+    ) -> web.StreamResponse:
+        """Send a whole answer (non-streamed, or an error) here, within the write timeout:
+        aiohttp's own send waits without a bound for a client that does not read, which
+        held the connection and the answer (MBs with n and logprobs) for as long as the
+        client kept its socket open."""
+        resp = await handler(request)
+        if not resp.prepared:
+            try:
+                await write_within(request, resp, None, self.config.client_write_timeout_s)
+            except ClientWriteTimeout as exc:
+                logger.warning("%s %s: %s; answer dropped", request.method, request.path, exc)
+            except CLIENT_GONE as exc:
+                logger.debug("client went away before its answer: %s", exc)
+        return resp
+
+    @web.middleware
+    async def _body_middleware(
+        self, request: web.Request, handler: Callable[[web.Request], Any]
+    ) -> web.StreamResponse:
+        """Read a request's body whole within ``body_timeout_s`` of its headers (handlers
+        then get it from aiohttp's cache): a client trickling a body held a handler and its
+        connection for as long as it kept sending, a byte now and then."""
+        if request.body_exists:
+            try:
+                async with asyncio.timeout(self.config.body_timeout_s):
+                    await request.read()
+            except TimeoutError:
+                self.metrics.rejected("body_timeout")
+                resp = APIError(
+                    408,
+                    f"the request body did not arrive within {self.config.body_timeout_s:.0f}s "
+                    "(the daemon's --body-timeout); send it whole, without pauses",
+                    code="request_timeout",
+                ).response()
+                resp.force_close()  # the rest may still trickle in: no next request here
+                return resp
+        return await handler(request)
 
     @web.middleware
     async def _errors_middleware(

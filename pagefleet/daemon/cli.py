@@ -129,11 +129,15 @@ async def serve(config: DaemonConfig, shutdown_timeout_s: float | None = None) -
     # shutdown_timeout: by runner.cleanup every admitted request has ended (drain waits,
     # then aborts); what is still open (a KV pull, a scrape) gets this long, not aiohttp's
     # default 60 s, which could outlive the pod's termination grace.
+    # keepalive_timeout also bounds a connection that never completes its headers
+    # (aiohttp's only timer before a request starts); its default, 3630 s, let idle and
+    # slowloris connections hold a socket each for an hour.
     runner = web.AppRunner(
         daemon.app,
         handler_cancellation=True,
         access_log=None,
         shutdown_timeout=HANDLER_SHUTDOWN_S,
+        keepalive_timeout=config.keepalive_timeout_s,
     )
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
@@ -329,6 +333,41 @@ async def serve(config: DaemonConfig, shutdown_timeout_s: float | None = None) -
     type=float,
     help="Seconds to finish in-flight requests on SIGTERM; then they are aborted (streams "
     "end with finish_reason abort).",
+)
+@click.option(
+    "--client-write-timeout",
+    "client_write_timeout_s",
+    default=30.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Seconds a client may leave sent bytes unread before it is cut and its request "
+    "aborted (its blocks freed), as the gateway's flag of the same name.",
+)
+@click.option(
+    "--max-stream-backlog-mb",
+    default=64,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="A stream whose client is this many MiB of output behind is cut and its request "
+    "aborted: the engine cannot pause one sequence, so a slow reader's output would "
+    "otherwise pile up in the daemon.",
+)
+@click.option(
+    "--body-timeout",
+    "body_timeout_s",
+    default=30.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Seconds a request body may take to arrive after its headers (then a 408).",
+)
+@click.option(
+    "--keepalive-timeout",
+    "keepalive_timeout_s",
+    default=75.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Seconds an idle connection, or one still sending its headers, is kept open; "
+    "keep it above the idle timeout of a router or load balancer in front.",
 )
 @click.option(
     "--shutdown-timeout",

@@ -68,6 +68,20 @@ class DaemonConfig(BaseModel):
     max_queue: int = Field(default=256, ge=0)
     max_body_bytes: int = Field(default=DEFAULT_MAX_BODY_BYTES, ge=1024)
     drain_timeout_s: float = Field(default=30.0, ge=0)
+    # Clients reached directly (no gateway in front, or a router without such timeouts),
+    # as the gateway's flags of the same names. The longest one write may wait for a client
+    # to take bytes (it stopped reading): past it the connection is cut and the request's
+    # sequences aborted, so a stalled reader holds neither blocks nor a slot.
+    client_write_timeout_s: float = Field(default=30.0, gt=0)
+    # A stream whose client is this far behind (bytes of SSE made but not yet taken by the
+    # socket) is aborted: a batch engine cannot pause one sequence, and without a bound the
+    # daemon held a slow reader's whole output (n x logprobs: tens of MB) in memory.
+    max_stream_backlog_mb: int = Field(default=64, ge=1)
+    # From a request's headers to the last byte of its body (then a 408).
+    body_timeout_s: float = Field(default=30.0, gt=0)
+    # An idle connection, or one still sending its headers (slowloris), is closed after
+    # this long (aiohttp's default, 3630 s, let each hold a socket for an hour).
+    keepalive_timeout_s: float = Field(default=75.0, gt=0)
     heartbeat_s: float = Field(default=1.0, gt=0)
     heartbeat_ttl_s: float = Field(default=5.0, gt=0)
     log_level: str = "warning"

@@ -55,6 +55,7 @@ from pagefleet.daemon.responses import ChatShape, CompletionShape, ResponseShape
 from pagefleet.daemon.token_bytes import token_bytes_of
 from pagefleet.engine.guided_spec import GuidedSpec
 from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.httpauth import ClientWriteTimeout, write_within
 
 logger = logging.getLogger(__name__)
 
@@ -411,13 +412,17 @@ class OpenAIServing:
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
+        out = _StreamSender(
+            request, resp, job.base_id, self.config.client_write_timeout_s,
+            self.config.max_stream_backlog_mb << 20,
+        )  # fmt: skip
         try:
             async with self._admitted(job, shape.prompt_param):
                 await resp.prepare(request)
                 try:
                     for chunk in shape.opening_chunks(job, created, model):
                         body = chunk.model_dump_json(exclude_none=True).encode()
-                        await resp.write(_event(body, usage()))
+                        out.send(_event(body, usage()))
                     while job.live:
                         # Every chunk of the outputs that queued up while this stream was
                         # behind leaves in one write: one syscall and one HTTP chunk, not
@@ -433,20 +438,31 @@ class OpenAIServing:
                             if body  # b"": a chunk that would say nothing is not sent
                         ]
                         if events:
-                            await resp.write(b"".join(events))
+                            out.send(b"".join(events))
                     if include_usage:
                         final = shape.usage_chunk(job, created, model)
-                        await resp.write(f"data: {final.model_dump_json()}\n\n".encode())
+                        out.send(f"data: {final.model_dump_json()}\n\n".encode())
                 except APIError as exc:
                     # Headers are gone already: report in-band, as OpenAI-style servers do.
                     body = ErrorResponse(error=exc.detail).model_dump_json()
-                    await resp.write(f"data: {body}\n\n".encode())
-                await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
+                    out.send(f"data: {body}\n\n".encode())
+                out.send(b"data: [DONE]\n\n")
+            # The engine is done with this job (its slot is free): what is left is the
+            # client's to take, within the write timeout.
+            await out.flush()
+            await write_within(request, resp, None, self.config.client_write_timeout_s)
         except CLIENT_GONE as exc:
-            # The client hung up between two writes: a disconnect, not a server error.
-            # Leaving _admitted above aborted the request and freed its blocks.
-            logger.debug("client of %s went away mid-stream: %s", job.base_id, exc)
+            # The client hung up, stopped reading (write timeout) or fell too far behind
+            # (backlog): leaving _admitted above aborted the request and freed its blocks.
+            # A cut for a stalled or lagging reader is logged where it happened (_StreamSender)
+            # but for the last write; a hang-up is routine.
+            late = isinstance(exc, ClientWriteTimeout) and exc is not out.failure
+            logger.log(
+                logging.WARNING if late else logging.DEBUG,
+                "client of %s went away mid-stream: %s", job.base_id, exc,
+            )  # fmt: skip
+        finally:
+            out.close()
         return resp
 
     @contextlib.asynccontextmanager
@@ -665,8 +681,93 @@ async def _offload(fn: Callable[[], Any], size: int) -> Any:
     return await asyncio.get_running_loop().run_in_executor(None, fn)
 
 
-# Raised by a write to a connection the client already closed.
+# Raised by a write to a connection the client already closed, one it did not read within
+# --client-write-timeout, or whose stream fell --max-stream-backlog-mb behind.
 CLIENT_GONE = (ConnectionError, ClientConnectionResetError)
+
+
+class _StreamSender:
+    """Writes one stream's SSE to its client while the handler goes on reading the engine.
+
+    Invariants: at most one write is in flight, and it ends within ``timeout_s`` or the
+    connection is cut (``write_within``); the bytes made but not yet taken by the socket
+    (``backlog``) never exceed ``max_backlog``: the send that would pass it cuts the
+    connection and raises ConnectionResetError, so the handler's way out aborts the
+    sequences. A batch engine cannot pause one sequence for a slow reader, and without this
+    bound its whole output (n choices x top logprobs: tens of MB) waited in the daemon.
+    """
+
+    __slots__ = ("_limit", "_max", "_pending", "_request", "_resp", "_rid", "_task",
+                 "backlog", "failure")  # fmt: skip
+
+    def __init__(
+        self,
+        request: web.Request,
+        resp: web.StreamResponse,
+        rid: str,
+        timeout_s: float,
+        max_backlog: int,
+    ) -> None:
+        self._request = request
+        self._resp = resp
+        self._rid = rid
+        self._limit = timeout_s
+        self._max = max_backlog
+        self._pending: list[bytes] = []
+        self._task: asyncio.Task[None] | None = None
+        self.failure: BaseException | None = None  # what ended the connection, if anything
+        self.backlog = 0  # bytes sent here and not yet taken by the connection's transport
+
+    def send(self, data: bytes) -> None:
+        """Queue ``data`` for the client; raise what ended the connection, if anything did."""
+        if self.failure is not None:
+            raise self.failure
+        self._pending.append(data)
+        self.backlog += len(data)
+        if self.backlog > self._max:
+            logger.warning(
+                "stream %s: its client is %d bytes behind (the limit is %d, "
+                "--max-stream-backlog-mb): cutting it and aborting the request",
+                self._rid, self.backlog, self._max,
+            )  # fmt: skip
+            self._cut()
+            self.failure = ConnectionResetError(
+                f"the client fell {self.backlog} bytes behind (--max-stream-backlog-mb)"
+            )
+            raise self.failure
+        if self._task is None:
+            self._task = asyncio.create_task(self._drain())
+
+    async def flush(self) -> None:
+        """Wait until everything sent so far is written (or the connection ended)."""
+        if self._task is not None:
+            await asyncio.shield(self._task)
+        if self.failure is not None:
+            raise self.failure
+
+    def close(self) -> None:
+        """Stop writing (the handler is leaving): a pending write is cancelled."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+
+    async def _drain(self) -> None:
+        try:
+            while self._pending:
+                data = b"".join(self._pending)
+                self._pending.clear()
+                await write_within(self._request, self._resp, data, self._limit)
+                self.backlog -= len(data)
+        except CLIENT_GONE as exc:
+            if isinstance(exc, ClientWriteTimeout):
+                logger.warning("stream %s: %s; aborting its request", self._rid, exc)
+            self.failure = exc
+            self._cut()  # the handler may be waiting on the engine: wake it (cancellation)
+        finally:
+            self._task = None
+
+    def _cut(self) -> None:
+        if self._request.transport is not None:
+            self._request.transport.abort()
 
 
 def _cut_after_final(text: str, final: str) -> str:

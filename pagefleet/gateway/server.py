@@ -52,7 +52,13 @@ from pagefleet.gateway.metrics import GatewayMetrics
 from pagefleet.gateway.pd import PDOrchestrator
 from pagefleet.gateway.prompts import PromptTokenizer
 from pagefleet.gateway.router import Router, RoutingDecision, Ticket
-from pagefleet.httpauth import AuthPolicy, Credentials, bearer_header, upstream_refused_hint
+from pagefleet.httpauth import (
+    AuthPolicy,
+    Credentials,
+    bearer_header,
+    upstream_refused_hint,
+    write_within,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -366,25 +372,10 @@ class Gateway:
     async def _to_client(
         self, request: web.Request, resp: web.StreamResponse, data: bytes | None
     ) -> None:
-        """Write ``data`` to the client (None: end the response; ``resp`` is prepared
-        first when it is not yet). A client that does not take it within
-        ``client_write_timeout_s`` has its connection aborted, and ConnectionResetError
-        (one of ``_CLIENT_GONE``) is raised, as for a client that hung up."""
-        limit = self.proxy.client_write_timeout_s
-        try:
-            async with asyncio.timeout(limit):
-                if not resp.prepared:
-                    await resp.prepare(request)
-                if data is None:
-                    await resp.write_eof()
-                else:
-                    await resp.write(data)
-        except TimeoutError:
-            if request.transport is not None:
-                request.transport.abort()  # its unsent bytes go too: nothing waits on them
-            raise ConnectionResetError(
-                f"the client took no bytes for {limit:.0f}s (--client-write-timeout)"
-            ) from None
+        """Write ``data`` to the client within ``client_write_timeout_s`` (``write_within``:
+        None ends the response; a client that does not take it is cut and
+        ConnectionResetError, one of ``_CLIENT_GONE``, is raised)."""
+        await write_within(request, resp, data, self.proxy.client_write_timeout_s)
 
     async def _handle(self, request: web.Request, kind: str, path: str) -> web.StreamResponse:
         t_arrival = time.perf_counter()
