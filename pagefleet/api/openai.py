@@ -671,7 +671,7 @@ class FunctionCall(BaseModel):
 
 # How a daemon reads tool calls out of free text when ``tool_choice`` is "auto": the
 # daemon's --tool-call-parser and the CRD's engine.toolCallParser take these names.
-ToolCallParser = Literal["none", "hermes", "llama3_json"]
+ToolCallParser = Literal["none", "hermes", "llama3_json", "pythonic", "mistral"]
 TOOL_CALL_PARSERS: tuple[str, ...] = get_args(ToolCallParser)
 
 _ID_ALPHABET = string.ascii_letters + string.digits

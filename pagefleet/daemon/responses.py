@@ -36,7 +36,14 @@ from pagefleet.api.openai import (
 )
 from pagefleet.daemon.job import Choice, Job
 from pagefleet.daemon.token_bytes import TokenBytesFn, utf8_bytes
-from pagefleet.daemon.tool_calls import CallStream, Parsed, ParsedCall, parse_calls, read_call
+from pagefleet.daemon.tool_calls import (
+    CallStream,
+    Parsed,
+    ParsedCall,
+    keeps_special_tokens,
+    parse_calls,
+    read_call,
+)
 from pagefleet.engine.outputs import CompletionDelta, PromptLogprob, TokenLogprob
 
 
@@ -207,6 +214,11 @@ class ChatShape:
         self.tool_names = tool_names
         self.max_calls = max_calls  # 1 with parallel_tool_calls false
         self._call_streams: dict[int, CallStream] = {}  # choice index -> its reader
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """The text must keep special tokens: the parser's call marker is one (mistral)."""
+        return self.tool_parser is not None and keeps_special_tokens(self.tool_parser)
 
     def response(self, job: Job, model: str) -> ChatCompletionResponse:
         want_lp = job.params.logprobs is not None

@@ -326,6 +326,10 @@ class OpenAIServing:
         if tool_schema is not None:
             # Built from the tools' parameters: a schema that fails to compile is theirs.
             params.guided = GuidedSpec("json", tool_schema, source="tools")
+        if isinstance(shape, ChatShape) and shape.keeps_special_tokens:
+            # Mistral's [TOOL_CALLS] is a special token: skipped (the default), the parser
+            # would never see a call. vLLM's mistral parser does the same.
+            params.skip_special_tokens = False
         self.admission.check(len(prompts))
         texts = None
         if echo and isinstance(req, CompletionRequest):  # echo is a completions field

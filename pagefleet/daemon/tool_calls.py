@@ -14,7 +14,9 @@ Invariant: for any prefix ``p`` of a text ``t``, ``read_call(p).arguments`` is a
 
 from __future__ import annotations
 
+import ast
 import json
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -79,16 +81,37 @@ def read_call(text: str) -> CallSoFar:
 # serves both: the whole text is the stream fed at once, so a streamed answer concatenates
 # to exactly the non-streamed one (content and calls alike).
 #
-# A call is held back until it is closed (hermes: ``</tool_call>``; llama3_json: the end
-# of the output) and checked: JSON, an object, a ``name`` among the request's tools, an
-# object of arguments. One that fails is the model's text and goes out as content as is;
-# a streamed piece is never taken back, so nothing of a call is sent before that check.
+# A call is held back until it is closed (hermes: ``</tool_call>``; llama3_json,
+# pythonic and mistral: the end of the output) and checked: well-formed, a ``name`` among
+# the request's tools, an object of arguments. One that fails is the model's text and
+# goes out as content as is; a streamed piece is never taken back, so nothing of a call
+# is sent before that check.
+#
+# The formats (vLLM's parser names):
+#   hermes       text, then any number of <tool_call>{"name", "arguments"}</tool_call>
+#   llama3_json  the whole output is {"name", "parameters"}, or several joined by ";"
+#   pythonic     the whole output is [f(a=1, b="x"), g()] (Llama 3.2/4): Python literal
+#                arguments, read with ast (parsed, never evaluated)
+#   mistral      text, then [TOOL_CALLS] and the rest of the output: a JSON array of
+#                {"name", "arguments"} (older Mistral), or name[ARGS]{...} per call, each
+#                after its own [TOOL_CALLS] (tokenizer v11+). [TOOL_CALLS] is a special
+#                token: the daemon decodes with skip_special_tokens false for this parser
+#                (``keeps_special_tokens``), else the marker never reaches the text.
 
 
 _HERMES_OPEN = "<tool_call>"
 _HERMES_CLOSE = "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"  # Llama 3.1 may open its calls with it
 _CALL_SEP = re.compile(r"\s*;?\s*")  # between llama3_json calls
+_MISTRAL_MARK = "[TOOL_CALLS]"
+_MISTRAL_ARGS = "[ARGS]"
+_WS = re.compile(r"\s*")
+
+
+def keeps_special_tokens(parser: str) -> bool:
+    """Whether ``parser`` needs special tokens in the text: Mistral's [TOOL_CALLS] is one,
+    and skip_special_tokens (the default) would drop it before the parser sees it."""
+    return parser == "mistral"
 
 
 @dataclass(slots=True, frozen=True)
@@ -106,12 +129,17 @@ class Parsed:
 
 
 def _checked_call(body: str, tool_names: frozenset[str]) -> ParsedCall | None:
-    """The call ``body`` states, or None when it is not a well-formed call of a tool.
-    Hermes writes ``arguments``, Llama 3 ``parameters``: either is read."""
+    """The call ``body`` states, or None when it is not a well-formed call of a tool."""
     try:
         obj = json.loads(body)
     except (ValueError, RecursionError):  # RecursionError: past ~1000 nested levels
         return None
+    return _checked_obj(obj, tool_names)
+
+
+def _checked_obj(obj: object, tool_names: frozenset[str]) -> ParsedCall | None:
+    """The call a decoded JSON value states, or None when it is not a call of a tool.
+    Hermes writes ``arguments``, Llama 3 ``parameters``: either is read."""
     if not isinstance(obj, dict):
         return None
     name = obj.get("name")
@@ -203,8 +231,10 @@ class CallStream:
         out = Parsed()
         if self._format == "hermes":
             self._hermes(out, final)
+        elif self._format == "mistral":
+            self._mistral(out, final)
         else:
-            self._json_whole(out, final)
+            self._whole_output(out, final)
         if self._max_calls is not None:
             del out.calls[max(0, self._max_calls - self.num_calls) :]
         self.num_calls += len(out.calls)
@@ -244,8 +274,10 @@ class CallStream:
             if close < 0:
                 return
 
-    def _json_whole(self, out: Parsed, final: bool) -> None:
-        """llama3_json: the whole output is one call, or several joined by ";"."""
+    def _whole_output(self, out: Parsed, final: bool) -> None:
+        """llama3_json and pythonic: the whole output is the calls, or it is text. Its
+        first non-blank characters decide: text streams from there on, a possible call
+        is held until the output ends."""
         if self._is_text:
             self._text(out, len(self._buf))
             return
@@ -253,20 +285,47 @@ class CallStream:
         if start == len(self._buf) and not final:
             return  # only whitespace so far: nothing decides yet
         rest = self._buf[start:]
-        if not (
-            rest.startswith("{") or rest.startswith(_PYTHON_TAG) or _PYTHON_TAG.startswith(rest)
-        ):
+        if self._format == "pythonic":
+            may_call = rest.startswith("[")
+        else:
+            may_call = rest.startswith("{") or rest.startswith(_PYTHON_TAG)
+            may_call |= _PYTHON_TAG.startswith(rest)
+        if not may_call:
             self._is_text = True  # text: it streams as content from here on
             self._text(out, len(self._buf))
             return
         if not final:
             return  # maybe a call: held until the output ends
-        calls = _json_calls(rest.removeprefix(_PYTHON_TAG), self._tools)
+        if self._format == "pythonic":
+            calls = _pythonic_calls(rest, self._tools)
+        else:
+            calls = _json_calls(rest.removeprefix(_PYTHON_TAG), self._tools)
         if calls is None:
             self._text(out, len(self._buf))
         else:
             out.calls += calls
             self._pos = len(self._buf)
+
+    def _mistral(self, out: Parsed, final: bool) -> None:
+        """Text streams until [TOOL_CALLS]; from it to the end of the output is held and
+        read as the calls, or goes out as text when it is not (whole)."""
+        buf = self._buf
+        if not self._in_call:
+            at = buf.find(_MISTRAL_MARK, self._pos)
+            if at < 0:
+                held = 0 if final else _held_tag_prefix(buf, _MISTRAL_MARK)
+                self._text(out, len(buf) - held)
+                return
+            self._text(out, at)
+            self._in_call = True
+        if not final:
+            return
+        calls = _mistral_calls(buf[self._pos + len(_MISTRAL_MARK) :], self._tools)
+        if calls is None:
+            self._text(out, len(buf))
+        else:
+            out.calls += calls
+            self._pos = len(buf)
 
 
 def _json_calls(text: str, tool_names: frozenset[str]) -> list[ParsedCall] | None:
@@ -287,6 +346,95 @@ def _json_calls(text: str, tool_names: frozenset[str]) -> list[ParsedCall] | Non
         calls.append(call)
         pos = end
         pos = _CALL_SEP.match(text, pos).end()  # type: ignore[union-attr]  # always matches
+    return calls or None
+
+
+def _mistral_calls(text: str, tool_names: frozenset[str]) -> list[ParsedCall] | None:
+    """The calls after a first [TOOL_CALLS]: ``[{...}, ...]`` (or one ``{...}``), or
+    ``name[ARGS]{...}``, each later call after its own [TOOL_CALLS]; only whitespace
+    after the last. None unless all of it is calls of tools."""
+    dec = json.JSONDecoder()
+    calls: list[ParsedCall] = []
+    pos = 0
+    while True:
+        pos = _WS.match(text, pos).end()  # type: ignore[union-attr]  # always matches
+        named = not text.startswith(("[", "{"), pos)
+        name = ""
+        if named:  # name[ARGS]{...}
+            args_at = text.find(_MISTRAL_ARGS, pos)
+            if args_at < 0:
+                return None
+            name = text[pos:args_at].strip()
+            pos = _WS.match(text, args_at + len(_MISTRAL_ARGS)).end()  # type: ignore[union-attr]
+        try:
+            value, pos = dec.raw_decode(text, pos)
+        except (ValueError, RecursionError):
+            return None
+        if named:
+            value = {"name": name, "arguments": value}
+        for obj in value if isinstance(value, list) else [value]:
+            call = _checked_obj(obj, tool_names)
+            if call is None:
+                return None
+            calls.append(call)
+        pos = _WS.match(text, pos).end()  # type: ignore[union-attr]
+        if pos == len(text):
+            return calls or None
+        if not text.startswith(_MISTRAL_MARK, pos):
+            return None
+        pos += len(_MISTRAL_MARK)
+
+
+def _is_json_value(v: object) -> bool:
+    """Whether ``v`` is a string, number, bool, None, or a list or str-keyed dict of them:
+    what a pythonic call's arguments may hold (no tuples, sets, bytes, complex, inf)."""
+    if v is None or isinstance(v, (str, bool, int)):
+        return True
+    if isinstance(v, float):
+        return math.isfinite(v)
+    if isinstance(v, list):
+        return all(_is_json_value(x) for x in v)
+    if isinstance(v, dict):
+        return all(isinstance(k, str) and _is_json_value(x) for k, x in v.items())
+    return False
+
+
+def _pythonic_call(node: ast.expr, tool_names: frozenset[str]) -> ParsedCall | None:
+    """``name(key=literal, ...)`` as a call; None for anything else (positional or
+    ``**`` arguments, a repeated key, a value that is no plain literal)."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)) or node.args:
+        return None
+    if node.func.id not in tool_names:
+        return None
+    args: dict[str, object] = {}
+    for kw in node.keywords:
+        if kw.arg is None or kw.arg in args:
+            return None
+        # literal_eval of the node: constants and containers of them, never code run.
+        value = ast.literal_eval(kw.value)
+        if not _is_json_value(value):
+            return None
+        args[kw.arg] = value
+    return ParsedCall(node.func.id, json.dumps(args, ensure_ascii=False))
+
+
+def _pythonic_calls(text: str, tool_names: frozenset[str]) -> list[ParsedCall] | None:
+    """The calls of a pythonic output (``[f(a=1), g()]``); None unless it is one list
+    literal of calls of tools."""
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+        if not isinstance(tree.body, ast.List):
+            return None
+        calls = []
+        for node in tree.body.elts:
+            call = _pythonic_call(node, tool_names)
+            if call is None:
+                return None
+            calls.append(call)
+    # SyntaxError: not Python; ValueError: a null byte, a non-literal value or an int
+    # past str's digit limit; RecursionError/MemoryError: nesting past what ast takes.
+    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+        return None
     return calls or None
 
 

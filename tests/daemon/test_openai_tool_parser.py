@@ -171,11 +171,80 @@ async def test_llama3_json_reads_a_bare_json_call(ckpt: Path) -> None:
         await c.close()
 
 
+async def test_pythonic_reads_a_list_of_python_calls(ckpt: Path) -> None:
+    """Llama 3.2/4's format: the whole output a list of calls with literal arguments."""
+    async with live_daemon(config(ckpt, "pythonic")) as d:
+        c = openai.AsyncOpenAI(base_url=d.base_url, api_key="none", max_retries=0)
+        regex = r'\[get_weather\(city="Oslo", days=3, hourly=False\), get_time\(\)\]'
+        whole, streamed, _ = await ask(c, regex, tools=TOOLS)
+        expected = [("get_weather", {"city": "Oslo", "days": 3, "hourly": False}),
+                    ("get_time", {})]  # fmt: skip
+        assert calls_of(whole) == expected == calls_of(streamed)
+        assert whole.message.content is None is streamed.message.content
+        assert whole.finish_reason == "tool_calls" == streamed.finish_reason
+        # Code, not literals: the text as written, never run.
+        bad = r'\[get_time\(tz=__import__\("os"\)\)\]'
+        text, streamed, _ = await ask(c, bad, tools=TOOLS)
+        assert text.message.content == '[get_time(tz=__import__("os"))]'
+        assert streamed.message.content == text.message.content and not text.message.tool_calls
+        await c.close()
+
+
+MISTRAL_MARK_ID = 1023  # the tiny vocabulary's last merge, made Mistral's special token
+
+
+def mistral_checkpoint(dest: Path) -> Path:
+    """The tools checkpoint with [TOOL_CALLS] a special token of the tokenizer, as in
+    Mistral's: the id of the vocabulary's last merge (used by no other merge) renamed."""
+    tools_checkpoint(dest)
+    tok_path = dest / "tokenizer.json"
+    tok = json.loads(tok_path.read_text())
+    vocab = tok["model"]["vocab"]
+    (old,) = [t for t, i in vocab.items() if i == MISTRAL_MARK_ID]
+    merge = tok["model"]["merges"].pop()
+    assert "".join(merge.split(" ") if isinstance(merge, str) else merge) == old
+    del vocab[old]
+    vocab["[TOOL_CALLS]"] = MISTRAL_MARK_ID
+    tok["added_tokens"].append({
+        "id": MISTRAL_MARK_ID, "content": "[TOOL_CALLS]", "single_word": False,
+        "lstrip": False, "rstrip": False, "normalized": False, "special": True,
+    })  # fmt: skip
+    tok_path.write_text(json.dumps(tok))
+    return dest
+
+
+async def test_mistral_reads_calls_after_its_special_token(tmp_path: Path) -> None:
+    """[TOOL_CALLS] is a special token: the model writes its id (logit_bias makes the
+    tiny one), and the parser sees the marker although skip_special_tokens is on by
+    default (it was skipped: the call came back as content). Both forms are read; a
+    plain answer shows no special token (EOS) in its content."""
+    ckpt = mistral_checkpoint(tmp_path / "tiny-mistral")
+    async with live_daemon(config(ckpt, "mistral")) as d:
+        c = openai.AsyncOpenAI(base_url=d.base_url, api_key="none", max_retries=0)
+        bias = {"logit_bias": {str(MISTRAL_MARK_ID): 100}}
+        array = r'\[TOOL_CALLS\]\[\{"name": "get_weather", "arguments": \{"city": "Oslo"\}\}\]'
+        whole, streamed, deltas = await ask(c, array, tools=TOOLS, **bias)
+        assert calls_of(whole) == [("get_weather", {"city": "Oslo"})] == calls_of(streamed)
+        assert whole.message.content is None is streamed.message.content
+        assert whole.finish_reason == "tool_calls" == streamed.finish_reason
+        assert not any(d.delta.content for d in deltas)
+        v11 = (r'Sure\.\[TOOL_CALLS\]get_weather\[ARGS\]\{"city": "Paris"\}'
+               r'\[TOOL_CALLS\]get_time\[ARGS\]\{\}')  # fmt: skip
+        whole, streamed, _ = await ask(c, v11, tools=TOOLS, **bias)
+        expected = [("get_weather", {"city": "Paris"}), ("get_time", {})]
+        assert calls_of(whole) == expected == calls_of(streamed)
+        assert whole.message.content == "Sure." == streamed.message.content
+        text, streamed, _ = await ask(c, r"Sunny \[today\]", tools=TOOLS)
+        assert text.message.content == "Sunny [today]" == streamed.message.content
+        assert text.finish_reason == "stop"
+        await c.close()
+
+
 async def test_the_flag_names_its_formats_and_refuses_others() -> None:
     help_text = CliRunner().invoke(command, ["--help"], terminal_width=200).output
-    assert "--tool-call-parser [none|hermes|llama3_json]" in help_text
-    bad = CliRunner().invoke(command, ["--tool-call-parser", "mistral"])
-    assert bad.exit_code != 0 and "mistral" in bad.output
+    assert "--tool-call-parser [none|hermes|llama3_json|pythonic|mistral]" in help_text
+    bad = CliRunner().invoke(command, ["--tool-call-parser", "qwen9"])
+    assert bad.exit_code != 0 and "qwen9" in bad.output
     assert DaemonConfig().tool_call_parser == "none"
 
 

@@ -484,6 +484,8 @@ def test_tool_call_parser_reaches_the_daemons_and_defaults_to_none(unified_spec)
     unified_spec.setdefault("engine", {})["toolCallParser"] = "hermes"
     assert parser_of(unified_spec) == "hermes"
     unified_spec["engine"]["toolCallParser"] = "mistral"
+    assert parser_of(unified_spec) == "mistral"
+    unified_spec["engine"]["toolCallParser"] = "qwen9"
     with pytest.raises(ValueError, match="toolCallParser"):
         parse_spec(unified_spec)
 
