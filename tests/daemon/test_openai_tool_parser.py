@@ -240,6 +240,46 @@ async def test_mistral_reads_calls_after_its_special_token(tmp_path: Path) -> No
         await c.close()
 
 
+# A tool whose arguments the tiny model can only write one way under the forced grammar.
+STRICT = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+    "required": ["city"], "additionalProperties": False}}}]  # fmt: skip
+
+
+async def test_forced_and_parsed_calls_accumulate_to_the_same_message(hermes) -> None:
+    """A forced call streams its arguments piece by piece, a parsed one arrives whole in
+    one delta: the official client's accumulation of either stream is the non-streamed
+    message, and the same call (name, arguments, null content, finish_reason) both ways."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    kw = dict(model=MODEL, messages=MSGS, tools=STRICT, max_tokens=60, temperature=0)
+    forced = (await hermes.chat.completions.create(tool_choice=named, **kw)).choices[0]
+    pieces = []
+    async with hermes.chat.completions.stream(tool_choice=named, **kw) as stream:
+        async for event in stream:
+            if event.type == "tool_calls.function.arguments.delta":
+                pieces.append(event.arguments_delta)
+        forced_streamed = (await stream.get_final_completion()).choices[0]
+    assert len([p for p in pieces if p]) > 1, pieces  # piece by piece
+    (call,) = forced.message.tool_calls
+    # The text the grammar made the model write, written by it again as a parsed call.
+    text = json.dumps({"name": "get_weather", "arguments": json.loads(call.function.arguments)})
+    whole, parsed_streamed, deltas = await ask(
+        hermes, re.escape(f"<tool_call>{text}</tool_call>").replace("\\ ", " "), tools=STRICT
+    )
+    arg_deltas = [tc for d in deltas for tc in d.delta.tool_calls or []]
+    assert len(arg_deltas) == 1  # whole, in one delta
+    # (ids differ per request; "index" is the client's own, kept from the deltas)
+    skip = {"tool_calls": {0: {"id", "index"}}}
+    for a, b in ((forced, forced_streamed), (whole, parsed_streamed)):
+        assert a.finish_reason == "tool_calls" == b.finish_reason
+        dump_a = a.message.model_dump(exclude=skip, exclude_none=True)
+        dump_b = b.message.model_dump(exclude=skip, exclude_none=True)
+        assert dump_a == dump_b, (dump_a, dump_b)
+        assert b.message.tool_calls[0].id and b.message.tool_calls[0].type == "function"
+    assert forced.message.content is None is whole.message.content
+    assert calls_of(forced) == calls_of(whole) == calls_of(parsed_streamed)
+
+
 async def test_the_flag_names_its_formats_and_refuses_others() -> None:
     help_text = CliRunner().invoke(command, ["--help"], terminal_width=200).output
     assert "--tool-call-parser [none|hermes|llama3_json|pythonic|mistral]" in help_text
