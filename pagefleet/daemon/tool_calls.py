@@ -220,8 +220,8 @@ class CallStream:
         self._tools = tool_names
         self._buf = ""
         self._pos = 0  # text before it is dealt with
-        self._in_call = False  # hermes: _pos is at an opening tag
-        self._is_text = False  # llama3_json: the output is text, not calls
+        self._in_call = False  # hermes, mistral: _pos is at an opening tag (marker)
+        self._is_text = False  # llama3_json, pythonic: the output is text, not calls
         self._content = _Content()
         self._max_calls = max_calls
         self.num_calls = 0
