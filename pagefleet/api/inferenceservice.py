@@ -267,8 +267,9 @@ class EngineSpec(_Model):
     tool_call_parser: ToolCallParser = "none"
     """How the daemons read tool calls out of the model's text when a chat request has tools
     and tool_choice "auto": `hermes` (<tool_call>{...}</tool_call>), `llama3_json` (the
-    whole output one JSON call), or `none` (the text is returned as content). Pick the
-    format the model was trained to write; a forced tool_choice works with any."""
+    whole output one JSON call), `pythonic` ([f(a=1), g()]), `mistral` ([TOOL_CALLS] then
+    the calls), or `none` (the text is returned as content). Pick the format the model was
+    trained to write; a forced tool_choice works with any."""
 
 
 # ---------------------------------------------------------------------------------- roles

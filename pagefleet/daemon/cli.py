@@ -419,8 +419,9 @@ async def serve(config: DaemonConfig, shutdown_timeout_s: float | None = None) -
     show_default=True,
     help="With tool_choice auto (the default when a request has tools), read the calls "
     "the model writes out of its text into message.tool_calls: hermes (<tool_call>{...}"
-    "</tool_call>: Qwen 2.5/3, Hermes) or llama3_json (the output is one JSON call: Llama "
-    "3.1+). none: the text is returned as content. vLLM's flag of the same name.",
+    "</tool_call>: Qwen 2.5/3, Hermes), llama3_json (the output is one JSON call: Llama "
+    "3.1+), pythonic ([f(a=1), g()]: Llama 3.2/4) or mistral ([TOOL_CALLS] then the calls). "
+    "none: the text is returned as content. vLLM's flag of the same name.",
 )
 @click.option(
     "--log-level",
