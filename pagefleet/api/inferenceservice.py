@@ -25,6 +25,7 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+from pagefleet.api.limits import DEFAULT_MAX_BODY_BYTES
 from pagefleet.api.openai import ToolCallParser
 
 GROUP = "pagefleet.io"
@@ -578,6 +579,11 @@ class RouterSpec(_Model):
     max_response_bytes: int = Field(default=256 << 20, ge=1024, le=1 << 32)
     """Largest non-streamed answer, in bytes, a gateway pod holds to relay; past it, a 502
     (streams are passed through, not held). Each held answer costs that much memory."""
+    max_body_bytes: int = Field(default=DEFAULT_MAX_BODY_BYTES, ge=1024, le=1 << 30)
+    """Largest request body, in bytes, for the gateway and every daemon alike (their
+    --max-body-bytes); past it, a 413. Raise it for long prompts sent as token ids or large
+    chat histories (a 128k-token prompt as JSON token ids is about 1 MB). Each body being
+    read costs that much memory; changing it rolls the daemons and the gateway."""
 
 
 # ---------------------------------------------------------------------------------- index

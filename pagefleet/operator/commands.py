@@ -101,6 +101,10 @@ def daemon_command(
         "--long-prefill-token-threshold",
         str(eng.long_prefill_token_threshold),
         "--enable-prefix-caching" if eng.enable_prefix_caching else "--no-enable-prefix-caching",
+        # The gateway's limit too (gateway_command): a body the gateway lets through must
+        # not meet a smaller limit here (the client would get the daemon's 413 as a 502).
+        "--max-body-bytes",
+        str(spec.router.max_body_bytes),
     ]
     if eng.max_num_batched_tokens is not None:  # else the role's own default (decode: lower)
         cmd += ["--max-num-batched-tokens", str(eng.max_num_batched_tokens)]
@@ -163,6 +167,7 @@ def gateway_command(
         "--client-write-timeout", f"{r.client_write_timeout_seconds:g}",
         "--keepalive-timeout", f"{r.keepalive_timeout_seconds:g}",
         "--max-response-bytes", str(r.max_response_bytes),
+        "--max-body-bytes", str(r.max_body_bytes),
     ]  # fmt: skip
     if spec.model.max_model_len is not None:
         cmd += ["--max-model-len", str(spec.model.max_model_len)]

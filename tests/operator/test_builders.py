@@ -572,3 +572,56 @@ def test_engine_device_rejects_unknown_values(unified_spec):
     unified_spec["engine"] = {"gpuMemoryUtilization": 1.5}
     with pytest.raises(ValidationError, match="gpuMemoryUtilization"):
         parse_spec(unified_spec)
+
+
+def daemon_config(spec: dict[str, Any], role: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """(DaemonConfig, shutdown timeout) the real `pagefleet daemon` command builds from the
+    operator's command line for `role`: click's parsing and the config's validation run;
+    only the serving is left out."""
+    from click.testing import CliRunner
+
+    from pagefleet.daemon import cli as daemon_cli
+
+    seen: list[Any] = []
+
+    async def capture(config: Any, shutdown_timeout_s: float | None = None) -> None:
+        seen.append((config, shutdown_timeout_s))
+
+    monkeypatch.setattr(daemon_cli, "serve", capture)
+    pod = children(spec)[("Deployment", f"llama-{role}")]["spec"]["template"]["spec"]
+    args = _subcommand_args(pod["containers"][0]["command"], "daemon")
+    result = CliRunner().invoke(daemon_cli.command, args)
+    assert result.exit_code == 0, result.output
+    (out,) = seen
+    return out
+
+
+def test_max_body_bytes_reaches_the_gateway_and_every_daemon_alike(pd_spec, monkeypatch):
+    # Operator-built daemons and gateways always ran with the 4 MiB default: a long prompt
+    # sent as token ids (128k tokens is about 1 MB of JSON, a long chat history more) got a
+    # 413 with no field to raise it. One field sets both: a gateway limit above the daemons'
+    # would only turn the gateway's 413 into the daemon's, relayed.
+    pd_spec["router"] = {"maxBodyBytes": 16 << 20}
+    assert gateway_config(pd_spec, monkeypatch).max_body_bytes == 16 << 20
+    for role in ("prefill", "decode"):
+        config, _ = daemon_config(pd_spec, role, monkeypatch)
+        assert config.max_body_bytes == 16 << 20, role
+
+
+def test_max_body_bytes_default_is_the_daemons_and_gateways_own(unified_spec, monkeypatch):
+    from pagefleet.api.limits import DEFAULT_MAX_BODY_BYTES
+
+    assert gateway_config(unified_spec, monkeypatch).max_body_bytes == DEFAULT_MAX_BODY_BYTES
+    config, _ = daemon_config(unified_spec, "unified", monkeypatch)
+    assert config.max_body_bytes == DEFAULT_MAX_BODY_BYTES
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [(1023, "greater than or equal to 1024"), ((1 << 30) + 1, "less than or equal to")],
+)
+def test_max_body_bytes_out_of_range_is_refused_at_the_spec(unified_spec, value, why):
+    # Below 1 KiB both processes refuse to start: the pods would crash-loop on it.
+    unified_spec["router"] = {"maxBodyBytes": value}
+    with pytest.raises(ValueError, match=f"router.maxBodyBytes\n.*{why}"):
+        parse_spec(unified_spec)
