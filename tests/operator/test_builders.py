@@ -625,3 +625,60 @@ def test_max_body_bytes_out_of_range_is_refused_at_the_spec(unified_spec, value,
     unified_spec["router"] = {"maxBodyBytes": value}
     with pytest.raises(ValueError, match=f"router.maxBodyBytes\n.*{why}"):
         parse_spec(unified_spec)
+
+
+def _pod(objs: dict[tuple[str, str], dict[str, Any]], name: str) -> dict[str, Any]:
+    pod: dict[str, Any] = objs[("Deployment", name)]["spec"]["template"]["spec"]
+    return pod
+
+
+def test_each_process_drains_within_its_pods_termination_grace(pd_spec, monkeypatch):
+    # Operator-built pods had a fixed 60 s grace while the gateway drained for its default
+    # 20 s: every router change rolled the gateway and cut streams longer than 20 s, and
+    # nothing in the spec could give long generations more.
+    from pagefleet.daemon.cli import AFTER_DRAIN_S, EXIT_BACKSTOP_S, drain_within_deadline
+    from pagefleet.gateway.cli import CLEANUP_S, EXIT_S
+
+    pd_spec["roles"]["decode"]["terminationGracePeriodSeconds"] = 900
+    pd_spec["router"] = {"terminationGracePeriodSeconds": 600}
+    objs = children(pd_spec)
+    assert _pod(objs, "llama-decode")["terminationGracePeriodSeconds"] == 900
+    assert _pod(objs, "llama-prefill")["terminationGracePeriodSeconds"] == 60  # its own
+    assert _pod(objs, "llama-gateway")["terminationGracePeriodSeconds"] == 600
+    for role, grace in (("decode", 900), ("prefill", 60)):
+        config, shutdown_s = daemon_config(pd_spec, role, monkeypatch)
+        # The daemon is gone (stacks logged if stuck) before the kubelet's SIGKILL ...
+        assert shutdown_s + EXIT_BACKSTOP_S < grace, role
+        # ... and its drain is all the grace allows, never cut short by its own deadline.
+        assert config.drain_timeout_s == drain_within_deadline(10**6, shutdown_s), role
+        assert config.drain_timeout_s == grace - 5 - AFTER_DRAIN_S, role
+    gateway = gateway_config(pd_spec, monkeypatch)
+    assert gateway.drain_timeout_s + CLEANUP_S + EXIT_S < 600
+    assert gateway.drain_timeout_s == 590
+
+
+def test_default_grace_gives_gateway_streams_more_than_the_old_20_s(unified_spec, monkeypatch):
+    objs = children(unified_spec)
+    assert _pod(objs, "llama-unified")["terminationGracePeriodSeconds"] == 60
+    assert _pod(objs, "llama-gateway")["terminationGracePeriodSeconds"] == 60
+    assert gateway_config(unified_spec, monkeypatch).drain_timeout_s == 50
+    config, shutdown_s = daemon_config(unified_spec, "unified", monkeypatch)
+    assert (config.drain_timeout_s, shutdown_s) == (45, 55)
+
+
+@pytest.mark.parametrize(
+    ("where", "value", "why"),
+    [
+        ("router", 19, "greater than or equal to 20"),
+        ("router", 3601, "less than or equal to 3600"),
+        ("unified", 10, "greater than or equal to 20"),
+    ],
+)
+def test_termination_grace_out_of_range_is_refused_at_the_spec(unified_spec, where, value, why):
+    # Under 20 s the processes' own shutdown steps leave no drain at all.
+    if where == "router":
+        unified_spec["router"] = {"terminationGracePeriodSeconds": value}
+    else:
+        unified_spec["roles"]["unified"]["terminationGracePeriodSeconds"] = value
+    with pytest.raises(ValueError, match=f"terminationGracePeriodSeconds\n.*{why}"):
+        parse_spec(unified_spec)
