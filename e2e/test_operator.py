@@ -283,6 +283,14 @@ def test_children_are_owned_repaired_switched_and_collected(
     gw = deployment(kube, namespace, "ctl-gateway")
     cmd = gw["spec"]["template"]["spec"]["containers"][0]["command"]
     assert cmd[cmd.index("--service") + 1] == "ctl-decode"
+    # The switch's own steps are no drift: the one repaired was the hand-edited image.
+    time.sleep(4)  # the pass the old roles' deletion triggers, and a resync
+    drift = [
+        e["message"]
+        for e in events_for(cluster, namespace, "ctl")
+        if e["reason"] == "DriftRepaired"
+    ]
+    assert drift and all("Deployment ctl-unified" in m for m in drift), drift
 
     # Deleting the InferenceService garbage-collects every child.
     cluster.kubectl("delete", "infsvc", "ctl", "-n", namespace, "--wait=false")
@@ -422,6 +430,49 @@ def test_serving_lifecycle(
             }
         )
     )
+
+
+def test_a_fresh_service_reports_no_drift(
+    cluster: ControlPlane,
+    kube: KubeClient,
+    namespace: str,
+    operator: Operator,
+    redis_url: str,
+) -> None:
+    """Nobody edits anything: the passes after creation (resync, child events) must not post
+    DriftRepaired for what Kubernetes' own controllers write (the Deployment controller's
+    revision annotation, status, defaults), or operators go hunting for a hand edit."""
+    model = tiny_checkpoint()
+    gw_kubeconfig = cluster.workdir / f"kubeconfig-sa-{namespace}-calm-gateway"
+    spec = {
+        "model": {"source": {"path": model}, "servedModelName": "tiny"},
+        "command": [PAGEFLEET],
+        "engine": {"kvCacheMemoryMB": 16, "maxNumSeqs": 8},
+        "roles": {"unified": {"replicas": 1}},
+        "router": {"replicas": 1, "env": [{"name": "KUBECONFIG", "value": str(gw_kubeconfig)}]},
+        "index": {"redisURL": redis_url},
+    }
+    res = apply(cluster, infsvc("calm", namespace, spec))
+    assert res.returncode == 0, res.stderr
+    eventually(
+        lambda: kube.get_or_none(f"/api/v1/namespaces/{namespace}/serviceaccounts/calm-gateway"),
+        60,
+        "the gateway ServiceAccount",
+    )
+    cluster.service_account_kubeconfig(namespace, "calm-gateway")
+    _wait_ready(kube, namespace, "calm", timeout_s=240)
+    # A few resync passes (3 s apart here) over the settled children, plus the ones the
+    # pods' start-up triggered while they came up.
+    time.sleep(12)
+    reasons = [e["reason"] for e in events_for(cluster, namespace, "calm")]
+    assert "Created" in reasons  # the Events are there to be read
+    drift = [
+        e["message"]
+        for e in events_for(cluster, namespace, "calm")
+        if e["reason"] == "DriftRepaired"
+    ]
+    assert drift == [], f"DriftRepaired with no edit: {drift}"
+    operator.check_alive()
 
 
 def test_operator_identity_is_least_privilege(cluster: ControlPlane, operator: Operator) -> None:

@@ -25,6 +25,7 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+from pagefleet.api.limits import DEFAULT_MAX_BODY_BYTES
 from pagefleet.api.openai import ToolCallParser
 
 GROUP = "pagefleet.io"
@@ -35,6 +36,14 @@ SINGULAR = "inferenceservice"
 SHORT_NAMES = ["infsvc"]  # not `isvc`: that one is KServe's
 
 DEFAULT_IMAGE = "ghcr.io/pagefleet/pagefleet:0.1.0"
+
+# A pod's terminationGracePeriodSeconds, daemon and gateway alike: what a rollout or a
+# scale-down gives open streams. The operator derives each process' drain from it.
+DEFAULT_TERMINATION_GRACE_S = 60
+# The least grace that leaves a drain at all after each process' own shutdown steps (the
+# daemon keeps 15 s of its grace for those, the gateway 10 s).
+MIN_TERMINATION_GRACE_S = 20
+MAX_TERMINATION_GRACE_S = 3600
 
 
 def _finite(value: int | float | str) -> int | float | str:
@@ -457,6 +466,15 @@ class RoleSpec(_Model):
     cost_per_hour: float | None = Field(default=None, ge=0)
     """Dollars per hour one of this role's pods costs; its daemons then report cost per 1M
     input and output tokens on /metrics (pagefleet:cost_per_million_*_tokens_dollars)."""
+    termination_grace_period_seconds: int = Field(
+        default=DEFAULT_TERMINATION_GRACE_S,
+        ge=MIN_TERMINATION_GRACE_S,
+        le=MAX_TERMINATION_GRACE_S,
+    )
+    """Seconds a daemon pod gets to stop when a rollout or scale-down removes it. Its daemon
+    exits within this less 5 s (--shutdown-timeout), and lets open requests finish for this
+    less 15 s (--drain-timeout) before it aborts them; raise it for generations that stream
+    longer than that."""
 
     @model_validator(mode="after")
     def _replicas_xor_autoscaling(self) -> RoleSpec:
@@ -579,6 +597,19 @@ class RouterSpec(_Model):
     max_response_bytes: int = Field(default=256 << 20, ge=1024, le=1 << 32)
     """Largest non-streamed answer, in bytes, a gateway pod holds to relay; past it, a 502
     (streams are passed through, not held). Each held answer costs that much memory."""
+    max_body_bytes: int = Field(default=DEFAULT_MAX_BODY_BYTES, ge=1024, le=1 << 30)
+    """Largest request body, in bytes, for the gateway and every daemon alike (their
+    --max-body-bytes); past it, a 413. Raise it for long prompts sent as token ids or large
+    chat histories (a 128k-token prompt as JSON token ids is about 1 MB). Each body being
+    read costs that much memory; changing it rolls the daemons and the gateway."""
+    termination_grace_period_seconds: int = Field(
+        default=DEFAULT_TERMINATION_GRACE_S,
+        ge=MIN_TERMINATION_GRACE_S,
+        le=MAX_TERMINATION_GRACE_S,
+    )
+    """Seconds a gateway pod gets to stop when a rollout (any router change) or a scale-down
+    removes it. Its open streams may finish for this less 10 s (--drain-timeout); longer
+    ones are cut. Raise it for generations that stream longer than that."""
 
 
 # ---------------------------------------------------------------------------------- index

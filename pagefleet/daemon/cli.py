@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, cast
 import click
 from aiohttp import web
 
+from pagefleet.api.limits import DEFAULT_MAX_BODY_BYTES
 from pagefleet.api.openai import TOOL_CALL_PARSERS
 from pagefleet.daemon.config import DEFAULT_LONG_PREFILL_TOKENS, DaemonConfig
 from pagefleet.daemon.termination import write_termination_message
@@ -319,6 +320,13 @@ async def serve(config: DaemonConfig, shutdown_timeout_s: float | None = None) -
     show_default=True,
     type=int,
     help="Requests that may wait beyond the running batch; past it, 429.",
+)
+@click.option(
+    "--max-body-bytes",
+    default=DEFAULT_MAX_BODY_BYTES,
+    show_default=True,
+    type=click.IntRange(min=1024),
+    help="Largest request body; past it, 413. Keep equal to the gateway's --max-body-bytes.",
 )
 @click.option(
     "--attention-backend",

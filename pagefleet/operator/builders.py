@@ -332,6 +332,7 @@ def _deployment(
     volumes: list[Manifest],
     config_hash: str,
     settings: BuildSettings,
+    grace_s: int,
     scheduling: RoleSpec | None = None,
     port: int = DAEMON_PORT,
 ) -> Manifest:
@@ -339,8 +340,9 @@ def _deployment(
     pod_spec: dict[str, Any] = {
         "containers": [container],
         "volumes": volumes,
-        # Lets in-flight streams finish when a rollout or scale-down removes a pod.
-        "terminationGracePeriodSeconds": 60,
+        # Lets in-flight streams finish when a rollout or scale-down removes a pod; the
+        # process' drain is derived from the same value (commands.py), so it ends first.
+        "terminationGracePeriodSeconds": grace_s,
         "enableServiceLinks": False,
         # No API token unless a builder adds one explicitly (the gateway's projected one).
         "automountServiceAccountToken": False,
@@ -452,6 +454,7 @@ def build_role(
         volumes=volumes,
         config_hash=config_hash,
         settings=settings,
+        grace_s=role_spec.termination_grace_period_seconds,
         scheduling=role_spec,
     )
     svc = _service(owner, names.role(role), role, role, DAEMON_PORT, headless=True)
@@ -506,6 +509,7 @@ def build_gateway(
         volumes=volumes,
         config_hash=config_hash,
         settings=settings,
+        grace_s=spec.router.termination_grace_period_seconds,
         port=GATEWAY_PORT,
     )
     deploy["spec"]["template"]["spec"]["serviceAccountName"] = names.gateway

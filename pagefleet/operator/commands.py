@@ -14,6 +14,35 @@ POD_IP = "$(POD_IP)"
 POD_NAME = "$(POD_NAME)"
 
 
+# Shutdown budgets within a pod's terminationGracePeriodSeconds, so that each process ends
+# on its own terms (open requests finished or aborted with a last chunk, stacks logged if
+# stuck) before the kubelet's SIGKILL cuts everything at the grace.
+# Daemon: it is gone within --shutdown-timeout (plus 2 s of exit backstop); this leaves the
+# rest of the grace for that backstop and the signal's delivery.
+DAEMON_EXIT_MARGIN_S = 5
+# Daemon: what its shutdown needs after the drain (pagefleet.daemon.cli.AFTER_DRAIN_S:
+# aborted requests' last chunks, the index goodbye, the engine's stop).
+DAEMON_AFTER_DRAIN_S = 10
+# Gateway: it is gone within --drain-timeout plus 5 s (pagefleet.gateway.cli CLEANUP_S +
+# EXIT_S); 5 s more of margin for a loaded node.
+GATEWAY_AFTER_DRAIN_S = 10
+
+
+def daemon_stop_flags(grace_s: int) -> list[str]:
+    """--shutdown-timeout and --drain-timeout that fit a daemon pod's grace: open requests
+    get as long as the grace allows, and the process exits before the SIGKILL."""
+    shutdown_s = grace_s - DAEMON_EXIT_MARGIN_S
+    return [
+        "--shutdown-timeout", str(shutdown_s),
+        "--drain-timeout", str(max(0, shutdown_s - DAEMON_AFTER_DRAIN_S)),
+    ]  # fmt: skip
+
+
+def gateway_drain_s(grace_s: int) -> int:
+    """The gateway's --drain-timeout within its pod's grace (its cleanup and exit after)."""
+    return max(0, grace_s - GATEWAY_AFTER_DRAIN_S)
+
+
 def served_model_name(spec: InferenceServiceSpec, names: Names) -> str:
     return spec.model.served_model_name or names.service
 
@@ -101,6 +130,11 @@ def daemon_command(
         "--long-prefill-token-threshold",
         str(eng.long_prefill_token_threshold),
         "--enable-prefix-caching" if eng.enable_prefix_caching else "--no-enable-prefix-caching",
+        # The gateway's limit too (gateway_command): a body the gateway lets through must
+        # not meet a smaller limit here (the client would get the daemon's 413 as a 502).
+        "--max-body-bytes",
+        str(spec.router.max_body_bytes),
+        *daemon_stop_flags((role_spec or RoleSpec()).termination_grace_period_seconds),
     ]
     if eng.max_num_batched_tokens is not None:  # else the role's own default (decode: lower)
         cmd += ["--max-num-batched-tokens", str(eng.max_num_batched_tokens)]
@@ -163,6 +197,8 @@ def gateway_command(
         "--client-write-timeout", f"{r.client_write_timeout_seconds:g}",
         "--keepalive-timeout", f"{r.keepalive_timeout_seconds:g}",
         "--max-response-bytes", str(r.max_response_bytes),
+        "--max-body-bytes", str(r.max_body_bytes),
+        "--drain-timeout", str(gateway_drain_s(r.termination_grace_period_seconds)),
     ]  # fmt: skip
     if spec.model.max_model_len is not None:
         cmd += ["--max-model-len", str(spec.model.max_model_len)]

@@ -16,6 +16,8 @@ no Ready pod, nothing is lost by switching at once, and the pass does.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,7 +25,12 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from pagefleet.api.inferenceservice import InferenceServiceSpec, name_problem, parse_spec
+from pagefleet.api.inferenceservice import (
+    GROUP,
+    InferenceServiceSpec,
+    name_problem,
+    parse_spec,
+)
 from pagefleet.operator.builders import (
     BuildSettings,
     Owner,
@@ -70,16 +77,52 @@ def _key(obj: Manifest) -> tuple[str, str]:
     return obj["kind"], obj["metadata"]["name"]
 
 
-# Bookkeeping, not content: a change here alone is no drift. A Deployment's status moves
-# whenever its pods do, and an apply that only takes back ownership of a value another
-# manager set (the autoscaler's or `kubectl scale`'s replicas, which the pass keeps) moves
-# managedFields and the resourceVersion while changing nothing.
-_SERVER_WRITTEN = ("resourceVersion", "generation", "managedFields")
+# On every child: a digest of the manifest the operator applied last. A steady pass that
+# changes a child whose digest differs from its new manifest's applies a change of the
+# operator's own (the last step of a role switch, a new operator version or setting), not
+# a repair of someone's edit.
+APPLIED_HASH_ANNOTATION = f"{GROUP}/applied-hash"
 
 
-def _content(obj: Manifest) -> Manifest:
-    meta = {k: v for k, v in obj.get("metadata", {}).items() if k not in _SERVER_WRITTEN}
-    return {**{k: v for k, v in obj.items() if k != "status"}, "metadata": meta}
+def _stamped(obj: Manifest) -> tuple[Manifest, str]:
+    """`obj` with its own digest as an annotation, and the digest.
+
+    A Deployment's replicas are left out: an autoscaled role's follow the autoscaler
+    (the pass keeps them), and a digest that moved with them would rewrite the
+    Deployment on every scaling decision."""
+    spec = obj.get("spec")
+    hashed = obj
+    if obj["kind"] == "Deployment" and isinstance(spec, dict):
+        hashed = {**obj, "spec": {k: v for k, v in spec.items() if k != "replicas"}}
+    digest = hashlib.sha256(json.dumps(hashed, sort_keys=True).encode()).hexdigest()[:16]
+    meta = obj["metadata"]
+    annotations = {**(meta.get("annotations") or {}), APPLIED_HASH_ANNOTATION: digest}
+    return {**obj, "metadata": {**meta, "annotations": annotations}}, digest
+
+
+def _applied_hash(obj: Manifest) -> str | None:
+    annotations: dict[str, str] = obj["metadata"].get("annotations") or {}
+    return annotations.get(APPLIED_HASH_ANNOTATION)
+
+
+def _owned(obj: Any, desired: Any) -> Any:
+    """`obj` cut down to the fields the operator sets (those of its `desired` manifest).
+
+    Only a change there is drift. Everything else on a child is written by Kubernetes: a
+    Deployment's status moves whenever its pods do, the Deployment controller annotates
+    each revision (deployment.kubernetes.io/revision), the API server keeps resourceVersion,
+    generation and managedFields and fills defaults, and an apply that only takes back
+    ownership of a value another manager set (the autoscaler's replicas, which the pass
+    keeps) changes nothing of ours. A list is cut item by item when it has as many items
+    as the desired one (containers, ports); else it is kept whole (both sides of the
+    comparison come from the API server, so its defaults are on both)."""
+    if isinstance(desired, dict):
+        if not isinstance(obj, dict):
+            return obj
+        return {k: _owned(obj.get(k), v) for k, v in desired.items()}
+    if isinstance(desired, list) and isinstance(obj, list) and len(obj) == len(desired):
+        return [_owned(o, d) for o, d in zip(obj, desired, strict=True)]
+    return obj
 
 
 def _controlled_by(obj: Manifest, uid: str) -> bool:
@@ -311,7 +354,8 @@ def reconcile(
     result = ReconcileResult(status={})
     applied: dict[tuple[str, str], Manifest] = {}
     try:
-        for obj in desired:
+        for built in desired:
+            obj, digest = _stamped(built)
             key = _key(obj)
             before = existing.get(key)
             after = kube.apply(obj)
@@ -322,9 +366,10 @@ def reconcile(
                 result.actions.append((verb, *key))
             elif before["metadata"].get("resourceVersion") != after["metadata"].get(
                 "resourceVersion"
-            ) and _content(before) != _content(after):
-                verb = "DriftRepaired" if steady else "Updated"
-                result.actions.append((verb, *key))
+            ) and _owned(before, obj) != _owned(after, obj):
+                # Drift: the operator wants what it applied last, and the child differed.
+                repaired = steady and _applied_hash(before) == digest
+                result.actions.append(("DriftRepaired" if repaired else "Updated", *key))
         gateway_now = WorkloadState.from_deployment(
             GATEWAY, applied.get(("Deployment", names.gateway))
         )

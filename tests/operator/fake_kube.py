@@ -94,7 +94,11 @@ class FakeKube:
             return copy.deepcopy(self.add(obj))
         merged = copy.deepcopy(current)
         for field in _APPLIED_META:
-            if field in meta:
+            if field == "annotations" and field in meta:
+                # Keyed by annotation: other managers' annotations stay.
+                annotations = merged["metadata"].setdefault("annotations", {})
+                annotations.update(copy.deepcopy(meta[field]))
+            elif field in meta:
                 merged["metadata"][field] = copy.deepcopy(meta[field])
         for section, value in obj.items():
             if section not in ("metadata", "status", "apiVersion", "kind"):

@@ -574,3 +574,113 @@ def test_engine_device_rejects_unknown_values(unified_spec):
     unified_spec["engine"] = {"gpuMemoryUtilization": 1.5}
     with pytest.raises(ValidationError, match="gpuMemoryUtilization"):
         parse_spec(unified_spec)
+
+
+def daemon_config(spec: dict[str, Any], role: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """(DaemonConfig, shutdown timeout) the real `pagefleet daemon` command builds from the
+    operator's command line for `role`: click's parsing and the config's validation run;
+    only the serving is left out."""
+    from click.testing import CliRunner
+
+    from pagefleet.daemon import cli as daemon_cli
+
+    seen: list[Any] = []
+
+    async def capture(config: Any, shutdown_timeout_s: float | None = None) -> None:
+        seen.append((config, shutdown_timeout_s))
+
+    monkeypatch.setattr(daemon_cli, "serve", capture)
+    pod = children(spec)[("Deployment", f"llama-{role}")]["spec"]["template"]["spec"]
+    args = _subcommand_args(pod["containers"][0]["command"], "daemon")
+    result = CliRunner().invoke(daemon_cli.command, args)
+    assert result.exit_code == 0, result.output
+    (out,) = seen
+    return out
+
+
+def test_max_body_bytes_reaches_the_gateway_and_every_daemon_alike(pd_spec, monkeypatch):
+    # Operator-built daemons and gateways always ran with the 4 MiB default: a long prompt
+    # sent as token ids (128k tokens is about 1 MB of JSON, a long chat history more) got a
+    # 413 with no field to raise it. One field sets both: a gateway limit above the daemons'
+    # would only turn the gateway's 413 into the daemon's, relayed.
+    pd_spec["router"] = {"maxBodyBytes": 16 << 20}
+    assert gateway_config(pd_spec, monkeypatch).max_body_bytes == 16 << 20
+    for role in ("prefill", "decode"):
+        config, _ = daemon_config(pd_spec, role, monkeypatch)
+        assert config.max_body_bytes == 16 << 20, role
+
+
+def test_max_body_bytes_default_is_the_daemons_and_gateways_own(unified_spec, monkeypatch):
+    from pagefleet.api.limits import DEFAULT_MAX_BODY_BYTES
+
+    assert gateway_config(unified_spec, monkeypatch).max_body_bytes == DEFAULT_MAX_BODY_BYTES
+    config, _ = daemon_config(unified_spec, "unified", monkeypatch)
+    assert config.max_body_bytes == DEFAULT_MAX_BODY_BYTES
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [(1023, "greater than or equal to 1024"), ((1 << 30) + 1, "less than or equal to")],
+)
+def test_max_body_bytes_out_of_range_is_refused_at_the_spec(unified_spec, value, why):
+    # Below 1 KiB both processes refuse to start: the pods would crash-loop on it.
+    unified_spec["router"] = {"maxBodyBytes": value}
+    with pytest.raises(ValueError, match=f"router.maxBodyBytes\n.*{why}"):
+        parse_spec(unified_spec)
+
+
+def _pod(objs: dict[tuple[str, str], dict[str, Any]], name: str) -> dict[str, Any]:
+    pod: dict[str, Any] = objs[("Deployment", name)]["spec"]["template"]["spec"]
+    return pod
+
+
+def test_each_process_drains_within_its_pods_termination_grace(pd_spec, monkeypatch):
+    # Operator-built pods had a fixed 60 s grace while the gateway drained for its default
+    # 20 s: every router change rolled the gateway and cut streams longer than 20 s, and
+    # nothing in the spec could give long generations more.
+    from pagefleet.daemon.cli import AFTER_DRAIN_S, EXIT_BACKSTOP_S, drain_within_deadline
+    from pagefleet.gateway.cli import CLEANUP_S, EXIT_S
+
+    pd_spec["roles"]["decode"]["terminationGracePeriodSeconds"] = 900
+    pd_spec["router"] = {"terminationGracePeriodSeconds": 600}
+    objs = children(pd_spec)
+    assert _pod(objs, "llama-decode")["terminationGracePeriodSeconds"] == 900
+    assert _pod(objs, "llama-prefill")["terminationGracePeriodSeconds"] == 60  # its own
+    assert _pod(objs, "llama-gateway")["terminationGracePeriodSeconds"] == 600
+    for role, grace in (("decode", 900), ("prefill", 60)):
+        config, shutdown_s = daemon_config(pd_spec, role, monkeypatch)
+        # The daemon is gone (stacks logged if stuck) before the kubelet's SIGKILL ...
+        assert shutdown_s + EXIT_BACKSTOP_S < grace, role
+        # ... and its drain is all the grace allows, never cut short by its own deadline.
+        assert config.drain_timeout_s == drain_within_deadline(10**6, shutdown_s), role
+        assert config.drain_timeout_s == grace - 5 - AFTER_DRAIN_S, role
+    gateway = gateway_config(pd_spec, monkeypatch)
+    assert gateway.drain_timeout_s + CLEANUP_S + EXIT_S < 600
+    assert gateway.drain_timeout_s == 590
+
+
+def test_default_grace_gives_gateway_streams_more_than_the_old_20_s(unified_spec, monkeypatch):
+    objs = children(unified_spec)
+    assert _pod(objs, "llama-unified")["terminationGracePeriodSeconds"] == 60
+    assert _pod(objs, "llama-gateway")["terminationGracePeriodSeconds"] == 60
+    assert gateway_config(unified_spec, monkeypatch).drain_timeout_s == 50
+    config, shutdown_s = daemon_config(unified_spec, "unified", monkeypatch)
+    assert (config.drain_timeout_s, shutdown_s) == (45, 55)
+
+
+@pytest.mark.parametrize(
+    ("where", "value", "why"),
+    [
+        ("router", 19, "greater than or equal to 20"),
+        ("router", 3601, "less than or equal to 3600"),
+        ("unified", 10, "greater than or equal to 20"),
+    ],
+)
+def test_termination_grace_out_of_range_is_refused_at_the_spec(unified_spec, where, value, why):
+    # Under 20 s the processes' own shutdown steps leave no drain at all.
+    if where == "router":
+        unified_spec["router"] = {"terminationGracePeriodSeconds": value}
+    else:
+        unified_spec["roles"]["unified"]["terminationGracePeriodSeconds"] = value
+    with pytest.raises(ValueError, match=f"terminationGracePeriodSeconds\n.*{why}"):
+        parse_spec(unified_spec)

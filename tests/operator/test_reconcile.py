@@ -192,6 +192,75 @@ def test_a_status_written_by_a_controller_mid_pass_is_no_drift(kube, unified_spe
     assert result.actions == [] and rec.events == []
 
 
+def test_what_the_deployment_controller_writes_mid_pass_is_no_drift(kube, unified_spec):
+    # On a real control plane the Deployment controller annotates every Deployment with its
+    # revision (deployment.kubernetes.io/revision) soon after it is created, and again on
+    # each rollout. Landing between a pass's list and its apply, that write was reported as
+    # a DriftRepaired Event ("edited by hand?") on a service nobody had touched.
+    create_is(kube, unified_spec)
+    reconcile(kube, body(kube), SETTINGS, Recorder())
+    apply = kube.apply
+
+    def apply_after_the_controller(obj):
+        if obj["kind"] == "Deployment":
+            dep = kube.obj("Deployment", "ml", obj["metadata"]["name"])
+            dep["metadata"].setdefault("annotations", {})["deployment.kubernetes.io/revision"] = "1"
+            kube.mark_deployments_ready()  # its status moves too, as it does on pods' progress
+        return apply(obj)
+
+    kube.apply = apply_after_the_controller  # type: ignore[method-assign]
+    rec = Recorder()
+    result = reconcile(kube, body(kube), SETTINGS, rec)
+    assert result.actions == [] and rec.events == []
+    # A hand edit is still seen and repaired, the controller's annotation kept.
+    dep = kube.obj("Deployment", "ml", "llama-unified")
+    dep["spec"]["template"]["spec"]["containers"][0]["image"] = "evil:latest"
+    result = reconcile(kube, body(kube), SETTINGS, Recorder())
+    assert result.actions == [("DriftRepaired", "Deployment", "llama-unified")]
+    meta = kube.obj("Deployment", "ml", "llama-unified")["metadata"]
+    assert meta["annotations"]["deployment.kubernetes.io/revision"] == "1"
+
+
+def test_hand_removed_owned_label_is_drift(kube, unified_spec):
+    create_is(kube, unified_spec)
+    reconcile(kube, body(kube), SETTINGS, Recorder())
+    dep = kube.obj("Deployment", "ml", "llama-unified")
+    del dep["metadata"]["labels"]["pagefleet.io/role"]
+    result = reconcile(kube, body(kube), SETTINGS, Recorder())
+    assert result.actions == [("DriftRepaired", "Deployment", "llama-unified")]
+
+
+def test_the_pass_after_a_role_switch_reports_no_drift(kube, unified_spec):
+    # The pass that deleted the previous roles kept them behind the daemons' NetworkPolicy;
+    # the next one (a steady pass: same generation, no switch left) narrowed the policy to
+    # the new roles and reported the operator's own rollout step as a hand edit repaired.
+    create_is(kube, unified_spec)
+    reconcile(kube, body(kube), SETTINGS, Recorder())
+
+    def to_pd(spec):
+        spec["roles"] = {"prefill": {"replicas": 1}, "decode": {"replicas": 2}}
+
+    edit_spec(kube, to_pd)
+    result = reconcile(kube, body(kube), SETTINGS, Recorder())
+    assert ("Deleted", "Deployment", "llama-unified") in result.actions
+    rec = Recorder()
+    result = reconcile(kube, body(kube), SETTINGS, rec)
+    assert result.actions == [("Updated", "NetworkPolicy", "llama-daemons")]
+    assert rec.reasons() == ["Updated"]
+
+
+def test_an_operator_upgrade_that_changes_a_child_is_no_drift(kube, unified_spec):
+    # A new operator version (or new operator settings) builds a child differently; its
+    # first pass over an unchanged spec is steady, and reported that as a hand edit.
+    create_is(kube, unified_spec)
+    reconcile(kube, body(kube), SETTINGS, Recorder())
+    upgraded = BuildSettings(extra_pod_annotations={"example.com/team": "ml"})
+    rec = Recorder()
+    result = reconcile(kube, body(kube), upgraded, rec)
+    assert ("Updated", "Deployment", "llama-unified") in result.actions
+    assert "DriftRepaired" not in rec.reasons()
+
+
 def test_switching_to_prefill_decode_replaces_the_role_workloads(kube, unified_spec):
     # The unified pods never became Ready: nothing serves that a switch could interrupt,
     # so the pass switches at once (the rollout case: the tests below).
