@@ -386,7 +386,7 @@ async def serve(config: DaemonConfig, shutdown_timeout_s: float | None = None) -
     help="Seconds from SIGTERM until the process has exited, whatever is stuck (a stream, "
     "the engine): past it, stacks are logged and it exits 1. Open requests are aborted 10 s "
     "before it at the latest (--drain-timeout is cut short to fit). Keep it below the pod's "
-    "terminationGracePeriodSeconds (60 from the operator). A second SIGTERM or Ctrl-C "
+    "terminationGracePeriodSeconds (the operator passes grace - 5). A second SIGTERM or Ctrl-C "
     "exits at once.",
 )
 @click.option(
