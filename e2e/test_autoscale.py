@@ -25,11 +25,11 @@ from e2e.kube_helpers import live_pods, pod_ready, tiny_checkpoint
 from e2e.operator_process import OperatorProcess, install_prerequisites
 from e2e.test_operator import (
     PAGEFLEET,
-    apply,
+    apply_service,
     condition,
     events_for,
+    gateway_kubeconfig,
     get_is,
-    infsvc,
     redis_url,  # noqa: F401 (fixture)
 )
 from pagefleet.dev.process import free_port
@@ -98,7 +98,7 @@ def test_load_step_scales_out_and_back_removing_the_marked_pod(
     log = operator.log
     t0 = time.monotonic()
     model = tiny_checkpoint()
-    gw_kubeconfig = cluster.workdir / f"kubeconfig-sa-{namespace}-auto-gateway"
+    gw_kubeconfig = gateway_kubeconfig(cluster, namespace, "auto")
     spec = {
         "model": {"source": {"path": model}, "servedModelName": "tiny"},
         "command": [PAGEFLEET],
@@ -122,14 +122,7 @@ def test_load_step_scales_out_and_back_removing_the_marked_pod(
         "index": {"redisURL": redis_url},
         "slo": {"ttftMs": 2000, "tpotMs": 500},
     }
-    res = apply(cluster, infsvc("auto", namespace, spec))
-    assert res.returncode == 0, res.stderr
-    eventually(
-        lambda: kube.get_or_none(f"/api/v1/namespaces/{namespace}/serviceaccounts/auto-gateway"),
-        60,
-        "the gateway ServiceAccount",
-    )
-    cluster.service_account_kubeconfig(namespace, "auto-gateway")
+    apply_service(cluster, kube, namespace, "auto", spec)
     watch = PodWatch(kube, namespace)
 
     def one_ready_and_gateway() -> str | bool:

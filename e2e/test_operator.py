@@ -13,6 +13,7 @@ import json
 import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -55,6 +56,28 @@ def infsvc(name: str, namespace: str, spec: dict[str, Any]) -> dict[str, Any]:
         "metadata": {"name": name, "namespace": namespace},
         "spec": spec,
     }
+
+
+def gateway_kubeconfig(cluster: ControlPlane, namespace: str, name: str) -> Path:
+    """The kubeconfig of service ``name``'s gateway ServiceAccount: its gateway's env names
+    this path (KUBECONFIG), and ``apply_service`` writes it."""
+    return cluster.workdir / f"kubeconfig-sa-{namespace}-{name}-gateway"
+
+
+def apply_service(
+    cluster: ControlPlane, kube: KubeClient, namespace: str, name: str, spec: dict[str, Any]
+) -> None:
+    """Apply InferenceService ``name``; once the operator has made its gateway's
+    ServiceAccount, write the kubeconfig that gateway reads (it retries until then)."""
+    res = apply(cluster, infsvc(name, namespace, spec))
+    assert res.returncode == 0, res.stderr
+    eventually(
+        lambda: kube.get_or_none(f"/api/v1/namespaces/{namespace}/serviceaccounts/{name}-gateway"),
+        60,
+        "the gateway ServiceAccount",
+    )
+    written = cluster.service_account_kubeconfig(namespace, f"{name}-gateway")
+    assert written == gateway_kubeconfig(cluster, namespace, name)
 
 
 def get_is(kube: KubeClient, ns: str, name: str) -> dict[str, Any]:
@@ -341,7 +364,7 @@ def test_serving_lifecycle(
     model = tiny_checkpoint()
     # The gateway discovers pods with its own ServiceAccount's token; the file is written
     # once the operator created that ServiceAccount (the gateway retries until then).
-    gw_kubeconfig = cluster.workdir / f"kubeconfig-sa-{namespace}-tiny-gateway"
+    gw_kubeconfig = gateway_kubeconfig(cluster, namespace, "tiny")
     spec = {
         "model": {"source": {"path": model}, "servedModelName": "tiny"},
         "command": [PAGEFLEET],
@@ -350,14 +373,7 @@ def test_serving_lifecycle(
         "router": {"replicas": 1, "env": [{"name": "KUBECONFIG", "value": str(gw_kubeconfig)}]},
         "index": {"redisURL": redis_url},
     }
-    res = apply(cluster, infsvc("tiny", namespace, spec))
-    assert res.returncode == 0, res.stderr
-    eventually(
-        lambda: kube.get_or_none(f"/api/v1/namespaces/{namespace}/serviceaccounts/tiny-gateway"),
-        60,
-        "the gateway ServiceAccount",
-    )
-    assert cluster.service_account_kubeconfig(namespace, "tiny-gateway") == gw_kubeconfig
+    apply_service(cluster, kube, namespace, "tiny", spec)
 
     obj = _wait_ready(kube, namespace, "tiny", timeout_s=240)
     assert obj["status"]["replicas"] == "unified:2/2"
@@ -443,7 +459,7 @@ def test_a_fresh_service_reports_no_drift(
     DriftRepaired for what Kubernetes' own controllers write (the Deployment controller's
     revision annotation, status, defaults), or operators go hunting for a hand edit."""
     model = tiny_checkpoint()
-    gw_kubeconfig = cluster.workdir / f"kubeconfig-sa-{namespace}-calm-gateway"
+    gw_kubeconfig = gateway_kubeconfig(cluster, namespace, "calm")
     spec = {
         "model": {"source": {"path": model}, "servedModelName": "tiny"},
         "command": [PAGEFLEET],
@@ -452,14 +468,7 @@ def test_a_fresh_service_reports_no_drift(
         "router": {"replicas": 1, "env": [{"name": "KUBECONFIG", "value": str(gw_kubeconfig)}]},
         "index": {"redisURL": redis_url},
     }
-    res = apply(cluster, infsvc("calm", namespace, spec))
-    assert res.returncode == 0, res.stderr
-    eventually(
-        lambda: kube.get_or_none(f"/api/v1/namespaces/{namespace}/serviceaccounts/calm-gateway"),
-        60,
-        "the gateway ServiceAccount",
-    )
-    cluster.service_account_kubeconfig(namespace, "calm-gateway")
+    apply_service(cluster, kube, namespace, "calm", spec)
     _wait_ready(kube, namespace, "calm", timeout_s=240)
     # A few resync passes (3 s apart here) over the settled children, plus the ones the
     # pods' start-up triggered while they came up.

@@ -25,8 +25,10 @@ from e2e.operator_process import CRD, OperatorProcess
 from e2e.test_operator import (  # noqa: F401  (module fixture: redis_url)
     API,
     apply,
+    apply_service,
     condition,
     events_for,
+    gateway_kubeconfig,
     get_is,
     infsvc,
     redis_url,
@@ -312,7 +314,7 @@ def test_a_role_switch_under_traffic_answers_every_request(
     prefill and decode have Ready pods and every gateway pod routes to them."""
     t0 = time.monotonic()
     name, ns = "switch", namespace
-    gw_kubeconfig = cluster.workdir / f"kubeconfig-sa-{ns}-{name}-gateway"
+    gw_kubeconfig = gateway_kubeconfig(cluster, ns, name)
     spec = {
         "model": {"source": {"path": tiny_checkpoint()}, "servedModelName": "tiny"},
         "command": [PAGEFLEET],
@@ -321,13 +323,7 @@ def test_a_role_switch_under_traffic_answers_every_request(
         "router": {"replicas": 1, "env": [{"name": "KUBECONFIG", "value": str(gw_kubeconfig)}]},
         "index": {"redisURL": redis_url},
     }
-    assert apply(cluster, infsvc(name, ns, spec)).returncode == 0
-    eventually(
-        lambda: kube.get_or_none(f"/api/v1/namespaces/{ns}/serviceaccounts/{name}-gateway"),
-        60,
-        "the gateway ServiceAccount",
-    )
-    cluster.service_account_kubeconfig(ns, f"{name}-gateway")
+    apply_service(cluster, kube, ns, name, spec)
     _settled(kube, ns, name, 1)
     eventually(lambda: ready_endpoints(kube, ns, f"{name}-gateway"), 60, "a gateway endpoint")
     serving_s = time.monotonic() - t0

@@ -21,6 +21,8 @@ from e2e.test_operator import (  # noqa: F401  (module fixture: redis_url)
     Operator,
     _wait_ready,
     apply,
+    apply_service,
+    gateway_kubeconfig,
     infsvc,
     redis_url,
 )
@@ -57,7 +59,7 @@ def test_prefill_decode_serving(
     redis_url: str,  # noqa: F811
 ) -> None:
     model = tiny_checkpoint()
-    gw_kubeconfig = cluster.workdir / f"kubeconfig-sa-{namespace}-pd-gateway"
+    gw_kubeconfig = gateway_kubeconfig(cluster, namespace, "pd")
     spec = {
         "model": {"source": {"path": model}, "servedModelName": "tiny"},
         "command": [PAGEFLEET],
@@ -70,14 +72,7 @@ def test_prefill_decode_serving(
         },
         "index": {"redisURL": redis_url},
     }
-    res = apply(cluster, infsvc("pd", namespace, spec))
-    assert res.returncode == 0, res.stderr
-    eventually(
-        lambda: kube.get_or_none(f"/api/v1/namespaces/{namespace}/serviceaccounts/pd-gateway"),
-        60,
-        "the gateway ServiceAccount",
-    )
-    assert cluster.service_account_kubeconfig(namespace, "pd-gateway") == gw_kubeconfig
+    apply_service(cluster, kube, namespace, "pd", spec)
     obj = _wait_ready(kube, namespace, "pd", timeout_s=240)
     assert obj["status"]["replicas"] == "prefill:1/1 decode:1/1"
     assert [r["name"] for r in obj["status"]["roles"]] == ["prefill", "decode"]
