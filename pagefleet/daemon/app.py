@@ -281,7 +281,8 @@ class Daemon:
             try:
                 await write_within(request, resp, None, self.config.client_write_timeout_s)
             except ClientWriteTimeout as exc:
-                logger.warning("%s %s: %s; answer dropped", request.method, request.path, exc)
+                what = f"{request.method} {request.path}: {exc}; answer dropped"
+                self.serving.client_cut("write_timeout", what)
             except CLIENT_GONE as exc:
                 logger.debug("client went away before its answer: %s", exc)
         return resp

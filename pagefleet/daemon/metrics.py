@@ -208,6 +208,14 @@ class DaemonMetrics:
             [*LABELS, "reason"],
             registry=r,
         )
+        self._client_cuts = Counter(
+            "pagefleet:client_cuts",
+            "Clients cut for not reading, their requests aborted, by reason (write_timeout: "
+            "a write waited --client-write-timeout; backlog: a stream fell "
+            "--max-stream-backlog-mb behind).",
+            [*LABELS, "reason"],
+            registry=r,
+        )
         self.inflight = Gauge(
             "pagefleet:http_requests_inflight",
             "HTTP generation requests being served (admitted, not yet answered).",
@@ -243,6 +251,10 @@ class DaemonMetrics:
 
     def rejected(self, reason: str) -> None:
         self._rejected.labels(*self.label_values, reason).inc()
+
+    def client_cut(self, reason: str) -> None:
+        """One client cut (``write_timeout`` or ``backlog``): called once per cut."""
+        self._client_cuts.labels(*self.label_values, reason).inc()
 
     def observe_request(self, m: RequestMetrics, num_output_tokens: int) -> None:
         """Latency histograms of one finished request, from the engine's own timestamps."""

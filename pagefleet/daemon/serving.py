@@ -56,6 +56,7 @@ from pagefleet.daemon.token_bytes import token_bytes_of
 from pagefleet.engine.guided_spec import GuidedSpec
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.httpauth import ClientWriteTimeout, write_within
+from pagefleet.ratelog import EveryInterval
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,9 @@ _COMPLETION = CompletionShape()
 _INLINE_TOKENIZE_CHARS = 16_384
 # Where a generation handler stamps its start (monotonic) on the request, for --request-log.
 _T_HTTP: web.RequestKey[float] = web.RequestKey("pagefleet_t_http", float)
+# At most one warning per this many seconds about clients cut for not reading: a client
+# can make one per request (pagefleet:client_cuts_total has the exact count).
+CUT_LOG_INTERVAL_S = 10.0
 
 
 class OpenAIServing:
@@ -93,6 +97,15 @@ class OpenAIServing:
         self.request_log = (
             RequestLog(config.request_log, config.pod) if config.request_log else None
         )
+        self._cut_log = EveryInterval(logger, CUT_LOG_INTERVAL_S)
+
+    def client_cut(self, reason: str, what: str) -> None:
+        """A client was cut for not reading (``reason``: ``write_timeout`` or ``backlog``;
+        ``what``: who and why, for the log): counted once per cut, and warned about at most
+        once per CUT_LOG_INTERVAL_S, so that a flood of stalled clients cannot flood the log.
+        """
+        self.metrics.client_cut(reason)
+        self._cut_log.warning("%s", what)
 
     def add_routes(self, router: web.UrlDispatcher) -> None:
         router.add_post("/v1/completions", self.completions)
@@ -418,7 +431,7 @@ class OpenAIServing:
         )
         out = _StreamSender(
             request, resp, job.base_id, self.config.client_write_timeout_s,
-            self.config.max_stream_backlog_mb << 20,
+            self.config.max_stream_backlog_mb << 20, self.client_cut,
         )  # fmt: skip
         try:
             async with self._admitted(job, shape.prompt_param):
@@ -458,13 +471,12 @@ class OpenAIServing:
         except CLIENT_GONE as exc:
             # The client hung up, stopped reading (write timeout) or fell too far behind
             # (backlog): leaving _admitted above aborted the request and freed its blocks.
-            # A cut for a stalled or lagging reader is logged where it happened (_StreamSender)
-            # but for the last write; a hang-up is routine.
-            late = isinstance(exc, ClientWriteTimeout) and exc is not out.failure
-            logger.log(
-                logging.WARNING if late else logging.DEBUG,
-                "client of %s went away mid-stream: %s", job.base_id, exc,
-            )  # fmt: skip
+            # A cut for a stalled or lagging reader is reported where it happened
+            # (_StreamSender), but for the last write's, here; a hang-up is routine.
+            if isinstance(exc, ClientWriteTimeout) and exc is not out.failure:
+                self.client_cut("write_timeout", f"stream {job.base_id}: {exc}; its end dropped")
+            else:
+                logger.debug("client of %s went away mid-stream: %s", job.base_id, exc)
         finally:
             out.close()
         return resp
@@ -701,8 +713,8 @@ class _StreamSender:
     bound its whole output (n choices x top logprobs: tens of MB) waited in the daemon.
     """
 
-    __slots__ = ("_limit", "_max", "_pending", "_request", "_resp", "_rid", "_task",
-                 "backlog", "failure")  # fmt: skip
+    __slots__ = ("_limit", "_max", "_on_cut", "_pending", "_request", "_resp", "_rid",
+                 "_task", "backlog", "failure")  # fmt: skip
 
     def __init__(
         self,
@@ -711,8 +723,12 @@ class _StreamSender:
         rid: str,
         timeout_s: float,
         max_backlog: int,
+        on_cut: Callable[[str, str], None],
     ) -> None:
+        """``on_cut(reason, what)``: called once when this sender cuts its client
+        (``write_timeout`` or ``backlog``), to count and log it."""
         self._request = request
+        self._on_cut = on_cut
         self._resp = resp
         self._rid = rid
         self._limit = timeout_s
@@ -729,11 +745,11 @@ class _StreamSender:
         self._pending.append(data)
         self.backlog += len(data)
         if self.backlog > self._max:
-            logger.warning(
-                "stream %s: its client is %d bytes behind (the limit is %d, "
-                "--max-stream-backlog-mb): cutting it and aborting the request",
-                self._rid, self.backlog, self._max,
-            )  # fmt: skip
+            self._on_cut(
+                "backlog",
+                f"stream {self._rid}: its client is {self.backlog} bytes behind (the limit is "
+                f"{self._max}, --max-stream-backlog-mb): cutting it and aborting the request",
+            )
             self._cut()
             self.failure = ConnectionResetError(
                 f"the client fell {self.backlog} bytes behind (--max-stream-backlog-mb)"
@@ -763,7 +779,7 @@ class _StreamSender:
                 self.backlog -= len(data)
         except CLIENT_GONE as exc:
             if isinstance(exc, ClientWriteTimeout):
-                logger.warning("stream %s: %s; aborting its request", self._rid, exc)
+                self._on_cut("write_timeout", f"stream {self._rid}: {exc}; aborting its request")
             self.failure = exc
             self._cut()  # the handler may be waiting on the engine: wake it (cancellation)
         finally:

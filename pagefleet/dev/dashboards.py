@@ -276,6 +276,27 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                     ),
                 ),
             ),
+            PanelSpec(
+                "Clients cut for not reading",
+                "Clients cut because they stopped reading, their requests aborted: a write "
+                "waited --client-write-timeout (write_timeout), or a daemon's stream fell "
+                "--max-stream-backlog-mb behind (backlog). Clients that hang up are not "
+                "counted. A rise is stalled readers, or connections held open by an attack.",
+                "reqps",
+                (
+                    Query(
+                        f"sum by (reason) (rate(pagefleet:client_cuts_total{sel()}[{RATE}]))",
+                        "daemon {{reason}}",
+                        empty_unless="pagefleet:client_cuts",
+                    ),
+                    Query(
+                        "sum by (reason) "
+                        f"(rate(pagefleet_gateway_client_cuts_total{sel()}[{RATE}]))",
+                        "gateway {{reason}}",
+                        empty_unless="pagefleet_gateway_client_cuts",
+                    ),
+                ),
+            ),
         ),
     ),
     (

@@ -51,6 +51,7 @@ class GatewayMetrics:
     overhead_seconds: Histogram = field(init=False)
     rejected: Counter = field(init=False)
     broken_streams: Counter = field(init=False)
+    client_cuts: Counter = field(init=False)
     unhealthy: Counter = field(init=False)
     placements: Counter = field(init=False)
     arrivals: Counter = field(init=False)
@@ -140,6 +141,13 @@ class GatewayMetrics:
             p + "broken_streams",
             "Streams that broke after their first byte (ended with an error event).",
             ["pod"],
+            registry=r,
+        )
+        self.client_cuts = Counter(
+            p + "client_cuts",
+            "Clients cut for not reading, their pod requests ended, by reason (write_timeout: "
+            "a write waited --client-write-timeout).",
+            ["reason"],
             registry=r,
         )
         self.unhealthy = Counter(

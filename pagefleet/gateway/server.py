@@ -54,11 +54,13 @@ from pagefleet.gateway.prompts import PromptTokenizer
 from pagefleet.gateway.router import Router, RoutingDecision, Ticket
 from pagefleet.httpauth import (
     AuthPolicy,
+    ClientWriteTimeout,
     Credentials,
     bearer_header,
     upstream_refused_hint,
     write_within,
 )
+from pagefleet.ratelog import EveryInterval
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +92,9 @@ _DONE = b"data: [DONE]"
 # A 429/503's body is read, for the log only, at most this long: it is a few hundred bytes
 # sent with the headers, and the client session has no read timeout of its own.
 _REFUSAL_BODY_WAIT_S = 1.0
+# At most one warning per this many seconds about clients cut for not reading: a client
+# can make one per request (pagefleet_gateway_client_cuts_total has the exact count).
+CUT_LOG_INTERVAL_S = 10.0
 # Errors that mean the client is gone while we write to it.
 _CLIENT_GONE = (ConnectionError, RuntimeError, aiohttp.ClientConnectionResetError)
 
@@ -197,6 +202,9 @@ class Gateway:
     _active: int = 0
     _auth: AuthPolicy | None = None
     _upstream_auth_logged: bool = False
+    _cut_log: EveryInterval = field(
+        default_factory=lambda: EveryInterval(logger, CUT_LOG_INTERVAL_S)
+    )
 
     def __post_init__(self) -> None:
         self.router.metrics = self.metrics
@@ -374,8 +382,16 @@ class Gateway:
     ) -> None:
         """Write ``data`` to the client within ``client_write_timeout_s`` (``write_within``:
         None ends the response; a client that does not take it is cut and
-        ConnectionResetError, one of ``_CLIENT_GONE``, is raised)."""
-        await write_within(request, resp, data, self.proxy.client_write_timeout_s)
+        ConnectionResetError, one of ``_CLIENT_GONE``, is raised).
+
+        A cut is counted here, once: it aborts the connection, so no later write to this
+        client can time out again (they fail at once, as for a client that hung up)."""
+        try:
+            await write_within(request, resp, data, self.proxy.client_write_timeout_s)
+        except ClientWriteTimeout as exc:
+            self.metrics.client_cuts.labels(reason="write_timeout").inc()
+            self._cut_log.warning("%s %s: %s; connection cut", request.method, request.path, exc)
+            raise
 
     async def _handle(self, request: web.Request, kind: str, path: str) -> web.StreamResponse:
         t_arrival = time.perf_counter()

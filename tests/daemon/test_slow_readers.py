@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import re
 import socket
@@ -30,6 +31,7 @@ from aiohttp import web
 from pagefleet.daemon.app import Daemon
 from pagefleet.daemon.config import DaemonConfig
 from pagefleet.dev.process import free_port
+from pagefleet.ratelog import EveryInterval
 
 from .conftest import LiveDaemon, wait_daemon_ready
 
@@ -73,12 +75,22 @@ async def open_unread(url: str, body: dict, first: int = 100) -> asyncio.StreamW
     return writer
 
 
-async def finished(d: Served) -> dict[str, float]:
-    """Finished sequences by reason (vllm:request_success_total)."""
+async def by_label(d: Served, series: str, label: str) -> dict[str, float]:
+    """A counter's values on the daemon's /metrics, by the value of ``label``."""
     async with aiohttp.ClientSession() as s, s.get(d.url + "/metrics") as r:
         text = await r.text()
-    pattern = r'^vllm:request_success_total\{[^}]*finished_reason="(\w+)"[^}]*\} (\S+)$'
+    pattern = rf'^{re.escape(series)}\{{[^}}]*{label}="(\w+)"[^}}]*\}} (\S+)$'
     return {m[1]: float(m[2]) for m in re.finditer(pattern, text, re.M)}
+
+
+async def finished(d: Served) -> dict[str, float]:
+    """Finished sequences by reason (vllm:request_success_total)."""
+    return await by_label(d, "vllm:request_success_total", "finished_reason")
+
+
+async def cuts(d: Served) -> dict[str, float]:
+    """Clients cut for not reading, by reason (pagefleet:client_cuts_total)."""
+    return await by_label(d, "pagefleet:client_cuts_total", "reason")
 
 
 @dataclass
@@ -153,9 +165,12 @@ async def test_a_stream_nobody_reads_is_cut_at_the_write_timeout_and_its_sequenc
         finally:
             writer.close()
         after = await finished(d)
+        cut = await cuts(d)
     ended = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     # Cut well before the 3000 tokens: the request (its 8 sequences) was aborted.
     assert ended == {"abort": 1}, ended
+    # ... and counted once as a cut, which an operator can tell from a client hanging up.
+    assert cut == {"write_timeout": 1}, cut
 
 
 async def test_a_stream_too_far_behind_its_client_is_aborted_before_the_write_timeout(caplog):
@@ -172,8 +187,10 @@ async def test_a_stream_too_far_behind_its_client_is_aborted_before_the_write_ti
         finally:
             writer.close()
         after = await finished(d)
+        cut = await cuts(d)
     ended = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     assert ended == {"abort": 1}, ended
+    assert cut == {"backlog": 1}, cut
     assert "--max-stream-backlog-mb" in caplog.text
 
 
@@ -189,6 +206,48 @@ async def test_a_whole_answer_nobody_reads_is_dropped_at_the_write_timeout():
             assert took < 6, f"still held 15s later (slot, engine, connections): {d.held()}"
         finally:
             writer.close()
+        cut = await cuts(d)
+    assert cut == {"write_timeout": 1}, cut
+
+
+async def test_many_clients_cut_at_once_are_each_counted_and_warned_about_once(caplog):
+    """Cuts are client-triggered, one per request: a warning each flooded the log under a
+    crowd of stalled readers (or an attack). Each cut is counted; one line is logged."""
+    caplog.set_level(logging.WARNING, logger="pagefleet.daemon.serving")
+    # A few hundred KB each (top-20 logprobs): more than the socket buffers on the way.
+    body = {**HEAVY, "n": 1, "max_tokens": 300}
+    async with serve(config(client_write_timeout_s=1.0)) as d:
+        writers = await asyncio.gather(*(open_unread(d.url, body) for _ in range(4)))
+        try:
+            took, _ = await wait_released(d, within_s=30)
+            assert took < 20, f"still held 30s later (slot, engine, connections): {d.held()}"
+        finally:
+            for writer in writers:
+                writer.close()
+        cut = await cuts(d)
+    assert cut == {"write_timeout": 4}, cut
+    lines = [r for r in caplog.records if "answer dropped" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in lines]
+
+
+def test_a_rate_limited_warning_says_how_many_it_left_out(caplog):
+    """EveryInterval: one line per interval; the next line counts the ones left out."""
+    caplog.set_level(logging.WARNING, logger="pagefleet.test")
+    now = [100.0]
+    log = EveryInterval(logging.getLogger("pagefleet.test"), 10.0, clock=lambda: now[0])
+    assert log.warning("cut %s", "a")
+    for t in (101.0, 105.0, 109.9):
+        now[0] = t
+        assert not log.warning("cut %s", "b")
+    now[0] = 112.0
+    assert log.warning("cut %s", "c")
+    now[0] = 123.0
+    assert log.warning("cut %s", "d")
+    assert [r.getMessage() for r in caplog.records] == [
+        "cut a",
+        "cut c (3 more like it in the last 12 s were not logged)",
+        "cut d",
+    ]
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -223,6 +282,7 @@ async def test_a_client_that_hangs_up_while_queued_is_dropped_at_once(stream: bo
         assert d.held()[:2] == (1, 1), d.held()
         assert took < 1.0
         running.cancel()
+        assert await cuts(d) == {}, "a client that hung up was counted as cut"
 
 
 def spawn_daemon(port: int, log: Path, *args: str) -> subprocess.Popen:

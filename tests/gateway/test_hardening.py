@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import gzip
 import json
+import logging
 import os
 import resource
 import socket
@@ -495,16 +496,21 @@ async def test_a_client_that_stops_reading_a_stream_is_cut_and_its_pod_request_e
         while time.monotonic() < deadline and fleet.gateway.router.inflight:
             await asyncio.sleep(0.05)
         assert fleet.gateway.router.inflight == {}
+        # Counted as a cut, once, which an operator can tell from a client hanging up.
+        assert _cuts(fleet) == 1
     finally:
         writer.close()
 
 
-async def test_a_client_that_does_not_read_a_long_answer_is_cut(make_fleet) -> None:
-    """A non-streamed answer larger than the socket buffers, to a client that never
-    reads it: the write waited for it without a bound, holding the connection and the
-    whole answer in the gateway's memory for as long as the client stayed connected."""
-    fleet = await make_fleet(["big"], client_write_timeout_s=0.5)
-    host, port = fleet.url.removeprefix("http://").split(":")
+def _cuts(fleet: Fleet) -> float:
+    """pagefleet_gateway_client_cuts_total{reason="write_timeout"}."""
+    return fleet.gateway.metrics.client_cuts.labels(reason="write_timeout")._value.get()
+
+
+async def _open_unread_answer(url: str) -> asyncio.StreamWriter:
+    """Ask for a non-streamed answer on a socket with a 4 KiB receive buffer, read its
+    first bytes, then never read again."""
+    host, port = url.removeprefix("http://").split(":")
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect((host, int(port)))
@@ -519,6 +525,15 @@ async def test_a_client_that_does_not_read_a_long_answer_is_cut(make_fleet) -> N
     first = await reader.read(100)
     assert first.startswith(b"HTTP/1.1 200"), first
     reader._transport.pause_reading()  # type: ignore[attr-defined]
+    return writer
+
+
+async def test_a_client_that_does_not_read_a_long_answer_is_cut(make_fleet) -> None:
+    """A non-streamed answer larger than the socket buffers, to a client that never
+    reads it: the write waited for it without a bound, holding the connection and the
+    whole answer in the gateway's memory for as long as the client stayed connected."""
+    fleet = await make_fleet(["big"], client_write_timeout_s=0.5)
+    writer = await _open_unread_answer(fleet.url)
     server = fleet.runner.server
     assert server is not None
     try:
@@ -526,8 +541,33 @@ async def test_a_client_that_does_not_read_a_long_answer_is_cut(make_fleet) -> N
         while time.monotonic() < deadline and server.connections:
             await asyncio.sleep(0.05)
         assert not server.connections, "the gateway still holds the connection 10s later"
+        assert _cuts(fleet) == 1
     finally:
         writer.close()
+
+
+async def test_many_clients_cut_at_once_are_each_counted_and_warned_about_once(
+    make_fleet, caplog
+) -> None:
+    """A cut was logged at debug only: under a crowd of stalled readers (or an attack)
+    the operator saw nothing, nor could alert on it. Each cut is counted now, and the
+    warning is rate-limited: one line, not one per request."""
+    caplog.set_level(logging.WARNING, logger="pagefleet.gateway.server")
+    fleet = await make_fleet(["big"], client_write_timeout_s=0.5)
+    writers = [await _open_unread_answer(fleet.url) for _ in range(4)]
+    server = fleet.runner.server
+    assert server is not None
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and server.connections:
+            await asyncio.sleep(0.05)
+        assert not server.connections, "the gateway still holds connections 10s later"
+        assert _cuts(fleet) == 4
+        lines = [m for r in caplog.records if "--client-write-timeout" in (m := r.getMessage())]
+        assert len(lines) == 1, lines
+    finally:
+        for writer in writers:
+            writer.close()
 
 
 async def test_an_answer_over_the_response_cap_is_a_502_not_buffered_whole(make_fleet) -> None:

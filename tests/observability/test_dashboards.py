@@ -64,6 +64,8 @@ def test_panels_a_platform_team_expects() -> None:
         "pagefleet:kv_transfer_handles_active",
         "pagefleet:kv_transfer_handles_expired_total",
         "pagefleet_gateway_pd_requests_total",
+        "pagefleet:client_cuts_total",
+        "pagefleet_gateway_client_cuts_total",
     ):
         assert needle in text, needle
     for q in (0.5, 0.9, 0.99):

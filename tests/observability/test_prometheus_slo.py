@@ -121,8 +121,10 @@ def test_every_dashboard_query_returns_data(observed: dict[str, Any]) -> None:
         if not result or not _finite(result):
             failures.append(f"{title} [{q.legend}]: {expr} -> {result}")
     assert not failures, "\n".join(failures)
-    # On a healthy fleet nothing is refused or retried: those stay empty, as expected.
+    # On a healthy fleet nothing is refused or retried, and no client is cut: those stay
+    # empty, as expected.
     assert "pagefleet:requests_rejected" in empty_ok
+    assert {"pagefleet:client_cuts", "pagefleet_gateway_client_cuts"} <= set(empty_ok)
 
 
 def test_dashboard_variable_queries_find_the_fleet(observed: dict[str, Any]) -> None:
