@@ -27,6 +27,7 @@ from typing import Any
 
 from pagefleet.kvindex.events import KVEventBatch
 from pagefleet.kvindex.index import KVIndex, PodLoad
+from pagefleet.ratelog import EveryInterval
 
 logger = logging.getLogger(__name__)
 
@@ -98,9 +99,7 @@ class KVEventPublisher:
         # Losses of the pod's entries seen (``_mark_lost``), every one, logged or not; when
         # one was last logged and how many since were not.
         self.losses = 0
-        self._lost_log_interval_s = lost_log_interval_s
-        self._lost_logged_at: float | None = None
-        self._lost_unlogged = 0
+        self._lost_log = EveryInterval(logger, lost_log_interval_s)
         self._tasks: list[asyncio.Task[None]] = []
         self.in_sync = asyncio.Event()
         self._back = asyncio.Event()  # a heartbeat succeeded after one failed
@@ -202,25 +201,12 @@ class KVEventPublisher:
         """The index answered, but did not know the pod any more: resync. Warned about
         once per ``lost_log_interval_s`` (a flapping index would flood the log)."""
         self.losses += 1
-        now = time.monotonic()
-        since = self._lost_logged_at
-        if since is not None and now - since < self._lost_log_interval_s:
-            self._lost_unlogged += 1
-        else:
-            unlogged, self._lost_unlogged = self._lost_unlogged, 0
-            self._lost_logged_at = now
-            more = (
-                f"; {unlogged} more such losses in the last {now - since:.0f} s were not logged"
-                if unlogged and since is not None
-                else ""
-            )
-            logger.warning(
-                "the prefix index lost pod %s's entries (seen while %s: flushed, restarted, "
-                "evicted or garbage-collected); resyncing the full block set%s",
-                self.pod,
-                what,
-                more,
-            )
+        self._lost_log.warning(
+            "the prefix index lost pod %s's entries (seen while %s: flushed, restarted, "
+            "evicted or garbage-collected); resyncing the full block set",
+            self.pod,
+            what,
+        )
         self._need_resync = True
         self._asked += 1
         self.in_sync.clear()

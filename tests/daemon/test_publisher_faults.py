@@ -232,7 +232,7 @@ async def test_an_index_that_keeps_losing_the_pod_is_warned_about_once_an_interv
         assert len(warned()) == 1, warned()
         assert pub.losses >= 9
         # The interval passes: one more warning, naming the losses it did not log.
-        pub._lost_log_interval_s = 0.0
+        pub._lost_log.interval_s = 0.0
         await _until(lambda: len(warned()) >= 2)
         assert "not logged" in warned()[1] and "more" in warned()[1], warned()[1]
         assert pub.resyncs >= 1, "a loss still asks for a resync, logged or not"
