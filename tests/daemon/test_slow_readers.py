@@ -32,6 +32,7 @@ from pagefleet.daemon.app import Daemon
 from pagefleet.daemon.config import DaemonConfig
 from pagefleet.dev.process import free_port
 from pagefleet.ratelog import EveryInterval
+from pagefleet.testing.slow_client import open_unread
 
 from .conftest import LiveDaemon, wait_daemon_ready
 
@@ -52,27 +53,6 @@ def rss_bytes() -> int:
     """This process's resident memory (the daemon's HTTP side runs in it; its engine not)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-async def open_unread(url: str, body: dict, first: int = 100) -> asyncio.StreamWriter:
-    """POST ``body`` on a socket with a 4 KiB receive buffer, read the first bytes of the
-    answer, then never read again (the kernel's receive window fills and stays full)."""
-    host, port = url.removeprefix("http://").split(":")
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect((host, int(port)))
-    sock.setblocking(False)
-    reader, writer = await asyncio.open_connection(sock=sock)
-    data = json.dumps(body).encode()
-    writer.write(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(data)}\r\n\r\n".encode()
-        + data
-    )
-    head = await reader.read(first)
-    assert head.startswith(b"HTTP/1.1 200"), head
-    reader._transport.pause_reading()  # type: ignore[attr-defined]
-    return writer
 
 
 async def by_label(d: Served, series: str, label: str) -> dict[str, float]:

@@ -10,9 +10,7 @@ long as the client keeps its socket open: the gateway cuts it at ``--client-writ
 from __future__ import annotations
 
 import asyncio
-import json
 import re
-import socket
 import time
 from collections.abc import Iterator
 
@@ -20,6 +18,7 @@ import aiohttp
 import pytest
 
 from pagefleet.dev.local_fleet import FleetSpec, LocalFleet
+from pagefleet.testing.slow_client import open_unread
 
 MAX_TOKENS = 4000  # the tiny model's context is 4096: seconds of generation on a CPU
 # 8 sequences with top-20 logprobs: ~23 MB of stream, past every socket buffer on the way
@@ -47,26 +46,6 @@ async def _finished(s: aiohttp.ClientSession, daemon: str) -> dict[str, float]:
     return {m[1]: float(m[2]) for m in re.finditer(pattern, text, re.M)}
 
 
-async def _open_unread_stream(gateway: str, body: dict) -> asyncio.StreamWriter:
-    """Send a streamed request, read its first bytes, then never read again."""
-    host, port = gateway.removeprefix("http://").split(":")
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect((host, int(port)))
-    sock.setblocking(False)
-    reader, writer = await asyncio.open_connection(sock=sock)
-    data = json.dumps(body).encode()
-    writer.write(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(data)}\r\n\r\n".encode()
-        + data
-    )
-    first = await reader.read(100)
-    assert first.startswith(b"HTTP/1.1 200"), first
-    reader._transport.pause_reading()  # type: ignore[attr-defined]
-    return writer
-
-
 async def _gateway_inflight(s: aiohttp.ClientSession, gateway: str) -> float:
     """Requests the gateway holds open to its pods (pagefleet_gateway_inflight_requests)."""
     async with s.get(gateway + "/metrics") as r:
@@ -83,7 +62,7 @@ async def test_a_stream_nobody_reads_is_let_go_by_the_gateway(fleet: LocalFleet)
     async with aiohttp.ClientSession() as s:
         before = await _finished(s, daemon)
         t0 = time.monotonic()
-        writer = await _open_unread_stream(gateway, body)
+        writer = await open_unread(gateway, body)
         try:
             held = await _gateway_inflight(s, gateway)
             assert held == 1, held

@@ -38,6 +38,7 @@ from pagefleet.gateway.server import POD_HEADER, Gateway, ProxySettings
 from pagefleet.httpauth import Credentials
 from pagefleet.kvindex.index import MAX_COUNT, PodLoad
 from pagefleet.kvindex.memory import MemoryKVIndex
+from pagefleet.testing.slow_client import open_unread
 
 CHUNK = {
     "id": "cmpl-1",
@@ -507,33 +508,12 @@ def _cuts(fleet: Fleet) -> float:
     return fleet.gateway.metrics.client_cuts.labels(reason="write_timeout")._value.get()
 
 
-async def _open_unread_answer(url: str) -> asyncio.StreamWriter:
-    """Ask for a non-streamed answer on a socket with a 4 KiB receive buffer, read its
-    first bytes, then never read again."""
-    host, port = url.removeprefix("http://").split(":")
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect((host, int(port)))
-    sock.setblocking(False)
-    reader, writer = await asyncio.open_connection(sock=sock)
-    body = json.dumps({"prompt": "hi"}).encode()
-    writer.write(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(body)}\r\n\r\n".encode()
-        + body
-    )
-    first = await reader.read(100)
-    assert first.startswith(b"HTTP/1.1 200"), first
-    reader._transport.pause_reading()  # type: ignore[attr-defined]
-    return writer
-
-
 async def test_a_client_that_does_not_read_a_long_answer_is_cut(make_fleet) -> None:
     """A non-streamed answer larger than the socket buffers, to a client that never
     reads it: the write waited for it without a bound, holding the connection and the
     whole answer in the gateway's memory for as long as the client stayed connected."""
     fleet = await make_fleet(["big"], client_write_timeout_s=0.5)
-    writer = await _open_unread_answer(fleet.url)
+    writer = await open_unread(fleet.url, {"prompt": "hi"})
     server = fleet.runner.server
     assert server is not None
     try:
@@ -554,7 +534,7 @@ async def test_many_clients_cut_at_once_are_each_counted_and_warned_about_once(
     warning is rate-limited: one line, not one per request."""
     caplog.set_level(logging.WARNING, logger="pagefleet.gateway.server")
     fleet = await make_fleet(["big"], client_write_timeout_s=0.5)
-    writers = [await _open_unread_answer(fleet.url) for _ in range(4)]
+    writers = [await open_unread(fleet.url, {"prompt": "hi"}) for _ in range(4)]
     server = fleet.runner.server
     assert server is not None
     try:
