@@ -16,7 +16,7 @@ import socket
 import struct
 import time
 import tracemalloc
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import pytest
@@ -48,6 +48,21 @@ def _engine(**kw: object) -> LLMEngine:
         _LOADED["tiny"] = load_model(resolve_model("tiny"))
     config = EngineConfig(model="tiny", block_size=8, **{"num_gpu_blocks": 128, **kw})
     return LLMEngine(config, parts=load_parts(config, loaded=_LOADED["tiny"]))
+
+
+@contextlib.asynccontextmanager
+async def _serving_exports(prefill: LLMEngine) -> AsyncIterator[int]:
+    """The prefill engine's KV export routes on a loopback port, which it yields."""
+    _, metrics = _metrics()
+    app = web.Application()
+    KVExportServer(lambda: prefill, prefill.collect_transfers, metrics).add_routes(app)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        yield runner.addresses[0][1]
+    finally:
+        await runner.cleanup()
 
 
 async def _answer_pull(body: bytes, length: int | None = None) -> tuple[asyncio.Server, int]:
@@ -219,43 +234,35 @@ def test_a_pulled_partial_block_of_another_model_or_adapter_is_refused(
 
     async def main() -> None:
         prefill, decode = _engine(kv_namespace=prefill_ns), _engine()
-        _, metrics = _metrics()
-        app = web.Application()
-        KVExportServer(lambda: prefill, prefill.collect_transfers, metrics).add_routes(app)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = runner.addresses[0][1]
         client = TcpKVTransfer(timeout_s=5.0)
-        try:
-            run_prefill(prefill, "h", prompt, lora=prefill_lora)
-            if cached:
-                run_prefill(decode, "warm", prompt[:cached])
-                decode.collect_transfers(float("inf"))
-            layout = decode.runner.kv_layout()
-            plan = decode.reserve_import("r", prompt)
-            assert plan is not None and plan.first_block == cached // 8
-            assert plan.num_pull_blocks == 1  # the partial block alone
-            with pytest.raises(KVPullError) as err:
-                await client.pull(_params(port, "h"), plan, layout)
-            assert err.value.reason == "hash_mismatch"
-            decode.cancel_import(plan)
+        async with _serving_exports(prefill) as port:
+            try:
+                run_prefill(prefill, "h", prompt, lora=prefill_lora)
+                if cached:
+                    run_prefill(decode, "warm", prompt[:cached])
+                    decode.collect_transfers(float("inf"))
+                layout = decode.runner.kv_layout()
+                plan = decode.reserve_import("r", prompt)
+                assert plan is not None and plan.first_block == cached // 8
+                assert plan.num_pull_blocks == 1  # the partial block alone
+                with pytest.raises(KVPullError) as err:
+                    await client.pull(_params(port, "h"), plan, layout)
+                assert err.value.reason == "hash_mismatch"
+                decode.cancel_import(plan)
 
-            # The same prompt under the same model and adapter still pulls.
-            run_prefill(prefill, "h2", prompt, lora=prefill_lora)
-            same = _engine(kv_namespace=prefill_ns)
-            plan = same.reserve_import("r2", prompt, prefill_lora)
-            assert plan is not None
-            await client.pull(_params(port, "h2"), plan, same.runner.kv_layout())
-            same.cancel_import(plan)
-            for e in (prefill, decode, same):
-                e.collect_transfers(float("inf"))
-                e.check_integrity()
-                assert e.kv.pool.num_referenced_blocks == 0
-        finally:
-            await client.close()
-            await runner.cleanup()
+                # The same prompt under the same model and adapter still pulls.
+                run_prefill(prefill, "h2", prompt, lora=prefill_lora)
+                same = _engine(kv_namespace=prefill_ns)
+                plan = same.reserve_import("r2", prompt, prefill_lora)
+                assert plan is not None
+                await client.pull(_params(port, "h2"), plan, same.runner.kv_layout())
+                same.cancel_import(plan)
+                for e in (prefill, decode, same):
+                    e.collect_transfers(float("inf"))
+                    e.check_integrity()
+                    assert e.kv.pool.num_referenced_blocks == 0
+            finally:
+                await client.close()
 
     asyncio.run(main())
 
@@ -458,14 +465,7 @@ def test_the_prefill_side_refuses_a_partial_block_asked_for_under_another_tail_h
 
     async def main() -> None:
         prefill = _engine()
-        _, metrics = _metrics()
-        app = web.Application()
-        KVExportServer(lambda: prefill, prefill.collect_transfers, metrics).add_routes(app)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        port = runner.addresses[0][1]
-        try:
+        async with _serving_exports(prefill) as port:
             run_prefill(prefill, "h", prompt)
             entry = prefill.exports.acquire("h", time.monotonic())
             assert entry is not None and entry.tail_hash is not None
@@ -486,8 +486,6 @@ def test_the_prefill_side_refuses_a_partial_block_asked_for_under_another_tail_h
             assert prefill.exports.handles() == []
             prefill.check_integrity()
             assert prefill.kv.pool.num_referenced_blocks == 0
-        finally:
-            await runner.cleanup()
 
     asyncio.run(main())
 
@@ -648,40 +646,33 @@ def test_a_handle_pulled_twice_at_once_is_sent_whole_to_both_and_freed_once() ->
 
     async def main() -> None:
         prefill = _engine()
-        _, metrics = _metrics()
-        app = web.Application()
-        KVExportServer(lambda: prefill, prefill.collect_transfers, metrics).add_routes(app)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        port = runner.addresses[0][1]
         decodes = [_engine(), _engine(), _engine()]
         clients = [TcpKVTransfer(timeout_s=10.0) for _ in decodes]
-        try:
-            run_prefill(prefill, "h", prompt)
-            plans = [e.reserve_import(f"r{i}", prompt) for i, e in enumerate(decodes)]
-            assert all(p is not None for p in plans)
-            layout = decodes[0].runner.kv_layout()
-            got = await asyncio.gather(
-                clients[0].pull(_params(port, "h"), plans[0], layout),
-                clients[1].pull(_params(port, "h"), plans[1], layout),
-            )
-            assert bytes(got[0].buf) == bytes(got[1].buf) and len(got[0].buf) > 0
-            prefill.collect_transfers()
-            assert prefill.exports.handles() == []
-            assert (prefill.exports.released_total, prefill.exports.expired_total) == (1, 0)
-            with pytest.raises(KVPullError) as err:
-                await clients[2].pull(_params(port, "h"), plans[2], layout)
-            assert err.value.reason == "not_found"
-            for e, p in zip(decodes, plans, strict=True):
-                e.cancel_import(p)
-            for e in (prefill, *decodes):
-                e.check_integrity()
-                assert e.kv.pool.num_referenced_blocks == 0
-        finally:
-            for c in clients:
-                await c.close()
-            await runner.cleanup()
+        async with _serving_exports(prefill) as port:
+            try:
+                run_prefill(prefill, "h", prompt)
+                plans = [e.reserve_import(f"r{i}", prompt) for i, e in enumerate(decodes)]
+                assert all(p is not None for p in plans)
+                layout = decodes[0].runner.kv_layout()
+                got = await asyncio.gather(
+                    clients[0].pull(_params(port, "h"), plans[0], layout),
+                    clients[1].pull(_params(port, "h"), plans[1], layout),
+                )
+                assert bytes(got[0].buf) == bytes(got[1].buf) and len(got[0].buf) > 0
+                prefill.collect_transfers()
+                assert prefill.exports.handles() == []
+                assert (prefill.exports.released_total, prefill.exports.expired_total) == (1, 0)
+                with pytest.raises(KVPullError) as err:
+                    await clients[2].pull(_params(port, "h"), plans[2], layout)
+                assert err.value.reason == "not_found"
+                for e, p in zip(decodes, plans, strict=True):
+                    e.cancel_import(p)
+                for e in (prefill, *decodes):
+                    e.check_integrity()
+                    assert e.kv.pool.num_referenced_blocks == 0
+            finally:
+                for c in clients:
+                    await c.close()
 
     asyncio.run(main())
 
