@@ -70,6 +70,20 @@ def _clean_up_tokenization(text: str) -> str:
     return text
 
 
+def _cleans_up_spaces(tokenizer: _HFTokenizer, config: dict) -> bool:
+    """Whether decoding applies ``_clean_up_tokenization``: as transformers (5.x) decides,
+    never for a BPE vocabulary unless the config insists. The clean-up was made for
+    WordPiece; on BPE text it deletes real spaces (Llama 3's config asks for it, and
+    "x , y" came out "x, y"), and on a window of a few tokens it can drop a character the
+    incremental detokenizer then never sends."""
+    if not config.get("clean_up_tokenization_spaces", False):
+        return False
+    is_bpe = type(tokenizer.model).__name__ == "BPE"
+    return not is_bpe or bool(
+        config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output")
+    )
+
+
 class Tokenizer:
     """A checkpoint's tokenizer: encode/decode, special tokens and the chat template."""
 
@@ -92,7 +106,7 @@ class Tokenizer:
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
         self.model_max_length: int | None = config.get("model_max_length")
         self.chat_template: str | None = chat_template
-        self._clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False))
+        self._clean_up_spaces = _cleans_up_spaces(tokenizer, config)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
