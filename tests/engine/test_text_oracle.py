@@ -8,6 +8,7 @@ ids: random ones split characters across tokens and across the prompt/output bou
 from __future__ import annotations
 
 import json
+import random
 import shutil
 from pathlib import Path
 
@@ -34,6 +35,34 @@ def _stream(tok, prompt: list[int], ids: list[int], params: SamplingParams) -> l
     deltas.append(detok.take_delta(finished=True))
     assert "".join(deltas) == detok.text
     return deltas
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2"])
+def test_random_ids_stream_to_transformers_decode(preset: str, model_root: Path) -> None:
+    """Prompts that end inside a character (sent as ids) included: the context the first
+    output token was decoded in held the character's first bytes, and the output lost or
+    gained a U+FFFD against decode(ids) (6-8 in 300 random cases per preset)."""
+    tok_dir = ensure_tiny_checkpoint(preset, model_root)
+    ours = Tokenizer.from_dir(tok_dir)
+    hf = transformers.AutoTokenizer.from_pretrained(tok_dir)
+    rng = random.Random(0)
+    for _ in range(300):
+        prompt = [rng.randrange(ours.vocab_size) for _ in range(rng.randrange(0, 8))]
+        ids = [rng.randrange(ours.vocab_size) for _ in range(rng.randrange(1, 20))]
+        for skip in (True, False):
+            deltas = _stream(ours, prompt, ids, SamplingParams(skip_special_tokens=skip))
+            assert "".join(deltas) == hf.decode(ids, skip_special_tokens=skip), (prompt, ids)
+
+
+def test_prompt_ending_inside_a_character(model_root: Path) -> None:
+    ours = Tokenizer.from_dir(ensure_tiny_checkpoint("tiny", model_root))
+    ids = ours.encode("say 東京 now", add_special_tokens=False)
+    # Cut where the decoded prefix ends in U+FFFD: inside 東's or 京's bytes.
+    cut = next(i for i in range(1, len(ids)) if ours.decode(ids[:i]).endswith("\ufffd"))
+    prompt, output = ids[:cut], ids[cut:]
+    deltas = _stream(ours, prompt, output, SamplingParams())
+    assert "".join(deltas) == ours.decode(output)
+    assert "".join(deltas).endswith("京 now")
 
 
 def test_decode_keeps_spaces_before_punctuation(tmp_path: Path, model_root: Path) -> None:
