@@ -168,6 +168,17 @@ class Tokenizer:
             text = _clean_up_tokenization(text)
         return text
 
+    def token_text(self, token_id: int) -> str:
+        """One token's part of a text, as logprobs show it: ``decode([id])`` with special
+        tokens, plus the leading spaces a SentencePiece decoder strips from a text's first
+        word ("\u2581the" alone decodes to "the" but reads " the" in a text; vLLM restores
+        them too). Without them the tokens' texts did not join to the output's text."""
+        text = self.decode([token_id], skip_special_tokens=False)
+        piece = self._tok.id_to_token(int(token_id)) or ""
+        marks = len(piece) - len(piece.lstrip("\u2581"))
+        missing = marks - (len(text) - len(text.lstrip(" ")))
+        return " " * missing + text if missing > 0 else text
+
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
         """Token strings of ``ids``; an id beyond the tokenizer (model vocabularies are often
         padded past it) gives ``""``, just as ``decode`` skips it."""
