@@ -17,7 +17,7 @@ import logging
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from tokenizers import Tokenizer as _HFTokenizer
 
@@ -82,6 +82,29 @@ def _cleans_up_spaces(tokenizer: _HFTokenizer, config: dict) -> bool:
     return not is_bpe or bool(
         config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output")
     )
+
+
+def _generation_tag() -> type:
+    """The ``{% generation %}...{% endgeneration %}`` block transformers' templates may use
+    (it marks the assistant's tokens for training masks; TRL's training templates have it).
+    Rendering a prompt, the block is its body, in its own scope as in transformers; without
+    the tag such a template failed to compile and every chat request was refused."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class GenerationTag(Extension):
+        tags: ClassVar[set[str]] = {"generation"}
+
+        def parse(self, parser: Any) -> nodes.Node:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            call = self.call_method("_body")
+            return nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return caller()
+
+    return GenerationTag
 
 
 class Tokenizer:
@@ -216,7 +239,7 @@ class Tokenizer:
 
         # trim_blocks/lstrip_blocks: the whitespace rules transformers renders with.
         env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+            trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _generation_tag()]
         )
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception

@@ -82,3 +82,30 @@ def test_decode_keeps_spaces_before_punctuation(tmp_path: Path, model_root: Path
     assert hf.decode(ids) == text
     assert ours.decode(ids) == text
     assert "".join(_stream(ours, ours.encode("Q:"), ids, SamplingParams())) == text
+
+
+def test_chat_template_with_a_generation_block(tmp_path: Path, model_root: Path) -> None:
+    """transformers' {% generation %} tag (TRL's training templates mark the assistant's
+    text with it): the template failed to compile here, refusing every chat request."""
+    src = ensure_tiny_checkpoint("tiny", model_root)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, tmp_path / name)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+        "{% if m.role == 'assistant' %}{% generation %}{% set x = 1 %}{{ m.content }}"
+        "<|im_end|>{% endgeneration %}{% else %}{{ m.content }}<|im_end|>{% endif %}\n"
+        "{% endfor %}{% if x is defined %}leaked{% endif %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    ours = Tokenizer.from_dir(tmp_path)
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    messages = [
+        {"role": "user", "content": "Hi 🎉"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "Again"},
+    ]
+    want = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert "Hello<|im_end|>" in want and "leaked" not in want
+    assert ours.apply_chat_template(messages, add_generation_prompt=True) == want
