@@ -220,8 +220,11 @@ class Tokenizer:
 
     @cached_property
     def template_adds_bos(self) -> bool:
-        """True when the chat template writes ``bos_token`` itself."""
-        return bool(self.chat_template) and "bos_token" in (self.chat_template or "")
+        """True when the chat template writes BOS itself: through ``bos_token`` or spelled
+        out (a template with a literal "<s>" got a second BOS from the encoder, which
+        neither transformers nor vLLM add)."""
+        template = self.chat_template or ""
+        return "bos_token" in template or bool(self.bos_token and self.bos_token in template)
 
     @cached_property
     def _template(self):  # -> jinja2.Template

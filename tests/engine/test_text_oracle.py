@@ -109,3 +109,26 @@ def test_chat_template_with_a_generation_block(tmp_path: Path, model_root: Path)
     want = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert "Hello<|im_end|>" in want and "leaked" not in want
     assert ours.apply_chat_template(messages, add_generation_prompt=True) == want
+
+
+def test_a_template_that_spells_out_bos_gets_one(tmp_path: Path, model_root: Path) -> None:
+    """A template writing "<s>" literally (not through bos_token) was encoded with the
+    tokenizer's own BOS on top: two BOS where transformers' chat ids have one."""
+    src = ensure_tiny_checkpoint("tiny", model_root)  # its post-processor prepends <s>
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, tmp_path / name)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "<s>{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant] {% endif %}"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    ours = Tokenizer.from_dir(tmp_path)
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    messages = [{"role": "user", "content": "Hi"}]
+    text = ours.apply_chat_template(messages, add_generation_prompt=True)
+    ids = ours.encode(text, add_special_tokens=not ours.template_adds_bos)
+    want = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    want = want["input_ids"] if hasattr(want, "keys") else want
+    assert ids == list(want)
+    assert ids.count(ours.bos_token_id) == 1
