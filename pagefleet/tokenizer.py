@@ -17,7 +17,7 @@ import logging
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from tokenizers import Tokenizer as _HFTokenizer
 
@@ -70,6 +70,43 @@ def _clean_up_tokenization(text: str) -> str:
     return text
 
 
+def _cleans_up_spaces(tokenizer: _HFTokenizer, config: dict) -> bool:
+    """Whether decoding applies ``_clean_up_tokenization``: as transformers (5.x) decides,
+    never for a BPE vocabulary unless the config insists. The clean-up was made for
+    WordPiece; on BPE text it deletes real spaces (Llama 3's config asks for it, and
+    "x , y" came out "x, y"), and on a window of a few tokens it can drop a character the
+    incremental detokenizer then never sends."""
+    if not config.get("clean_up_tokenization_spaces", False):
+        return False
+    is_bpe = type(tokenizer.model).__name__ == "BPE"
+    return not is_bpe or bool(
+        config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output")
+    )
+
+
+def _generation_tag() -> type:
+    """The ``{% generation %}...{% endgeneration %}`` block transformers' templates may use
+    (it marks the assistant's tokens for training masks; TRL's training templates have it).
+    Rendering a prompt, the block is its body, in its own scope as in transformers; without
+    the tag such a template failed to compile and every chat request was refused."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class GenerationTag(Extension):
+        tags: ClassVar[set[str]] = {"generation"}
+
+        def parse(self, parser: Any) -> nodes.Node:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            call = self.call_method("_body")
+            return nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return caller()
+
+    return GenerationTag
+
+
 class Tokenizer:
     """A checkpoint's tokenizer: encode/decode, special tokens and the chat template."""
 
@@ -92,7 +129,7 @@ class Tokenizer:
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
         self.model_max_length: int | None = config.get("model_max_length")
         self.chat_template: str | None = chat_template
-        self._clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False))
+        self._clean_up_spaces = _cleans_up_spaces(tokenizer, config)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -154,6 +191,17 @@ class Tokenizer:
             text = _clean_up_tokenization(text)
         return text
 
+    def token_text(self, token_id: int) -> str:
+        """One token's part of a text, as logprobs show it: ``decode([id])`` with special
+        tokens, plus the leading spaces a SentencePiece decoder strips from a text's first
+        word ("\u2581the" alone decodes to "the" but reads " the" in a text; vLLM restores
+        them too). Without them the tokens' texts did not join to the output's text."""
+        text = self.decode([token_id], skip_special_tokens=False)
+        piece = self._tok.id_to_token(int(token_id)) or ""
+        marks = len(piece) - len(piece.lstrip("\u2581"))
+        missing = marks - (len(text) - len(text.lstrip(" ")))
+        return " " * missing + text if missing > 0 else text
+
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
         """Token strings of ``ids``; an id beyond the tokenizer (model vocabularies are often
         padded past it) gives ``""``, just as ``decode`` skips it."""
@@ -172,8 +220,11 @@ class Tokenizer:
 
     @cached_property
     def template_adds_bos(self) -> bool:
-        """True when the chat template writes ``bos_token`` itself."""
-        return bool(self.chat_template) and "bos_token" in (self.chat_template or "")
+        """True when the chat template writes BOS itself: through ``bos_token`` or spelled
+        out (a template with a literal "<s>" got a second BOS from the encoder, which
+        neither transformers nor vLLM add)."""
+        template = self.chat_template or ""
+        return "bos_token" in template or bool(self.bos_token and self.bos_token in template)
 
     @cached_property
     def _template(self):  # -> jinja2.Template
@@ -191,7 +242,7 @@ class Tokenizer:
 
         # trim_blocks/lstrip_blocks: the whitespace rules transformers renders with.
         env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+            trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _generation_tag()]
         )
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception

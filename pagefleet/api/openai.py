@@ -519,12 +519,15 @@ class ChatMessage(_Lenient):
     tool_call_id: str | None = None
 
     def text(self) -> str:
-        """The message's text; non-text parts (images, audio) are refused by the server."""
+        """The message's text; non-text parts (images, audio) are refused by the server.
+        Text parts are joined by a newline, as vLLM joins them for a template that reads
+        the content as a string: joined by nothing, "Describe:" and "the cat" made a
+        prompt a vLLM-served model never saw ("Describe:the cat")."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text or "" for p in self.content if p.type == "text")
+        return "\n".join(p.text or "" for p in self.content if p.type == "text")
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:

@@ -28,6 +28,18 @@ class Decoder(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
+def _context(tokenizer: Decoder, prompt_token_ids: Seq[int], skip: bool) -> list[int]:
+    """The prompt's last tokens, less any that end it inside a character (a prompt sent as
+    token ids can). Left in, the character's bytes were shared between the context and the
+    output: the first output token's text was measured against a U+FFFD that it turned
+    into part of a character, and the output lost or gained a character there; without
+    them the output decodes as ``decode(output ids)`` does."""
+    ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+    while ids and tokenizer.decode(ids, skip).endswith("\ufffd"):
+        ids.pop()
+    return ids
+
+
 class IncrementalDetokenizer:
     __slots__ = (
         "_added",
@@ -51,7 +63,7 @@ class IncrementalDetokenizer:
         self._stops = [s for s in params.stop if s]
         self._include_stop = params.include_stop_str_in_output
         self._max_stop = max((len(s) for s in self._stops), default=0)
-        self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._ids = _context(tokenizer, prompt_token_ids, self._skip)
         self._prefix = 0  # window start
         self._read = len(self._ids)  # tokens before this are already in `text`
         self.text = ""

@@ -694,7 +694,10 @@ class LLMEngine(Generic[TokenizerT]):
         self._arrivals += 1
 
     def _token_text(self, tok: int) -> str:
-        return self.tokenizer.decode([tok], False)
+        # A token's text in logprobs: the tokenizer's own rule when it has one (it puts
+        # back the space a SentencePiece decoder drops from a lone word piece).
+        token_text = getattr(self.tokenizer, "token_text", None)
+        return token_text(tok) if token_text is not None else self.tokenizer.decode([tok], False)
 
     def _delta(self, seq: Sequence, finished: bool) -> CompletionDelta:
         detok = seq.detokenizer

@@ -80,8 +80,10 @@ class GrammarBackend:
                 grammar = c.compile_regex(spec.spec)
             elif spec.kind == "choice":
                 options = json.loads(spec.spec)
+                # Literal characters, not JSON's \uXXXX escapes: xgrammar reads an
+                # escaped surrogate pair (an emoji) as two code points.
                 grammar = c.compile_grammar(
-                    "root ::= " + " | ".join(json.dumps(o) for o in options)
+                    "root ::= " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options)
                 )
             else:
                 grammar = c.compile_grammar(spec.spec)
