@@ -70,6 +70,7 @@ from pagefleet.operator.signals import (
     gateway_arrivals,
     observe_role,
     parse_gateway_metrics,
+    restarted,
 )
 from pagefleet.operator.status import condition
 
@@ -441,6 +442,10 @@ class Autoscaler:
                 new = scrape.snapshot
                 horizon = new.t - self.settings.rate_window_s
                 history = mem.snapshots.get(uid, [])
+                if history and restarted(history[-1], new):
+                    # Rates span only the new process: every delta from an older scrape
+                    # would go backwards (unknown for the whole window) or be diluted.
+                    history = []
                 # At least the previous scrape, when the window is shorter than a tick.
                 kept = [s for s in history if s.t >= horizon] or history[-1:]
                 seen[uid] = [*kept, new]

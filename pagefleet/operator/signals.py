@@ -142,6 +142,18 @@ def delta(old: PodSnapshot, new: PodSnapshot) -> PodDelta | None:
     )
 
 
+def restarted(old: PodSnapshot, new: PodSnapshot) -> bool:
+    """Some counter or bucket of ``new`` is below ``old``'s: the process behind the pod
+    restarted in between (its counters began again at zero), so no rate spans the two."""
+    if any(v < old.counters.get(k, 0.0) for k, v in new.counters.items()):
+        return True
+    for name, bounds in new.buckets.items():
+        before = dict(old.buckets.get(name, ()))
+        if any(c < before.get(le, 0.0) for le, c in bounds):
+            return True
+    return False
+
+
 @dataclass(frozen=True, slots=True)
 class Arrivals:
     """What the gateways routed per second over their last interval (all of them summed)."""
