@@ -179,6 +179,40 @@ def planner_config(
     )
 
 
+def _rfc3339_age(stamp: object, wall: datetime) -> float | None:
+    """Seconds from an RFC 3339 UTC stamp (as _now_rfc3339 writes) to ``wall``; None when
+    it is not one. Never negative (a clock stepped back)."""
+    try:
+        then = datetime.strptime(str(stamp), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+    except ValueError:
+        return None
+    return max(0.0, (wall - then).total_seconds())
+
+
+def _positive(value: object) -> float | None:
+    return float(value) if isinstance(value, int | float) and value > 0 else None
+
+
+def recalled_memory(auto: Manifest | None, current: int, now: float, wall: datetime) -> RoleMemory:
+    """A role's memory when this operator has none (it restarted), from what an earlier one
+    wrote to ``status.roles[*].autoscaling``: the last scale time (so the scale-up window
+    still runs), the learned capacities, and the current count as the scale-down window's
+    one recommendation, made now (the fleet was sized by recommendations this process never
+    saw; without it the first pass of a dip scaled down at once). ``auto`` None: the role
+    never autoscaled, there is nothing to recall."""
+    if not auto:
+        return RoleMemory()
+    age = _rfc3339_age(auto.get("lastScaleTime"), wall)
+    state = PlannerState(
+        last_scale_time=None if age is None else now - age,
+        prefill_capacity=_positive(auto.get("prefillTokensPerSecond")),
+        decode_capacity=_positive(auto.get("decodeTokensPerSecond")),
+        history=((now, current),),
+    )
+    stamp = auto.get("lastScaleTime") if age is not None else None
+    return RoleMemory(state=state, last_scale_wall=None if stamp is None else str(stamp))
+
+
 class Autoscaler:
     """The loop's memory and actions; one per operator (lives in the handlers' context)."""
 
@@ -310,6 +344,7 @@ class Autoscaler:
             deploy = deploys.get(names.role(role))
             if deploy is None:
                 continue  # the reconciler creates it; decide once it exists
+            self._recall(namespace, name, role, body, deploy, now)
             if role in from_prometheus:
                 outcome = self._decide(
                     namespace, name, role, spec, has_slo, from_prometheus[role], now
@@ -341,6 +376,22 @@ class Autoscaler:
         return outcomes
 
     # ------------------------------------------------------------------------------------
+
+    def _recall(
+        self, namespace: str, name: str, role: str, body: Manifest, deploy: Manifest, now: float
+    ) -> None:
+        """Give a role this operator has no memory of the one its status records."""
+        key = (namespace, name, role)
+        if key in self.memory:
+            return
+        entries = (body.get("status") or {}).get("roles") or []
+        entry = next((r for r in entries if isinstance(r, dict) and r.get("name") == role), {})
+        auto = entry.get("autoscaling")
+        current = int((deploy.get("spec") or {}).get("replicas", 1))
+        wall = datetime.now(UTC)
+        self.memory[key] = recalled_memory(
+            auto if isinstance(auto, dict) else None, current, now, wall
+        )
 
     def _redis_credentials(
         self, namespace: str, spec: InferenceServiceSpec

@@ -10,7 +10,18 @@ from typing import Any
 
 import pytest
 from fake_kube import FakeKube
-from test_autoscaler import PORT, Clock, MetricsServers, heartbeat, tick, world
+from test_autoscaler import (
+    NAME,
+    NS,
+    PORT,
+    Clock,
+    MetricsServers,
+    heartbeat,
+    make,
+    replicas,
+    tick,
+    world,
+)
 
 from pagefleet.daemon.metrics import DaemonMetrics
 from pagefleet.dev.redis_server import LocalRedis
@@ -78,3 +89,67 @@ def test_a_daemon_restart_costs_one_interval_not_the_rate_window(
     # The rate is the new process's alone: 500 uncached tokens since the restart's scrape.
     (report,) = out.inputs.pods
     assert report.delta is not None and report.delta.prompt_tokens == 500
+
+
+def _ready_pod(kube: FakeKube, pod: str, ip: str) -> None:
+    labels = {"pagefleet.io/service": NAME, "pagefleet.io/role": "unified"}
+    kube.add(
+        {
+            "kind": "Pod",
+            "metadata": {"name": pod, "namespace": NS, "labels": labels},
+            "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]},
+        }
+    )
+
+
+# ----------------------------------------------------------- an operator that restarts
+
+
+def test_an_operator_restart_keeps_the_stabilization_windows(
+    redis: str, servers: MetricsServers
+) -> None:
+    """The planner's memory (last scale time, the scale-down window's recommendations,
+    learned capacity) lived only in the operator. A restart a few seconds after a scale-up
+    forgot all of it: the next pass with a dip in the load scaled down at once, through
+    both the 30 s scale-up window and the 300 s scale-down window, and planned on the
+    spec's capacity hint instead of the learned one. The status holds what is needed."""
+    kube, clock, events = FakeKube(), Clock(), []
+    world(
+        kube, redis, 1, [("chat-a", "127.0.0.2")],
+        scaleUpWindowSeconds=30, scaleDownWindowSeconds=300,
+    )  # fmt: skip
+    a = servers.add("chat-a", "127.0.0.2")
+    heartbeat(redis, "chat-a", running=2, num_cached_blocks=50)
+    first = make(kube, clock)
+    tick(first, kube, events)
+    a.serve_requests(n=50, prompt=120, cached=20, out=8, ttft=0.9)
+    clock.t += 1
+    (out,) = tick(first, kube, events)
+    assert out.decision.reason.value == "ScaledUp" and replicas(kube) == 3
+    # What this operator learned by now (the figure the status carries; a made-up one, so
+    # that it differs from the spec's hint of 1000).
+    stored = kube.obj("InferenceService", NS, NAME)
+    assert stored is not None
+    stored["status"]["roles"][0]["autoscaling"]["prefillTokensPerSecond"] = 640.0
+
+    # The new pods are up; the load is gone (each pod still holds a request, so the pod a
+    # scale-down removes is busy: no idle release).
+    for pod, ip in (("chat-b", "127.0.0.3"), ("chat-c", "127.0.0.4")):
+        servers.add(pod, ip)
+        _ready_pod(kube, pod, ip)
+    for pod, blocks in (("chat-a", 50), ("chat-b", 7), ("chat-c", 30)):
+        heartbeat(redis, pod, running=1, num_cached_blocks=blocks)
+
+    restarted = make(kube, clock)  # the operator restarts: a fresh process
+    clock.t += 5
+    tick(restarted, kube, events)  # first scrape of every pod
+    state = restarted.memory[(NS, NAME, "unified")].state
+    assert state.prefill_capacity == 640.0
+    clock.t += 1
+    (out,) = tick(restarted, kube, events)
+    assert replicas(kube) == 3, out.decision.message
+    assert out.decision.reason.value == "ScaleDownStabilizing", out.decision.message
+    clock.t += 40  # past the scale-up window, within the scale-down window
+    (out,) = tick(restarted, kube, events)
+    assert replicas(kube) == 3, out.decision.message
+    assert out.decision.reason.value == "ScaleDownStabilizing", out.decision.message
