@@ -623,6 +623,11 @@ class Autoscaler:
             log.warning("%s/%s %s: scaling failed: %s", namespace, name, outcome.role, exc)
             record("Warning", "ScalingFailed", f"{outcome.role}: {exc}")
             return
+        if d.desired >= obs.current and len(pods) <= obs.current:
+            # No scale-down asked for, none under way (no pod beyond the count): a mark left
+            # by one that did not happen (its write failed) would make that pod the first to
+            # go in the next scale-down by anyone, whatever it holds by then.
+            self._clear_marks(namespace, name, pods)
         if self.metrics is not None:
             self.metrics.record_decision(namespace, name, outcome.role, obs, d)
         victim = f"; removing pod {outcome.victim} (cheapest)" if outcome.victim else ""
@@ -658,6 +663,21 @@ class Autoscaler:
                 patch = {"metadata": {"annotations": {DELETION_COST: None}}}
                 self.kube.merge_patch(POD, namespace, pname, patch)
         return victim
+
+    def _clear_marks(self, namespace: str, name: str, pods: list[Manifest]) -> None:
+        """Remove our deletion-cost mark from every pod; best effort (the next pass retries),
+        never in the way of the decision's own writes."""
+        for pod in pods:
+            if (pod["metadata"].get("annotations") or {}).get(DELETION_COST) != VICTIM_COST:
+                continue
+            patch = {"metadata": {"annotations": {DELETION_COST: None}}}
+            try:
+                self.kube.merge_patch(POD, namespace, pod["metadata"]["name"], patch)
+            except KubeError as exc:
+                log.warning(
+                    "%s/%s: clearing the deletion cost of pod %s failed, retrying next pass: %s",
+                    namespace, name, pod["metadata"]["name"], exc,
+                )  # fmt: skip
 
     def _write_status(
         self, namespace: str, name: str, outcomes: list[RoleOutcome], redis_err: str | None
