@@ -83,6 +83,7 @@ DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 # The cheapest pod gets this cost; every other pod has the default 0 (or ours removed).
 VICTIM_COST = "-1000"
 SCALING_ACTIVE = "ScalingActive"
+SCALING_FAILED = "ScalingFailed"
 WARMING = "first scrape (or a restart): its rates are known from the next interval"
 # Reasons that mean the planner could not trust its inputs.
 _BLIND = {Reason.UNKNOWN_INPUTS, Reason.PARTIAL_INPUTS, Reason.NO_SLO}
@@ -116,6 +117,9 @@ class RoleMemory:
     last_decision: float | None = None  # monotonic
     last_reason: str = ""
     last_scale_wall: str | None = None
+    # The error of the last pass's failed write (None: it succeeded): one Event per new
+    # error, not one per pass while the same refusal lasts.
+    last_failure: str | None = None
 
 
 @dataclass(slots=True)
@@ -124,6 +128,7 @@ class RoleOutcome:
     decision: Decision
     inputs: RoleInputs
     victim: str | None = None
+    failure: str | None = None  # the decision could not be applied: why
 
     @property
     def blind(self) -> bool:
@@ -621,8 +626,15 @@ class Autoscaler:
                 mean_prompt_tokens=d.state.mean_prompt_tokens,
             )
             log.warning("%s/%s %s: scaling failed: %s", namespace, name, outcome.role, exc)
-            record("Warning", "ScalingFailed", f"{outcome.role}: {exc}")
+            outcome.failure = (
+                f"{outcome.role}: applying {obs.current} -> {d.desired} replicas failed "
+                f"(HTTP {exc.status}): {exc}; retrying every pass"
+            )
+            if str(exc) != mem.last_failure:
+                record("Warning", SCALING_FAILED, f"{outcome.role}: {exc}")
+            mem.last_failure = str(exc)
             return
+        mem.last_failure = None
         if d.desired >= obs.current and len(pods) <= obs.current:
             # No scale-down asked for, none under way (no pod beyond the count): a mark left
             # by one that did not happen (its write failed) would make that pod the first to
@@ -728,7 +740,11 @@ class Autoscaler:
     ) -> list[Manifest]:
         prev = list(status.get("conditions", []) or [])
         blind = [o for o in outcomes if o.blind]
-        if blind:
+        failed = [o.failure for o in outcomes if o.failure]
+        if failed:
+            # What it decided is not what the Deployments ask for: that first.
+            reason, message = SCALING_FAILED, "; ".join(failed)[:1500]
+        elif blind:
             problems: list[str] = []
             if redis_err:
                 problems.append(redis_err)
@@ -745,7 +761,7 @@ class Autoscaler:
             )
         cond = condition(
             SCALING_ACTIVE,
-            not blind,
+            not blind and not failed,
             reason,
             message,
             fresh["metadata"].get("generation", 0),

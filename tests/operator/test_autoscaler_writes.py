@@ -10,7 +10,18 @@ from typing import Any
 
 import pytest
 from fake_kube import FakeKube
-from test_autoscaler import NAME, NS, Clock, MetricsServers, heartbeat, make, replicas, tick, world
+from test_autoscaler import (
+    NAME,
+    NS,
+    Clock,
+    MetricsServers,
+    heartbeat,
+    make,
+    replicas,
+    scaling_active,
+    tick,
+    world,
+)
 
 from pagefleet.dev.redis_server import LocalRedis
 from pagefleet.operator.autoscaler import DELETION_COST
@@ -88,3 +99,36 @@ def test_the_deletion_cost_of_a_scale_down_that_did_not_happen_is_cleared(
         obj = kube.obj("Pod", NS, pod)
         assert obj is not None
         assert DELETION_COST not in (obj["metadata"].get("annotations") or {}), pod
+
+
+def test_a_deployment_the_operator_cannot_write_is_one_event_and_a_condition(
+    redis: str,
+) -> None:
+    """A write refused for good (RBAC, an admission webhook) posted a ScalingFailed Event
+    on every pass (every 5 s: 720 an hour, each its own object), while the status said
+    desiredReplicas 4 and ScalingActive True: nothing that stays said the count is not
+    what the autoscaler decided."""
+    refusal = KubeError(403, 'deployments.apps "chat-unified" is forbidden')
+    kube, clock, events = RefusingKube(-1, refusal), Clock(), []
+    world(kube, redis, 6, [])  # above maxReplicas 4: the autoscaler moves it to 4
+    scaler = make(kube, clock)
+    for _ in range(5):
+        (out,) = tick(scaler, kube, events)
+        clock.t += 1
+    assert out.decision.reason.value == "AboveMax" and replicas(kube) == 6
+    failed = [m for t, r, m in events if r == "ScalingFailed"]
+    assert len(failed) == 1, failed
+    cond = scaling_active(kube)
+    assert cond["status"] == "False" and cond["reason"] == "ScalingFailed", cond
+    assert "forbidden" in cond["message"]
+
+    kube.refusals = 0  # the permission is granted
+    (out,) = tick(scaler, kube, events)
+    assert replicas(kube) == 4
+    assert scaling_active(kube)["status"] == "True"
+    # A new refusal after a success is news again.
+    kube.refusals = -1
+    _spec(kube)["roles"]["unified"]["autoscaling"]["maxReplicas"] = 3
+    clock.t += 1
+    tick(scaler, kube, events)
+    assert len([r for _, r, _ in events if r == "ScalingFailed"]) == 2
