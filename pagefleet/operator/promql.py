@@ -61,9 +61,29 @@ def queries(
 async def _query(session: aiohttp.ClientSession, base: str, expr: str) -> list[dict[str, Any]]:
     async with session.get(f"{base.rstrip('/')}/api/v1/query", params={"query": expr}) as resp:
         body = await resp.json(content_type=None)
-    if resp.status != 200 or body.get("status") != "success":
-        raise ValueError(f"HTTP {resp.status}: {body.get('error', body)}")
-    result: list[dict[str, Any]] = body["data"]["result"]
+    ok = isinstance(body, dict) and resp.status == 200 and body.get("status") == "success"
+    if not ok:
+        said = body.get("error", body) if isinstance(body, dict) else body
+        raise ValueError(f"HTTP {resp.status}: {str(said)[:300]}")
+    return _vector(body)
+
+
+def _vector(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The samples of an instant-vector answer; ValueError when the answer is not one (a
+    URL that reaches another JSON API, a proxy): that is an unknown, never a crash."""
+    data = body.get("data")
+    result = data.get("result") if isinstance(data, dict) else None
+    if not isinstance(result, list) or not all(
+        isinstance(s, dict)
+        and isinstance(s.get("metric", {}), dict)
+        and isinstance(s.get("value"), list)
+        and len(s["value"]) == 2
+        for s in result
+    ):
+        raise ValueError(
+            f"not a Prometheus instant vector: {str(body)[:300]} (is --prometheus-url the "
+            "server's base URL, e.g. http://prometheus.monitoring:9090?)"
+        )
     return result
 
 
