@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from itertools import pairwise
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -81,6 +82,11 @@ def _parse(
     values = [*counters.values(), *(v for b in buckets.values() for v in b.values())]
     if any(not math.isfinite(v) or v < 0 for v in values):
         raise MetricsError("a counter or bucket is negative or not finite")
+    for name, hist in buckets.items():
+        counts = [c for _, c in sorted(hist.items())]
+        if any(b < a for a, b in pairwise(counts)):
+            # Its percentiles would be garbage the planner believes (a low TTFT, say).
+            raise MetricsError(f"histogram {name}: bucket counts are not cumulative in le")
     return PodSnapshot(
         t=t,
         counters=counters,
