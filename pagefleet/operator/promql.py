@@ -17,7 +17,7 @@ import aiohttp
 
 from pagefleet.kvindex.index import PodLoad
 from pagefleet.operator.planner import RoleObservation
-from pagefleet.operator.signals import PodReport, RoleInputs
+from pagefleet.operator.signals import PodReport, RoleInputs, victim_requests
 
 _PER_POD = {
     "prompt": "sum by (pod) (rate(vllm:prompt_tokens_total{S}[W]))"
@@ -166,5 +166,8 @@ async def role_inputs(
         kv_usage=sum(v["kv"] for v in known) / len(known) if known else 0.0,
         ttft_s=role_value("ttft"),
         tpot_s=role_value("tpot"),
+        # The requests on the pod a scale-down would remove, as in the scrape mode: an idle
+        # one lets the planner release it sooner (PlannerConfig.idle_release_s).
+        victim_requests=victim_requests(current, reports),
     )
     return RoleInputs(obs, reports)

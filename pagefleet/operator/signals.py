@@ -259,7 +259,7 @@ def observe_role(
         kv_usage=kv / len(known) if known else 0.0,
         ttft_s=quantile(q, merged[TTFT].items()),
         tpot_s=quantile(q, merged[TPOT].items()),
-        victim_requests=_victim_requests(current, reports),
+        victim_requests=victim_requests(current, reports),
     )
     if arrivals is not None and role != "prefill":
         obs = replace(
@@ -271,7 +271,7 @@ def observe_role(
     return RoleInputs(observation=obs, pods=reports)
 
 
-def _victim_requests(current: int, reports: list[PodReport]) -> int | None:
+def victim_requests(current: int, reports: list[PodReport]) -> int | None:
     """Requests on the pod a scale-down would remove (cheapest_pod's choice among the Ready
     ones); None when it is not known: its load is unknown, or a pod is not Ready (that one
     goes first, and dropping a start-up just asked for is no idle release)."""

@@ -6,8 +6,9 @@ test_autoscaler.py.)"""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from aiohttp import web
@@ -28,16 +29,20 @@ def redis() -> Iterator[str]:
 
 class FakePrometheus:
     """An HTTP server at /api/v1/query that answers whatever ``body`` says (a Prometheus
-    behind a wrong URL, a proxy, another JSON API)."""
+    behind a wrong URL, a proxy, another JSON API), or what ``answer`` returns for the
+    query."""
 
     def __init__(self) -> None:
         self.body = b"{}"
+        self.answer: Callable[[str], bytes] | None = None
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
 
-        async def handler(_: web.Request) -> web.Response:
-            return web.Response(body=self.body, content_type="application/json")
+        async def handler(request: web.Request) -> web.Response:
+            query = request.query.get("query", "")
+            body = self.body if self.answer is None else self.answer(query)
+            return web.Response(body=body, content_type="application/json")
 
         async def start() -> tuple[web.AppRunner, int]:
             app = web.Application()
@@ -90,3 +95,53 @@ def test_a_prometheus_answering_other_json_holds_with_a_condition(redis: str, bo
     assert replicas(kube) == 2 and out.decision.reason.value == "InputsUnknown"
     cond = scaling_active(kube)
     assert cond["status"] == "False" and f"Prometheus {prom.url}" in cond["message"], cond
+
+
+def test_prometheus_mode_releases_an_idle_marked_pod_like_the_scrape_mode(redis: str) -> None:
+    """The planner shortens the scale-down hold to idle_release_s (20 s) when the pod a
+    scale-down removes holds no request. The scrape mode tells it that pod's requests;
+    the Prometheus mode never did (victim_requests None), so with the same idle fleet it
+    held the whole scale-down window (300 s here) where the scrape mode scaled down after
+    20 s."""
+    pods = ["chat-a", "chat-b", "chat-c"]
+    per_pod_gen = {"rate": 85.0}  # generated tokens/s per pod
+
+    def vector(value: float) -> list[dict[str, object]]:
+        return [{"metric": {"pod": p}, "value": [0, str(value)]} for p in pods]
+
+    def answer(query: str) -> bytes:
+        if "histogram_quantile" in query:
+            result: list[dict[str, object]] = []  # no request finished: no percentile
+        elif "generation_tokens" in query:
+            result = vector(per_pod_gen["rate"])
+        else:
+            result = vector(0.0)  # no prompts, no requests running or waiting, KV empty
+        return json.dumps(
+            {"status": "success", "data": {"resultType": "vector", "result": result}}
+        ).encode()
+
+    prom = FakePrometheus()
+    prom.answer = answer
+    try:
+        kube, clock, events = FakeKube(), Clock(), []
+        world(
+            kube, redis, 3, [(p, f"127.0.0.{i + 2}") for i, p in enumerate(pods)],
+            scaleDownWindowSeconds=300, decodeTokensPerSecond=100, replicaStartupSeconds=0,
+        )  # fmt: skip
+        scaler = Autoscaler(
+            kube,
+            BuildSettings(),
+            AutoscalerSettings(scrape_timeout_s=1.0, prometheus_url=prom.url),
+            OperatorMetrics(),
+            clock=clock,
+        )
+        (out,) = tick(scaler, kube, events)  # 255 tok/s at 100 per replica: 3 fit it
+        assert out.decision.reason.value == "Steady", out.decision.message
+        per_pod_gen["rate"] = 0.0  # the load is gone
+        clock.t += 25
+        (out,) = tick(scaler, kube, events)
+    finally:
+        prom.close()
+    assert out.inputs.observation.victim_requests == 0
+    assert out.decision.reason.value == "ScaledDown", out.decision.message
+    assert replicas(kube) == 2
