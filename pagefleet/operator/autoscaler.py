@@ -87,6 +87,30 @@ SCALING_FAILED = "ScalingFailed"
 WARMING = "first scrape (or a restart): its rates are known from the next interval"
 # Reasons that mean the planner could not trust its inputs.
 _BLIND = {Reason.UNKNOWN_INPUTS, Reason.PARTIAL_INPUTS, Reason.NO_SLO}
+# Reasons for keeping the count on known inputs. A load near a boundary moves a steady
+# fleet between them every few passes (Steady <-> ScaleDownStabilizing): the status says
+# which; an Event per move was one nearly every pass.
+_HOLDING = {
+    Reason.STEADY.value,
+    Reason.UP_WINDOW.value,
+    Reason.DOWN_WINDOW.value,
+    Reason.WAITING_FOR_REPLICAS.value,
+    Reason.CAPACITY_UNKNOWN.value,
+}
+_MOVES = {
+    r.value for r in (Reason.SCALED_UP, Reason.SCALED_DOWN, Reason.BELOW_MIN, Reason.ABOVE_MAX)
+}
+
+
+def _newsworthy(decision: Decision, last_reason: str) -> bool:
+    """Post an Event: every change of the count; every other change of reason, except from
+    one holding reason (or a change just announced) to a holding reason."""
+    reason = decision.reason.value
+    if decision.changed:
+        return True
+    if reason == last_reason:
+        return False
+    return reason not in _HOLDING or last_reason not in _HOLDING | _MOVES
 
 
 @dataclass(frozen=True, slots=True)
@@ -643,7 +667,7 @@ class Autoscaler:
         if self.metrics is not None:
             self.metrics.record_decision(namespace, name, outcome.role, obs, d)
         victim = f"; removing pod {outcome.victim} (cheapest)" if outcome.victim else ""
-        if d.changed or d.reason.value != mem.last_reason:
+        if _newsworthy(d, mem.last_reason):
             kind = "Warning" if outcome.blind else "Normal"
             record(kind, d.reason.value, f"{outcome.role}: {d.message}{victim}")
         mem.last_reason = d.reason.value

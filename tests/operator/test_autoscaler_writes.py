@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from fake_kube import FakeKube
+from fake_prometheus import FakePrometheus, vector
 from test_autoscaler import (
     NAME,
     NS,
@@ -24,8 +25,10 @@ from test_autoscaler import (
 )
 
 from pagefleet.dev.redis_server import LocalRedis
-from pagefleet.operator.autoscaler import DELETION_COST
+from pagefleet.operator.autoscaler import DELETION_COST, Autoscaler, AutoscalerSettings
+from pagefleet.operator.builders import BuildSettings
 from pagefleet.operator.kube import DEPLOYMENT, Kind, KubeError
+from pagefleet.operator.metrics import OperatorMetrics
 
 
 @pytest.fixture(scope="module")
@@ -132,3 +135,53 @@ def test_a_deployment_the_operator_cannot_write_is_one_event_and_a_condition(
     clock.t += 1
     tick(scaler, kube, events)
     assert len([r for _, r, _ in events if r == "ScalingFailed"]) == 2
+
+
+def test_a_steady_fleet_with_a_wobbling_load_posts_no_event_per_pass(redis: str) -> None:
+    """A fleet of 2 whose load wobbles around what 1 replica could carry: each pass's
+    recommendation is 2 (Steady) or 1 (held by the scale-down window: ScaleDownStabilizing).
+    An Event was posted on every change of reason, so a steady fleet posted one nearly every
+    pass (12 in 12 passes here, 720 an hour at 5 s). Nothing moved and nothing is wrong:
+    the status carries the reason; Events are for changes and for problems."""
+    pods = ["chat-a", "chat-b"]
+    gen = {"rate": 0.0}
+
+    def answer(query: str) -> bytes:
+        if "histogram_quantile" in query:
+            return vector({})
+        if "generation_tokens" in query:
+            return vector(dict.fromkeys(pods, gen["rate"]))
+        if "num_requests_running" in query:
+            return vector(dict.fromkeys(pods, 1.0))  # the marked pod is busy: no idle release
+        return vector(dict.fromkeys(pods, 0.0))
+
+    prom = FakePrometheus()
+    prom.answer = answer
+    try:
+        kube, clock, events = FakeKube(), Clock(), []
+        world(
+            kube, redis, 2, [(p, f"127.0.0.{i + 2}") for i, p in enumerate(pods)],
+            scaleDownWindowSeconds=300, decodeTokensPerSecond=100, replicaStartupSeconds=0,
+        )  # fmt: skip
+        scaler = Autoscaler(
+            kube,
+            BuildSettings(),
+            AutoscalerSettings(scrape_timeout_s=1.0, prometheus_url=prom.url),
+            OperatorMetrics(),
+            clock=clock,
+        )
+        reasons = []
+        for i in range(12):
+            gen["rate"] = 48.0 if i % 2 == 0 else 40.0  # 96 or 80 tok/s at 100 per replica
+            (out,) = tick(scaler, kube, events)
+            reasons.append(out.decision.reason.value)
+            clock.t += 5
+    finally:
+        prom.close()
+    assert set(reasons) == {"Steady", "ScaleDownStabilizing"}, reasons
+    assert replicas(kube) == 2
+    assert len(events) <= 1, events  # the first decision's, at most
+    # A change of the count, or a problem, is still an Event at once.
+    _spec(kube)["roles"]["unified"]["autoscaling"]["minReplicas"] = 3
+    tick(scaler, kube, events)
+    assert [r for _, r, _ in events][-1] == "BelowMin"

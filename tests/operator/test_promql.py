@@ -5,14 +5,11 @@ test_autoscaler.py.)"""
 
 from __future__ import annotations
 
-import asyncio
-import json
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
-from aiohttp import web
 from fake_kube import FakeKube
+from fake_prometheus import FakePrometheus, vector
 from test_autoscaler import Clock, replicas, scaling_active, tick, world
 
 from pagefleet.dev.redis_server import LocalRedis
@@ -25,41 +22,6 @@ from pagefleet.operator.metrics import OperatorMetrics
 def redis() -> Iterator[str]:
     with LocalRedis() as server:
         yield server.url
-
-
-class FakePrometheus:
-    """An HTTP server at /api/v1/query that answers whatever ``body`` says (a Prometheus
-    behind a wrong URL, a proxy, another JSON API), or what ``answer`` returns for the
-    query."""
-
-    def __init__(self) -> None:
-        self.body = b"{}"
-        self.answer: Callable[[str], bytes] | None = None
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-        async def handler(request: web.Request) -> web.Response:
-            query = request.query.get("query", "")
-            body = self.body if self.answer is None else self.answer(query)
-            return web.Response(body=body, content_type="application/json")
-
-        async def start() -> tuple[web.AppRunner, int]:
-            app = web.Application()
-            app.router.add_get("/api/v1/query", handler)
-            runner = web.AppRunner(app)
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-
-        self.runner, port = asyncio.run_coroutine_threadsafe(start(), self.loop).result(10)
-        self.url = f"http://127.0.0.1:{port}"
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
 
 
 @pytest.mark.parametrize(
@@ -106,19 +68,12 @@ def test_prometheus_mode_releases_an_idle_marked_pod_like_the_scrape_mode(redis:
     pods = ["chat-a", "chat-b", "chat-c"]
     per_pod_gen = {"rate": 85.0}  # generated tokens/s per pod
 
-    def vector(value: float) -> list[dict[str, object]]:
-        return [{"metric": {"pod": p}, "value": [0, str(value)]} for p in pods]
-
     def answer(query: str) -> bytes:
         if "histogram_quantile" in query:
-            result: list[dict[str, object]] = []  # no request finished: no percentile
-        elif "generation_tokens" in query:
-            result = vector(per_pod_gen["rate"])
-        else:
-            result = vector(0.0)  # no prompts, no requests running or waiting, KV empty
-        return json.dumps(
-            {"status": "success", "data": {"resultType": "vector", "result": result}}
-        ).encode()
+            return vector({})  # no request finished: no percentile
+        if "generation_tokens" in query:
+            return vector(dict.fromkeys(pods, per_pod_gen["rate"]))
+        return vector(dict.fromkeys(pods, 0.0))  # no prompts, nothing running, KV empty
 
     prom = FakePrometheus()
     prom.answer = answer
