@@ -25,7 +25,7 @@ import base64
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -144,6 +144,9 @@ class RoleMemory:
     # The error of the last pass's failed write (None: it succeeded): one Event per new
     # error, not one per pass while the same refusal lasts.
     last_failure: str | None = None
+    # What the learned capacities are capacities at: the SLO targets and the spec's hints
+    # they were learned from (None: not known yet, keep them).
+    capacity_basis: tuple[float | None, ...] | None = None
 
 
 @dataclass(slots=True)
@@ -583,6 +586,18 @@ class Autoscaler:
     ) -> RoleOutcome:
         mem = self.memory.setdefault((namespace, name, role), RoleMemory())
         cfg = planner_config(role, spec, has_slo, self.settings.rate_window_s)
+        basis = (
+            cfg.ttft_s,
+            cfg.tpot_s,
+            cfg.slo_quantile,
+            cfg.prefill_capacity_hint,
+            cfg.decode_capacity_hint,
+        )
+        if mem.capacity_basis is not None and basis != mem.capacity_basis:
+            # A capacity at the old SLO is wrong at the new one, and the learned figure
+            # began as the old hint (an edited hint was never used): start from the spec.
+            mem.state = replace(mem.state, prefill_capacity=None, decode_capacity=None)
+        mem.capacity_basis = basis
         decision = decide(cfg, inputs.observation, mem.state, now)
         mem.state = decision.state
         mem.last_decision = now

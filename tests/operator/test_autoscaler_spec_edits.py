@@ -1,0 +1,95 @@
+"""Spec edits while the autoscaler runs (Prometheus mode with exact figures from a stand-in
+Prometheus, the in-memory API)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fake_kube import FakeKube
+from fake_prometheus import FakePrometheus, vector
+from test_autoscaler import NAME, NS, Clock, status_of, tick, world
+
+from pagefleet.dev.redis_server import LocalRedis
+from pagefleet.operator.autoscaler import Autoscaler, AutoscalerSettings
+from pagefleet.operator.builders import BuildSettings
+from pagefleet.operator.metrics import OperatorMetrics
+
+
+@pytest.fixture(scope="module")
+def redis() -> Iterator[str]:
+    with LocalRedis() as server:
+        yield server.url
+
+
+def test_a_new_slo_or_capacity_hint_replaces_the_capacity_learned_for_the_old_one(
+    redis: str,
+) -> None:
+    """The learned per-replica capacity is a capacity at the SLO: learned for a TTFT target
+    of 500 ms, it is wrong for 1000 ms. And the first pass with data copies the spec's
+    hint into the learned figure, so an edited prefillTokensPerSecond (new, faster
+    hardware, say) was never used: the old figure stayed until the operator restarted."""
+    pods = ["chat-a", "chat-b"]
+    load = {"prompt": 0.0, "waiting": 0.0, "ttft": None}
+
+    def answer(query: str) -> bytes:
+        if "histogram_quantile" in query:
+            ttft = load["ttft"]
+            if ttft is not None and "time_to_first_token" in query:
+                return vector({"": ttft})
+            return vector({})
+        if "prompt_tokens" in query:
+            return vector(dict.fromkeys(pods, load["prompt"]))
+        if "num_requests_waiting" in query:
+            return vector(dict.fromkeys(pods, load["waiting"]))
+        return vector(dict.fromkeys(pods, 0.0))
+
+    def learned() -> float:
+        auto: dict[str, Any] = status_of(kube)["roles"][0]["autoscaling"]
+        return float(auto["prefillTokensPerSecond"])
+
+    def spec_auto() -> dict[str, Any]:
+        obj = kube.obj("InferenceService", NS, NAME)
+        assert obj is not None
+        auto: dict[str, Any] = obj["spec"]["roles"]["unified"]["autoscaling"]
+        return auto
+
+    prom = FakePrometheus()
+    prom.answer = answer
+    try:
+        kube, clock, events = FakeKube(), Clock(), []
+        world(
+            kube, redis, 2, [(p, f"127.0.0.{i + 2}") for i, p in enumerate(pods)],
+            decodeTokensPerSecond=10_000, replicaStartupSeconds=0,
+        )  # fmt: skip
+        scaler = Autoscaler(
+            kube,
+            BuildSettings(),
+            AutoscalerSettings(scrape_timeout_s=1.0, prometheus_url=prom.url),
+            OperatorMetrics(),
+            clock=clock,
+        )
+
+        def idle_pass() -> float:
+            load.update(prompt=0.0, waiting=0.0, ttft=None)
+            clock.t += 5
+            tick(scaler, kube, events)
+            return learned()
+
+        # A miss while requests queue, at 900 tok/s per replica rated 1000: the replicas
+        # ran flat out at 900 (TTFT target 500 ms).
+        load.update(prompt=900.0, waiting=1.0, ttft=1.0)
+        tick(scaler, kube, events)
+        assert learned() == pytest.approx(900.0)
+        assert idle_pass() == pytest.approx(900.0)  # an idle pass teaches nothing
+
+        obj = kube.obj("InferenceService", NS, NAME)
+        assert obj is not None
+        obj["spec"]["slo"]["ttftMs"] = 1000  # a looser target: 900 was for 500 ms
+        assert idle_pass() == pytest.approx(1000.0)  # the hint, until a pass teaches more
+
+        spec_auto()["prefillTokensPerSecond"] = 2000  # faster replicas, the user says
+        assert idle_pass() == pytest.approx(2000.0)
+    finally:
+        prom.close()
