@@ -61,6 +61,7 @@ from pagefleet.operator.naming import (
 from pagefleet.operator.planner import Decision, PlannerConfig, PlannerState, Reason, decide
 from pagefleet.operator.promql import role_inputs
 from pagefleet.operator.signals import (
+    WARMING,
     Arrivals,
     PodReport,
     PodSnapshot,
@@ -84,7 +85,6 @@ DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 VICTIM_COST = "-1000"
 SCALING_ACTIVE = "ScalingActive"
 SCALING_FAILED = "ScalingFailed"
-WARMING = "first scrape (or a restart): its rates are known from the next interval"
 # Reasons that mean the planner could not trust its inputs.
 _BLIND = {Reason.UNKNOWN_INPUTS, Reason.PARTIAL_INPUTS, Reason.NO_SLO}
 # Reasons for keeping the count on known inputs. A load near a boundary moves a steady
@@ -175,6 +175,14 @@ def _now_rfc3339() -> str:
 def _pod_ready(pod: Manifest) -> bool:
     conds = (pod.get("status") or {}).get("conditions") or []
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
+
+
+def _ready_for_s(pod: Manifest, wall: datetime) -> float | None:
+    """How long the pod has been Ready (None: not Ready, or no transition time)."""
+    for c in (pod.get("status") or {}).get("conditions") or []:
+        if c.get("type") == "Ready" and c.get("status") == "True":
+            return _rfc3339_age(c.get("lastTransitionTime"), wall)
+    return None
 
 
 def slo_targets(spec: InferenceServiceSpec) -> SLOSpec:
@@ -615,6 +623,17 @@ class Autoscaler:
         cached: dict[str, int],
     ) -> dict[str, RoleInputs]:
         roles = [r for r, _ in due if names.role(r) in deploys]
+        # Pods Ready for less than this may have no series yet: Prometheus discovers and
+        # scrapes a new pod within its scrape interval, and rate() wants two samples in the
+        # window; a window that works at all spans two scrape intervals.
+        warmup_s = max(60.0, 2 * self.settings.rate_window_s)
+        wall = datetime.now(UTC)
+        warming = {
+            p["metadata"]["name"]
+            for pods in pods_by_role.values()
+            for p in pods
+            if (age := _ready_for_s(p, wall)) is not None and age < warmup_s
+        }
 
         async def all_roles() -> list[RoleInputs]:
             return await asyncio.gather(
@@ -629,6 +648,7 @@ class Autoscaler:
                         slo_targets(spec).percentile,
                         self.settings.scrape_timeout_s,
                         cached,
+                        warming,
                     )
                     for r in roles
                 )

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Collection
 from typing import Any
 
 import aiohttp
 
 from pagefleet.kvindex.index import PodLoad
 from pagefleet.operator.planner import RoleObservation
-from pagefleet.operator.signals import PodReport, RoleInputs, victim_requests
+from pagefleet.operator.signals import WARMING, PodReport, RoleInputs, victim_requests
 
 _PER_POD = {
     "prompt": "sum by (pod) (rate(vllm:prompt_tokens_total{S}[W]))"
@@ -105,8 +106,11 @@ async def role_inputs(
     percentile: float,
     timeout_s: float,
     cached_blocks: dict[str, int] | None = None,
+    warming: Collection[str] = (),
 ) -> RoleInputs:
-    """One role's observation from Prometheus (every query concurrently, one timeout)."""
+    """One role's observation from Prometheus (every query concurrently, one timeout).
+    ``warming``: pods Ready too recently to have series yet; one without them is unknown
+    as a new pod is in the scrape mode (held, no alarm), not as a problem."""
     reports = [PodReport(p) for p in pods]
     if not pods:
         obs = RoleObservation(current=current, ready=0, known_pods=0)
@@ -137,7 +141,11 @@ async def role_inputs(
         vals = per_pod[r.name]
         missing = [k for k in _PER_POD if k not in vals]
         if missing:
-            r.error = f"no Prometheus series for {', '.join(missing)} over the window"
+            r.error = (
+                WARMING
+                if r.name in warming
+                else f"no Prometheus series for {', '.join(missing)} over the window"
+            )
             continue
         r.load = PodLoad(
             running=int(vals["running"]),

@@ -32,6 +32,11 @@ GATEWAY_ARRIVAL_PROMPT_TOKENS = "pagefleet_gateway_arrival_prompt_tokens"
 _GATEWAY_COUNTERS = (GATEWAY_ARRIVALS, GATEWAY_ARRIVAL_PROMPT_TOKENS)
 
 
+# Why a pod is unknown when it is only new (or just restarted): held, but no problem to
+# report (the autoscaler's condition and Events name only real ones).
+WARMING = "first scrape (or a restart): its rates are known from the next interval"
+
+
 class MetricsError(ValueError):
     """A pod's /metrics could not be read as the daemon's metrics."""
 

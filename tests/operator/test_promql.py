@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 from fake_kube import FakeKube
 from fake_prometheus import FakePrometheus, vector
-from test_autoscaler import Clock, replicas, scaling_active, tick, world
+from test_autoscaler import NS, Clock, replicas, scaling_active, tick, world
 
 from pagefleet.dev.redis_server import LocalRedis
 from pagefleet.operator.autoscaler import Autoscaler, AutoscalerSettings
@@ -100,3 +100,45 @@ def test_prometheus_mode_releases_an_idle_marked_pod_like_the_scrape_mode(redis:
     assert out.inputs.observation.victim_requests == 0
     assert out.decision.reason.value == "ScaledDown", out.decision.message
     assert replicas(kube) == 2
+
+
+@pytest.mark.parametrize(("ready_for_s", "alarm"), [(3, False), (600, True)])
+def test_a_pod_prometheus_has_not_scraped_yet_is_warming_not_a_problem(
+    redis: str, ready_for_s: int, alarm: bool
+) -> None:
+    """After a scale-up, a pod Ready for seconds has no series in Prometheus yet (its first
+    scrape, then rate() wants two samples in the window). The scrape mode calls that
+    warming up: held, but no alarm. The Prometheus mode called it a problem: a Warning
+    Event and ScalingActive=False after every scale-up, for up to a window or two. A pod
+    Ready for long without series is still one (a PodMonitor that misses it)."""
+    from datetime import UTC, datetime, timedelta
+
+    def answer(query: str) -> bytes:
+        if "histogram_quantile" in query:
+            return vector({})
+        return vector({"chat-a": 0.0})  # chat-b: no series
+
+    prom = FakePrometheus()
+    prom.answer = answer
+    try:
+        kube, clock, events = FakeKube(), Clock(), []
+        world(kube, redis, 2, [("chat-a", "127.0.0.2"), ("chat-b", "127.0.0.3")])
+        since = datetime.now(UTC) - timedelta(seconds=ready_for_s)
+        pod = kube.obj("Pod", NS, "chat-b")
+        assert pod is not None
+        pod["status"]["conditions"][0]["lastTransitionTime"] = since.strftime("%Y-%m-%dT%H:%M:%SZ")
+        scaler = Autoscaler(
+            kube,
+            BuildSettings(),
+            AutoscalerSettings(scrape_timeout_s=1.0, prometheus_url=prom.url),
+            OperatorMetrics(),
+            clock=clock,
+        )
+        (out,) = tick(scaler, kube, events)
+    finally:
+        prom.close()
+    assert replicas(kube) == 2  # held either way: chat-b's load is not known
+    assert out.inputs.observation.unknown_pods == 1
+    cond = scaling_active(kube)
+    assert (cond["status"] == "False") is alarm, cond
+    assert any(t == "Warning" for t, _, _ in events) is alarm, events
