@@ -66,7 +66,7 @@ from pagefleet.operator.signals import (
     PodReport,
     PodSnapshot,
     RoleInputs,
-    cheapest_pod,
+    cheapest_pods,
     delta,
     gateway_arrivals,
     observe_role,
@@ -154,8 +154,13 @@ class RoleOutcome:
     role: str
     decision: Decision
     inputs: RoleInputs
-    victim: str | None = None
+    victims: list[str] = field(default_factory=list)  # marked to go, cheapest first
     failure: str | None = None  # the decision could not be applied: why
+
+    @property
+    def victim(self) -> str | None:
+        """The cheapest of the pods a scale-down removes."""
+        return self.victims[0] if self.victims else None
 
     @property
     def blind(self) -> bool:
@@ -671,7 +676,9 @@ class Autoscaler:
         deploy_name = names.role(outcome.role)
         try:
             if d.desired < obs.current:
-                outcome.victim = self._mark_victim(namespace, pods, outcome.inputs)
+                outcome.victims = self._mark_victims(
+                    namespace, pods, outcome.inputs, obs.current - d.desired
+                )
             if d.desired != obs.current:
                 self.kube.merge_patch(
                     DEPLOYMENT, namespace, deploy_name, {"spec": {"replicas": d.desired}}
@@ -701,7 +708,10 @@ class Autoscaler:
             self._clear_marks(namespace, name, pods)
         if self.metrics is not None:
             self.metrics.record_decision(namespace, name, outcome.role, obs, d)
-        victim = f"; removing pod {outcome.victim} (cheapest)" if outcome.victim else ""
+        victim = ""
+        if outcome.victims:
+            plural = "s" if len(outcome.victims) > 1 else ""
+            victim = f"; removing pod{plural} {', '.join(outcome.victims)} (cheapest)"
         if _newsworthy(d, mem.last_reason):
             kind = "Warning" if outcome.blind else "Normal"
             record(kind, d.reason.value, f"{outcome.role}: {d.message}{victim}")
@@ -718,22 +728,26 @@ class Autoscaler:
             victim,
         )
 
-    def _mark_victim(self, namespace: str, pods: list[Manifest], inputs: RoleInputs) -> str | None:
-        """Annotate the cheapest pod with a low deletion cost; clear our mark elsewhere."""
+    def _mark_victims(
+        self, namespace: str, pods: list[Manifest], inputs: RoleInputs, count: int
+    ) -> list[str]:
+        """Annotate the ``count`` cheapest pods with a low deletion cost (a scale-down by
+        more than one, maxReplicas lowered, removes that many: each one the planner's
+        choice, not the ReplicaSet's); clear our mark elsewhere."""
         ready = {p["metadata"]["name"]: _pod_ready(p) for p in pods}
         by_name = {r.name: r for r in inputs.pods}
         reports = [by_name.get(n) or PodReport(n) for n in ready]
-        victim = cheapest_pod(reports, ready)
+        victims = cheapest_pods(reports, ready, count)
         for pod in pods:
             pname = pod["metadata"]["name"]
             marked = (pod["metadata"].get("annotations") or {}).get(DELETION_COST)
-            if pname == victim and marked != VICTIM_COST:
+            if pname in victims and marked != VICTIM_COST:
                 patch = {"metadata": {"annotations": {DELETION_COST: VICTIM_COST}}}
                 self.kube.merge_patch(POD, namespace, pname, patch)
-            elif pname != victim and marked == VICTIM_COST:
+            elif pname not in victims and marked == VICTIM_COST:
                 patch = {"metadata": {"annotations": {DELETION_COST: None}}}
                 self.kube.merge_patch(POD, namespace, pname, patch)
-        return victim
+        return victims
 
     def _clear_marks(self, namespace: str, name: str, pods: list[Manifest]) -> None:
         """Remove our deletion-cost mark from every pod; best effort (the next pass retries),

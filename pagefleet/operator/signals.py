@@ -290,6 +290,12 @@ def victim_requests(current: int, reports: list[PodReport]) -> int | None:
 def cheapest_pod(reports: Iterable[PodReport], ready: Mapping[str, bool]) -> str | None:
     """The pod whose loss costs least: not Ready first, then fewest cached blocks in the
     index, then fewest running requests; ties by name (deterministic)."""
+    ranked = cheapest_pods(reports, ready, 1)
+    return ranked[0] if ranked else None
+
+
+def cheapest_pods(reports: Iterable[PodReport], ready: Mapping[str, bool], n: int) -> list[str]:
+    """The ``n`` pods whose loss costs least, cheapest first (cheapest_pod's order)."""
 
     def cost(p: PodReport) -> tuple[int, float, float, str]:
         load = p.load
@@ -297,5 +303,4 @@ def cheapest_pod(reports: Iterable[PodReport], ready: Mapping[str, bool]) -> str
         running = load.running + load.waiting if load else math.inf
         return (1 if ready.get(p.name, False) else 0, cached, running, p.name)
 
-    ranked = sorted(reports, key=cost)
-    return ranked[0].name if ranked else None
+    return [p.name for p in sorted(reports, key=cost)[: max(0, n)]]

@@ -185,3 +185,32 @@ def test_a_steady_fleet_with_a_wobbling_load_posts_no_event_per_pass(redis: str)
     _spec(kube)["roles"]["unified"]["autoscaling"]["minReplicas"] = 3
     tick(scaler, kube, events)
     assert [r for _, r, _ in events][-1] == "BelowMin"
+
+
+def test_a_scale_down_by_several_marks_as_many_pods(redis: str, servers: MetricsServers) -> None:
+    """maxReplicas lowered from 4 to 2 (or a maxScaleDownStep above 1) removes two pods, but
+    only the cheapest one was marked: the ReplicaSet chose the other by its own ranking
+    (here it may take chat-a, the pod holding 90 cached blocks). Every pod to go is marked,
+    cheapest first."""
+    kube, clock, events = FakeKube(), Clock(), []
+    pods = [("chat-a", "127.0.0.2"), ("chat-b", "127.0.0.3"), ("chat-c", "127.0.0.4")]
+    pods.append(("chat-d", "127.0.0.5"))
+    world(kube, redis, 4, pods, maxReplicas=6)
+    for (pod, ip), blocks in zip(pods, (90, 7, 30, 60), strict=True):
+        servers.add(pod, ip)
+        heartbeat(redis, pod, running=0, num_cached_blocks=blocks)
+    scaler = make(kube, clock)
+    tick(scaler, kube, events)
+    _spec(kube)["roles"]["unified"]["autoscaling"]["maxReplicas"] = 2
+    clock.t += 1
+    (out,) = tick(scaler, kube, events)
+    assert out.decision.reason.value == "AboveMax" and replicas(kube) == 2
+    marked = {
+        pod
+        for pod, _ in pods
+        if ((kube.obj("Pod", NS, pod) or {})["metadata"].get("annotations") or {}).get(
+            DELETION_COST
+        )
+    }
+    assert marked == {"chat-b", "chat-c"}, marked  # the two with the fewest cached blocks
+    assert any("chat-b" in m and "chat-c" in m for _, r, m in events if r == "AboveMax")
