@@ -86,7 +86,10 @@ async def scrape_pods(
     if not targets:
         return {}
     timeout = aiohttp.ClientTimeout(total=timeout_s)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    # One connection per pod: the timeout counts the wait for a pooled connection, and
+    # with the default pool of 100 the pods past it timed out behind slow ones.
+    connector = aiohttp.TCPConnector(limit=max(100, len(targets)))
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         bodies = await asyncio.gather(*(_fetch(session, t, limit) for t in targets))
     return {t.name: _parse(t, *body) for t, body in zip(targets, bodies, strict=True)}
 

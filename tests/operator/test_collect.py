@@ -94,3 +94,37 @@ def test_a_huge_metrics_body_makes_the_pod_unknown_without_reading_it_all():
     # Under the cap, padding and all, it is read and parsed as usual.
     ok = asyncio.run(_scrape_stream(head, 256 * 1024, length=False))["pod-a"]
     assert ok.snapshot is not None, ok.error
+
+
+def test_more_pods_than_a_connection_pool_are_scraped_at_once():
+    """aiohttp's default pool holds 100 connections, and the scrape timeout counts the wait
+    for one: with 120 pods answering in 1.2 s, the last 20 waited 1.2 s for a connection
+    and timed out at 2 s, unknown (holding every scale-down) in the fleets big enough to
+    need the autoscaler most."""
+
+    body = _daemon_text()
+
+    async def run() -> dict:
+        async def slow(_: web.Request) -> web.Response:
+            await asyncio.sleep(1.2)
+            return web.Response(body=body, content_type="text/plain")
+
+        app = web.Application()
+        app.router.add_get("/{pod}/metrics", slow)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            targets = [
+                PodTarget(f"pod-{i}", f"http://127.0.0.1:{port}/pod-{i}/metrics")
+                for i in range(120)
+            ]
+            return await scrape_pods(targets, timeout_s=2.0)
+        finally:
+            await runner.cleanup()
+
+    scrapes = asyncio.run(run())
+    unknown = sorted(name for name, s in scrapes.items() if s.snapshot is None)
+    assert unknown == [], f"{len(unknown)} pods unknown: {scrapes[unknown[0]].error}"
