@@ -10,6 +10,7 @@ is unknown, never idle; a query that fails makes every pod unknown.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from collections.abc import Collection
 from typing import Any
@@ -59,9 +60,18 @@ def queries(
     return out
 
 
+_URL_HINT = "is --prometheus-url the server's base URL, e.g. http://prometheus.monitoring:9090?"
+
+
 async def _query(session: aiohttp.ClientSession, base: str, expr: str) -> list[dict[str, Any]]:
     async with session.get(f"{base.rstrip('/')}/api/v1/query", params={"query": expr}) as resp:
-        body = await resp.json(content_type=None)
+        text = await resp.text(errors="replace")
+    try:
+        body = json.loads(text)
+    except ValueError:
+        raise ValueError(
+            f"HTTP {resp.status}, not a Prometheus API answer: {text[:200]!r} ({_URL_HINT})"
+        ) from None
     ok = isinstance(body, dict) and resp.status == 200 and body.get("status") == "success"
     if not ok:
         said = body.get("error", body) if isinstance(body, dict) else body
@@ -81,10 +91,7 @@ def _vector(body: dict[str, Any]) -> list[dict[str, Any]]:
         and len(s["value"]) == 2
         for s in result
     ):
-        raise ValueError(
-            f"not a Prometheus instant vector: {str(body)[:300]} (is --prometheus-url the "
-            "server's base URL, e.g. http://prometheus.monitoring:9090?)"
-        )
+        raise ValueError(f"not a Prometheus instant vector: {str(body)[:300]} ({_URL_HINT})")
     return result
 
 

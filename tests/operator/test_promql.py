@@ -142,3 +142,30 @@ def test_a_pod_prometheus_has_not_scraped_yet_is_warming_not_a_problem(
     cond = scaling_active(kube)
     assert (cond["status"] == "False") is alarm, cond
     assert any(t == "Warning" for t, _, _ in events) is alarm, events
+
+
+def test_a_wrong_prometheus_url_says_what_answered(redis: str) -> None:
+    """A --prometheus-url with a path that is not Prometheus' (here /prometheus on a server
+    without it; in a cluster, Grafana or the UI's /graph) answers a 404 page. The condition
+    said only "JSONDecodeError: Expecting value: line 1 column 1 (char 0)"; it now gives
+    the HTTP status, what came back and what the flag should be."""
+    prom = FakePrometheus()
+    try:
+        kube, clock, events = FakeKube(), Clock(), []
+        world(kube, redis, 2, [("chat-a", "127.0.0.2")])
+        wrong = f"{prom.url}/prometheus"
+        scaler = Autoscaler(
+            kube,
+            BuildSettings(),
+            AutoscalerSettings(scrape_timeout_s=1.0, prometheus_url=wrong),
+            OperatorMetrics(),
+            clock=clock,
+        )
+        (out,) = tick(scaler, kube, events)
+    finally:
+        prom.close()
+    assert replicas(kube) == 2 and out.decision.reason.value == "InputsUnknown"
+    message = scaling_active(kube)["message"]
+    assert f"Prometheus {wrong}" in message
+    assert "HTTP 404" in message and "Not Found" in message, message
+    assert "--prometheus-url" in message, message
