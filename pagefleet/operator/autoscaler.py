@@ -156,6 +156,7 @@ class RoleOutcome:
     inputs: RoleInputs
     victims: list[str] = field(default_factory=list)  # marked to go, cheapest first
     failure: str | None = None  # the decision could not be applied: why
+    last_scale_before: float | None = None  # the planner's last scale time before deciding
 
     @property
     def victim(self) -> str | None:
@@ -611,10 +612,11 @@ class Autoscaler:
             # began as the old hint (an edited hint was never used): start from the spec.
             mem.state = replace(mem.state, prefill_capacity=None, decode_capacity=None)
         mem.capacity_basis = basis
+        before = mem.state.last_scale_time
         decision = decide(cfg, inputs.observation, mem.state, now)
         mem.state = decision.state
         mem.last_decision = now
-        return RoleOutcome(role, decision, inputs)
+        return RoleOutcome(role, decision, inputs, last_scale_before=before)
 
     def _query_prometheus(
         self,
@@ -685,12 +687,10 @@ class Autoscaler:
                 )
                 mem.last_scale_wall = _now_rfc3339()
         except KubeError as exc:
-            # Not applied: forget that it was, so the next tick decides afresh.
-            mem.state = PlannerState(
-                prefill_capacity=d.state.prefill_capacity,
-                decode_capacity=d.state.decode_capacity,
-                mean_prompt_tokens=d.state.mean_prompt_tokens,
-            )
+            # Not applied: the count did not move, so neither did the last scale time; all
+            # else the pass learned stands (the scale-down window's recommendations above
+            # all: without them the next dip scaled down at once).
+            mem.state = replace(d.state, last_scale_time=outcome.last_scale_before)
             log.warning("%s/%s %s: scaling failed: %s", namespace, name, outcome.role, exc)
             outcome.failure = (
                 f"{outcome.role}: applying {obs.current} -> {d.desired} replicas failed "

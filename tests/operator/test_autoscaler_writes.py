@@ -214,3 +214,29 @@ def test_a_scale_down_by_several_marks_as_many_pods(redis: str, servers: Metrics
     }
     assert marked == {"chat-b", "chat-c"}, marked  # the two with the fewest cached blocks
     assert any("chat-b" in m and "chat-c" in m for _, r, m in events if r == "AboveMax")
+
+
+def test_a_failed_scale_up_keeps_the_scale_down_window(redis: str, servers: MetricsServers) -> None:
+    """A refused write undid the decision's scale time, as it should (the count did not
+    move), but by starting the planner's state afresh: the scale-down window's
+    recommendations went too, so the pass after a failed 2 -> 4 scale-up scaled down to 1
+    on the first dip, with the window (300 s) full of recommendations of 4."""
+    kube = RefusingKube(1, KubeError(500, "etcdserver: request timed out"))
+    clock, events = Clock(), []
+    pods = [("chat-a", "127.0.0.2"), ("chat-b", "127.0.0.3")]
+    world(kube, redis, 2, pods, scaleDownWindowSeconds=300)
+    daemons = [servers.add(pod, ip) for pod, ip in pods]
+    for pod, _ in pods:  # a request each: the marked pod is busy, no idle release
+        heartbeat(redis, pod, running=1, num_cached_blocks=10)
+    scaler = make(kube, clock)
+    tick(scaler, kube, events)
+    for d in daemons:
+        d.serve_requests(n=50, prompt=120, cached=20, out=8, ttft=0.9)
+    clock.t += 1
+    (out,) = tick(scaler, kube, events)
+    assert out.decision.reason.value == "ScaledUp" and out.failure is not None
+    assert replicas(kube) == 2
+    clock.t += 1
+    (out,) = tick(scaler, kube, events)  # the load is gone
+    assert replicas(kube) == 2, out.decision.message
+    assert out.decision.reason.value == "ScaleDownStabilizing", out.decision.message
