@@ -31,7 +31,7 @@ def _daemon_text(n: int, ttft: float) -> str:
 def test_a_histogram_whose_buckets_are_not_cumulative_makes_the_pod_unknown() -> None:
     """Ten requests at 2 s, but the le="0.1" bucket says 100 (a broken exporter, or series
     of different bucket layouts summed): the cumulative counts go down from 0.1 to 0.25.
-    It was read as a TTFT p95 of 9.5 ms, a comfortable SLO that the planner's capacity
+    It was read as a TTFT p95 of 82 ms, a comfortable SLO that the planner's capacity
     probe then learns from (+3% per pass)."""
     text = _daemon_text(10, ttft=2.0)
     snap = parse_metrics(text, t=0.0)
