@@ -147,6 +147,11 @@ class RoleMemory:
     # What the learned capacities are capacities at: the SLO targets and the spec's hints
     # they were learned from (None: not known yet, keep them).
     capacity_basis: tuple[float | None, ...] | None = None
+    # The latest decision as ScalingActive sees it (every autoscaled role counts, decided
+    # in this pass or not): its reason, why it could not be applied, what it could not see.
+    reason_note: str = ""
+    failure_note: str | None = None
+    blind_note: tuple[str, tuple[str, ...]] | None = None
 
 
 @dataclass(slots=True)
@@ -798,40 +803,36 @@ class Autoscaler:
                     auto["decodeTokensPerSecond"] = round(d.state.decode_capacity, 3)
                 entry["autoscaling"] = auto
             status["roles"] = roles
-            status["conditions"] = self._conditions(status, outcomes, redis_err, fresh)
+            for out in outcomes:
+                mem = self.memory[(namespace, name, out.role)]
+                mem.failure_note = out.failure
+                mem.blind_note = _blind_note(out, redis_err)
+                mem.reason_note = out.decision.reason.value
+            latest = sorted((k[2], m) for k, m in self.memory.items() if k[:2] == (namespace, name))
+            status["conditions"] = self._conditions(status, latest, fresh)
             if status != (fresh.get("status") or {}):
                 self.kube.patch_status(INFERENCE_SERVICE, namespace, name, status)
         except KubeError as exc:
             log.warning("%s/%s: writing the autoscaler status failed: %s", namespace, name, exc)
 
     def _conditions(
-        self,
-        status: Manifest,
-        outcomes: list[RoleOutcome],
-        redis_err: str | None,
-        fresh: Manifest,
+        self, status: Manifest, roles: list[tuple[str, RoleMemory]], fresh: Manifest
     ) -> list[Manifest]:
+        """ScalingActive over every autoscaled role's latest decision (not only the roles
+        decided in this pass: roles on different intervals flapped it)."""
         prev = list(status.get("conditions", []) or [])
-        blind = [o for o in outcomes if o.blind]
-        failed = [o.failure for o in outcomes if o.failure]
+        failed = [m.failure_note for _, m in roles if m.failure_note]
+        blind = [m.blind_note for _, m in roles if m.blind_note]
         if failed:
             # What it decided is not what the Deployments ask for: that first.
             reason, message = SCALING_FAILED, "; ".join(failed)[:1500]
         elif blind:
-            problems: list[str] = []
-            if redis_err:
-                problems.append(redis_err)
-            for o in blind:
-                errs = [f"{p.name}: {p.error}" for p in o.inputs.unknown if p.error]
-                problems.append(f"{o.role}: {o.decision.message}")
-                problems += errs[:3]
-            reason = blind[0].decision.reason.value
+            reason = blind[0][0]
+            problems = [p for _, role_problems in blind for p in role_problems]
             message = "; ".join(dict.fromkeys(problems))[:1500]
         else:
-            reason, message = (
-                "Active",
-                ", ".join(f"{o.role}: {o.decision.reason.value}" for o in outcomes),
-            )
+            reason = "Active"
+            message = ", ".join(f"{role}: {m.reason_note}" for role, m in roles if m.reason_note)
         cond = condition(
             SCALING_ACTIVE,
             not blind and not failed,
@@ -841,3 +842,12 @@ class Autoscaler:
             prev,
         )
         return [c for c in prev if c.get("type") != SCALING_ACTIVE] + [cond]
+
+
+def _blind_note(out: RoleOutcome, redis_err: str | None) -> tuple[str, tuple[str, ...]] | None:
+    """(reason, problems) of a decision on inputs it could not trust, for ScalingActive."""
+    if not out.blind:
+        return None
+    errs = [f"{p.name}: {p.error}" for p in out.inputs.unknown if p.error]
+    problems = [*([redis_err] if redis_err else []), f"{out.role}: {out.decision.message}"]
+    return out.decision.reason.value, (*problems, *errs[:3])

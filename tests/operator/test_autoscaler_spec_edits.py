@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from fake_kube import FakeKube
 from fake_prometheus import FakePrometheus, vector
-from test_autoscaler import NAME, NS, Clock, status_of, tick, world
+from test_autoscaler import NAME, NS, Clock, scaling_active, status_of, tick, world
 
 from pagefleet.dev.redis_server import LocalRedis
 from pagefleet.operator.autoscaler import Autoscaler, AutoscalerSettings
@@ -93,3 +93,73 @@ def test_a_new_slo_or_capacity_hint_replaces_the_capacity_learned_for_the_old_on
         assert idle_pass() == pytest.approx(2000.0)
     finally:
         prom.close()
+
+
+def test_roles_on_different_intervals_do_not_flap_the_condition(redis: str) -> None:
+    """ScalingActive was computed from the roles decided in this pass only. With prefill
+    every 3 s and decode every 1 s, a prefill problem (its pod has no series in Prometheus)
+    set it False on prefill's passes and the decode-only passes between set it True again:
+    a condition (and any alert on it) flapping while the problem lasted."""
+    auto = {
+        "minReplicas": 1,
+        "maxReplicas": 4,
+        "scaleUpWindowSeconds": 0,
+        "scaleDownWindowSeconds": 0,
+        "prefillTokensPerSecond": 1000,
+        "decodeTokensPerSecond": 1000,
+    }
+    spec = {
+        "model": {"source": {"path": "tiny"}},
+        "roles": {
+            "prefill": {"autoscaling": {**auto, "intervalSeconds": 3}},
+            "decode": {"autoscaling": {**auto, "intervalSeconds": 1}},
+        },
+        "index": {"redisURL": redis},
+        "slo": {"ttftMs": 500, "tpotMs": 100, "percentile": 95},
+    }
+    kube, clock, events = FakeKube(), Clock(), []
+    kube.add(
+        {"kind": "InferenceService", "metadata": {"name": NAME, "namespace": NS}, "spec": spec}
+    )
+    for role, pod, ip in (("prefill", "chat-p0", "127.0.0.2"), ("decode", "chat-d0", "127.0.0.3")):
+        labels = {"pagefleet.io/service": NAME, "pagefleet.io/role": role}
+        kube.add(
+            {
+                "kind": "Deployment",
+                "metadata": {"name": f"{NAME}-{role}", "namespace": NS, "labels": labels},
+                "spec": {"replicas": 1},
+            }
+        )
+        kube.add(
+            {
+                "kind": "Pod",
+                "metadata": {"name": pod, "namespace": NS, "labels": labels},
+                "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]},
+            }
+        )
+
+    def answer(query: str) -> bytes:
+        if "histogram_quantile" in query:
+            return vector({})
+        return vector({"chat-d0": 0.0})  # chat-p0: not scraped (a PodMonitor misses it)
+
+    prom = FakePrometheus()
+    prom.answer = answer
+    try:
+        scaler = Autoscaler(
+            kube,
+            BuildSettings(),
+            AutoscalerSettings(scrape_timeout_s=1.0, prometheus_url=prom.url),
+            OperatorMetrics(),
+            clock=clock,
+        )
+        seen = []
+        for _ in range(6):
+            roles = sorted(o.role for o in tick(scaler, kube, events))
+            cond = scaling_active(kube)
+            seen.append((roles, cond["status"]))
+            clock.t += 1
+    finally:
+        prom.close()
+    assert {s for _, s in seen} == {"False"}, seen
+    assert "chat-p0" in scaling_active(kube)["message"]
