@@ -235,3 +235,91 @@ def test_load_step_scales_out_and_back_removing_the_marked_pod(
     eventually(
         lambda: live_pods(kube, namespace, "pagefleet.io/service=auto") == [], 120, "cleanup"
     )
+
+
+def test_an_operator_killed_mid_scale_keeps_the_scale_down_hold(
+    cluster: ControlPlane,
+    kube: KubeClient,
+    namespace: str,
+    autoscaling_operator: tuple[OperatorProcess, int],
+    redis_url: str,  # noqa: F811
+) -> None:
+    """The planner's memory lived only in the operator: one killed (an OOM kill, a node
+    lost) while a scale-down was held scaled down on its successor's first decision. The
+    successor recalls the count as the window's recommendation from status. Here 3 idle
+    pods, minReplicas lowered 3 -> 1: held for idle_release_s (20 s) after the last
+    recommendation of 3; the operator is killed and restarted inside that hold."""
+    operator, _ = autoscaling_operator
+    model = tiny_checkpoint()
+    gw_kubeconfig = gateway_kubeconfig(cluster, namespace, "hold")
+    auto = {
+        "minReplicas": 3,
+        "maxReplicas": 3,
+        "intervalSeconds": 1,
+        "scaleUpWindowSeconds": 0,
+        "scaleDownWindowSeconds": 600,
+        "prefillTokensPerSecond": 40,
+        "decodeTokensPerSecond": 20,
+    }
+    spec = {
+        "model": {"source": {"path": model}, "servedModelName": "tiny"},
+        "command": [PAGEFLEET],
+        "engine": {"kvCacheMemoryMB": 16, "maxNumSeqs": 8},
+        "roles": {"unified": {"autoscaling": auto}},
+        "router": {"replicas": 1, "env": [{"name": "KUBECONFIG", "value": str(gw_kubeconfig)}]},
+        "index": {"redisURL": redis_url},
+        "slo": {"ttftMs": 2000, "tpotMs": 500},
+    }
+    apply_service(cluster, kube, namespace, "hold", spec)
+    selector = "pagefleet.io/service=hold,pagefleet.io/role=unified"
+    path = f"/apis/pagefleet.io/v1alpha1/namespaces/{namespace}/inferenceservices/hold"
+    dep_path = f"/apis/apps/v1/namespaces/{namespace}/deployments/hold-unified"
+
+    def three_ready() -> bool:
+        pods = live_pods(kube, namespace, selector)
+        return len(pods) == 3 and all(pod_ready(p) for p in pods)
+
+    eventually(three_ready, 240, "3 Ready daemons")
+    eventually(
+        lambda: _autoscaling(get_is(kube, namespace, "hold")).get("reason") == "Steady",
+        60,
+        "a decision on the 3 idle pods",
+    )
+    kube.merge_patch(path, {"spec": {"roles": {"unified": {"autoscaling": {"minReplicas": 1}}}}})
+    eventually(
+        lambda: (
+            _autoscaling(get_is(kube, namespace, "hold")).get("reason") == "ScaleDownStabilizing"
+        ),
+        15,
+        "the scale-down held",
+    )
+    # A decision stamped after this one is the successor's (stamps have 1 s resolution).
+    restart_stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 1))
+    operator.kill()
+    operator.start()
+
+    def decided_since_restart() -> dict[str, Any] | None:
+        auto = _autoscaling(get_is(kube, namespace, "hold"))
+        stamp = auto.get("lastDecisionTime", "")
+        fresh = stamp >= restart_stamp and auto.get("reason") != "InputsUnknown"
+        return auto if fresh else None
+
+    # Watch the count until a second after the successor's first decision on known inputs
+    # (its hold lasts 20 s from its first pass): it must not move.
+    seen: list[int] = []
+    decided: dict[str, Any] | None = None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        seen.append(kube.get(dep_path)["spec"]["replicas"])
+        if decided is not None:
+            break
+        decided = decided_since_restart()
+        time.sleep(0.5)
+    assert decided is not None, "no decision by the restarted operator within 60 s"
+    assert set(seen) == {3}, f"scaled down right after the restart: {seen}, {decided}"
+    assert decided["reason"] == "ScaleDownStabilizing", decided
+    operator.check_alive()
+    cluster.kubectl("delete", "infsvc", "hold", "-n", namespace, "--wait=false")
+    eventually(
+        lambda: live_pods(kube, namespace, "pagefleet.io/service=hold") == [], 120, "cleanup"
+    )

@@ -25,7 +25,7 @@ import base64
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -61,15 +61,17 @@ from pagefleet.operator.naming import (
 from pagefleet.operator.planner import Decision, PlannerConfig, PlannerState, Reason, decide
 from pagefleet.operator.promql import role_inputs
 from pagefleet.operator.signals import (
+    WARMING,
     Arrivals,
     PodReport,
     PodSnapshot,
     RoleInputs,
-    cheapest_pod,
+    cheapest_pods,
     delta,
     gateway_arrivals,
     observe_role,
     parse_gateway_metrics,
+    restarted,
 )
 from pagefleet.operator.status import condition
 
@@ -82,9 +84,33 @@ DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 # The cheapest pod gets this cost; every other pod has the default 0 (or ours removed).
 VICTIM_COST = "-1000"
 SCALING_ACTIVE = "ScalingActive"
-WARMING = "first scrape (or a restart): its rates are known from the next interval"
+SCALING_FAILED = "ScalingFailed"
 # Reasons that mean the planner could not trust its inputs.
 _BLIND = {Reason.UNKNOWN_INPUTS, Reason.PARTIAL_INPUTS, Reason.NO_SLO}
+# Reasons for keeping the count on known inputs. A load near a boundary moves a steady
+# fleet between them every few passes (Steady <-> ScaleDownStabilizing): the status says
+# which; an Event per move was one nearly every pass.
+_HOLDING = {
+    Reason.STEADY.value,
+    Reason.UP_WINDOW.value,
+    Reason.DOWN_WINDOW.value,
+    Reason.WAITING_FOR_REPLICAS.value,
+    Reason.CAPACITY_UNKNOWN.value,
+}
+_MOVES = {
+    r.value for r in (Reason.SCALED_UP, Reason.SCALED_DOWN, Reason.BELOW_MIN, Reason.ABOVE_MAX)
+}
+
+
+def _newsworthy(decision: Decision, last_reason: str) -> bool:
+    """Post an Event: every change of the count; every other change of reason, except from
+    one holding reason (or a change just announced) to a holding reason."""
+    reason = decision.reason.value
+    if decision.changed:
+        return True
+    if reason == last_reason:
+        return False
+    return reason not in _HOLDING or last_reason not in _HOLDING | _MOVES
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +141,17 @@ class RoleMemory:
     last_decision: float | None = None  # monotonic
     last_reason: str = ""
     last_scale_wall: str | None = None
+    # The error of the last pass's failed write (None: it succeeded): one Event per new
+    # error, not one per pass while the same refusal lasts.
+    last_failure: str | None = None
+    # What the learned capacities are capacities at: the SLO targets and the spec's hints
+    # they were learned from (None: not known yet, keep them).
+    capacity_basis: tuple[float | None, ...] | None = None
+    # The latest decision as ScalingActive sees it (every autoscaled role counts, decided
+    # in this pass or not): its reason, why it could not be applied, what it could not see.
+    reason_note: str = ""
+    failure_note: str | None = None
+    blind_note: tuple[str, tuple[str, ...]] | None = None
 
 
 @dataclass(slots=True)
@@ -122,7 +159,14 @@ class RoleOutcome:
     role: str
     decision: Decision
     inputs: RoleInputs
-    victim: str | None = None
+    victims: list[str] = field(default_factory=list)  # marked to go, cheapest first
+    failure: str | None = None  # the decision could not be applied: why
+    last_scale_before: float | None = None  # the planner's last scale time before deciding
+
+    @property
+    def victim(self) -> str | None:
+        """The cheapest of the pods a scale-down removes."""
+        return self.victims[0] if self.victims else None
 
     @property
     def blind(self) -> bool:
@@ -142,6 +186,14 @@ def _now_rfc3339() -> str:
 def _pod_ready(pod: Manifest) -> bool:
     conds = (pod.get("status") or {}).get("conditions") or []
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
+
+
+def _ready_for_s(pod: Manifest, wall: datetime) -> float | None:
+    """How long the pod has been Ready (None: not Ready, or no transition time)."""
+    for c in (pod.get("status") or {}).get("conditions") or []:
+        if c.get("type") == "Ready" and c.get("status") == "True":
+            return _rfc3339_age(c.get("lastTransitionTime"), wall)
+    return None
 
 
 def slo_targets(spec: InferenceServiceSpec) -> SLOSpec:
@@ -176,6 +228,40 @@ def planner_config(
         observation_window_s=observation_window_s,
         startup_s=auto.replica_startup_seconds,
     )
+
+
+def _rfc3339_age(stamp: object, wall: datetime) -> float | None:
+    """Seconds from an RFC 3339 UTC stamp (as _now_rfc3339 writes) to ``wall``; None when
+    it is not one. Never negative (a clock stepped back)."""
+    try:
+        then = datetime.strptime(str(stamp), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+    except ValueError:
+        return None
+    return max(0.0, (wall - then).total_seconds())
+
+
+def _positive(value: object) -> float | None:
+    return float(value) if isinstance(value, int | float) and value > 0 else None
+
+
+def recalled_memory(auto: Manifest | None, current: int, now: float, wall: datetime) -> RoleMemory:
+    """A role's memory when this operator has none (it restarted), from what an earlier one
+    wrote to ``status.roles[*].autoscaling``: the last scale time (so the scale-up window
+    still runs), the learned capacities, and the current count as the scale-down window's
+    one recommendation, made now (the fleet was sized by recommendations this process never
+    saw; without it the first pass of a dip scaled down at once). ``auto`` None: the role
+    never autoscaled, there is nothing to recall."""
+    if not auto:
+        return RoleMemory()
+    age = _rfc3339_age(auto.get("lastScaleTime"), wall)
+    state = PlannerState(
+        last_scale_time=None if age is None else now - age,
+        prefill_capacity=_positive(auto.get("prefillTokensPerSecond")),
+        decode_capacity=_positive(auto.get("decodeTokensPerSecond")),
+        history=((now, current),),
+    )
+    stamp = auto.get("lastScaleTime") if age is not None else None
+    return RoleMemory(state=state, last_scale_wall=None if stamp is None else str(stamp))
 
 
 class Autoscaler:
@@ -309,6 +395,7 @@ class Autoscaler:
             deploy = deploys.get(names.role(role))
             if deploy is None:
                 continue  # the reconciler creates it; decide once it exists
+            self._recall(namespace, name, role, body, deploy, now)
             if role in from_prometheus:
                 outcome = self._decide(
                     namespace, name, role, spec, has_slo, from_prometheus[role], now
@@ -340,6 +427,22 @@ class Autoscaler:
         return outcomes
 
     # ------------------------------------------------------------------------------------
+
+    def _recall(
+        self, namespace: str, name: str, role: str, body: Manifest, deploy: Manifest, now: float
+    ) -> None:
+        """Give a role this operator has no memory of the one its status records."""
+        key = (namespace, name, role)
+        if key in self.memory:
+            return
+        entries = (body.get("status") or {}).get("roles") or []
+        entry = next((r for r in entries if isinstance(r, dict) and r.get("name") == role), {})
+        auto = entry.get("autoscaling")
+        current = int((deploy.get("spec") or {}).get("replicas", 1))
+        wall = datetime.now(UTC)
+        self.memory[key] = recalled_memory(
+            auto if isinstance(auto, dict) else None, current, now, wall
+        )
 
     def _redis_credentials(
         self, namespace: str, spec: InferenceServiceSpec
@@ -441,6 +544,10 @@ class Autoscaler:
                 new = scrape.snapshot
                 horizon = new.t - self.settings.rate_window_s
                 history = mem.snapshots.get(uid, [])
+                if history and restarted(history[-1], new):
+                    # Rates span only the new process: every delta from an older scrape
+                    # would go backwards (unknown for the whole window) or be diluted.
+                    history = []
                 # At least the previous scrape, when the window is shorter than a tick.
                 kept = [s for s in history if s.t >= horizon] or history[-1:]
                 seen[uid] = [*kept, new]
@@ -498,10 +605,23 @@ class Autoscaler:
     ) -> RoleOutcome:
         mem = self.memory.setdefault((namespace, name, role), RoleMemory())
         cfg = planner_config(role, spec, has_slo, self.settings.rate_window_s)
+        basis = (
+            cfg.ttft_s,
+            cfg.tpot_s,
+            cfg.slo_quantile,
+            cfg.prefill_capacity_hint,
+            cfg.decode_capacity_hint,
+        )
+        if mem.capacity_basis is not None and basis != mem.capacity_basis:
+            # A capacity at the old SLO is wrong at the new one, and the learned figure
+            # began as the old hint (an edited hint was never used): start from the spec.
+            mem.state = replace(mem.state, prefill_capacity=None, decode_capacity=None)
+        mem.capacity_basis = basis
+        before = mem.state.last_scale_time
         decision = decide(cfg, inputs.observation, mem.state, now)
         mem.state = decision.state
         mem.last_decision = now
-        return RoleOutcome(role, decision, inputs)
+        return RoleOutcome(role, decision, inputs, last_scale_before=before)
 
     def _query_prometheus(
         self,
@@ -515,6 +635,17 @@ class Autoscaler:
         cached: dict[str, int],
     ) -> dict[str, RoleInputs]:
         roles = [r for r, _ in due if names.role(r) in deploys]
+        # Pods Ready for less than this may have no series yet: Prometheus discovers and
+        # scrapes a new pod within its scrape interval, and rate() wants two samples in the
+        # window; a window that works at all spans two scrape intervals.
+        warmup_s = max(60.0, 2 * self.settings.rate_window_s)
+        wall = datetime.now(UTC)
+        warming = {
+            p["metadata"]["name"]
+            for pods in pods_by_role.values()
+            for p in pods
+            if (age := _ready_for_s(p, wall)) is not None and age < warmup_s
+        }
 
         async def all_roles() -> list[RoleInputs]:
             return await asyncio.gather(
@@ -529,6 +660,7 @@ class Autoscaler:
                         slo_targets(spec).percentile,
                         self.settings.scrape_timeout_s,
                         cached,
+                        warming,
                     )
                     for r in roles
                 )
@@ -551,26 +683,41 @@ class Autoscaler:
         deploy_name = names.role(outcome.role)
         try:
             if d.desired < obs.current:
-                outcome.victim = self._mark_victim(namespace, pods, outcome.inputs)
+                outcome.victims = self._mark_victims(
+                    namespace, pods, outcome.inputs, obs.current - d.desired
+                )
             if d.desired != obs.current:
                 self.kube.merge_patch(
                     DEPLOYMENT, namespace, deploy_name, {"spec": {"replicas": d.desired}}
                 )
                 mem.last_scale_wall = _now_rfc3339()
         except KubeError as exc:
-            # Not applied: forget that it was, so the next tick decides afresh.
-            mem.state = PlannerState(
-                prefill_capacity=d.state.prefill_capacity,
-                decode_capacity=d.state.decode_capacity,
-                mean_prompt_tokens=d.state.mean_prompt_tokens,
-            )
+            # Not applied: the count did not move, so neither did the last scale time; all
+            # else the pass learned stands (the scale-down window's recommendations above
+            # all: without them the next dip scaled down at once).
+            mem.state = replace(d.state, last_scale_time=outcome.last_scale_before)
             log.warning("%s/%s %s: scaling failed: %s", namespace, name, outcome.role, exc)
-            record("Warning", "ScalingFailed", f"{outcome.role}: {exc}")
+            outcome.failure = (
+                f"{outcome.role}: applying {obs.current} -> {d.desired} replicas failed "
+                f"(HTTP {exc.status}): {exc}; retrying every pass"
+            )
+            if str(exc) != mem.last_failure:
+                record("Warning", SCALING_FAILED, f"{outcome.role}: {exc}")
+            mem.last_failure = str(exc)
             return
+        mem.last_failure = None
+        if d.desired >= obs.current and len(pods) <= obs.current:
+            # No scale-down asked for, none under way (no pod beyond the count): a mark left
+            # by one that did not happen (its write failed) would make that pod the first to
+            # go in the next scale-down by anyone, whatever it holds by then.
+            self._clear_marks(namespace, name, pods)
         if self.metrics is not None:
             self.metrics.record_decision(namespace, name, outcome.role, obs, d)
-        victim = f"; removing pod {outcome.victim} (cheapest)" if outcome.victim else ""
-        if d.changed or d.reason.value != mem.last_reason:
+        victim = ""
+        if outcome.victims:
+            plural = "s" if len(outcome.victims) > 1 else ""
+            victim = f"; removing pod{plural} {', '.join(outcome.victims)} (cheapest)"
+        if _newsworthy(d, mem.last_reason):
             kind = "Warning" if outcome.blind else "Normal"
             record(kind, d.reason.value, f"{outcome.role}: {d.message}{victim}")
         mem.last_reason = d.reason.value
@@ -586,22 +733,41 @@ class Autoscaler:
             victim,
         )
 
-    def _mark_victim(self, namespace: str, pods: list[Manifest], inputs: RoleInputs) -> str | None:
-        """Annotate the cheapest pod with a low deletion cost; clear our mark elsewhere."""
+    def _mark_victims(
+        self, namespace: str, pods: list[Manifest], inputs: RoleInputs, count: int
+    ) -> list[str]:
+        """Annotate the ``count`` cheapest pods with a low deletion cost (a scale-down by
+        more than one, maxReplicas lowered, removes that many: each one the planner's
+        choice, not the ReplicaSet's); clear our mark elsewhere."""
         ready = {p["metadata"]["name"]: _pod_ready(p) for p in pods}
         by_name = {r.name: r for r in inputs.pods}
         reports = [by_name.get(n) or PodReport(n) for n in ready]
-        victim = cheapest_pod(reports, ready)
+        victims = cheapest_pods(reports, ready, count)
         for pod in pods:
             pname = pod["metadata"]["name"]
             marked = (pod["metadata"].get("annotations") or {}).get(DELETION_COST)
-            if pname == victim and marked != VICTIM_COST:
+            if pname in victims and marked != VICTIM_COST:
                 patch = {"metadata": {"annotations": {DELETION_COST: VICTIM_COST}}}
                 self.kube.merge_patch(POD, namespace, pname, patch)
-            elif pname != victim and marked == VICTIM_COST:
+            elif pname not in victims and marked == VICTIM_COST:
                 patch = {"metadata": {"annotations": {DELETION_COST: None}}}
                 self.kube.merge_patch(POD, namespace, pname, patch)
-        return victim
+        return victims
+
+    def _clear_marks(self, namespace: str, name: str, pods: list[Manifest]) -> None:
+        """Remove our deletion-cost mark from every pod; best effort (the next pass retries),
+        never in the way of the decision's own writes."""
+        for pod in pods:
+            if (pod["metadata"].get("annotations") or {}).get(DELETION_COST) != VICTIM_COST:
+                continue
+            patch = {"metadata": {"annotations": {DELETION_COST: None}}}
+            try:
+                self.kube.merge_patch(POD, namespace, pod["metadata"]["name"], patch)
+            except KubeError as exc:
+                log.warning(
+                    "%s/%s: clearing the deletion cost of pod %s failed, retrying next pass: %s",
+                    namespace, name, pod["metadata"]["name"], exc,
+                )  # fmt: skip
 
     def _write_status(
         self, namespace: str, name: str, outcomes: list[RoleOutcome], redis_err: str | None
@@ -637,42 +803,51 @@ class Autoscaler:
                     auto["decodeTokensPerSecond"] = round(d.state.decode_capacity, 3)
                 entry["autoscaling"] = auto
             status["roles"] = roles
-            status["conditions"] = self._conditions(status, outcomes, redis_err, fresh)
+            for out in outcomes:
+                mem = self.memory[(namespace, name, out.role)]
+                mem.failure_note = out.failure
+                mem.blind_note = _blind_note(out, redis_err)
+                mem.reason_note = out.decision.reason.value
+            latest = sorted((k[2], m) for k, m in self.memory.items() if k[:2] == (namespace, name))
+            status["conditions"] = self._conditions(status, latest, fresh)
             if status != (fresh.get("status") or {}):
                 self.kube.patch_status(INFERENCE_SERVICE, namespace, name, status)
         except KubeError as exc:
             log.warning("%s/%s: writing the autoscaler status failed: %s", namespace, name, exc)
 
     def _conditions(
-        self,
-        status: Manifest,
-        outcomes: list[RoleOutcome],
-        redis_err: str | None,
-        fresh: Manifest,
+        self, status: Manifest, roles: list[tuple[str, RoleMemory]], fresh: Manifest
     ) -> list[Manifest]:
+        """ScalingActive over every autoscaled role's latest decision (not only the roles
+        decided in this pass: roles on different intervals flapped it)."""
         prev = list(status.get("conditions", []) or [])
-        blind = [o for o in outcomes if o.blind]
-        if blind:
-            problems: list[str] = []
-            if redis_err:
-                problems.append(redis_err)
-            for o in blind:
-                errs = [f"{p.name}: {p.error}" for p in o.inputs.unknown if p.error]
-                problems.append(f"{o.role}: {o.decision.message}")
-                problems += errs[:3]
-            reason = blind[0].decision.reason.value
+        failed = [m.failure_note for _, m in roles if m.failure_note]
+        blind = [m.blind_note for _, m in roles if m.blind_note]
+        if failed:
+            # What it decided is not what the Deployments ask for: that first.
+            reason, message = SCALING_FAILED, "; ".join(failed)[:1500]
+        elif blind:
+            reason = blind[0][0]
+            problems = [p for _, role_problems in blind for p in role_problems]
             message = "; ".join(dict.fromkeys(problems))[:1500]
         else:
-            reason, message = (
-                "Active",
-                ", ".join(f"{o.role}: {o.decision.reason.value}" for o in outcomes),
-            )
+            reason = "Active"
+            message = ", ".join(f"{role}: {m.reason_note}" for role, m in roles if m.reason_note)
         cond = condition(
             SCALING_ACTIVE,
-            not blind,
+            not blind and not failed,
             reason,
             message,
             fresh["metadata"].get("generation", 0),
             prev,
         )
         return [c for c in prev if c.get("type") != SCALING_ACTIVE] + [cond]
+
+
+def _blind_note(out: RoleOutcome, redis_err: str | None) -> tuple[str, tuple[str, ...]] | None:
+    """(reason, problems) of a decision on inputs it could not trust, for ScalingActive."""
+    if not out.blind:
+        return None
+    errs = [f"{p.name}: {p.error}" for p in out.inputs.unknown if p.error]
+    problems = [*([redis_err] if redis_err else []), f"{out.role}: {out.decision.message}"]
+    return out.decision.reason.value, (*problems, *errs[:3])

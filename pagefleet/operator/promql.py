@@ -10,14 +10,16 @@ is unknown, never idle; a query that fails makes every pod unknown.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
+from collections.abc import Collection
 from typing import Any
 
 import aiohttp
 
 from pagefleet.kvindex.index import PodLoad
 from pagefleet.operator.planner import RoleObservation
-from pagefleet.operator.signals import PodReport, RoleInputs
+from pagefleet.operator.signals import WARMING, PodReport, RoleInputs, victim_requests
 
 _PER_POD = {
     "prompt": "sum by (pod) (rate(vllm:prompt_tokens_total{S}[W]))"
@@ -58,12 +60,38 @@ def queries(
     return out
 
 
+_URL_HINT = "is --prometheus-url the server's base URL, e.g. http://prometheus.monitoring:9090?"
+
+
 async def _query(session: aiohttp.ClientSession, base: str, expr: str) -> list[dict[str, Any]]:
     async with session.get(f"{base.rstrip('/')}/api/v1/query", params={"query": expr}) as resp:
-        body = await resp.json(content_type=None)
-    if resp.status != 200 or body.get("status") != "success":
-        raise ValueError(f"HTTP {resp.status}: {body.get('error', body)}")
-    result: list[dict[str, Any]] = body["data"]["result"]
+        text = await resp.text(errors="replace")
+    try:
+        body = json.loads(text)
+    except ValueError:
+        raise ValueError(
+            f"HTTP {resp.status}, not a Prometheus API answer: {text[:200]!r} ({_URL_HINT})"
+        ) from None
+    ok = isinstance(body, dict) and resp.status == 200 and body.get("status") == "success"
+    if not ok:
+        said = body.get("error", body) if isinstance(body, dict) else body
+        raise ValueError(f"HTTP {resp.status}: {str(said)[:300]}")
+    return _vector(body)
+
+
+def _vector(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The samples of an instant-vector answer; ValueError when the answer is not one (a
+    URL that reaches another JSON API, a proxy): that is an unknown, never a crash."""
+    data = body.get("data")
+    result = data.get("result") if isinstance(data, dict) else None
+    if not isinstance(result, list) or not all(
+        isinstance(s, dict)
+        and isinstance(s.get("metric", {}), dict)
+        and isinstance(s.get("value"), list)
+        and len(s["value"]) == 2
+        for s in result
+    ):
+        raise ValueError(f"not a Prometheus instant vector: {str(body)[:300]} ({_URL_HINT})")
     return result
 
 
@@ -85,8 +113,11 @@ async def role_inputs(
     percentile: float,
     timeout_s: float,
     cached_blocks: dict[str, int] | None = None,
+    warming: Collection[str] = (),
 ) -> RoleInputs:
-    """One role's observation from Prometheus (every query concurrently, one timeout)."""
+    """One role's observation from Prometheus (every query concurrently, one timeout).
+    ``warming``: pods Ready too recently to have series yet; one without them is unknown
+    as a new pod is in the scrape mode (held, no alarm), not as a problem."""
     reports = [PodReport(p) for p in pods]
     if not pods:
         obs = RoleObservation(current=current, ready=0, known_pods=0)
@@ -117,7 +148,11 @@ async def role_inputs(
         vals = per_pod[r.name]
         missing = [k for k in _PER_POD if k not in vals]
         if missing:
-            r.error = f"no Prometheus series for {', '.join(missing)} over the window"
+            r.error = (
+                WARMING
+                if r.name in warming
+                else f"no Prometheus series for {', '.join(missing)} over the window"
+            )
             continue
         r.load = PodLoad(
             running=int(vals["running"]),
@@ -146,5 +181,8 @@ async def role_inputs(
         kv_usage=sum(v["kv"] for v in known) / len(known) if known else 0.0,
         ttft_s=role_value("ttft"),
         tpot_s=role_value("tpot"),
+        # The requests on the pod a scale-down would remove, as in the scrape mode: an idle
+        # one lets the planner release it sooner (PlannerConfig.idle_release_s).
+        victim_requests=victim_requests(current, reports),
     )
     return RoleInputs(obs, reports)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from itertools import pairwise
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -29,6 +30,11 @@ _HISTOGRAMS = (TTFT, TPOT)
 GATEWAY_ARRIVALS = "pagefleet_gateway_arrivals"
 GATEWAY_ARRIVAL_PROMPT_TOKENS = "pagefleet_gateway_arrival_prompt_tokens"
 _GATEWAY_COUNTERS = (GATEWAY_ARRIVALS, GATEWAY_ARRIVAL_PROMPT_TOKENS)
+
+
+# Why a pod is unknown when it is only new (or just restarted): held, but no problem to
+# report (the autoscaler's condition and Events name only real ones).
+WARMING = "first scrape (or a restart): its rates are known from the next interval"
 
 
 class MetricsError(ValueError):
@@ -81,6 +87,11 @@ def _parse(
     values = [*counters.values(), *(v for b in buckets.values() for v in b.values())]
     if any(not math.isfinite(v) or v < 0 for v in values):
         raise MetricsError("a counter or bucket is negative or not finite")
+    for name, hist in buckets.items():
+        counts = [c for _, c in sorted(hist.items())]
+        if any(b < a for a, b in pairwise(counts)):
+            # Its percentiles would be garbage the planner believes (a low TTFT, say).
+            raise MetricsError(f"histogram {name}: bucket counts are not cumulative in le")
     return PodSnapshot(
         t=t,
         counters=counters,
@@ -140,6 +151,18 @@ def delta(old: PodSnapshot, new: PodSnapshot) -> PodDelta | None:
         requests=incs[TTFT].get(math.inf, 0.0),
         buckets=incs,
     )
+
+
+def restarted(old: PodSnapshot, new: PodSnapshot) -> bool:
+    """Some counter or bucket of ``new`` is below ``old``'s: the process behind the pod
+    restarted in between (its counters began again at zero), so no rate spans the two."""
+    if any(v < old.counters.get(k, 0.0) for k, v in new.counters.items()):
+        return True
+    for name, bounds in new.buckets.items():
+        before = dict(old.buckets.get(name, ()))
+        if any(c < before.get(le, 0.0) for le, c in bounds):
+            return True
+    return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,7 +264,7 @@ def observe_role(
         kv_usage=kv / len(known) if known else 0.0,
         ttft_s=quantile(q, merged[TTFT].items()),
         tpot_s=quantile(q, merged[TPOT].items()),
-        victim_requests=_victim_requests(current, reports),
+        victim_requests=victim_requests(current, reports),
     )
     if arrivals is not None and role != "prefill":
         obs = replace(
@@ -253,7 +276,7 @@ def observe_role(
     return RoleInputs(observation=obs, pods=reports)
 
 
-def _victim_requests(current: int, reports: list[PodReport]) -> int | None:
+def victim_requests(current: int, reports: list[PodReport]) -> int | None:
     """Requests on the pod a scale-down would remove (cheapest_pod's choice among the Ready
     ones); None when it is not known: its load is unknown, or a pod is not Ready (that one
     goes first, and dropping a start-up just asked for is no idle release)."""
@@ -267,6 +290,12 @@ def _victim_requests(current: int, reports: list[PodReport]) -> int | None:
 def cheapest_pod(reports: Iterable[PodReport], ready: Mapping[str, bool]) -> str | None:
     """The pod whose loss costs least: not Ready first, then fewest cached blocks in the
     index, then fewest running requests; ties by name (deterministic)."""
+    ranked = cheapest_pods(reports, ready, 1)
+    return ranked[0] if ranked else None
+
+
+def cheapest_pods(reports: Iterable[PodReport], ready: Mapping[str, bool], n: int) -> list[str]:
+    """The ``n`` pods whose loss costs least, cheapest first (cheapest_pod's order)."""
 
     def cost(p: PodReport) -> tuple[int, float, float, str]:
         load = p.load
@@ -274,5 +303,4 @@ def cheapest_pod(reports: Iterable[PodReport], ready: Mapping[str, bool]) -> str
         running = load.running + load.waiting if load else math.inf
         return (1 if ready.get(p.name, False) else 0, cached, running, p.name)
 
-    ranked = sorted(reports, key=cost)
-    return ranked[0].name if ranked else None
+    return [p.name for p in sorted(reports, key=cost)[: max(0, n)]]
