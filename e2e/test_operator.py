@@ -306,14 +306,21 @@ def test_children_are_owned_repaired_switched_and_collected(
     gw = deployment(kube, namespace, "ctl-gateway")
     cmd = gw["spec"]["template"]["spec"]["containers"][0]["command"]
     assert cmd[cmd.index("--service") + 1] == "ctl-decode"
+
     # The switch's own steps are no drift: the one repaired was the hand-edited image.
+    def drift_events() -> list[str]:
+        return [
+            e["message"]
+            for e in events_for(cluster, namespace, "ctl")
+            if e["reason"] == "DriftRepaired"
+        ]
+
+    # kopf posts Events from a queue: on a loaded machine the repair's Event can land
+    # seconds after the image was put back, so wait for it rather than a fixed time.
+    eventually(drift_events, 30, "a DriftRepaired Event for the hand-edited image")
     time.sleep(4)  # the pass the old roles' deletion triggers, and a resync
-    drift = [
-        e["message"]
-        for e in events_for(cluster, namespace, "ctl")
-        if e["reason"] == "DriftRepaired"
-    ]
-    assert drift and all("Deployment ctl-unified" in m for m in drift), drift
+    drift = drift_events()
+    assert all("Deployment ctl-unified" in m for m in drift), drift
 
     # Deleting the InferenceService garbage-collects every child.
     cluster.kubectl("delete", "infsvc", "ctl", "-n", namespace, "--wait=false")
