@@ -20,6 +20,7 @@ import click
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from pagefleet.api.body_budget import DEFAULT_MAX_INFLIGHT_BODY_MB
 from pagefleet.api.limits import DEFAULT_MAX_BODY_BYTES
 from pagefleet.api.model_names import default_served_model_name
 from pagefleet.gateway.policies import POLICY_NAMES, RoutingWeights
@@ -61,6 +62,7 @@ class GatewayConfig(BaseModel):
     log_level: str = "warning"
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024)
     max_concurrency: int = Field(1024, ge=1)
+    max_inflight_body_mb: int = Field(DEFAULT_MAX_INFLIGHT_BODY_MB, ge=1)
     max_response_bytes: int = Field(256 << 20, ge=1024)
     max_model_len: int | None = Field(None, ge=2)
     first_byte_timeout_s: float = Field(60.0, gt=0)
@@ -224,6 +226,7 @@ def build_gateway(config: GatewayConfig):  # -> Gateway (imports kept local for 
             client_write_timeout_s=config.client_write_timeout_s,
             max_body_bytes=config.max_body_bytes,
             max_concurrency=config.max_concurrency,
+            max_inflight_body_mb=config.max_inflight_body_mb,
             max_response_bytes=config.max_response_bytes,
             max_model_len=max_model_len,
             intake_workers=config.intake_workers,
@@ -444,6 +447,15 @@ def _split(value: str | None) -> list[str]:
     show_default=True,
     type=int,
     help="Requests open at once across the gateway; past it, 429 with Retry-After.",
+)
+@click.option(
+    "--max-inflight-body-mb",
+    default=DEFAULT_MAX_INFLIGHT_BODY_MB,
+    show_default=True,
+    type=int,
+    help="MiB of request bodies held at once across the gateway (never below one "
+    "--max-body-bytes body); a request that would pass it is a 503 with Retry-After, "
+    "decided before its body is read. Memory peaks at about twice this.",
 )
 @click.option(
     "--max-response-bytes",
