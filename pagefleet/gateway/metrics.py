@@ -132,7 +132,8 @@ class GatewayMetrics:
         self.rejected = Counter(
             p + "rejected_requests",
             "Requests the gateway answered itself without a pod, by reason: 429 concurrency; "
-            "503 body_budget, no_endpoints, intake_failed; 413 too_large; 408 body_timeout; "
+            "503 connections (refused at accept), body_budget, no_endpoints, intake_failed; "
+            "413 too_large; 408 body_timeout; "
             "404 model_not_found; 400 context_length, invalid.",
             ["reason"],
             registry=r,
