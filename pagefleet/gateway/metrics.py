@@ -48,6 +48,7 @@ class GatewayMetrics:
     upstream_latency_seconds: Histogram = field(init=False)
     index_errors: Counter = field(init=False)
     inflight: Gauge = field(init=False)
+    inflight_body_bytes: Gauge = field(init=False)
     overhead_seconds: Histogram = field(init=False)
     rejected: Counter = field(init=False)
     broken_streams: Counter = field(init=False)
@@ -122,6 +123,11 @@ class GatewayMetrics:
             registry=r,
         )
 
+        self.inflight_body_bytes = Gauge(
+            p + "inflight_body_bytes",
+            "Bytes of request bodies the open requests hold, against --max-inflight-body-mb.",
+            registry=r,
+        )
         self.overhead_seconds = Histogram(
             p + "overhead_seconds",
             "The gateway's own time per served request: parse, tokenize, index lookup and "

@@ -226,6 +226,8 @@ class Gateway:
             )
         self._auth = AuthPolicy(self.credentials, component="gateway")
         self._bodies = BodyBudget.of(self.proxy.max_inflight_body_mb, self.proxy.max_body_bytes)
+        bodies = self._bodies
+        self.metrics.inflight_body_bytes.set_function(lambda: bodies.held)
 
     # -- app ------------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -231,6 +232,11 @@ async def test_bodies_without_a_length_count_as_they_arrive(
             while upstream.hits < 2:
                 await asyncio.sleep(0.01)
         assert gw._bodies.held == 2 * len(body)
+        async with s.get(url + "/metrics") as r:
+            (gauge,) = re.findall(
+                r"^pagefleet_gateway_inflight_body_bytes (\S+)$", await r.text(), re.M
+            )
+            assert float(gauge) == 2 * len(body)
         async with s.post(url + "/v1/completions", data=_chunked(body)) as r:
             assert _is_overloaded_503(r.status, dict(r.headers), await r.read())
         assert gw._bodies.held == 2 * len(body)  # the refused one gave back what it took
