@@ -23,9 +23,8 @@ from dataclasses import dataclass, field
 MIB = 1 << 20
 DEFAULT_MAX_INFLIGHT_BODY_MB = 256
 """Default ``--max-inflight-body-mb``: 64 maximal (4 MiB) bodies at once, or 1024 of
-256 KiB. Under a flood of 4 MiB bodies the gateway's RSS grew by 1.5 to 2.6 times the
-budget (the body, its parsed copy, a pickled copy for an intake worker, and a large
-``user`` field back from it as a session key)."""
+256 KiB. Under a flood of 4 MiB bodies the gateway's RSS grew by about 1.5 times the
+budget (the body, and its parsed or pickled copies while the intake reads it)."""
 
 
 @dataclass(slots=True)

@@ -607,7 +607,7 @@ class RouterSpec(_Model):
     """MiB of request bodies each gateway pod holds at once (never less than one body of
     maxBodyBytes); a request that would pass it is a 503 with Retry-After, decided before
     its body is read (--max-inflight-body-mb). Under a flood of large bodies a pod's memory
-    grows by 1.5 to 2.6 times this: size its memory limit to fit."""
+    grew by about 1.5 times this: size its memory limit to fit."""
     termination_grace_period_seconds: int = Field(
         default=DEFAULT_TERMINATION_GRACE_S,
         ge=MIN_TERMINATION_GRACE_S,

@@ -471,8 +471,8 @@ def _split(value: str | None) -> list[str]:
     type=int,
     help="MiB of request bodies held at once across the gateway (never below one "
     "--max-body-bytes body); a request that would pass it is a 503 with Retry-After, "
-    "decided before its body is read. Under a flood of large bodies memory grows by up to "
-    "~2.6 times this.",
+    "decided before its body is read. Under a flood of large bodies memory grew by about "
+    "1.5 times this.",
 )
 @click.option(
     "--max-connections",

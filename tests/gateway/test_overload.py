@@ -26,6 +26,7 @@ from aiohttp import web
 
 from pagefleet.dev.process import free_port
 from pagefleet.gateway.discovery import StaticDiscovery
+from pagefleet.gateway.intake import inspect
 from pagefleet.gateway.policies import make_policy
 from pagefleet.gateway.router import Router
 from pagefleet.gateway.server import Gateway, ProxySettings
@@ -343,3 +344,17 @@ async def test_connections_past_the_open_files_limit_get_503s_not_an_accept_stor
     assert f'reason="connections"}} {float(len(refused))}' in metrics
     text = log.read_text()
     assert text.count("out of system resource") == 0 and len(text.splitlines()) < 20, text[-2000:]
+
+
+def test_a_huge_user_field_is_routed_on_its_digest_not_carried_whole() -> None:
+    """A body whose bulk is its ``user`` field came back from the intake (a worker's
+    answer, pickled) with that whole string as its session key and kept it for the
+    request's life: twice the body's size per request. Long keys become a fixed-size
+    digest, the same for the same user (affinity holds); short ones are kept as sent."""
+    big = json.dumps({"model": "tiny", "prompt": "hi", "user": "u" * (4 * MIB)}).encode()
+    other = json.dumps({"model": "tiny", "prompt": "hi", "user": "v" * (4 * MIB)}).encode()
+    a, b, c = (inspect("completion", x, None, 4096) for x in (big, big, other))
+    assert a.error is None and a.session_key is not None and len(a.session_key) < 100
+    assert a.session_key == b.session_key != c.session_key
+    short = inspect("completion", json.dumps({"prompt": "hi", "user": "alice"}).encode(), None, 0)
+    assert short.session_key == "alice"
