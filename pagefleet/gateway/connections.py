@@ -130,6 +130,21 @@ class ConnectionGate:
     ) -> None:
         self.server = server
         self.max_connections = max_connections
+        # Counted here rather than by len(server.connections), which copies the list of
+        # every open connection on each accept (O(n): at 300k connections, ~1 ms each).
+        self.open = len(server.connections)
+        made, lost = server.connection_made, server.connection_lost
+
+        def on_made(handler: Any, transport: asyncio.Transport) -> None:
+            self.open += 1
+            made(handler, transport)
+
+        def on_lost(handler: Any, exc: BaseException | None = None) -> None:
+            self.open -= 1
+            lost(handler, exc)
+
+        server.connection_made = on_made  # type: ignore[method-assign]
+        server.connection_lost = on_lost  # type: ignore[method-assign]
         # Lingering refusals use a quarter of the reserve (the backlog takes half).
         self.max_refusing = max(1, files_reserve() // 4)
         self.refusing = 0
@@ -137,7 +152,7 @@ class ConnectionGate:
         self._on_refused = on_refused
 
     def __call__(self) -> asyncio.BaseProtocol:
-        if len(self.server.connections) >= self.max_connections:
+        if self.open >= self.max_connections:
             self._on_refused()
             return _Refuse(self)
         return self.server()
