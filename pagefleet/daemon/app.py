@@ -25,6 +25,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 import pagefleet
+from pagefleet.api.body_budget import BodyBudget
 from pagefleet.api.limits import body_not_decoded
 from pagefleet.api.openai import RequestValidationError
 from pagefleet.api.openapi import daemon_openapi
@@ -106,6 +107,7 @@ class Daemon:
             cost_per_hour=config.cost_per_hour,
         )
         self.admission = Admission(config.max_inflight, self.metrics)
+        self.bodies = BodyBudget.of(config.max_inflight_body_mb, config.max_body_bytes)
         self.engine_loop: EngineHandle | None = None
         self.publisher: KVEventPublisher | None = None
         self.zmq_events: ZmqKVEventPublisher | None = None  # --kv-events-zmq
@@ -293,11 +295,35 @@ class Daemon:
     ) -> web.StreamResponse:
         """Read a request's body whole within ``body_timeout_s`` of its headers (handlers
         then get it from aiohttp's cache): a client trickling a body held a handler and its
-        connection for as long as it kept sending, a byte now and then."""
-        if request.body_exists:
+        connection for as long as it kept sending, a byte now and then.
+
+        Before reading, the body must fit the body budget (``--max-inflight-body-mb``), else
+        a 503 with Retry-After: admission counts requests only once their bodies are read
+        and parsed, so a flood of large bodies was held whole, however many. A length not
+        declared, or compressed, reserves the cap until the body is read (aiohttp's
+        ``read`` cannot be counted as it goes)."""
+        if not request.body_exists:
+            return await handler(request)
+        cap = self.config.max_body_bytes
+        declared = request.content_length
+        exact = declared is not None and "Content-Encoding" not in request.headers
+        hold = self.bodies.hold()
+        # Over the cap: no reservation, request.read() raises aiohttp's 413 at once.
+        if not hold.grow_to(min(declared, cap) if exact and declared is not None else cap):
+            self.metrics.rejected("body_budget")
+            # The unread body is drained and dropped by aiohttp after this answer (its
+            # lingering close): the client, still sending, reads the 503, not a reset.
+            return APIError(
+                503,
+                self.bodies.refusal("daemon"),
+                type="server_error",
+                code="overloaded",
+                headers={"Retry-After": "1"},
+            ).response()
+        try:
             try:
                 async with asyncio.timeout(self.config.body_timeout_s):
-                    await request.read()
+                    body = await request.read()
             except TimeoutError:
                 self.metrics.rejected("body_timeout")
                 resp = APIError(
@@ -308,7 +334,12 @@ class Daemon:
                 ).response()
                 resp.force_close()  # the rest may still trickle in: no next request here
                 return resp
-        return await handler(request)
+            hold.shrink_to(len(body))
+            # Held until the handler returns: the request keeps its body (aiohttp's cache)
+            # and the handler its parsed copy for as long.
+            return await handler(request)
+        finally:
+            hold.release()
 
     @web.middleware
     async def _errors_middleware(

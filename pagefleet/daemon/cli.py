@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, cast
 import click
 from aiohttp import web
 
+from pagefleet.api.body_budget import DEFAULT_MAX_INFLIGHT_BODY_MB
 from pagefleet.api.limits import DEFAULT_MAX_BODY_BYTES
 from pagefleet.api.openai import TOOL_CALL_PARSERS
 from pagefleet.daemon.config import DEFAULT_LONG_PREFILL_TOKENS, DaemonConfig
@@ -327,6 +328,14 @@ async def serve(config: DaemonConfig, shutdown_timeout_s: float | None = None) -
     show_default=True,
     type=click.IntRange(min=1024),
     help="Largest request body; past it, 413. Keep equal to the gateway's --max-body-bytes.",
+)
+@click.option(
+    "--max-inflight-body-mb",
+    default=DEFAULT_MAX_INFLIGHT_BODY_MB,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="MiB of request bodies held at once (never below one --max-body-bytes body); a "
+    "request that would pass it is a 503 with Retry-After, decided before its body is read.",
 )
 @click.option(
     "--attention-backend",

@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from pagefleet.api.body_budget import DEFAULT_MAX_INFLIGHT_BODY_MB
 from pagefleet.api.limits import DEFAULT_MAX_BODY_BYTES
 from pagefleet.api.model_names import default_served_model_name
 from pagefleet.api.openai import ToolCallParser
@@ -67,6 +68,10 @@ class DaemonConfig(BaseModel):
     # How many requests may wait beyond the running batch before new ones get 429.
     max_queue: int = Field(default=256, ge=0)
     max_body_bytes: int = Field(default=DEFAULT_MAX_BODY_BYTES, ge=1024)
+    # Request bodies held at once (api/body_budget.py): past it, a 503 before the body is
+    # read. Admission counts requests only after their bodies are read and parsed, so 256
+    # clients sending 4 MiB each made this process hold 1.3 GB, every one of them a 400.
+    max_inflight_body_mb: int = Field(default=DEFAULT_MAX_INFLIGHT_BODY_MB, ge=1)
     drain_timeout_s: float = Field(default=30.0, ge=0)
     # Clients reached directly (no gateway in front, or a router without such timeouts),
     # as the gateway's flags of the same names. The longest one write may wait for a client

@@ -20,8 +20,15 @@ import click
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from pagefleet.api.body_budget import DEFAULT_MAX_INFLIGHT_BODY_MB
 from pagefleet.api.limits import DEFAULT_MAX_BODY_BYTES
 from pagefleet.api.model_names import default_served_model_name
+from pagefleet.gateway.connections import (
+    ConnectionGate,
+    auto_max_connections,
+    listen_backlog,
+    quiet_accept_errors,
+)
 from pagefleet.gateway.policies import POLICY_NAMES, RoutingWeights
 
 logger = logging.getLogger(__name__)
@@ -61,6 +68,8 @@ class GatewayConfig(BaseModel):
     log_level: str = "warning"
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024)
     max_concurrency: int = Field(1024, ge=1)
+    max_inflight_body_mb: int = Field(DEFAULT_MAX_INFLIGHT_BODY_MB, ge=1)
+    max_connections: int = Field(0, ge=0)  # 0: from the open-files limit
     max_response_bytes: int = Field(256 << 20, ge=1024)
     max_model_len: int | None = Field(None, ge=2)
     first_byte_timeout_s: float = Field(60.0, gt=0)
@@ -224,6 +233,7 @@ def build_gateway(config: GatewayConfig):  # -> Gateway (imports kept local for 
             client_write_timeout_s=config.client_write_timeout_s,
             max_body_bytes=config.max_body_bytes,
             max_concurrency=config.max_concurrency,
+            max_inflight_body_mb=config.max_inflight_body_mb,
             max_response_bytes=config.max_response_bytes,
             max_model_len=max_model_len,
             intake_workers=config.intake_workers,
@@ -292,8 +302,18 @@ async def serve(config: GatewayConfig, *, exit_watchdog: bool = False) -> None:
         keepalive_timeout=config.keepalive_timeout_s,
     )
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
+    loop = asyncio.get_running_loop()
+    # Connections past the cap get a 503 (gateway/connections.py): at the open-files limit
+    # the gateway hung every open request and its probes in an accept-error storm.
+    quiet_accept_errors(loop)
+    assert runner.server is not None
+    max_connections = config.max_connections or auto_max_connections()
+    gate = ConnectionGate(
+        runner.server,
+        max_connections,
+        on_refused=gateway.metrics.rejected.labels(reason="connections").inc,
+    )
+    listener = await loop.create_server(gate, config.host, config.port, backlog=listen_backlog())
     logger.warning(
         "pagefleet gateway listening on http://%s:%d (policy %s, index %s)",
         config.host,
@@ -302,7 +322,6 @@ async def serve(config: GatewayConfig, *, exit_watchdog: bool = False) -> None:
         "redis" if config.redis_url else "none",
     )
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
@@ -310,7 +329,7 @@ async def serve(config: GatewayConfig, *, exit_watchdog: bool = False) -> None:
         # Covers what no timeout here can: asyncio.run's teardown and the interpreter's
         # exit. Never cancelled: the process is ending either way.
         faulthandler.dump_traceback_later(drain_s + CLEANUP_S + EXIT_S, exit=True)
-    await site.stop()  # no new connections from here on; the open ones may finish
+    listener.close()  # no new connections from here on; the open ones may finish
     server = runner.server
     open_conns = len(server.connections) if server is not None else 0
     logger.warning("stop signal: draining %d open connection(s) (up to %.0fs)", open_conns, drain_s)
@@ -444,6 +463,24 @@ def _split(value: str | None) -> list[str]:
     show_default=True,
     type=int,
     help="Requests open at once across the gateway; past it, 429 with Retry-After.",
+)
+@click.option(
+    "--max-inflight-body-mb",
+    default=DEFAULT_MAX_INFLIGHT_BODY_MB,
+    show_default=True,
+    type=int,
+    help="MiB of request bodies held at once across the gateway (never below one "
+    "--max-body-bytes body); a request that would pass it is a 503 with Retry-After, "
+    "decided before its body is read. Under a flood of large bodies memory grew by about "
+    "1.5 times this.",
+)
+@click.option(
+    "--max-connections",
+    default=0,
+    show_default=True,
+    type=int,
+    help="Client connections open at once; past it a new one gets a 503 with Retry-After. "
+    "0: what the open-files limit allows (three files per connection, and a reserve).",
 )
 @click.option(
     "--max-response-bytes",

@@ -48,6 +48,7 @@ class GatewayMetrics:
     upstream_latency_seconds: Histogram = field(init=False)
     index_errors: Counter = field(init=False)
     inflight: Gauge = field(init=False)
+    inflight_body_bytes: Gauge = field(init=False)
     overhead_seconds: Histogram = field(init=False)
     rejected: Counter = field(init=False)
     broken_streams: Counter = field(init=False)
@@ -122,6 +123,11 @@ class GatewayMetrics:
             registry=r,
         )
 
+        self.inflight_body_bytes = Gauge(
+            p + "inflight_body_bytes",
+            "Bytes of request bodies the open requests hold, against --max-inflight-body-mb.",
+            registry=r,
+        )
         self.overhead_seconds = Histogram(
             p + "overhead_seconds",
             "The gateway's own time per served request: parse, tokenize, index lookup and "
@@ -132,7 +138,8 @@ class GatewayMetrics:
         self.rejected = Counter(
             p + "rejected_requests",
             "Requests the gateway answered itself without a pod, by reason: 429 concurrency; "
-            "503 no_endpoints, intake_failed; 413 too_large; 408 body_timeout; "
+            "503 connections (refused at accept), body_budget, no_endpoints, intake_failed; "
+            "413 too_large; 408 body_timeout; "
             "404 model_not_found; 400 context_length, invalid.",
             ["reason"],
             registry=r,

@@ -26,6 +26,10 @@ Invariants:
   gateway's slot are never held by a client that reads nothing;
   large bodies are parsed and tokenized in worker processes, so ``/health`` and other
   streams never wait for them; at most ``max_concurrency`` requests are open at once.
+- The bodies held by open requests add up to at most ``max_inflight_body_mb``: a request
+  that would pass it is a 503 with Retry-After, decided from its Content-Length before its
+  body is read (an undeclared length counts as it arrives), so a flood of large bodies
+  costs bounded memory; nothing admitted is affected.
 - Every proxied response names the pod that served it in ``x-pagefleet-pod``.
 """
 
@@ -44,6 +48,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
+from pagefleet.api.body_budget import DEFAULT_MAX_INFLIGHT_BODY_MB, BodyBudget, BodyHold
 from pagefleet.api.limits import DEFAULT_MAX_BODY_BYTES, body_not_decoded
 from pagefleet.api.openapi import gateway_openapi
 from pagefleet.gateway.discovery import Endpoint
@@ -143,6 +148,9 @@ class ProxySettings:
     # request, whose daemon then aborts the sequence and frees its blocks.
     client_write_timeout_s: float = 30.0
     max_concurrency: int = 1024
+    # The bodies of open requests together (api/body_budget.py): past it, a 503 decided
+    # from the Content-Length before the body is read (undeclared ones count as they come).
+    max_inflight_body_mb: int = DEFAULT_MAX_INFLIGHT_BODY_MB
     # A non-streamed answer is held whole before it is sent (a cut one must not go out as a
     # 200): past this size it is a 502 instead. 64x the request cap: n=128 choices of 4k
     # tokens with top logprobs still fit; more is for streaming, which is not held.
@@ -200,6 +208,7 @@ class Gateway:
     _session: aiohttp.ClientSession | None = None
     _started: float = field(default_factory=time.time)
     _active: int = 0
+    _bodies: BodyBudget = field(init=False)
     _auth: AuthPolicy | None = None
     _upstream_auth_logged: bool = False
     _cut_log: EveryInterval = field(
@@ -216,6 +225,9 @@ class Gateway:
                 self.tokenizer, self.proxy.max_model_len, workers=self.proxy.intake_workers
             )
         self._auth = AuthPolicy(self.credentials, component="gateway")
+        self._bodies = BodyBudget.of(self.proxy.max_inflight_body_mb, self.proxy.max_body_bytes)
+        bodies = self._bodies
+        self.metrics.inflight_body_bytes.set_function(lambda: bodies.held)
 
     # -- app ------------------------------------------------------------------------------
 
@@ -347,17 +359,27 @@ class Gateway:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, "chat", "/v1/chat/completions")
 
-    async def _read_body(self, request: web.Request) -> bytes | web.Response:
+    async def _read_body(self, request: web.Request, hold: BodyHold) -> bytes | web.Response:
         """The body, or the refusal to send: 413 when it exceeds the cap (checked before
-        reading when declared), 408 when it has not arrived within ``body_timeout_s``."""
+        reading when declared), 408 when it has not arrived within ``body_timeout_s``, 503
+        when a body of undeclared length (chunked, or compressed) grows past what the body
+        budget has left. ``hold`` counts the bytes read; the caller releases it."""
         limit = self.proxy.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             return self._refused_too_large()
+        # Read here rather than by request.read(): its bytes count against the budget as
+        # they arrive (decoded: a compressed body grows past its Content-Length).
+        parts: list[bytes] = []
+        size = 0
         try:
             async with asyncio.timeout(self.proxy.body_timeout_s):
-                body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            return self._refused_too_large()
+                while chunk := await request.content.readany():
+                    size += len(chunk)
+                    if size > limit:
+                        return self._refused_too_large()
+                    if not hold.grow_to(size):
+                        return self._over_budget()
+                    parts.append(chunk)
         except TimeoutError:
             self.metrics.rejected.labels(reason="body_timeout").inc()
             resp = error_response(
@@ -371,7 +393,21 @@ class Gateway:
             # another request.
             resp.force_close()
             return resp
-        return body if len(body) <= limit else self._refused_too_large()
+        hold.shrink_to(size)  # a declared length the body did not reach
+        return b"".join(parts)
+
+    def _over_budget(self) -> web.Response:
+        """The 503 of a request whose body does not fit the body budget now. The body is
+        not read: aiohttp drains and discards it after the answer (its lingering close),
+        so the client, still sending, gets this answer rather than a reset."""
+        self.metrics.rejected.labels(reason="body_budget").inc()
+        return error_response(
+            503,
+            self._bodies.refusal("gateway"),
+            "server_error",
+            code="overloaded",
+            headers={"Retry-After": "1"},
+        )
 
     def _refused_too_large(self) -> web.Response:
         self.metrics.rejected.labels(reason="too_large").inc()
@@ -405,11 +441,21 @@ class Gateway:
                 code="gateway_busy",
                 headers={"Retry-After": "1"},
             )
+        # Decided before a byte of the body is read: a flood of large bodies is refused
+        # here rather than held (1024 of 4 MiB each made the gateway hold ~4 GiB).
+        hold = self._bodies.hold()
+        declared = request.content_length
+        fits = declared is None or declared > self.proxy.max_body_bytes or hold.grow_to(declared)
+        if not fits:  # (an undeclared length counts as it arrives; an oversized one is a 413)
+            return self._over_budget()
         self._active += 1
         try:
-            resp = await self._admitted(request, kind, path, t_arrival)
+            resp = await self._admitted(request, kind, path, t_arrival, hold)
         finally:
             self._active -= 1
+            # The body is kept until here (a retry re-sends it); a whole answer still
+            # being written below is not counted, it is bounded by its write timeout.
+            hold.release()
         if not resp.prepared:
             # A whole answer (non-streamed, or an error), sent here rather than by aiohttp,
             # whose write waits without a bound for a client that does not read: that held
@@ -420,9 +466,9 @@ class Gateway:
         return resp
 
     async def _admitted(
-        self, request: web.Request, kind: str, path: str, t_arrival: float
+        self, request: web.Request, kind: str, path: str, t_arrival: float, hold: BodyHold
     ) -> web.StreamResponse:
-        body = await self._read_body(request)
+        body = await self._read_body(request, hold)
         if isinstance(body, web.Response):
             return body
         assert self.intake is not None

@@ -198,6 +198,7 @@ def gateway_command(
         "--keepalive-timeout", f"{r.keepalive_timeout_seconds:g}",
         "--max-response-bytes", str(r.max_response_bytes),
         "--max-body-bytes", str(r.max_body_bytes),
+        "--max-inflight-body-mb", str(r.max_inflight_body_mb),
         "--drain-timeout", str(gateway_drain_s(r.termination_grace_period_seconds)),
     ]  # fmt: skip
     if spec.model.max_model_len is not None:

@@ -425,8 +425,10 @@ def test_router_spec_sets_every_gateway_limit_an_operator_user_needs(unified_spe
         "clientWriteTimeoutSeconds": 45.5,
         "keepaliveTimeoutSeconds": 620,
         "maxResponseBytes": 1 << 30,
+        "maxInflightBodyMb": 512,
     }
     config = gateway_config(unified_spec, monkeypatch)
+    assert config.max_inflight_body_mb == 512
     assert config.request_timeout_s == 3600 and config.max_concurrency == 64
     assert config.body_timeout_s == 120 and config.client_write_timeout_s == 45.5
     assert config.keepalive_timeout_s == 620 and config.max_response_bytes == 1 << 30
@@ -446,6 +448,7 @@ def test_router_spec_defaults_are_the_gateways_own(unified_spec, monkeypatch):
         "client_write_timeout_s",
         "keepalive_timeout_s",
         "max_response_bytes",
+        "max_inflight_body_mb",
     ):
         assert getattr(config, field) == getattr(defaults, field), field
 
