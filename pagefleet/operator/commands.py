@@ -134,6 +134,10 @@ def daemon_command(
         # not meet a smaller limit here (the client would get the daemon's 413 as a 502).
         "--max-body-bytes",
         str(spec.router.max_body_bytes),
+        # One budget per pod for the bodies it holds at once, gateway and daemons alike:
+        # a daemon behind a gateway sees the same flood the gateway let through.
+        "--max-inflight-body-mb",
+        str(spec.router.max_inflight_body_mb),
         *daemon_stop_flags((role_spec or RoleSpec()).termination_grace_period_seconds),
     ]
     if eng.max_num_batched_tokens is not None:  # else the role's own default (decode: lower)

@@ -606,11 +606,15 @@ def test_max_body_bytes_reaches_the_gateway_and_every_daemon_alike(pd_spec, monk
     # sent as token ids (128k tokens is about 1 MB of JSON, a long chat history more) got a
     # 413 with no field to raise it. One field sets both: a gateway limit above the daemons'
     # would only turn the gateway's 413 into the daemon's, relayed.
-    pd_spec["router"] = {"maxBodyBytes": 16 << 20}
-    assert gateway_config(pd_spec, monkeypatch).max_body_bytes == 16 << 20
+    pd_spec["router"] = {"maxBodyBytes": 16 << 20, "maxInflightBodyMb": 96}
+    gw = gateway_config(pd_spec, monkeypatch)
+    assert (gw.max_body_bytes, gw.max_inflight_body_mb) == (16 << 20, 96)
     for role in ("prefill", "decode"):
         config, _ = daemon_config(pd_spec, role, monkeypatch)
         assert config.max_body_bytes == 16 << 20, role
+        # The body budget too: without it a daemon kept its 256 MiB default whatever the
+        # spec said.
+        assert config.max_inflight_body_mb == 96, role
 
 
 def test_max_body_bytes_default_is_the_daemons_and_gateways_own(unified_spec, monkeypatch):

@@ -117,9 +117,12 @@ def test_no_change_inside_the_stabilization_window(
     cfg: PlannerConfig, obs: RoleObservation, state: PlannerState, age: float
 ) -> None:
     # The last change happened within both windows: only a count outside [min, max] moves.
-    since = age * min(cfg.scale_up_window_s, cfg.scale_down_window_s)
-    state = replace(state, last_scale_time=NOW - since)
-    if since >= min(cfg.scale_up_window_s, cfg.scale_down_window_s):
+    state = replace(
+        state, last_scale_time=NOW - age * min(cfg.scale_up_window_s, cfg.scale_down_window_s)
+    )
+    # The age as the planner sees it: NOW - (NOW - x) rounds (x just under a 1 s window
+    # came back as exactly 1.0, outside it).
+    if NOW - state.last_scale_time >= min(cfg.scale_up_window_s, cfg.scale_down_window_s):
         return
     d = decide(cfg, obs, state, NOW)
     if cfg.min_replicas <= obs.current <= cfg.max_replicas:
