@@ -3,8 +3,9 @@
 docs/benchmarks.md is a log of past sessions (its commands name the flags of their day) and
 is left out. Checked here: every `pagefleet SUBCOMMAND --flag` the docs show takes that flag;
 every other `--flag` they name is some pagefleet command's or a known other tool's; every
-repository path and CRD `spec.` path they name exists; every metric they name is exported by
-a real daemon, gateway or the operator's registry (the last test scrapes a running P/D fleet).
+repository path, CRD `spec.` path and `PAGEFLEET_*` variable they name exists; every metric
+they name is exported by a real daemon, gateway or the operator's registry (the last test
+scrapes a running P/D fleet).
 """
 
 from __future__ import annotations
@@ -138,6 +139,22 @@ def test_every_crd_spec_path_named_exists() -> None:
                     break
                 node = props[part]
     assert not wrong, "\n".join(wrong)
+
+
+def test_every_environment_variable_named_is_read_somewhere() -> None:
+    sources = "".join(
+        f.read_text(errors="replace")
+        for top in ("pagefleet", "helm", "deploy")
+        for f in (ROOT / top).rglob("*")
+        if f.is_file() and f.suffix in {".py", ".yaml", ".tpl", ".txt", ""}
+    )
+    unread = [
+        f"{name}: {var}"
+        for name, text in _doc_texts()
+        for var in sorted(set(re.findall(r"\bPAGEFLEET_[A-Z_]*[A-Z]", text)))
+        if var not in sources
+    ]
+    assert not unread, "environment variables nothing reads:\n" + "\n".join(unread)
 
 
 # --- metrics: scraped from a running fleet -------------------------------------------------
