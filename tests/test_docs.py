@@ -1,7 +1,8 @@
 """What README.md, docs/ and examples/ tell a user to type or look for exists as written.
 
 docs/benchmarks.md is a log of past sessions (its commands name the flags of their day) and
-is left out. Checked here: every `pagefleet SUBCOMMAND --flag` the docs show takes that flag;
+is left out. Checked here: every `pagefleet SUBCOMMAND --flag` the docs show takes that flag,
+and a default stated as "`--flag` (30 s)" is the flag's;
 every other `--flag` they name is some pagefleet command's or a known other tool's; every
 repository path, CRD `spec.` path and `PAGEFLEET_*` variable they name exists; every metric
 they name is exported by a real daemon, gateway or the operator's registry (the last test
@@ -94,6 +95,35 @@ def test_every_flag_shown_with_a_pagefleet_command_is_one_of_its_own() -> None:
                 flags = set(FLAG_RE.findall(para.replace("`", " ")))
                 wrong += [f"{name}: pagefleet {sub} {f}" for f in flags - _options(sub)]
     assert not wrong, "flags the docs show that the command does not take:\n" + "\n".join(wrong)
+
+
+def _defaults(flag: str) -> list[float]:
+    values = []
+    for sub in SUBCOMMANDS:
+        command: click.Command = importlib.import_module(SUBCOMMANDS[sub][0]).command
+        for p in command.params:
+            if flag in p.opts and isinstance(p.default, int | float):
+                values.append(float(p.default))
+    return values
+
+
+def test_every_default_stated_next_to_a_flag_is_the_flag_default() -> None:
+    """`--flag` (30 s): one of the commands taking --flag defaults to that (a flag two
+    commands take, such as --drain-timeout, may be stated for either)."""
+    scale = {"": 1, "s": 1, "ms": 1e-3, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+    stated = re.compile(
+        r"`(--[a-z][a-z0-9-]*)`\s*\((?:default\s*)?([0-9][0-9.]*)\s*(s|ms|[KMG]iB)?\b"
+    )
+    wrong = []
+    for name, text in _doc_texts():
+        for flag, number, unit in stated.findall(text):
+            value = float(number)
+            # A size flag counts bytes (--max-response-bytes) or MiB (--max-stream-backlog-mb).
+            candidates = {value, value * scale[unit or ""]}
+            defaults = _defaults(flag)
+            if not candidates & set(defaults):
+                wrong.append(f"{name}: {flag} ({number} {unit}) but the defaults are {defaults}")
+    assert not wrong, "\n".join(wrong)
 
 
 def test_every_other_flag_named_exists_somewhere() -> None:
