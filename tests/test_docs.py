@@ -148,6 +148,10 @@ def test_every_repository_path_named_exists() -> None:
         for p in path_re.findall(text)
         if not (ROOT / p).exists() and not (ROOT / "docs" / p).exists()
     ]
+    for path in DOC_FILES:  # markdown links and images, relative to their page
+        for link in re.findall(r"\]\(([^)#\s]+)", path.read_text()):
+            if "://" not in link and not (path.parent / link).exists():
+                missing.append(f"{path.relative_to(ROOT)}: link {link}")
     assert not missing, "paths the docs name that do not exist:\n" + "\n".join(missing)
 
 
