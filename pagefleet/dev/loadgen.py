@@ -473,15 +473,39 @@ def run_bench_sync(opts: BenchOptions) -> dict[str, Any]:
     return report
 
 
+def served_model(url: str, timeout_s: float = 10.0) -> str:
+    """The one model ``url`` serves, from its ``GET /v1/models``: a fixed default name made
+    `pagefleet up --model tiny` then `pagefleet bench --url ...` fail every request (404)."""
+    import openai
+
+    client = openai.OpenAI(
+        base_url=url.rstrip("/") + "/v1", api_key="pagefleet", max_retries=0, timeout=timeout_s
+    )
+    try:
+        names = [m.id for m in client.models.list()]
+    except openai.OpenAIError as exc:
+        raise click.ClickException(
+            f"cannot list the models at {url}/v1/models ({type(exc).__name__}: {exc}); "
+            "check --url, or name the model with --model"
+        ) from None
+    finally:
+        client.close()
+    if len(names) != 1:
+        raise click.ClickException(
+            f"{url}/v1/models lists {names or 'no models'}: name the one to drive with --model"
+        )
+    return names[0]
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "--url", required=True, help="Gateway (or daemon) base URL, e.g. http://127.0.0.1:8080"
 )
 @click.option(
     "--model",
-    default="smollm2-135m",
-    show_default=True,
-    help="Served model name, as GET /v1/models lists it (`pagefleet up` prints it).",
+    default=None,
+    help="Served model name, as GET /v1/models lists it (`pagefleet up` prints it). "
+    "Default: the one model --url serves.",
 )
 @click.option("-n", "--num-requests", default=48, show_default=True, type=int)
 @click.option(
@@ -537,7 +561,7 @@ def run_bench_sync(opts: BenchOptions) -> dict[str, Any]:
 )
 @click.option("--json", "as_json", is_flag=True, help="Also print the report as one JSON line.")
 @click.option("--no-progress", is_flag=True)
-def command(as_json: bool, no_progress: bool, **kw: Any) -> None:
+def command(as_json: bool, no_progress: bool, model: str | None, **kw: Any) -> None:
     """Drive a seeded multi-tenant chat workload through a gateway and print a report."""
     try:
         opts = BenchOptions(progress=not no_progress, **kw)
@@ -551,6 +575,8 @@ def command(as_json: bool, no_progress: bool, **kw: Any) -> None:
                 for e in exc.errors()
             )
         ) from None
+    # Flags are checked first (above), so a bad one never waits on the network.
+    opts.model = model if model is not None else served_model(opts.url)
     report = run_bench_sync(opts)
     if as_json:
         click.echo(json.dumps(report))

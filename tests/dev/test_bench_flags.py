@@ -32,3 +32,11 @@ def test_model_help_points_at_the_served_name() -> None:
     help_text = " ".join(CliRunner().invoke(command, ["--help"]).output.split())
     model_help = help_text.split("--model TEXT")[1].split("-n, --num-requests")[0]
     assert "/v1/models" in model_help, model_help
+
+
+def test_without_model_an_unreachable_url_names_the_way_out() -> None:
+    """Without --model the bench asks --url for its model first; when nothing answers, the
+    error names the URL and --model (not 48 identical connection errors)."""
+    result = CliRunner().invoke(command, ["--url", "http://127.0.0.1:9", "--no-progress"])
+    assert result.exit_code == 1, result.output
+    assert "http://127.0.0.1:9/v1/models" in result.output and "--model" in result.output
