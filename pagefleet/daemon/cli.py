@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, cast
 
 import click
 from aiohttp import web
+from pydantic import ValidationError
 
 from pagefleet.api.limits import DEFAULT_MAX_BODY_BYTES
 from pagefleet.api.openai import TOOL_CALL_PARSERS
@@ -469,9 +470,31 @@ def command(**kwargs: object) -> None:
         raise
 
 
+def config_error_line(exc: ValidationError) -> str:
+    """A DaemonConfig validation error as one line in the flags' own names, e.g.
+    ``--max-model-len 1: must be >= 2``. pydantic's text spans several lines, names
+    fields rather than flags and ends in a link and a dump of every setting: that was the
+    termination message a pod showed."""
+    flags = {p.name: p.opts[0] for p in command.params if p.opts}
+    parts = []
+    for err in exc.errors():
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        msg = msg.replace("Input should be ", "must be ")
+        for words, sign in (("greater than or equal to", ">="), ("less than or equal to", "<="),
+                            ("greater than", ">"), ("less than", "<")):  # fmt: skip
+            msg = msg.replace(words, sign)
+        field = str(err["loc"][0]) if err["loc"] else None
+        if field is None:
+            parts.append(msg)
+            continue
+        flag = flags.get(field, "--" + field.replace("_", "-"))
+        parts.append(f"{flag} {err.get('input')!s}: {msg}")
+    return "; ".join(parts)
+
+
 def _run(kwargs: dict[str, object], shutdown_timeout_s: float) -> None:
     try:
         config = DaemonConfig(**kwargs)  # type: ignore[arg-type]
-    except ValueError as exc:
-        raise click.BadParameter(str(exc)) from exc
+    except ValidationError as exc:
+        raise click.UsageError(config_error_line(exc)) from None
     asyncio.run(serve(config, shutdown_timeout_s))
