@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import faulthandler
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from typing import TYPE_CHECKING, cast
@@ -117,6 +119,25 @@ class StopSignals:
         os._exit(status)
 
 
+def listen_error(host: str, port: int, exc: OSError) -> str:
+    """One line for a socket the daemon could not listen on, with the likely fix."""
+    # asyncio's strerror repeats the address ("error while attempting to bind on address
+    # (...): address already in use"); the errno's own text is enough beside host:port.
+    if isinstance(exc, socket.gaierror) or not exc.errno:
+        why = exc.strerror or str(exc)
+    else:
+        why = os.strerror(exc.errno)
+    if exc.errno == errno.EADDRINUSE:
+        fix = "another process (a second daemon?) holds the port: stop it or choose another --port"
+    elif exc.errno == errno.EACCES:
+        fix = "ports below 1024 need privileges: choose a --port of 1024 or more"
+    elif exc.errno == errno.EADDRNOTAVAIL or isinstance(exc, socket.gaierror):
+        fix = "the address is not one of this machine's: pass --host 0.0.0.0 or an own address"
+    else:
+        fix = "check --host and --port"
+    return f"cannot listen on {host}:{port}: {why}; {fix}"
+
+
 async def serve(config: DaemonConfig, shutdown_timeout_s: float | None = None) -> None:
     """Run the daemon until a stop signal, then drain and clean up; with
     ``shutdown_timeout_s`` (the CLI), the process exits within that long of the signal."""
@@ -143,7 +164,13 @@ async def serve(config: DaemonConfig, shutdown_timeout_s: float | None = None) -
     )
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
-    await site.start()  # /health answers while the model loads; /ready waits for it
+    try:
+        await site.start()  # /health answers while the model loads; /ready waits for it
+    except OSError as exc:
+        # Raised as is, this was a traceback ending in "[Errno 98] error while attempting
+        # to bind on address": the most common start-up failure after a bad model path.
+        await runner.cleanup()
+        raise click.ClickException(listen_error(config.host, config.port, exc)) from None
     logger.warning("pagefleet daemon listening on http://%s:%d", config.host, config.port)
     start = asyncio.create_task(daemon.start())
     stop_wait = asyncio.create_task(stop.wait())

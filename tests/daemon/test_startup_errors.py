@@ -72,8 +72,10 @@ def _processes_with(marker: str) -> list[int]:
     return found
 
 
-def run_daemon(model: Path, tmp_path: Path, *args: str, drop_root: bool = False) -> Exit:
-    port = _free_port()
+def run_daemon(
+    model: Path, tmp_path: Path, *args: str, drop_root: bool = False, port: int | None = None
+) -> Exit:
+    port = port or _free_port()
     log = tmp_path / "termination-log"
     log.touch()  # the kubelet creates it; the daemon fills it
     marker = f"PAGEFLEET_TEST_RUN={tmp_path.name}-{port}"
@@ -193,3 +195,17 @@ def test_invalid_flag_is_one_line_in_the_flags_own_name(small_dir: Path, tmp_pat
         result, "--max-model-len 1: must be >= 2", "--block-size 0: must be >= 1", code=2
     )
     assert "pydantic" not in result.termination
+
+
+def test_port_in_use(small_dir: Path, tmp_path: Path) -> None:
+    """A traceback ending in asyncio's "error while attempting to bind on address" was the
+    message (and the termination log held "OSError: [Errno 98] ...")."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = run_daemon(small_dir, tmp_path, port=port)
+        result.port_free = True  # ours holds it: what counts is that the daemon left
+    assert_one_clear_line(
+        result, f"cannot listen on 127.0.0.1:{port}: Address already in use", "--port"
+    )
