@@ -254,6 +254,14 @@ def load_model(
 
     model_cls = get_model_class(config)
     target = torch.device(device)
+    if target.type == "cuda" and not torch.cuda.is_available():
+        # Else torch's "Found no NVIDIA driver on your system ..." from the first
+        # allocation, which says nothing about the flag or the pod.
+        raise RuntimeError(
+            f"device {device!r} was asked for but this process sees no CUDA GPU "
+            "(torch.cuda.is_available() is false): give the pod a GPU (nvidia.com/gpu "
+            "limit, NVIDIA driver and runtime) or run with --device cpu"
+        )
     with torch.device("meta"):
         model = model_cls(config)
     # Cast on meta (free), then allocate real storage once, directly in the run dtype: an

@@ -73,7 +73,12 @@ def _processes_with(marker: str) -> list[int]:
 
 
 def run_daemon(
-    model: Path, tmp_path: Path, *args: str, drop_root: bool = False, port: int | None = None
+    model: Path,
+    tmp_path: Path,
+    *args: str,
+    drop_root: bool = False,
+    port: int | None = None,
+    env: dict[str, str] | None = None,
 ) -> Exit:
     port = port or _free_port()
     log = tmp_path / "termination-log"
@@ -85,7 +90,7 @@ def run_daemon(
         # Root reads every file regardless of its mode: drop the capabilities that let it.
         cmd = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", *cmd]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PAGEFLEET_TERMINATION_LOG": str(log),
-           marker.split("=")[0]: marker.split("=")[1]}  # fmt: skip
+           marker.split("=")[0]: marker.split("=")[1], **(env or {})}  # fmt: skip
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     try:
@@ -189,12 +194,28 @@ def test_unreadable_weights(ckpt: Path, tmp_path: Path) -> None:
     assert_one_clear_line(result, f"cannot read weights file {file}: permission denied")
 
 
-def test_invalid_flag_is_one_line_in_the_flags_own_name(small_dir: Path, tmp_path: Path) -> None:
-    result = run_daemon(small_dir, tmp_path, "--max-model-len", "1", "--block-size", "0")
-    assert_one_clear_line(
-        result, "--max-model-len 1: must be >= 2", "--block-size 0: must be >= 1", code=2
-    )
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (
+            ["--max-model-len", "1", "--block-size", "0"],
+            ["--max-model-len 1: must be >= 2", "--block-size 0: must be >= 1"],
+        ),
+        (["--device", "tpu"], ["--device tpu: pagefleet runs on cpu or cuda"]),
+    ],
+)
+def test_invalid_flag_is_one_line_in_the_flags_own_name(
+    small_dir: Path, tmp_path: Path, args: list[str], fragments: list[str]
+) -> None:
+    result = run_daemon(small_dir, tmp_path, *args)
+    assert_one_clear_line(result, *fragments, code=2)
     assert "pydantic" not in result.termination
+
+
+def test_cuda_without_a_gpu(small_dir: Path, tmp_path: Path) -> None:
+    """torch's "Found no NVIDIA driver on your system" named neither the flag nor the pod."""
+    result = run_daemon(small_dir, tmp_path, "--device", "cuda", env={"CUDA_VISIBLE_DEVICES": ""})
+    assert_one_clear_line(result, "sees no CUDA GPU", "--device cpu")
 
 
 def test_port_in_use(small_dir: Path, tmp_path: Path) -> None:
