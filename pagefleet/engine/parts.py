@@ -88,9 +88,12 @@ def load_parts(
     kv_bytes = _kv_pool_bytes(config, device, mc.vocab_size)
     num_blocks = config.num_gpu_blocks or kv_bytes // per_block
     if num_blocks < 1:
+        mib = 1 << 20
         raise ValueError(
-            f"a KV budget of {kv_bytes} bytes holds no KV block "
-            f"({per_block} bytes each); raise it or set num_gpu_blocks"
+            f"a KV budget of {kv_bytes / mib:.1f} MiB holds no KV block of this model "
+            f"({per_block / mib:.1f} MiB each: {config.block_size} tokens x "
+            f"{mc.num_hidden_layers} layers x K and V in {mc.dtype}); raise "
+            "--kv-cache-memory-mb (or --gpu-memory-utilization on CUDA) or set --num-gpu-blocks"
         )
     check_kv_holds_max_len(config.max_model_len, num_blocks, config.block_size, per_block)
     runner = ModelRunner(

@@ -306,3 +306,14 @@ def test_gguf_rope_scaling_without_factor_is_named(tmp_path: Path) -> None:
     file = _gguf(tmp_path / "m.gguf", extra_fields={"llama.rope.scaling.type": "linear"})
     with pytest.raises(ValueError, match=r"m\.gguf metadata: rope_scaling .* lacks factor"):
         load_model(file)
+
+
+def test_kv_budget_below_one_block_names_the_flags(tmp_path: Path) -> None:
+    """The message was "a KV budget of 1048576 bytes holds no KV block (4194304 bytes
+    each); raise it or set num_gpu_blocks": engine field names, not the daemon's flags."""
+    wide = {**SMALL, "hidden_size": 64, "num_attention_heads": 8, "num_key_value_heads": 8,
+            "head_dim": 256, "num_hidden_layers": 16}  # fmt: skip  # 4 MiB per fp32 block
+    path = write_random_checkpoint(tmp_path / "wide", wide)
+    with pytest.raises(ValueError, match=r"1\.0 MiB holds no KV block .*4\.0 MiB each") as err:
+        LLMEngine(EngineConfig(model=str(path), kv_cache_memory_bytes=1 << 20))
+    assert "--kv-cache-memory-mb" in str(err.value) and "--num-gpu-blocks" in str(err.value)
