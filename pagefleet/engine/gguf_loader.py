@@ -139,6 +139,24 @@ def config_dict(fields: dict[str, Any], tensor_names: set[str]) -> dict[str, Any
     ]
     if missing:
         raise ValueError(f"GGUF metadata lacks {[f'{arch}.{k}' for k in missing]}")
+    shape_keys = (
+        "embedding_length",
+        "block_count",
+        "attention.head_count",
+        "feed_forward_length",
+        "attention.head_count_kv",
+        "attention.key_length",
+    )
+    for key in shape_keys:
+        value = get(key)
+        # A 0 (or a per-layer array, as some converters write for head counts) used to
+        # end in "integer division or modulo by zero" or an int() TypeError, named nowhere.
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(
+                f"GGUF metadata {arch}.{key} is {value!r}; pagefleet needs a positive integer "
+                "(one value for all layers): the file is damaged or from an unsupported "
+                "variant of the architecture"
+            )
     hidden = int(get("embedding_length"))
     n_heads = int(get("attention.head_count"))
     head_dim = int(get("attention.key_length") or hidden // n_heads)

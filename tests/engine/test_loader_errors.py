@@ -317,3 +317,19 @@ def test_kv_budget_below_one_block_names_the_flags(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"1\.0 MiB holds no KV block .*4\.0 MiB each") as err:
         LLMEngine(EngineConfig(model=str(path), kv_cache_memory_bytes=1 << 20))
     assert "--kv-cache-memory-mb" in str(err.value) and "--num-gpu-blocks" in str(err.value)
+
+
+@pytest.mark.parametrize(("key", "value"), [("attention.head_count", 0), ("block_count", [1])])
+def test_gguf_bad_shape_metadata_is_named(key: str, value: object) -> None:
+    from pagefleet.engine.gguf_loader import config_dict
+
+    fields = {
+        "general.architecture": "llama",
+        "llama.embedding_length": 256,
+        "llama.block_count": 1,
+        "llama.attention.head_count": 4,
+        "llama.feed_forward_length": 512,
+        f"llama.{key}": value,
+    }
+    with pytest.raises(ValueError, match=rf"GGUF metadata llama\.{key} is "):
+        config_dict(fields, set())
