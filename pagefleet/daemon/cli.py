@@ -15,16 +15,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import faulthandler
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from typing import TYPE_CHECKING, cast
 
 import click
 from aiohttp import web
+from pydantic import ValidationError
 
 from pagefleet.api.body_budget import DEFAULT_MAX_INFLIGHT_BODY_MB
 from pagefleet.api.limits import DEFAULT_MAX_BODY_BYTES
@@ -117,6 +120,25 @@ class StopSignals:
         os._exit(status)
 
 
+def listen_error(host: str, port: int, exc: OSError) -> str:
+    """One line for a socket the daemon could not listen on, with the likely fix."""
+    # asyncio's strerror repeats the address ("error while attempting to bind on address
+    # (...): address already in use"); the errno's own text is enough beside host:port.
+    if isinstance(exc, socket.gaierror) or not exc.errno:
+        why = exc.strerror or str(exc)
+    else:
+        why = os.strerror(exc.errno)
+    if exc.errno == errno.EADDRINUSE:
+        fix = "another process (a second daemon?) holds the port: stop it or choose another --port"
+    elif exc.errno == errno.EACCES:
+        fix = "ports below 1024 need privileges: choose a --port of 1024 or more"
+    elif exc.errno == errno.EADDRNOTAVAIL or isinstance(exc, socket.gaierror):
+        fix = "the address is not one of this machine's: pass --host 0.0.0.0 or an own address"
+    else:
+        fix = "check --host and --port"
+    return f"cannot listen on {host}:{port}: {why}; {fix}"
+
+
 async def serve(config: DaemonConfig, shutdown_timeout_s: float | None = None) -> None:
     """Run the daemon until a stop signal, then drain and clean up; with
     ``shutdown_timeout_s`` (the CLI), the process exits within that long of the signal."""
@@ -143,7 +165,13 @@ async def serve(config: DaemonConfig, shutdown_timeout_s: float | None = None) -
     )
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
-    await site.start()  # /health answers while the model loads; /ready waits for it
+    try:
+        await site.start()  # /health answers while the model loads; /ready waits for it
+    except OSError as exc:
+        # Raised as is, this was a traceback ending in "[Errno 98] error while attempting
+        # to bind on address": the most common start-up failure after a bad model path.
+        await runner.cleanup()
+        raise click.ClickException(listen_error(config.host, config.port, exc)) from None
     logger.warning("pagefleet daemon listening on http://%s:%d", config.host, config.port)
     start = asyncio.create_task(daemon.start())
     stop_wait = asyncio.create_task(stop.wait())
@@ -478,9 +506,31 @@ def command(**kwargs: object) -> None:
         raise
 
 
+def config_error_line(exc: ValidationError) -> str:
+    """A DaemonConfig validation error as one line in the flags' own names, e.g.
+    ``--max-model-len 1: must be >= 2``. pydantic's text spans several lines, names
+    fields rather than flags and ends in a link and a dump of every setting: that was the
+    termination message a pod showed."""
+    flags = {p.name: p.opts[0] for p in command.params if p.opts}
+    parts = []
+    for err in exc.errors():
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        msg = msg.replace("Input should be ", "must be ")
+        for words, sign in (("greater than or equal to", ">="), ("less than or equal to", "<="),
+                            ("greater than", ">"), ("less than", "<")):  # fmt: skip
+            msg = msg.replace(words, sign)
+        field = str(err["loc"][0]) if err["loc"] else None
+        if field is None:
+            parts.append(msg)
+            continue
+        flag = flags.get(field, "--" + field.replace("_", "-"))
+        parts.append(f"{flag} {err.get('input')!s}: {msg}")
+    return "; ".join(parts)
+
+
 def _run(kwargs: dict[str, object], shutdown_timeout_s: float) -> None:
     try:
         config = DaemonConfig(**kwargs)  # type: ignore[arg-type]
-    except ValueError as exc:
-        raise click.BadParameter(str(exc)) from exc
+    except ValidationError as exc:
+        raise click.UsageError(config_error_line(exc)) from None
     asyncio.run(serve(config, shutdown_timeout_s))

@@ -7,10 +7,11 @@ and a server; ranges are checked here so a bad flag fails before the model loads
 from __future__ import annotations
 
 import os
+import re
 import socket
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pagefleet.api.body_budget import DEFAULT_MAX_INFLIGHT_BODY_MB
 from pagefleet.api.limits import DEFAULT_MAX_BODY_BYTES
@@ -30,6 +31,8 @@ DEFAULT_MAX_BATCHED_TOKENS = 2048
 # in one 100-250 ms step that stalled all its streams (docs/benchmarks.md, P/D session 6);
 # 2 x max_num_seqs (128 at 64) let them in a few at a time.
 DECODE_TOKENS_PER_SEQ = 2
+# The devices the engine has kernels and a KV pool for.
+DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
 
 
 class DaemonConfig(BaseModel):
@@ -116,6 +119,16 @@ class DaemonConfig(BaseModel):
     # text into message.tool_calls (tool_calls.py; vLLM's --tool-call-parser); "none":
     # the text is the content, as written.
     tool_call_parser: ToolCallParser = "none"
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        # Checked here, before the engine process starts and loads the model: an unknown
+        # device used to fail there with torch's list of 20 device types, none of which
+        # (but cpu and cuda) pagefleet runs on.
+        if not DEVICE_PATTERN.fullmatch(value):
+            raise ValueError(f"pagefleet runs on cpu or cuda (cuda:N for one GPU), not {value!r}")
+        return value
 
     @model_validator(mode="after")
     def _budget_serves_every_stream(self) -> DaemonConfig:

@@ -16,7 +16,9 @@ quantization type raises ValueError naming it before anything is allocated.
 
 from __future__ import annotations
 
+import os
 import re
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -77,10 +79,26 @@ _FILE_TYPE_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
 
 
 def open_gguf(path: str | Path) -> Any:  # -> gguf.GGUFReader
-    """A memory-mapped reader of the GGUF file ``path``."""
+    """A memory-mapped reader of the GGUF file ``path``.
+
+    Raises PermissionError or ValueError naming the file: the gguf package's own errors
+    ("Sorry, file appears to be version 544603 which we cannot handle"; numpy's "cannot
+    reshape array" for a truncated file, whose tensor slices come out short) name neither
+    the file nor what to do."""
     import gguf
 
-    return gguf.GGUFReader(str(path))
+    try:
+        return gguf.GGUFReader(str(path))
+    except PermissionError:
+        raise PermissionError(
+            f"cannot read GGUF file {path}: permission denied for this process (uid "
+            f"{os.getuid()}); make the model files readable by the daemon's user"
+        ) from None
+    except (ValueError, OSError, IndexError, KeyError, TypeError, struct.error) as exc:
+        raise ValueError(
+            f"{path} is not a GGUF file pagefleet can read ({exc}): it is truncated or "
+            "damaged, or written in a newer GGUF version; download it again"
+        ) from None
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -121,6 +139,24 @@ def config_dict(fields: dict[str, Any], tensor_names: set[str]) -> dict[str, Any
     ]
     if missing:
         raise ValueError(f"GGUF metadata lacks {[f'{arch}.{k}' for k in missing]}")
+    shape_keys = (
+        "embedding_length",
+        "block_count",
+        "attention.head_count",
+        "feed_forward_length",
+        "attention.head_count_kv",
+        "attention.key_length",
+    )
+    for key in shape_keys:
+        value = get(key)
+        # A 0 (or a per-layer array, as some converters write for head counts) used to
+        # end in "integer division or modulo by zero" or an int() TypeError, named nowhere.
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(
+                f"GGUF metadata {arch}.{key} is {value!r}; pagefleet needs a positive integer "
+                "(one value for all layers): the file is damaged or from an unsupported "
+                "variant of the architecture"
+            )
     hidden = int(get("embedding_length"))
     n_heads = int(get("attention.head_count"))
     head_dim = int(get("attention.key_length") or hidden // n_heads)
@@ -157,12 +193,14 @@ def config_dict(fields: dict[str, Any], tensor_names: set[str]) -> dict[str, Any
     }
     scaling = str(get("rope.scaling.type", "none"))
     if scaling == "linear":
-        cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+        # Raw values: ModelConfig.from_dict names a missing or mistyped one (float(None),
+        # the old conversion here, failed with a TypeError that named nothing).
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
     elif scaling == "yarn":
         cfg["rope_scaling"] = {
             "rope_type": "yarn",
-            "factor": float(get("rope.scaling.factor")),
-            "original_max_position_embeddings": int(get("rope.scaling.original_context_length")),
+            "factor": get("rope.scaling.factor"),
+            "original_max_position_embeddings": get("rope.scaling.original_context_length"),
         }
     elif scaling != "none":
         raise ValueError(

@@ -52,3 +52,23 @@ def gpu_kv_pool_bytes(
             "smaller model"
         )
     return budget
+
+
+def check_kv_holds_max_len(
+    max_model_len: int | None, num_blocks: int, block_size: int, bytes_per_block: int
+) -> None:
+    """Raise ValueError when an explicitly asked ``max_model_len`` does not fit the KV pool:
+    one request of that length could never run (a lone sequence must fit, or preemption
+    cannot make progress). Without an explicit length the engine caps the model's own
+    maximum at the pool, with a warning, so a default start still serves."""
+    capacity = num_blocks * block_size
+    if max_model_len is None or max_model_len <= capacity:
+        return
+    need_blocks = -(-max_model_len // block_size)
+    need_mib = need_blocks * bytes_per_block / (1 << 20)
+    raise ValueError(
+        f"max_model_len {max_model_len} does not fit the KV pool: {num_blocks} blocks of "
+        f"{block_size} tokens hold {capacity} tokens; one request of {max_model_len} tokens "
+        f"needs {need_blocks} blocks (~{need_mib:.0f} MiB). Raise --kv-cache-memory-mb, "
+        "--num-gpu-blocks or --gpu-memory-utilization, or lower --max-model-len"
+    )

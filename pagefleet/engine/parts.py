@@ -71,6 +71,7 @@ def load_parts(
     """
     import torch
 
+    from pagefleet.engine.kv_sizing import check_kv_holds_max_len
     from pagefleet.engine.loader import load_model, resolve_model
     from pagefleet.engine.model_runner import ModelRunner, kv_cache_bytes_per_block
     from pagefleet.engine.sampler import Sampler
@@ -79,13 +80,7 @@ def load_parts(
     if loaded is None:
         loaded = load_model(resolve_model(config.model), config.dtype, config.device)
     model, mc, tokenizer = loaded
-    if mc.sliding_window and (config.max_model_len or 0) > mc.sliding_window:
-        raise ValueError(
-            f"max_model_len {config.max_model_len} exceeds the model's sliding_window "
-            f"{mc.sliding_window}, which pagefleet does not apply yet: tokens past the "
-            f"window would attend to too much context; set max_model_len <= "
-            f"{mc.max_exact_len}"
-        )
+    mc.check_max_model_len(config.max_model_len)
     device = torch.device(config.device)
     per_block = kv_cache_bytes_per_block(
         mc.num_hidden_layers, config.block_size, mc.num_key_value_heads, mc.head_dim, mc.dtype
@@ -93,10 +88,14 @@ def load_parts(
     kv_bytes = _kv_pool_bytes(config, device, mc.vocab_size)
     num_blocks = config.num_gpu_blocks or kv_bytes // per_block
     if num_blocks < 1:
+        mib = 1 << 20
         raise ValueError(
-            f"a KV budget of {kv_bytes} bytes holds no KV block "
-            f"({per_block} bytes each); raise it or set num_gpu_blocks"
+            f"a KV budget of {kv_bytes / mib:.1f} MiB holds no KV block of this model "
+            f"({per_block / mib:.1f} MiB each: {config.block_size} tokens x "
+            f"{mc.num_hidden_layers} layers x K and V in {mc.dtype}); raise "
+            "--kv-cache-memory-mb (or --gpu-memory-utilization on CUDA) or set --num-gpu-blocks"
         )
+    check_kv_holds_max_len(config.max_model_len, num_blocks, config.block_size, per_block)
     runner = ModelRunner(
         model,
         num_layers=mc.num_hidden_layers,
