@@ -606,8 +606,8 @@ class RouterSpec(_Model):
     max_inflight_body_mb: int = Field(default=DEFAULT_MAX_INFLIGHT_BODY_MB, ge=1, le=1 << 20)
     """MiB of request bodies each gateway pod and each daemon holds at once (never less
     than one body of maxBodyBytes); a request that would pass it is a 503 with Retry-After,
-    decided before its body is read (their --max-inflight-body-mb). Under a flood of large bodies a pod's memory
-    grew by about 1.5 times this: size its memory limit to fit."""
+    decided before its body is read (their --max-inflight-body-mb). Under a flood of large
+    bodies a pod's memory grew by about 1.5 times this: size its memory limit to fit."""
     termination_grace_period_seconds: int = Field(
         default=DEFAULT_TERMINATION_GRACE_S,
         ge=MIN_TERMINATION_GRACE_S,
