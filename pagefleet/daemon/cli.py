@@ -34,6 +34,7 @@ from pagefleet.api.limits import DEFAULT_MAX_BODY_BYTES
 from pagefleet.api.openai import TOOL_CALL_PARSERS
 from pagefleet.daemon.config import DEFAULT_LONG_PREFILL_TOKENS, DaemonConfig
 from pagefleet.daemon.termination import write_termination_message
+from pagefleet.fdlimit import raise_open_files_limit
 
 if TYPE_CHECKING:
     from pagefleet.daemon.app import Daemon
@@ -533,4 +534,5 @@ def _run(kwargs: dict[str, object], shutdown_timeout_s: float) -> None:
         config = DaemonConfig(**kwargs)  # type: ignore[arg-type]
     except ValidationError as exc:
         raise click.UsageError(config_error_line(exc)) from None
+    raise_open_files_limit("daemon")
     asyncio.run(serve(config, shutdown_timeout_s))

@@ -204,7 +204,8 @@ class DaemonMetrics:
         )
         self._rejected = Counter(
             "pagefleet:requests_rejected",
-            "Requests refused before admission, by reason (queue_full, draining, invalid).",
+            "Requests refused before admission, by reason (queue_full, draining, invalid, "
+            "body_budget).",
             [*LABELS, "reason"],
             registry=r,
         )

@@ -10,7 +10,6 @@ import asyncio
 import faulthandler
 import json
 import logging
-import resource
 import signal
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pagefleet.api.body_budget import DEFAULT_MAX_INFLIGHT_BODY_MB
 from pagefleet.api.limits import DEFAULT_MAX_BODY_BYTES
 from pagefleet.api.model_names import default_served_model_name
+from pagefleet.fdlimit import raise_open_files_limit
 from pagefleet.gateway.connections import (
     ConnectionGate,
     auto_max_connections,
@@ -624,26 +624,5 @@ def command(**kw: object) -> None:
         )
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
-    raise_open_files_limit()
+    raise_open_files_limit("gateway")
     asyncio.run(serve(config, exit_watchdog=True))
-
-
-def raise_open_files_limit() -> None:
-    """Lift the soft limit on open files to the hard one: each client connection and each
-    upstream one is a file, and the soft limit a shell hands down (1024 on most desktops)
-    made accept() fail with EMFILE at about that many connections, leaving every new client,
-    health probes included, waiting in the listen backlog. Containers usually start high."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or soft < hard:
-        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        except (ValueError, OSError) as exc:
-            logger.warning(
-                "could not raise the open-files limit from %d to %d (%s): the gateway "
-                "refuses connections past about %d; raise it with ulimit -n",
-                soft,
-                target,
-                exc,
-                soft,
-            )
