@@ -390,6 +390,14 @@ class EngineCore:
                 kv_layout=runner.kv_layout() if exports is not None and runner else None,
                 has_exports=exports is not None,
             )
+        except (ValueError, OSError) as exc:
+            # A checkpoint, flag or file problem: the loaders' messages name the file and
+            # the fix, and 20-30 lines of traceback above that line only buried it. The
+            # traceback stays one --log-level debug away.
+            logger.error("engine failed to load: %s", exc)
+            logger.debug("engine load traceback", exc_info=True)
+            self.send(("load_error", str(exc) or type(exc).__name__))
+            return False
         except BaseException as exc:
             logger.exception("engine failed to load")
             self.send(("load_error", str(exc) or type(exc).__name__))
