@@ -66,10 +66,12 @@ def render_chat(
             "starts a new one: set add_generation_prompt to false",
             "continue_final_message",
         )
+    # Defined even when not sent, as transformers (and so vLLM) render: a template that
+    # tests ``tools is not none`` wrote an empty tools section for every request here.
     if tools:
         kwargs["tools"] = tools
-    if documents is not None:
-        kwargs.setdefault("documents", documents)
+    kwargs.setdefault("tools", None)
+    kwargs.setdefault("documents", documents)
     fmt = content_format(tok)
     rendered = template_messages(messages, fmt)
     text = tok.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt, **kwargs)

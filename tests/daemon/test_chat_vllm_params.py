@@ -105,6 +105,11 @@ async def test_chat_add_special_tokens_has_vllms_meaning(tiny_tokenizer: Tokeniz
             body = {"model": "fake", "messages": USER, **extra}
             assert await _daemon_ids(d, body) == want, flag
             assert _gateway_ids(tok, body) == want, flag
+            async with (
+                aiohttp.ClientSession() as s,
+                s.post(f"{d.url}/tokenize", json=body) as r,
+            ):
+                assert (await r.json())["tokens"] == want, flag
 
 
 async def test_completion_add_special_tokens_false_drops_bos(tiny_tokenizer: Tokenizer) -> None:
@@ -206,6 +211,33 @@ async def test_documents_and_template_kwargs_reach_the_template(
             body = {"model": "fake", "messages": USER, **extra}
             assert await _daemon_ids(d, body) == want, extra
             assert _gateway_ids(tok, body) == want, extra
+
+
+async def test_tools_and_documents_not_sent_are_none_as_in_transformers(
+    tiny_tokenizer: Tokenizer,
+) -> None:
+    """transformers (which vLLM renders through) defines ``tools`` and ``documents`` as
+    None when a request has none; they were undefined here, so a template testing
+    ``tools is not none`` wrote an empty tools section into every prompt."""
+    from transformers import PreTrainedTokenizerFast
+
+    from pagefleet.engine.tiny import ensure_tiny_checkpoint
+
+    template = (
+        "{% if tools is not none %}[tools]{% endif %}"
+        "{% if documents is not none %}[docs]{% endif %}" + CHATML
+    )
+    tok = _with_template(tiny_tokenizer, template)
+    oracle = PreTrainedTokenizerFast.from_pretrained(str(ensure_tiny_checkpoint("tiny")))
+    hf_text = oracle.apply_chat_template(
+        USER, chat_template=template, tokenize=False, add_generation_prompt=True
+    )
+    assert "[tools]" not in hf_text and "[docs]" not in hf_text
+    want = tok.encode(hf_text, add_special_tokens=not tok.template_adds_bos)
+    async with _served(tok) as (d, _):
+        body = {"model": "fake", "messages": USER}
+        assert await _daemon_ids(d, body) == want
+        assert _gateway_ids(tok, body) == want
 
 
 # -- echo, continue_final_message ---------------------------------------------------------
