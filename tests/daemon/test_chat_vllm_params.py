@@ -268,6 +268,19 @@ async def test_chat_echo_starts_the_reply_with_the_continued_message(
                 roles.append(c.delta.role)
         assert streamed == "The answer is" + generated
         assert roles.count("assistant") == 1 and roles[0] == "assistant"
+        # Each of n choices starts with it, streamed too.
+        many = await client.chat.completions.create(
+            model="fake", messages=msgs, max_tokens=2, n=2, extra_body=extra
+        )
+        assert [c.message.content[:13] for c in many.choices] == ["The answer is"] * 2
+        per_choice: dict[int, str] = {}
+        stream = await client.chat.completions.create(
+            model="fake", messages=msgs, max_tokens=2, n=2, stream=True, extra_body=extra
+        )
+        async for chunk in stream:
+            for c in chunk.choices:
+                per_choice[c.index] = per_choice.get(c.index, "") + (c.delta.content or "")
+        assert per_choice == {c.index: c.message.content for c in many.choices}
         # A new assistant turn after a user message: nothing of the user's is echoed.
         reply = await _chat(client, USER, echo=True)
         assert (
