@@ -107,6 +107,82 @@ def _generation_tag() -> type:
     return GenerationTag
 
 
+def _template_env():  # -> jinja2 ImmutableSandboxedEnvironment
+    """The environment chat templates render in: transformers' whitespace rules, its
+    extensions and globals, in jinja2's sandbox."""
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise ChatTemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, **kw: Any) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, **kw)
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    # trim_blocks/lstrip_blocks: the whitespace rules transformers renders with.
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _generation_tag()]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env
+
+
+def _unwrapped(node: Any) -> Any:
+    """The value under filters and slices: ``message.content | list`` and
+    ``message.content[1:]`` still iterate the content."""
+    from jinja2 import nodes
+
+    while True:
+        filtered = isinstance(node, nodes.Filter) and node.node is not None
+        sliced = isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice)
+        if not (filtered or sliced):
+            return node
+        node = node.node
+
+
+def _is_content(node: Any) -> bool:
+    """``x.content`` or ``x['content']``."""
+    from jinja2 import nodes
+
+    node = _unwrapped(node)
+    if isinstance(node, nodes.Getattr):
+        return node.attr == "content"
+    if isinstance(node, nodes.Getitem):
+        return isinstance(node.arg, nodes.Const) and node.arg.value == "content"
+    return False
+
+
+def detect_content_format(template: str | None) -> str:
+    """How ``template`` reads a message's content: "openai" when it loops over it (as a
+    list of parts, ``{% for part in message.content %}``, directly or through a variable
+    set from it), else "string". vLLM's "auto" content format decides the same way; a
+    template that only loops over parts was given a string, and rendered it character by
+    character (``part.text`` of a character is empty: the model saw no message at all)."""
+    if not template:
+        return "string"
+    from jinja2 import TemplateSyntaxError, nodes
+
+    try:
+        tree = _template_env().parse(template)
+    except TemplateSyntaxError:
+        return "string"  # rendering reports it, with the request that hit it
+    content_vars = {
+        a.target.name
+        for a in tree.find_all(nodes.Assign)
+        if isinstance(a.target, nodes.Name) and _is_content(a.node)
+    }
+    for loop in tree.find_all(nodes.For):
+        it = _unwrapped(loop.iter)
+        if _is_content(it) or (isinstance(it, nodes.Name) and it.name in content_vars):
+            return "openai"
+    return "string"
+
+
 class Tokenizer:
     """A checkpoint's tokenizer: encode/decode, special tokens and the chat template."""
 
@@ -227,28 +303,15 @@ class Tokenizer:
         return "bos_token" in template or bool(self.bos_token and self.bos_token in template)
 
     @cached_property
+    def chat_content_format(self) -> str:
+        """Either "string" or "openai": what the chat template reads as message content
+        (``detect_content_format``; vLLM's --chat-template-content-format auto)."""
+        return detect_content_format(self.chat_template)
+
+    @cached_property
     def _template(self):  # -> jinja2.Template
-        from jinja2.ext import loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message: str) -> None:
-            raise ChatTemplateError(message)
-
-        def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, **kw: Any) -> str:
-            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, **kw)
-
-        def strftime_now(fmt: str) -> str:
-            return datetime.now().strftime(fmt)
-
-        # trim_blocks/lstrip_blocks: the whitespace rules transformers renders with.
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _generation_tag()]
-        )
-        env.filters["tojson"] = tojson
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = strftime_now
         assert self.chat_template is not None
-        return env.from_string(self.chat_template)
+        return _template_env().from_string(self.chat_template)
 
     def apply_chat_template(
         self,

@@ -149,17 +149,11 @@ IGNORED_FIELDS = frozenset(
 # Fields a server does not implement but accepts at the value that asks for nothing
 # (vLLM's defaults): any other value is refused rather than silently ignored.
 ACCEPTED_DEFAULTS: dict[str, object] = {
-    "spaces_between_special_tokens": True,
     "truncate_prompt_tokens": None,
     "return_tokens_as_token_ids": False,
-    "continue_final_message": False,
-    "echo": False,
-    "add_special_tokens": True,
     "functions": None,
     "function_call": None,
     "modalities": ["text"],
-    "documents": None,
-    "chat_template": None,
     # Added by the peer routers to every request they forward, at these values:
     # sglang-router 0.3.2 and vllm-router 0.1.17 (bench/routing.py).
     "return_hidden_states": False,
@@ -306,6 +300,11 @@ class _SamplingFields(_Lenient):
     stream: bool = False
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
+    # vLLM's: whether detokenizing puts a space around added tokens. Only a slow (Python)
+    # tokenizer does; fast ones (tokenizer.json, all this server loads, and what vLLM's own
+    # fast detokenizer runs) write added tokens where they are, so both values give the
+    # same text here, as they do on vLLM with a fast tokenizer.
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
     # P/D handshake (vLLM's shape); opaque to everything but the daemon's P/D code.
@@ -398,6 +397,9 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
+    # vLLM's: BOS (and whatever else the tokenizer adds) around each text prompt; token-id
+    # prompts are taken as they are.
+    add_special_tokens: bool = True
 
     @field_validator("prompt")
     @classmethod
@@ -529,17 +531,34 @@ class ChatMessage(_Lenient):
             return self.content
         return "\n".join(p.text or "" for p in self.content if p.type == "text")
 
+    def text_parts(self) -> list[dict[str, str]]:
+        """The message's text as OpenAI content parts, for a template that loops over
+        them: a string is one part, no content none."""
+        if self.content is None:
+            return []
+        if isinstance(self.content, str):
+            return [{"type": "text", "text": self.content}]
+        return [{"type": "text", "text": p.text or ""} for p in self.content if p.type == "text"]
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+
+# How a chat template reads a message's content (vLLM's --chat-template-content-format):
+# "string", the text; "openai", the list of content parts (a template that loops over it).
+ContentFormat = Literal["string", "openai"]
+
+
+def template_messages(
+    messages: list[ChatMessage], content_format: ContentFormat = "string"
+) -> list[dict[str, Any]]:
     """What the chat template reads of each message: every field the caller sent, the
-    content as text. Tool-calling templates read an assistant's ``tool_calls``, a tool
-    result's ``tool_call_id`` and a message's ``name``: without them the model never sees
-    which call it made nor which result answers it. The daemon renders these; a router
-    that tokenizes chat prompts should read the same."""
+    content as text, or as a list of text parts for a template that loops over parts
+    (``content_format``, Tokenizer.chat_content_format). Tool-calling templates read an
+    assistant's ``tool_calls``, a tool result's ``tool_call_id`` and a message's ``name``:
+    without them the model never sees which call it made nor which result answers it. The
+    daemon and the gateway both render these (pagefleet/api/chat_prompt.py)."""
     out = []
     for m in messages:
         msg = m.model_dump(exclude_none=True)
-        msg["content"] = m.text()
+        msg["content"] = m.text_parts() if content_format == "openai" else m.text()
         calls = msg.get("tool_calls")
         if isinstance(calls, list):
             msg["tool_calls"] = [_call_for_template(c) for c in calls]
@@ -610,6 +629,17 @@ class ChatCompletionRequest(_SamplingFields):
     # vLLM's: the prompt ends inside the final message, which the model continues.
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the template's ``documents`` variable (retrieval-augmented templates).
+    documents: list[dict[str, Any]] | None = None
+    # vLLM's: true adds the tokenizer's special tokens (BOS) around the rendered prompt on
+    # top of what the template writes, false adds none. Not sent: BOS once, from the
+    # template when it writes one, else from the tokenizer (chat_prompt.add_special_tokens).
+    add_special_tokens: bool | None = None
+    # vLLM's: the reply starts with the final message's text when it has the reply's role
+    # (with continue_final_message: the whole assistant message, not just its end).
+    echo: bool = False
+    # vLLM's per-request template: refused (_no_request_template).
+    chat_template: str | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None  # false: at most one call (auto tool choice)
@@ -641,6 +671,11 @@ class ChatCompletionRequest(_SamplingFields):
         ]
         return options[0] if len(options) == 1 else {"anyOf": options}
 
+    @field_validator("chat_template", "chat_template_kwargs")
+    @classmethod
+    def _no_request_template(cls, v: Any) -> Any:
+        return refuse_request_template(v)
+
     @field_validator("top_logprobs")
     @classmethod
     def _check_top_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
@@ -651,6 +686,25 @@ class ChatCompletionRequest(_SamplingFields):
     def effective_max_tokens(self) -> int | None:
         # max_completion_tokens is the newer name; OpenAI prefers it when both are given.
         return self.max_completion_tokens or self.max_tokens
+
+
+_REQUEST_TEMPLATE = (
+    "a chat template sent with the request is not accepted: a template is code, and this "
+    "server (its gateway too) renders every request with the model's own template (vLLM "
+    "refuses one too unless started with --trust-request-chat-template); drop "
+    "'chat_template' and send template variables in chat_template_kwargs"
+)
+
+
+def refuse_request_template(value: Any) -> Any:
+    """Validator of ``chat_template`` and ``chat_template_kwargs``: a request's own template,
+    as a field or in chat_template_kwargs (where vLLM reads it too), is refused by name.
+    Taken as a mere variable it was silently ignored; run, it would be the caller's code
+    on the daemon's and the gateway's event loops (sandboxed, but a loop of 10**9
+    iterations still stalls every stream)."""
+    if isinstance(value, str) or (isinstance(value, dict) and value.get("chat_template")):
+        raise ValueError(_REQUEST_TEMPLATE)
+    return value
 
 
 class TopLogprob(BaseModel):
@@ -785,12 +839,21 @@ class TokenizeRequest(_Lenient):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    # Not sent: as vLLM, true for a prompt; for messages, chat's rule (ChatCompletionRequest).
+    add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    # With messages, as chat: the template shows the tools and reads these variables.
+    # With messages, as chat: the template shows the tools and documents and reads these
+    # variables.
     tools: list[Tool] | None = None
+    documents: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
+
+    @field_validator("chat_template", "chat_template_kwargs")
+    @classmethod
+    def _no_request_template(cls, v: Any) -> Any:
+        return refuse_request_template(v)
 
     @model_validator(mode="after")
     def _one_of(self) -> TokenizeRequest:

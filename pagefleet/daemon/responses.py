@@ -205,9 +205,12 @@ class ChatShape:
         tool_parser: str | None = None,
         tool_names: frozenset[str] = frozenset(),
         max_calls: int | None = None,
+        echo: str = "",
     ) -> None:
         # The ``bytes`` of each logprob (token_bytes.py: a partial token's own bytes).
         self.token_bytes = token_bytes
+        # vLLM's chat echo (chat_prompt.echo_text): what each reply's content starts with.
+        self.echo = echo
         # Auto tool choice (--tool-call-parser): the format calls are read from the text
         # in, and the tools they may call; None: the text is the content, as written.
         self.tool_parser = tool_parser
@@ -225,10 +228,15 @@ class ChatShape:
         return ChatCompletionResponse(
             id=job.base_id,
             model=model,
-            choices=[self._choice(job, c, want_lp) for c in job.sorted_choices()],
+            choices=[self._echoed(self._choice(job, c, want_lp)) for c in job.sorted_choices()],
             usage=job.usage(),
             prompt_logprobs=vllm_prompt_logprobs(job.prompt_logprobs.get(0), job.prompt_logprobs_k),
         )
+
+    def _echoed(self, choice: ChatChoice) -> ChatChoice:
+        if self.echo:
+            choice.message.content = self.echo + (choice.message.content or "")
+        return choice
 
     def _choice(self, job: Job, c: Choice, want_lp: bool) -> ChatChoice:
         if self.tool_parser is None:
@@ -247,7 +255,21 @@ class ChatShape:
         )
 
     def opening_chunks(self, job: Job, created: int, model: str) -> list[BaseModel]:
-        return []
+        """With echo, each choice's first chunk: its role and the echoed text (as vLLM,
+        before anything generated)."""
+        if not self.echo:
+            return []
+        out: list[BaseModel] = []
+        for i in range(job.params.n):
+            ch = job.choices.setdefault(i, Choice(i))
+            ch.sent_role = True
+            choice = ChatChunkChoice(
+                index=i, delta=DeltaMessage(role="assistant", content=self.echo)
+            )
+            out.append(
+                ChatCompletionChunk(id=job.base_id, created=created, model=model, choices=[choice])
+            )
+        return out
 
     def chunk(
         self, job: Job, created: int, model: str, ch: Choice, delta: CompletionDelta

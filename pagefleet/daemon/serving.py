@@ -26,6 +26,7 @@ from typing import Any
 from aiohttp import ClientConnectionResetError, web
 from pydantic import BaseModel
 
+from pagefleet.api import chat_prompt
 from pagefleet.api.limits import context_length_error
 from pagefleet.api.openai import (
     ChatCompletionRequest,
@@ -37,7 +38,6 @@ from pagefleet.api.openai import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
-    cut_after_final,
     parse_body,
     template_messages,
     unsupported_fields,
@@ -144,17 +144,11 @@ class OpenAIServing:
             # The prompt chat completions would build from these messages (the raw dump
             # failed on content parts and null content, which chat accepts).
             _check_text_only(req)
-            kwargs = dict(req.chat_template_kwargs or {})
-            if req.tools:
-                kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
-            ids = self._chat_prompt_ids(
-                template_messages(req.messages),
-                req.add_generation_prompt,
-                kwargs,
-                req.continue_final_message,
-            )
+            tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+            ids = self._chat_prompt_ids(req, tools)
         else:
-            ids = tok.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
+            add = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = tok.encode(req.prompt or "", add_special_tokens=add)
         return json_model(
             TokenizeResponse(count=len(ids), max_model_len=self.max_model_len(), tokens=ids)
         )
@@ -172,7 +166,8 @@ class OpenAIServing:
                     {"prompt": tok.decode(p, skip_special_tokens=False), "prompt_token_ids": p}
                 )
             else:
-                out.append({"prompt": p, "prompt_token_ids": tok.encode(p)})
+                ids = tok.encode(p, add_special_tokens=req.add_special_tokens)
+                out.append({"prompt": p, "prompt_token_ids": ids})
         return web.json_response(out)
 
     async def render_chat(self, request: web.Request) -> web.Response:
@@ -181,13 +176,11 @@ class OpenAIServing:
         self._check_model(req.model)
         tok = self._tokenizer()
         _check_text_only(req)  # as the chat endpoint: an image part is refused, not dropped
-        messages = template_messages(req.messages)
-        template_kwargs = dict(req.chat_template_kwargs or {})
-        self._tools(req, template_kwargs)  # the template shows the tools, as in chat
-        ids = self._chat_prompt_ids(
-            messages, req.add_generation_prompt, template_kwargs, req.continue_final_message
-        )
+        tools: list[dict[str, Any]] = []
+        self._tools(req, tools)  # the template shows the tools, as in chat
+        ids = self._chat_prompt_ids(req, tools)
         text = tok.decode(ids, skip_special_tokens=False)
+        messages = template_messages(req.messages, chat_prompt.content_format(tok))
         return web.json_response([messages, [{"prompt": text, "prompt_token_ids": ids}]])
 
     async def detokenize(self, request: web.Request) -> web.Response:
@@ -221,8 +214,9 @@ class OpenAIServing:
         tok = self._tokenizer()
         raw = req.prompts()
         size = sum(len(p) for p in raw if isinstance(p, str))
+        add = req.add_special_tokens
         prompts = await _offload(
-            lambda: [p if isinstance(p, list) else tok.encode(p) for p in raw], size
+            lambda: [p if isinstance(p, list) else tok.encode(p, add) for p in raw], size
         )
         return await self._generate(
             request,
@@ -241,14 +235,11 @@ class OpenAIServing:
         self._reject_unsupported(req)
         self._check_model(req.model)
         _check_text_only(req)
-        messages = template_messages(req.messages)
-        template_kwargs = dict(req.chat_template_kwargs or {})
-        tool_schema = self._tools(req, template_kwargs)
+        tools: list[dict[str, Any]] = []
+        tool_schema = self._tools(req, tools)
         prompt = await _offload(
-            lambda: self._chat_prompt_ids(
-                messages, req.add_generation_prompt, template_kwargs, req.continue_final_message
-            ),
-            sum(len(m["content"]) for m in messages),
+            lambda: self._chat_prompt_ids(req, tools),
+            sum(len(m.text()) for m in req.messages),
         )
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         return await self._generate(
@@ -267,16 +258,18 @@ class OpenAIServing:
         when the request has tools and leaves the choice to the model ("auto")."""
         parser = self.config.tool_call_parser
         auto = req.tools and tool_schema is None and req.tool_choice in (None, "auto")
+        echo = chat_prompt.echo_text(req.messages, req.add_generation_prompt) if req.echo else ""
         if parser == "none" or not auto:
-            return ChatShape(token_bytes_of(self._tokenizer()))
+            return ChatShape(token_bytes_of(self._tokenizer()), echo=echo)
         names = frozenset(t.function.name for t in req.tools or [])
         one = 1 if req.parallel_tool_calls is False else None
-        return ChatShape(token_bytes_of(self._tokenizer()), parser, names, one)
+        return ChatShape(token_bytes_of(self._tokenizer()), parser, names, one, echo=echo)
 
-    def _tools(self, req: ChatCompletionRequest, template_kwargs: dict[str, Any]) -> str | None:
-        """Put ``tools`` in the template's variables; return the JSON schema the output is
-        held to when ``tool_choice`` forces a call. 400 when the template cannot show the
-        model its tools (it would be asked to call functions it never saw)."""
+    def _tools(self, req: ChatCompletionRequest, tools: list[dict[str, Any]]) -> str | None:
+        """Fill ``tools`` with what the template shows of the request's tools; return the
+        JSON schema the output is held to when ``tool_choice`` forces a call. 400 when the
+        template cannot show the model its tools (it would be asked to call functions it
+        never saw)."""
         if not req.tools:
             if req.tool_choice not in (None, "none", "auto"):
                 raise APIError(400, "tool_choice needs tools", param="tool_choice")
@@ -289,7 +282,7 @@ class OpenAIServing:
                 "without 'tools' or serve a model whose template renders them",
                 param="tools",
             )
-        template_kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
+        tools[:] = [t.model_dump(exclude_none=True) for t in req.tools]
         try:
             schema = req.forced_tool_schema()
         except ValueError as exc:
@@ -537,40 +530,27 @@ class OpenAIServing:
             )
 
     def _chat_prompt_ids(
-        self,
-        messages: list[dict[str, Any]],
-        add_generation_prompt: bool,
-        kwargs: dict | None,
-        continue_final: bool = False,
+        self, req: ChatCompletionRequest | TokenizeRequest, tools: list[dict[str, Any]]
     ) -> list[int]:
-        """The prompt ``messages`` make; ``continue_final``: it ends inside the final
-        message (its text, without what the template writes after it)."""
+        """The prompt ``req`` makes, built as the gateway builds it (api/chat_prompt.py)."""
         tok = self._tokenizer()
-        kwargs = dict(kwargs or {})
-        if "messages" in kwargs:
-            raise APIError(
-                400,
-                "chat_template_kwargs cannot set 'messages'; send them as the request's messages",
-                param="chat_template_kwargs",
-            )
-        # As vLLM: the caller's template variables win over the request's defaults.
-        add_generation_prompt = kwargs.pop("add_generation_prompt", add_generation_prompt)
-        if continue_final and add_generation_prompt:
-            raise APIError(
-                400,
-                "continue_final_message continues the last message, add_generation_prompt "
-                "starts a new one: set add_generation_prompt to false",
-                param="continue_final_message",
-            )
+        documents = req.documents
         try:
-            text = tok.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, **kwargs
+            text = chat_prompt.render_chat(
+                tok,
+                req.messages or [],
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                chat_template_kwargs=req.chat_template_kwargs,
+                tools=tools,
+                documents=documents,
             )
+        except chat_prompt.ChatPromptError as exc:
+            raise APIError(400, exc.message, param=exc.param) from None
         except Exception as exc:  # the template rejected these messages (e.g. role order)
             raise APIError(400, f"chat template failed: {exc}", param="messages") from None
-        if continue_final:
-            text = _cut_after_final(text, messages[-1]["content"] if messages else "")
-        return tok.encode(text, add_special_tokens=not tok.template_adds_bos)
+        add = chat_prompt.add_special_tokens(tok, req.add_special_tokens)
+        return tok.encode(text, add_special_tokens=add)
 
     def _sampling_params(
         self,
@@ -788,19 +768,6 @@ class _StreamSender:
     def _cut(self) -> None:
         if self._request.transport is not None:
             self._request.transport.abort()
-
-
-def _cut_after_final(text: str, final: str) -> str:
-    """``cut_after_final``; 400 when the template did not write the final message."""
-    cut = cut_after_final(text, final)
-    if cut is not None:
-        return cut
-    raise APIError(
-        400,
-        "continue_final_message: the chat template does not write the final message's "
-        "text where it could be continued; send a non-empty final message or drop the flag",
-        param="continue_final_message",
-    )
 
 
 def _check_text_only(req: ChatCompletionRequest | TokenizeRequest) -> None:

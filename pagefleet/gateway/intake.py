@@ -165,12 +165,13 @@ def _inspect(
         bound = "max_completion_tokens" if set_completion else "max_tokens"
         ids, err = _too_long(
             tok, text, None, parsed.effective_max_tokens(), limit,
-            functools.partial(_chat_encode, tok), ("messages", bound),
+            functools.partial(_chat_encode, tok, parsed.add_special_tokens), ("messages", bound),
         )  # fmt: skip
         out.token_ids, out.error = ids, err
         return out
     prompts = parsed.prompts()
-    encode = functools.partial(_completion_encode, tok) if tok is not None else None
+    add = parsed.add_special_tokens
+    encode = functools.partial(_completion_encode, tok, add) if tok is not None else None
     for i, p in enumerate(prompts):
         text = p if isinstance(p, str) else None
         ids = list(p) if isinstance(p, list) else None
@@ -189,12 +190,12 @@ def _inspect(
     return out
 
 
-def _completion_encode(tok: PromptTokenizer, text: str) -> list[int]:
-    return tok.tokenizer.encode(text, add_special_tokens=True)
+def _completion_encode(tok: PromptTokenizer, add_special_tokens: bool, text: str) -> list[int]:
+    return tok.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
-def _chat_encode(tok: PromptTokenizer, text: str) -> list[int]:
-    return tok.chat_text_ids(text)
+def _chat_encode(tok: PromptTokenizer, add_special_tokens: bool | None, text: str) -> list[int]:
+    return tok.chat_text_ids(text, add_special_tokens)
 
 
 def _session_from_body(parsed: CompletionRequest | ChatCompletionRequest) -> str | None:

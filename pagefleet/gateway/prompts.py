@@ -10,12 +10,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from pagefleet.api.openai import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    cut_after_final,
-    template_messages,
-)
+from pagefleet.api import chat_prompt
+from pagefleet.api.openai import ChatCompletionRequest, CompletionRequest
 from pagefleet.gateway.segment_cache import SegmentCachedEncoder
 from pagefleet.tokenizer import Tokenizer
 
@@ -48,32 +44,29 @@ class PromptTokenizer:
         first = req.prompts()[0]
         if isinstance(first, list):
             return list(first)
-        return self.tokenizer.encode(first, add_special_tokens=True)
+        return self.tokenizer.encode(first, add_special_tokens=req.add_special_tokens)
 
     def chat_text(self, req: ChatCompletionRequest) -> str:
-        """The prompt text the daemon renders for ``req`` (its messages with tool calls and
-        results, its tools, the caller's template variables, continue_final_message), so
-        the gateway routes and judges length on the prompt that will run. Raises what the
-        template raises (the daemon answers those with its own 400)."""
-        messages = template_messages(req.messages)
-        kwargs = dict(req.chat_template_kwargs or {})
-        kwargs.pop("messages", None)  # the daemon's 400
-        add_generation_prompt = kwargs.pop("add_generation_prompt", req.add_generation_prompt)
-        if req.tools:
-            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
-        text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, **kwargs
+        """The prompt text the daemon renders for ``req`` (the same function renders it
+        there: api/chat_prompt.py), so the gateway routes and judges length on the prompt
+        that will run. Raises what rendering raises (the daemon answers those with a 400)."""
+        tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+        return chat_prompt.render_chat(
+            self.tokenizer,
+            req.messages,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            chat_template_kwargs=req.chat_template_kwargs,
+            tools=tools,
+            documents=req.documents,
         )
-        if req.continue_final_message:
-            text = cut_after_final(text, messages[-1]["content"] if messages else "") or text
-        return text
 
-    def chat_text_ids(self, text: str) -> list[int]:
-        # A template that writes BOS itself must not get a second one from the encoder.
-        add = not self.tokenizer.template_adds_bos
+    def chat_text_ids(self, text: str, requested: bool | None = None) -> list[int]:
+        """Ids of a rendered chat prompt; ``requested``: the request's add_special_tokens."""
+        add = chat_prompt.add_special_tokens(self.tokenizer, requested)
         if self.segments is not None:
             return self.segments.encode(text, add_special_tokens=add)
         return self.tokenizer.encode(text, add_special_tokens=add)
 
     def chat_ids(self, req: ChatCompletionRequest) -> list[int]:
-        return self.chat_text_ids(self.chat_text(req))
+        return self.chat_text_ids(self.chat_text(req), req.add_special_tokens)

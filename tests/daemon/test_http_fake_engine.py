@@ -293,11 +293,11 @@ async def test_unsupported_fields_are_refused_ignorable_ones_pass_and_long_promp
                 assert err["param"] == next(iter(extra)) and next(iter(extra)) in err["message"]
         body = {
             "messages": [{"role": "user", "content": "hi"}],
-            "spaces_between_special_tokens": False,
+            "return_tokens_as_token_ids": True,
         }
         async with s.post(f"{d.base_url}/chat/completions", json=body) as r:
             assert r.status == 400
-            assert (await r.json())["error"]["param"] == "spaces_between_special_tokens"
+            assert (await r.json())["error"]["param"] == "return_tokens_as_token_ids"
         # Large enough to be tokenized off the event loop; still refused by length.
         async with s.post(f"{d.base_url}/completions", json={"prompt": "hello " * 4000}) as r:
             assert r.status == 400
