@@ -53,6 +53,8 @@ OTHER_TOOLS_FLAGS = {
     "--lora-info-metric": "the Inference Extension's endpoint picker",
     "--cache-info-metric": "the Inference Extension's endpoint picker",
     "--daemons": "examples/real_model_chat.py",
+    "--chat-template-content-format": "vLLM's server",
+    "--trust-request-chat-template": "vLLM's server",
 }
 
 # `pagefleet SUB args...` up to the end of a code span, a comment, a pipe or the line.
