@@ -156,6 +156,13 @@ class KVCacheManager:
         Returns False, changing nothing, when the pool cannot supply the blocks.
         """
         table = self._tables.get(seq.seq_id)
+        if (
+            table is not None
+            and not computed_blocks
+            and num_computed_tokens is None
+            and self._fits_in_place(seq, table, num_new_tokens)
+        ):
+            return True
         if table is None:
             table = []
         start = seq.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
@@ -204,6 +211,22 @@ class KVCacheManager:
             table.extend(self.pool.get_new_blocks(num_new_blocks))
         self._cache_full_blocks(seq, table, end)
         return True
+
+    def _fits_in_place(self, seq: Sequence, table: list[KVBlock], num_new_tokens: int) -> bool:
+        """Whether a running sequence's next ``num_new_tokens`` go into the blocks it holds
+        with nothing to do: no new block, no copy on write, no block to key. All but one or
+        two of every ``block_size`` decode steps of a sequence are this case, and the full
+        path's generic bookkeeping (cache hits, copies, hashing) would find nothing to do."""
+        start = seq.num_computed_tokens
+        end = start + num_new_tokens
+        if num_new_tokens <= 0 or end > len(table) * self.block_size:
+            return False
+        assert end <= seq.num_tokens, "cannot schedule tokens that do not exist yet"
+        block = table[start // self.block_size]
+        if block.ref_cnt > 1 or block.block_hash is not None:
+            return False  # shared with a fork or cached: copied on write
+        # A block this step fills gets its key (prefix caching).
+        return not self.enable_caching or end // self.block_size <= self._num_hashed[seq.seq_id]
 
     def _cache_full_blocks(self, seq: Sequence, table: list[KVBlock], num_tokens: int) -> None:
         """Hash the blocks that become full once ``num_tokens`` tokens have KV."""

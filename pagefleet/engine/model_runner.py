@@ -28,7 +28,12 @@ from pagefleet.engine.kv_layout import KVLayout
 from pagefleet.engine.request import PromptScore, Sequence
 from pagefleet.engine.sampler import Sampler, SampleResult
 from pagefleet.engine.scheduler import ScheduledSeq, SchedulerOutput
-from pagefleet.kernels.metadata import AttentionBackend, AttentionMetadata, build_metadata
+from pagefleet.kernels.metadata import (
+    AttentionBackend,
+    AttentionMetadata,
+    build_metadata,
+    index_tensor,
+)
 
 if TYPE_CHECKING:
     from pagefleet.engine.cuda_graphs import DecodeGraphs
@@ -219,8 +224,8 @@ class ModelRunner:
             tables.append(kv.block_ids(it.seq))
         dev = self.device
         meta = build_metadata(tables, query_lens, seq_lens, self.block_size, dev)
-        ids_t = torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        return ids_t, torch.tensor(positions, dtype=torch.int64, device=dev), meta
+        ids_t = index_tensor(input_ids, torch.int64, dev)
+        return ids_t, index_tensor(positions, torch.int64, dev), meta
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> StepResult:
@@ -252,7 +257,7 @@ class ModelRunner:
         if len(rows) == hidden.shape[0]:  # every row samples (a decode-only step): no gather
             logits = self.model.compute_logits(hidden)
         else:
-            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+            logits = self.model.compute_logits(hidden[index_tensor(rows, torch.int64, self.device)])
         expand: list[int] = []
         j = 0
         for it in items:

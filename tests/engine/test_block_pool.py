@@ -237,3 +237,38 @@ def test_after_reset_a_child_is_not_cached_under_another_sequences_parent(make_s
             live.clear()
     assert all(stored[h] is None or stored[h] in live for h in live), "an orphan in the index"
     kv.check_integrity([a, c])
+
+
+def test_decodes_inside_a_block_change_nothing_until_one_fills_or_shares_it(make_seq) -> None:
+    """allocate_slots' in-place path (a decode that needs no block) must still key the
+    block a decode fills, and still copy a block a fork shares."""
+    bs = 4
+    kv = KVCacheManager(num_blocks=8, block_size=bs, namespace="m")
+    seq = make_seq(list(range(5)), n=2)
+    assert kv.allocate_slots(seq, 5)
+    seq.num_computed_tokens = 5
+    kv.take_events()
+    for tok in (50, 51):  # positions 5 and 6: inside block 1, nothing to do
+        seq.token_ids.append(tok)
+        assert kv.allocate_slots(seq, 1)
+        seq.num_computed_tokens += 1
+        assert kv.take_events() == [] and kv.take_copies() == []
+    seq.token_ids.append(52)  # position 7 fills block 1: it gets its key
+    assert kv.allocate_slots(seq, 1)
+    seq.num_computed_tokens += 1
+    (stored,) = kv.take_events()
+    assert isinstance(stored, BlockStored)
+    assert stored.block_hashes == block_hashes(seq.token_ids, bs, namespace="m")[1:2]
+    seq.token_ids.append(53)  # position 8: a new block
+    assert kv.allocate_slots(seq, 1)
+    seq.num_computed_tokens += 1
+    assert len(kv.block_ids(seq)) == 3
+    child = make_seq(list(seq.token_ids))
+    kv.fork(seq, child)
+    child.num_computed_tokens = seq.num_computed_tokens
+    seq.token_ids.append(54)  # position 9 of block 2, which the child shares: copied
+    assert kv.allocate_slots(seq, 1)
+    (copy,) = kv.take_copies()
+    assert copy == (kv.block_ids(child)[2], kv.block_ids(seq)[2])
+    seq.num_computed_tokens += 1
+    kv.check_integrity([seq, child])

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
-from pagefleet.kernels.metadata import build_metadata
+from pagefleet.kernels.metadata import build_metadata, index_tensor
 
 
 def test_slots_starts_and_padded_tables_follow_each_sequences_blocks():
@@ -55,3 +57,14 @@ def test_a_table_short_of_its_context_or_a_bad_query_length_is_refused(
 ):
     with pytest.raises(ValueError, match="need 1 <= new <= tokens"):
         build_metadata(tables, query_lens, seq_lens, 4)
+
+
+@pytest.mark.parametrize("int_dtype", [torch.int32, torch.int64])
+def test_index_tensor_equals_torch_tensor_and_owns_its_values(int_dtype):
+    values = [7, 0, -1, 2**31 - 1, 3]
+    t = index_tensor(iter(values), int_dtype)  # any iterable; the buffer lives with the tensor
+    gc.collect()
+    assert t.dtype == int_dtype and torch.equal(t, torch.tensor(values, dtype=int_dtype))
+    assert t.is_contiguous() and t.shape == (5,)
+    empty = index_tensor([], int_dtype)
+    assert empty.dtype == int_dtype and empty.shape == (0,)
