@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +10,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from fake_kube import REDIS, FakeKube
+
+from pagefleet.dev.redis_server import LocalRedis
 
 
 @pytest.fixture
@@ -36,3 +39,10 @@ def pd_spec() -> dict[str, Any]:
 @pytest.fixture
 def kube() -> FakeKube:
     return FakeKube()
+
+
+@pytest.fixture(scope="module")
+def redis() -> Iterator[str]:
+    """A real Redis for the autoscaler's heartbeat reads, one per test module."""
+    with LocalRedis() as server:
+        yield server.url

@@ -195,12 +195,6 @@ class MetricsServers:
         self.thread.join(5)
 
 
-@pytest.fixture(scope="module")
-def redis() -> Iterator[str]:
-    with LocalRedis() as server:
-        yield server.url
-
-
 @pytest.fixture
 def servers() -> Iterator[MetricsServers]:
     s = MetricsServers()

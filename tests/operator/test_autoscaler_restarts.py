@@ -24,17 +24,10 @@ from test_autoscaler import (
 )
 
 from pagefleet.daemon.metrics import DaemonMetrics
-from pagefleet.dev.redis_server import LocalRedis
 from pagefleet.operator.autoscaler import Autoscaler, AutoscalerSettings
 from pagefleet.operator.builders import BuildSettings
 from pagefleet.operator.metrics import OperatorMetrics
 from pagefleet.testing.engine_stats import idle_engine_stats
-
-
-@pytest.fixture(scope="module")
-def redis() -> Iterator[str]:
-    with LocalRedis() as server:
-        yield server.url
 
 
 @pytest.fixture

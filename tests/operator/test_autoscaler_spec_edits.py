@@ -3,7 +3,6 @@ Prometheus, the in-memory API)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -11,16 +10,9 @@ from fake_kube import FakeKube
 from fake_prometheus import FakePrometheus, vector
 from test_autoscaler import NAME, NS, Clock, scaling_active, status_of, tick, world
 
-from pagefleet.dev.redis_server import LocalRedis
 from pagefleet.operator.autoscaler import Autoscaler, AutoscalerSettings
 from pagefleet.operator.builders import BuildSettings
 from pagefleet.operator.metrics import OperatorMetrics
-
-
-@pytest.fixture(scope="module")
-def redis() -> Iterator[str]:
-    with LocalRedis() as server:
-        yield server.url
 
 
 def test_a_new_slo_or_capacity_hint_replaces_the_capacity_learned_for_the_old_one(

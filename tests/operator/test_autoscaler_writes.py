@@ -24,17 +24,10 @@ from test_autoscaler import (
     world,
 )
 
-from pagefleet.dev.redis_server import LocalRedis
 from pagefleet.operator.autoscaler import DELETION_COST, Autoscaler, AutoscalerSettings
 from pagefleet.operator.builders import BuildSettings
 from pagefleet.operator.kube import DEPLOYMENT, Kind, KubeError
 from pagefleet.operator.metrics import OperatorMetrics
-
-
-@pytest.fixture(scope="module")
-def redis() -> Iterator[str]:
-    with LocalRedis() as server:
-        yield server.url
 
 
 @pytest.fixture

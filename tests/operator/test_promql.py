@@ -5,23 +5,14 @@ test_autoscaler.py.)"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from fake_kube import FakeKube
 from fake_prometheus import FakePrometheus, vector
 from test_autoscaler import NS, Clock, replicas, scaling_active, tick, world
 
-from pagefleet.dev.redis_server import LocalRedis
 from pagefleet.operator.autoscaler import Autoscaler, AutoscalerSettings
 from pagefleet.operator.builders import BuildSettings
 from pagefleet.operator.metrics import OperatorMetrics
-
-
-@pytest.fixture(scope="module")
-def redis() -> Iterator[str]:
-    with LocalRedis() as server:
-        yield server.url
 
 
 @pytest.mark.parametrize(
