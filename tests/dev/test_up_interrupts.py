@@ -85,8 +85,11 @@ def _start_up(tmp: Path, ignore_hup: bool = False) -> subprocess.Popen[str]:
          "--port", "0", "--log-dir", str(tmp / "logs")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "TMPDIR": str(tmp)},
-        # As `nohup pagefleet up` starts it.
-        preexec_fn=(lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if ignore_hup else None,
+        # As `nohup pagefleet up` starts it, or as a terminal does: SIGHUP at its default
+        # even when this test itself runs under nohup (which the child would inherit).
+        preexec_fn=lambda: signal.signal(
+            signal.SIGHUP, signal.SIG_IGN if ignore_hup else signal.SIG_DFL
+        ),
     )  # fmt: skip
     assert up.stdout is not None and up.stderr is not None
     line = up.stdout.readline()  # blocks until the fleet is ready
