@@ -303,6 +303,19 @@ def make(kube: FakeKube, clock: Clock) -> Autoscaler:
     )
 
 
+def make_prometheus(kube: FakeKube, clock: Clock, url: str) -> Autoscaler:
+    """An autoscaler that reads its inputs from the Prometheus at ``url``."""
+    from pagefleet.operator.autoscaler import AutoscalerSettings
+
+    return Autoscaler(
+        kube,
+        BuildSettings(),
+        AutoscalerSettings(scrape_timeout_s=1.0, prometheus_url=url),
+        OperatorMetrics(),
+        clock=clock,
+    )
+
+
 def test_load_step_scales_up_and_idle_scales_down_the_cheapest_pod(
     redis: str, servers: MetricsServers
 ) -> None:

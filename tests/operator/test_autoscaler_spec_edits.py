@@ -8,11 +8,7 @@ from typing import Any
 import pytest
 from fake_kube import FakeKube
 from fake_prometheus import FakePrometheus, vector
-from test_autoscaler import NAME, NS, Clock, scaling_active, status_of, tick, world
-
-from pagefleet.operator.autoscaler import Autoscaler, AutoscalerSettings
-from pagefleet.operator.builders import BuildSettings
-from pagefleet.operator.metrics import OperatorMetrics
+from test_autoscaler import NAME, NS, Clock, make_prometheus, scaling_active, status_of, tick, world
 
 
 def test_a_new_slo_or_capacity_hint_replaces_the_capacity_learned_for_the_old_one(
@@ -55,13 +51,7 @@ def test_a_new_slo_or_capacity_hint_replaces_the_capacity_learned_for_the_old_on
             kube, redis, 2, [(p, f"127.0.0.{i + 2}") for i, p in enumerate(pods)],
             decodeTokensPerSecond=10_000, replicaStartupSeconds=0,
         )  # fmt: skip
-        scaler = Autoscaler(
-            kube,
-            BuildSettings(),
-            AutoscalerSettings(scrape_timeout_s=1.0, prometheus_url=prom.url),
-            OperatorMetrics(),
-            clock=clock,
-        )
+        scaler = make_prometheus(kube, clock, prom.url)
 
         def idle_pass() -> float:
             load.update(prompt=0.0, waiting=0.0, ttft=None)
@@ -138,13 +128,7 @@ def test_roles_on_different_intervals_do_not_flap_the_condition(redis: str) -> N
     prom = FakePrometheus()
     prom.answer = answer
     try:
-        scaler = Autoscaler(
-            kube,
-            BuildSettings(),
-            AutoscalerSettings(scrape_timeout_s=1.0, prometheus_url=prom.url),
-            OperatorMetrics(),
-            clock=clock,
-        )
+        scaler = make_prometheus(kube, clock, prom.url)
         seen = []
         for _ in range(6):
             roles = sorted(o.role for o in tick(scaler, kube, events))

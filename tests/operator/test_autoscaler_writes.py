@@ -18,16 +18,15 @@ from test_autoscaler import (
     MetricsServers,
     heartbeat,
     make,
+    make_prometheus,
     replicas,
     scaling_active,
     tick,
     world,
 )
 
-from pagefleet.operator.autoscaler import DELETION_COST, Autoscaler, AutoscalerSettings
-from pagefleet.operator.builders import BuildSettings
+from pagefleet.operator.autoscaler import DELETION_COST
 from pagefleet.operator.kube import DEPLOYMENT, Kind, KubeError
-from pagefleet.operator.metrics import OperatorMetrics
 
 
 @pytest.fixture
@@ -156,13 +155,7 @@ def test_a_steady_fleet_with_a_wobbling_load_posts_no_event_per_pass(redis: str)
             kube, redis, 2, [(p, f"127.0.0.{i + 2}") for i, p in enumerate(pods)],
             scaleDownWindowSeconds=300, decodeTokensPerSecond=100, replicaStartupSeconds=0,
         )  # fmt: skip
-        scaler = Autoscaler(
-            kube,
-            BuildSettings(),
-            AutoscalerSettings(scrape_timeout_s=1.0, prometheus_url=prom.url),
-            OperatorMetrics(),
-            clock=clock,
-        )
+        scaler = make_prometheus(kube, clock, prom.url)
         reasons = []
         for i in range(12):
             gen["rate"] = 48.0 if i % 2 == 0 else 40.0  # 96 or 80 tok/s at 100 per replica

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from fake_kube import FakeKube
 from fake_prometheus import FakePrometheus, vector
-from test_autoscaler import NS, Clock, replicas, scaling_active, tick, world
+from test_autoscaler import NS, Clock, make_prometheus, replicas, scaling_active, tick, world
 
 from pagefleet.operator.autoscaler import Autoscaler, AutoscalerSettings
 from pagefleet.operator.builders import BuildSettings
@@ -35,13 +35,7 @@ def test_a_prometheus_answering_other_json_holds_with_a_condition(redis: str, bo
         prom.body = body
         kube, clock, events = FakeKube(), Clock(), []
         world(kube, redis, 2, [("chat-a", "127.0.0.2")])
-        scaler = Autoscaler(
-            kube,
-            BuildSettings(),
-            AutoscalerSettings(scrape_timeout_s=1.0, prometheus_url=prom.url),
-            OperatorMetrics(),
-            clock=clock,
-        )
+        scaler = make_prometheus(kube, clock, prom.url)
         (out,) = tick(scaler, kube, events)
     finally:
         prom.close()
@@ -74,13 +68,7 @@ def test_prometheus_mode_releases_an_idle_marked_pod_like_the_scrape_mode(redis:
             kube, redis, 3, [(p, f"127.0.0.{i + 2}") for i, p in enumerate(pods)],
             scaleDownWindowSeconds=300, decodeTokensPerSecond=100, replicaStartupSeconds=0,
         )  # fmt: skip
-        scaler = Autoscaler(
-            kube,
-            BuildSettings(),
-            AutoscalerSettings(scrape_timeout_s=1.0, prometheus_url=prom.url),
-            OperatorMetrics(),
-            clock=clock,
-        )
+        scaler = make_prometheus(kube, clock, prom.url)
         (out,) = tick(scaler, kube, events)  # 255 tok/s at 100 per replica: 3 fit it
         assert out.decision.reason.value == "Steady", out.decision.message
         per_pod_gen["rate"] = 0.0  # the load is gone
@@ -118,13 +106,7 @@ def test_a_pod_prometheus_has_not_scraped_yet_is_warming_not_a_problem(
         pod = kube.obj("Pod", NS, "chat-b")
         assert pod is not None
         pod["status"]["conditions"][0]["lastTransitionTime"] = since.strftime("%Y-%m-%dT%H:%M:%SZ")
-        scaler = Autoscaler(
-            kube,
-            BuildSettings(),
-            AutoscalerSettings(scrape_timeout_s=1.0, prometheus_url=prom.url),
-            OperatorMetrics(),
-            clock=clock,
-        )
+        scaler = make_prometheus(kube, clock, prom.url)
         (out,) = tick(scaler, kube, events)
     finally:
         prom.close()
