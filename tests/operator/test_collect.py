@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
 from pagefleet.operator.collect import PodTarget, scrape_pods
 
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-async def _scrape(body: bytes, content_type: str) -> dict:
-    async def handler(_: web.Request) -> web.Response:
-        return web.Response(body=body, headers={"Content-Type": content_type})
 
+async def _scrape_one(handler: Handler, timeout_s: float) -> dict:
+    """Scrape one pod whose /metrics ``handler`` answers, served on a loopback port."""
     app = web.Application()
     app.router.add_get("/metrics", handler)
     runner = web.AppRunner(app)
@@ -24,9 +25,16 @@ async def _scrape(body: bytes, content_type: str) -> dict:
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     try:
         target = PodTarget("pod-a", f"http://127.0.0.1:{port}/metrics")
-        return await scrape_pods([target], timeout_s=2.0)
+        return await scrape_pods([target], timeout_s=timeout_s)
     finally:
         await runner.cleanup()
+
+
+async def _scrape(body: bytes, content_type: str) -> dict:
+    async def handler(_: web.Request) -> web.Response:
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    return await _scrape_one(handler, timeout_s=2.0)
 
 
 def test_a_body_that_is_not_text_makes_the_pod_unknown():
@@ -64,18 +72,7 @@ async def _scrape_stream(head: bytes, pad_bytes: int, length: bool) -> dict:
             pass  # the scraper hung up: what a bounded reader does
         return resp
 
-    app = web.Application()
-    app.router.add_get("/metrics", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        target = PodTarget("pod-a", f"http://127.0.0.1:{port}/metrics")
-        return await scrape_pods([target], timeout_s=10.0)
-    finally:
-        await runner.cleanup()
+    return await _scrape_one(handler, timeout_s=10.0)
 
 
 def test_a_huge_metrics_body_makes_the_pod_unknown_without_reading_it_all():
