@@ -57,6 +57,8 @@ def test_panels_a_platform_team_expects() -> None:
         "pagefleet_gateway_predicted_hit_tokens_sum",
         "pagefleet_gateway_upstream_retries_total",
         "pagefleet_gateway_routing_decision_seconds_bucket",
+        'pagefleet_gateway_upstream_ttft_seconds_bucket{namespace=~"$namespace", '
+        'inferenceservice=~"$inferenceservice", le="$ttft_slo"}',
         "$replica_cost_per_hour",
         "pagefleet:kv_transfer_bytes_total",
         "pagefleet:kv_transfer_seconds_bucket",
