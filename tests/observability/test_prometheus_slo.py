@@ -142,6 +142,47 @@ def test_dashboard_variable_queries_find_the_fleet(observed: dict[str, Any]) -> 
     assert remote and float(remote[0]["value"][1]) > 0, "no request was prefilled remotely"
 
 
+# What dashboards built for vLLM query, current names and the pre-0.11 TPOT name many still
+# use: each must find data on a pagefleet fleet with no configuration.
+VLLM_DASHBOARD_QUERIES = (
+    *(
+        f"histogram_quantile(0.99, sum by (le) (rate(vllm:{h}_bucket[{RATE}])))"
+        for h in (
+            "time_to_first_token_seconds",
+            "time_per_output_token_seconds",
+            "inter_token_latency_seconds",
+            "e2e_request_latency_seconds",
+        )
+    ),
+    f"sum(rate(vllm:request_time_per_output_token_seconds_sum[{RATE}]))",
+    f"sum(rate(vllm:request_queue_time_seconds_sum[{RATE}]))",
+    f"sum(rate(vllm:request_inference_time_seconds_sum[{RATE}]))",
+    f"sum(rate(vllm:request_prefill_time_seconds_sum[{RATE}]))",
+    f"sum(rate(vllm:request_decode_time_seconds_sum[{RATE}]))",
+    f"sum(rate(vllm:prompt_tokens_total[{RATE}]))",
+    f"sum(rate(vllm:generation_tokens_total[{RATE}]))",
+    f"sum by (finished_reason) (increase(vllm:request_success_total[{RATE}]))",
+    f"sum(rate(vllm:gpu_prefix_cache_hits_total[{RATE}])) / "
+    f"sum(rate(vllm:gpu_prefix_cache_queries_total[{RATE}]))",
+    "max(vllm:gpu_cache_usage_perc)",
+    "max(vllm:kv_cache_usage_perc)",
+    "sum(vllm:num_requests_running)",
+    "sum(vllm:num_requests_waiting)",
+    "sum(rate(vllm:num_preemptions_total[2m]))",
+)
+
+
+def test_queries_of_vllm_dashboards_return_data(observed: dict[str, Any]) -> None:
+    api: PrometheusAPI = observed["api"]
+    failures = [e for e in VLLM_DASHBOARD_QUERIES if not _finite(api.query(e))]
+    assert not failures, "\n".join(failures)
+    # The older TPOT name is ITL under another name: the same observations.
+    itl = api.query("sum(vllm:inter_token_latency_seconds_count)")
+    alias = api.query("sum(vllm:time_per_output_token_seconds_count)")
+    assert float(itl[0]["value"][1]) > 0
+    assert alias[0]["value"][1] == itl[0]["value"][1]
+
+
 def _as_bool(expr: str) -> str:
     return re.sub(r" (>=|<=|==|!=|>|<) ", r" \1 bool ", expr)
 
