@@ -103,6 +103,11 @@ CLIENT_TTFT = "pagefleet_gateway_upstream_ttft_seconds"
 TPOT = "vllm:request_time_per_output_token_seconds"
 ITL = "vllm:inter_token_latency_seconds"
 _DAEMONS = f"count(vllm:num_requests_running{sel()})"
+# Refusals for overload (429, 503): the daemon's pagefleet:requests_rejected_total and the
+# gateway's pagefleet_gateway_rejected_requests_total also count bad requests (400, 408, 413),
+# which are the client's problem, not the fleet's.
+DAEMON_OVERLOAD_REASONS = "queue_full|draining|not_ready|body_budget"
+GATEWAY_OVERLOAD_REASONS = "concurrency|connections|body_budget|no_endpoints|intake_failed"
 # The operator's series name the InferenceService `service` (and its `namespace`).
 _OP = '{namespace=~"$namespace", service=~"$inferenceservice"}'
 
@@ -272,13 +277,16 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
             ),
             PanelSpec(
                 "429 and 503 rates",
-                "Daemons refusing before admission (queue_full = 429, draining/not_ready = "
-                "503), pods' answers with those codes through the gateway, and the gateway's "
-                "own (concurrency = 429, no_endpoints/intake_failed = 503).",
+                "Daemons refusing before admission (queue_full = 429, draining/not_ready/"
+                "body_budget = 503), pods' answers with those codes through the gateway, and "
+                "the gateway's own (concurrency = 429, connections/body_budget/no_endpoints/"
+                "intake_failed = 503). Refusals of bad requests (400, 408, 413) are not here.",
                 "reqps",
                 (
                     Query(
-                        f"sum by (reason) (rate(pagefleet:requests_rejected_total{sel()}[{RATE}]))",
+                        "sum by (reason) (rate(pagefleet:requests_rejected_total"
+                        + sel()[:-1]
+                        + f', reason=~"{DAEMON_OVERLOAD_REASONS}"}}[{RATE}]))',
                         "daemon {{reason}}",
                         empty_unless="pagefleet:requests_rejected",
                     ),
@@ -292,7 +300,7 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                     Query(
                         "sum by (reason) (rate(pagefleet_gateway_rejected_requests_total"
                         + sel()[:-1]
-                        + f', reason=~"concurrency|no_endpoints|intake_failed"}}[{RATE}]))',
+                        + f', reason=~"{GATEWAY_OVERLOAD_REASONS}"}}[{RATE}]))',
                         "gateway refused {{reason}}",
                         empty_unless="pagefleet_gateway_rejected_requests",
                     ),

@@ -20,6 +20,8 @@ import asyncio
 import math
 import re
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -77,6 +79,10 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
             while api.targets_up() < len(targets):
                 assert time.monotonic() < deadline, prom.log_path.read_text()[-2000:]
                 time.sleep(0.5)
+            # A request a daemon refuses as invalid (400): counted in
+            # pagefleet:requests_rejected_total, but no overload, so the 429/503 panel must
+            # stay empty on this healthy fleet.
+            _post_invalid(fleet.daemon_urls[0] + "/v1/completions")
             t0 = time.time()
             opts = BenchOptions(
                 url=fleet.gateway_url,
@@ -98,6 +104,15 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
                 time.sleep(3)  # a few scrapes and rule evaluations after the last request
             yield {"api": api, "rules": rules, "start": t0, "end": time.time()}
     server.shutdown()
+
+
+def _post_invalid(url: str) -> None:
+    req = urllib.request.Request(
+        url, data=b"{not json", headers={"Content-Type": "application/json"}, method="POST"
+    )
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=10)
+    assert err.value.code == 400
 
 
 def _finite(result: list[dict[str, Any]]) -> bool:
@@ -124,6 +139,8 @@ def test_every_dashboard_query_returns_data(observed: dict[str, Any]) -> None:
     # On a healthy fleet nothing is refused or retried, and no client is cut: those stay
     # empty, as expected.
     assert "pagefleet:requests_rejected" in empty_ok
+    invalid = api.query('sum(pagefleet:requests_rejected_total{reason="invalid"})')
+    assert float(invalid[0]["value"][1]) == 1  # counted, yet no 429/503 line
     assert {"pagefleet:client_cuts", "pagefleet_gateway_client_cuts"} <= set(empty_ok)
 
 
