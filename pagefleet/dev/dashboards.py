@@ -103,6 +103,16 @@ CLIENT_TTFT = "pagefleet_gateway_upstream_ttft_seconds"
 TPOT = "vllm:request_time_per_output_token_seconds"
 ITL = "vllm:inter_token_latency_seconds"
 _DAEMONS = f"count(vllm:num_requests_running{sel()})"
+# Tokens served to clients, each request's once: every request ends on a unified or decode
+# pod, which counts its whole prompt (pulled or not) and every token it streams; a prefill
+# pod counts the same prompt again, and the one token it makes is never sent.
+_SERVED = sel()[:-1] + ', role!="prefill"}'
+
+
+def _served_rate(metric: str) -> str:
+    return f"sum(rate({metric}{_SERVED}[{RATE}]))"
+
+
 # Refusals for overload (429, 503): the daemon's pagefleet:requests_rejected_total and the
 # gateway's pagefleet_gateway_rejected_requests_total also count bad requests (400, 408, 413),
 # which are the client's problem, not the fleet's.
@@ -201,19 +211,20 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
             ),
             PanelSpec(
                 "Cost per 1M tokens",
-                "Daemon replicas x replica_cost_per_hour ($/h, a dashboard variable) divided "
-                "by the token rate.",
+                "Daemon replicas (prefill pods included) x replica_cost_per_hour ($/h, a "
+                "dashboard variable) divided by the rate of tokens served, each request's "
+                "counted once (on the pod that answers it, not again on a prefill pod).",
                 "currencyUSD",
                 (
                     Query(
-                        f"$replica_cost_per_hour * {_DAEMONS} / clamp_min(sum(rate("
-                        f"vllm:generation_tokens_total{sel()}[{RATE}])) * 3600, 1e-9) * 1e6",
+                        f"$replica_cost_per_hour * {_DAEMONS} / clamp_min("
+                        f"{_served_rate('vllm:generation_tokens_total')} * 3600, 1e-9) * 1e6",
                         "per 1M generated tokens",
                     ),
                     Query(
-                        f"$replica_cost_per_hour * {_DAEMONS} / clamp_min((sum(rate("
-                        f"vllm:generation_tokens_total{sel()}[{RATE}])) + sum(rate("
-                        f"vllm:prompt_tokens_total{sel()}[{RATE}]))) * 3600, 1e-9) * 1e6",
+                        f"$replica_cost_per_hour * {_DAEMONS} / clamp_min(("
+                        f"{_served_rate('vllm:generation_tokens_total')} + "
+                        f"{_served_rate('vllm:prompt_tokens_total')}) * 3600, 1e-9) * 1e6",
                         "per 1M tokens (prompt + generated)",
                     ),
                 ),

@@ -30,7 +30,7 @@ import pytest
 import yaml
 from prometheus_client import start_http_server
 
-from pagefleet.dev.dashboards import VARIABLE_DEFAULTS, all_queries, substitute
+from pagefleet.dev.dashboards import ROWS, VARIABLE_DEFAULTS, all_queries, substitute
 from pagefleet.dev.loadgen import BenchOptions, run_bench
 from pagefleet.dev.local_fleet import FleetSpec, LocalFleet, free_port
 from pagefleet.dev.prometheus import LocalPrometheus, PrometheusAPI, ScrapeTarget
@@ -98,11 +98,16 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
             # earlier sample for rate() to difference against in the second. One burst on a
             # fast machine fell between two 1 s scrapes: every series it created appeared
             # once, already at its final count, and read as rate 0 (NaN quantiles).
+            served = {"prompt_tokens": 0, "completion_tokens": 0}
             for burst in (opts, opts.model_copy(update={"num_requests": 40})):
                 report, _ = asyncio.run(run_bench(burst))
                 assert report["failed"] == 0, report["errors"]
+                for k in served:
+                    served[k] += report[k]
                 time.sleep(3)  # a few scrapes and rule evaluations after the last request
-            yield {"api": api, "rules": rules, "start": t0, "end": time.time()}
+            yield {
+                "api": api, "rules": rules, "start": t0, "end": time.time(), "served": served,
+            }  # fmt: skip
     server.shutdown()
 
 
@@ -198,6 +203,23 @@ def test_queries_of_vllm_dashboards_return_data(observed: dict[str, Any]) -> Non
     alias = api.query("sum(vllm:time_per_output_token_seconds_count)")
     assert float(itl[0]["value"][1]) > 0
     assert alias[0]["value"][1] == itl[0]["value"][1]
+
+
+def test_cost_panel_counts_each_served_token_once(observed: dict[str, Any]) -> None:
+    """Behind P/D a prompt is counted on the prefill pod and again on the decode pod: the
+    cost panel's token counters, read whole with its own selectors, must add up to the
+    usage the clients were sent."""
+    api: PrometheusAPI = observed["api"]
+    (panel,) = [p for _, ps in ROWS for p in ps if p.title == "Cost per 1M tokens"]
+    expr = substitute(panel.queries[1].expr, {"namespace": NAMESPACE, "inferenceservice": SERVICE})
+    for counter, usage in (
+        ("vllm:prompt_tokens_total", "prompt_tokens"),
+        ("vllm:generation_tokens_total", "completion_tokens"),
+    ):
+        selector = re.search(re.escape(counter) + r"\{[^}]*\}", expr)
+        assert selector, f"{counter} not in {expr}"
+        total = api.query(f"sum({selector.group(0)})")
+        assert float(total[0]["value"][1]) == observed["served"][usage], selector.group(0)
 
 
 def _as_bool(expr: str) -> str:
