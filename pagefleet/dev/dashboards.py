@@ -75,24 +75,33 @@ def _quantiles(metric: str, by: str) -> tuple[Query, ...]:
     )
 
 
-# Each request counts once (as in the chart's SLO rules): in a prefill/decode service both
-# pods record a TTFT and a TPOT, so TTFT is read where prompts run and TPOT where tokens
-# stream.
-_SKIP_ROLE = {"ttft_slo": "decode", "tpot_slo": "prefill"}
+# Each request counts once, as in the chart's SLO rules (helm/pagefleet/templates/
+# _rules.tpl): on the pod that answers it (role != prefill). TPOT is read there; a TTFT miss
+# is one on any pod, since behind prefill/decode a locally prefilled request records its
+# TTFT on the decode pod alone and a remote one on both (clamped: a double miss is one).
+def _error_ratio(metric: str, le_var: str, window: str = RATE) -> str:
+    served = f'{sel()[:-1]}, role!="prefill"}}'
+    if le_var == "tpot_slo":
+        within = f'{sel(le=f"${le_var}")[:-1]}, role!="prefill"}}'
+        return (
+            f"(1 - sum(rate({metric}_bucket{within}[{window}]))"
+            f" / sum(rate({metric}_count{served}[{window}])))"
+        )
+    return (
+        f"clamp_max((sum(rate({metric}_count{sel()}[{window}]))"
+        f" - sum(rate({metric}_bucket{sel(le=f'${le_var}')}[{window}])))"
+        f" / sum(rate({metric}_count{served}[{window}])), 1)"
+    )
 
 
 def _within(metric: str, le_var: str, window: str = RATE) -> str:
-    skip = f'role!="{_SKIP_ROLE[le_var]}"'
-    return (
-        f"sum(rate({metric}_bucket{sel(le=f'${le_var}')[:-1]}, {skip}}}[{window}]))"
-        f" / sum(rate({metric}_count{sel()[:-1]}, {skip}}}[{window}]))"
-    )
+    return f"1 - {_error_ratio(metric, le_var, window)}"
 
 
 def _burn(metric: str, le_var: str, window: str) -> str:
     # Error ratio over the window divided by the error budget (1 - objective): 1 spends the
     # budget exactly over the SLO period, 14.4 spends a 30-day budget in ~2 days.
-    return f"(1 - {_within(metric, le_var, window)}) / (1 - $slo_percentile / 100)"
+    return f"{_error_ratio(metric, le_var, window)} / (1 - $slo_percentile / 100)"
 
 
 TTFT = "vllm:time_to_first_token_seconds"
