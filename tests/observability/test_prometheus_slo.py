@@ -128,6 +128,7 @@ def test_every_dashboard_query_returns_data(observed: dict[str, Any]) -> None:
     api: PrometheusAPI = observed["api"]
     families = set(api.metadata())
     empty_ok, failures = [], []
+    units = {p.title: p.unit for _, panels in ROWS for p in panels}
     for title, q in all_queries():
         expr = substitute(q.expr, {"namespace": NAMESPACE, "inferenceservice": SERVICE}, RATE)
         result = api.query(expr)  # raises PrometheusError on a parse error
@@ -140,6 +141,7 @@ def test_every_dashboard_query_returns_data(observed: dict[str, Any]) -> None:
             continue
         if not result or not _finite(result):
             failures.append(f"{title} [{q.legend}]: {expr} -> {result}")
+        failures += _legend_and_unit_failures(title, q.legend, units[title], result)
     assert not failures, "\n".join(failures)
     # On a healthy fleet nothing is refused or retried, and no client is cut: those stay
     # empty, as expected.
@@ -147,6 +149,24 @@ def test_every_dashboard_query_returns_data(observed: dict[str, Any]) -> None:
     invalid = api.query('sum(pagefleet:requests_rejected_total{reason="invalid"})')
     assert float(invalid[0]["value"][1]) == 1  # counted, yet no 429/503 line
     assert {"pagefleet:client_cuts", "pagefleet_gateway_client_cuts"} <= set(empty_ok)
+
+
+def _legend_and_unit_failures(
+    title: str, legend: str, unit: str, result: list[dict[str, Any]]
+) -> list[str]:
+    """Every label the legend names is on every series (not aggregated away), and values
+    fit the panel's unit: ratios in [0, 1], durations, rates and counts not negative."""
+    out = []
+    for r in result:
+        missing = [n for n in re.findall(r"\{\{(\w+)\}\}", legend) if not r["metric"].get(n)]
+        if missing:
+            out.append(f"{title} [{legend}]: no label {missing} on {r['metric']}")
+        v = float(r["value"][1])
+        if not math.isfinite(v):
+            continue
+        if (unit == "percentunit" and not 0 <= v <= 1) or v < 0:
+            out.append(f"{title} [{legend}]: {v} out of range for unit {unit}")
+    return out
 
 
 def test_dashboard_variable_queries_find_the_fleet(observed: dict[str, Any]) -> None:
