@@ -137,6 +137,19 @@ class _EngineStatsCollector(Collector):
                 )
 
 
+class _Fanout:
+    """Histogram children fed the same observations: a vLLM name and its older alias."""
+
+    __slots__ = ("_children",)
+
+    def __init__(self, *children: Any) -> None:
+        self._children = children
+
+    def observe(self, value: float) -> None:
+        for child in self._children:
+            child.observe(value)
+
+
 class DaemonMetrics:
     """Every metric of one daemon, bound to its labels, in ``self.registry``."""
 
@@ -171,10 +184,19 @@ class DaemonMetrics:
             "Time per output token after the first, per request (decode time / (tokens-1)).",
             _TOKEN_BUCKETS,
         )
-        self.itl = hist(
-            "vllm:inter_token_latency_seconds",
-            "Time between consecutive tokens of a sequence.",
-            _TOKEN_BUCKETS,
+        # vLLM (< 0.11, and dashboards built on it) named this vllm:time_per_output_token_seconds
+        # and observed the same per-token gaps under both names; the alias keeps those working.
+        self.itl = _Fanout(
+            hist(
+                "vllm:inter_token_latency_seconds",
+                "Time between consecutive tokens of a sequence.",
+                _TOKEN_BUCKETS,
+            ),
+            hist(
+                "vllm:time_per_output_token_seconds",
+                "Alias of vllm:inter_token_latency_seconds (older vLLM name).",
+                _TOKEN_BUCKETS,
+            ),
         )
         self.e2e = hist(
             "vllm:e2e_request_latency_seconds",
@@ -189,6 +211,11 @@ class DaemonMetrics:
         self.prefill_time = hist(
             "vllm:request_prefill_time_seconds",
             "Time from first scheduled to first token (prefill, incl. chunking).",
+            _LATENCY_BUCKETS,
+        )
+        self.inference_time = hist(
+            "vllm:request_inference_time_seconds",
+            "Time from first scheduled to finish (prefill and decode, as vLLM's RUNNING phase).",
             _LATENCY_BUCKETS,
         )
         self.decode_time = hist(
@@ -272,6 +299,8 @@ class DaemonMetrics:
                 self.tpot.observe(decode / (num_output_tokens - 1))
         if m.finished_time is not None:
             self.e2e.observe(max(0.0, m.finished_time - m.arrival_time))
+            if m.first_scheduled_time is not None:
+                self.inference_time.observe(max(0.0, m.finished_time - m.first_scheduled_time))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -75,30 +75,58 @@ def _quantiles(metric: str, by: str) -> tuple[Query, ...]:
     )
 
 
-# Each request counts once (as in the chart's SLO rules): in a prefill/decode service both
-# pods record a TTFT and a TPOT, so TTFT is read where prompts run and TPOT where tokens
-# stream.
-_SKIP_ROLE = {"ttft_slo": "decode", "tpot_slo": "prefill"}
+# Each request counts once, as in the chart's SLO rules (helm/pagefleet/templates/
+# _rules.tpl): on the pod that answers it (role != prefill). TPOT is read there; a TTFT miss
+# is one on any pod, since behind prefill/decode a locally prefilled request records its
+# TTFT on the decode pod alone and a remote one on both (clamped: a double miss is one).
+def _error_ratio(metric: str, le_var: str, window: str = RATE) -> str:
+    served = f'{sel()[:-1]}, role!="prefill"}}'
+    if le_var == "tpot_slo":
+        within = f'{sel(le=f"${le_var}")[:-1]}, role!="prefill"}}'
+        return (
+            f"(1 - sum(rate({metric}_bucket{within}[{window}]))"
+            f" / sum(rate({metric}_count{served}[{window}])))"
+        )
+    return (
+        f"clamp_max((sum(rate({metric}_count{sel()}[{window}]))"
+        f" - sum(rate({metric}_bucket{sel(le=f'${le_var}')}[{window}])))"
+        f" / sum(rate({metric}_count{served}[{window}])), 1)"
+    )
 
 
 def _within(metric: str, le_var: str, window: str = RATE) -> str:
-    skip = f'role!="{_SKIP_ROLE[le_var]}"'
-    return (
-        f"sum(rate({metric}_bucket{sel(le=f'${le_var}')[:-1]}, {skip}}}[{window}]))"
-        f" / sum(rate({metric}_count{sel()[:-1]}, {skip}}}[{window}]))"
-    )
+    return f"1 - {_error_ratio(metric, le_var, window)}"
 
 
 def _burn(metric: str, le_var: str, window: str) -> str:
     # Error ratio over the window divided by the error budget (1 - objective): 1 spends the
     # budget exactly over the SLO period, 14.4 spends a 30-day budget in ~2 days.
-    return f"(1 - {_within(metric, le_var, window)}) / (1 - $slo_percentile / 100)"
+    return f"{_error_ratio(metric, le_var, window)} / (1 - $slo_percentile / 100)"
 
 
 TTFT = "vllm:time_to_first_token_seconds"
+# The client-side TTFT, one observation per streamed request (the gateway's): behind P/D the
+# prefill pod's TTFT stops at its own first token and the decode pod's starts after the KV
+# pull, so neither shows what the client waited; this does. Same boundaries as the daemon's.
+CLIENT_TTFT = "pagefleet_gateway_upstream_ttft_seconds"
 TPOT = "vllm:request_time_per_output_token_seconds"
 ITL = "vllm:inter_token_latency_seconds"
 _DAEMONS = f"count(vllm:num_requests_running{sel()})"
+# Tokens served to clients, each request's once: every request ends on a unified or decode
+# pod, which counts its whole prompt (pulled or not) and every token it streams; a prefill
+# pod counts the same prompt again, and the one token it makes is never sent.
+_SERVED = sel()[:-1] + ', role!="prefill"}'
+
+
+def _served_rate(metric: str) -> str:
+    return f"sum(rate({metric}{_SERVED}[{RATE}]))"
+
+
+# Refusals for overload (429, 503): the daemon's pagefleet:requests_rejected_total and the
+# gateway's pagefleet_gateway_rejected_requests_total also count bad requests (400, 408, 413),
+# which are the client's problem, not the fleet's.
+DAEMON_OVERLOAD_REASONS = "queue_full|draining|not_ready|body_budget"
+GATEWAY_OVERLOAD_REASONS = "concurrency|connections|body_budget|no_endpoints|intake_failed"
 # The operator's series name the InferenceService `service` (and its `namespace`).
 _OP = '{namespace=~"$namespace", service=~"$inferenceservice"}'
 
@@ -109,11 +137,18 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
             PanelSpec(
                 "Goodput: share of requests within the SLO",
                 "Requests whose TTFT (resp. TPOT) met the target, read from the daemons' "
-                "histogram buckets; targets are the ttft_slo / tpot_slo variables (spec.slo).",
+                "histogram buckets; targets are the ttft_slo / tpot_slo variables (spec.slo). "
+                "The client line reads the gateway's TTFT of streamed requests instead, which "
+                "behind prefill/decode includes the KV hand-over that no pod's TTFT does.",
                 "percentunit",
                 (
                     Query(_within(TTFT, "ttft_slo"), "TTFT <= ${ttft_slo}s"),
                     Query(_within(TPOT, "tpot_slo"), "TPOT <= ${tpot_slo}s"),
+                    Query(
+                        f"sum(rate({CLIENT_TTFT}_bucket{sel(le='$ttft_slo')}[{RATE}]))"
+                        f" / sum(rate({CLIENT_TTFT}_count{sel()}[{RATE}]))",
+                        "client TTFT <= ${ttft_slo}s (gateway, streams)",
+                    ),
                 ),
             ),
             PanelSpec(
@@ -136,9 +171,20 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
         (
             PanelSpec(
                 "Time to first token",
-                "Arrival to first generated token, per role (vllm:time_to_first_token_seconds).",
+                "Arrival to first generated token, per role (vllm:time_to_first_token_seconds), "
+                "and as the client waits for it: the gateway forwarding a streamed request to "
+                "the first token's chunk (pagefleet_gateway_upstream_ttft_seconds). Behind "
+                "prefill/decode only the client line includes the KV hand-over.",
                 "s",
-                _quantiles(TTFT, "role"),
+                _quantiles(TTFT, "role")
+                + tuple(
+                    Query(
+                        f"histogram_quantile({q}, sum by (le) "
+                        f"(rate({CLIENT_TTFT}_bucket{sel()}[{RATE}])))",
+                        f"p{round(q * 100)} client (gateway)",
+                    )
+                    for q in (0.5, 0.9, 0.99)
+                ),
             ),
             PanelSpec(
                 "Time per output token",
@@ -174,19 +220,20 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
             ),
             PanelSpec(
                 "Cost per 1M tokens",
-                "Daemon replicas x replica_cost_per_hour ($/h, a dashboard variable) divided "
-                "by the token rate.",
+                "Daemon replicas (prefill pods included) x replica_cost_per_hour ($/h, a "
+                "dashboard variable) divided by the rate of tokens served, each request's "
+                "counted once (on the pod that answers it, not again on a prefill pod).",
                 "currencyUSD",
                 (
                     Query(
-                        f"$replica_cost_per_hour * {_DAEMONS} / clamp_min(sum(rate("
-                        f"vllm:generation_tokens_total{sel()}[{RATE}])) * 3600, 1e-9) * 1e6",
+                        f"$replica_cost_per_hour * {_DAEMONS} / clamp_min("
+                        f"{_served_rate('vllm:generation_tokens_total')} * 3600, 1e-9) * 1e6",
                         "per 1M generated tokens",
                     ),
                     Query(
-                        f"$replica_cost_per_hour * {_DAEMONS} / clamp_min((sum(rate("
-                        f"vllm:generation_tokens_total{sel()}[{RATE}])) + sum(rate("
-                        f"vllm:prompt_tokens_total{sel()}[{RATE}]))) * 3600, 1e-9) * 1e6",
+                        f"$replica_cost_per_hour * {_DAEMONS} / clamp_min(("
+                        f"{_served_rate('vllm:generation_tokens_total')} + "
+                        f"{_served_rate('vllm:prompt_tokens_total')}) * 3600, 1e-9) * 1e6",
                         "per 1M tokens (prompt + generated)",
                     ),
                 ),
@@ -250,13 +297,16 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
             ),
             PanelSpec(
                 "429 and 503 rates",
-                "Daemons refusing before admission (queue_full = 429, draining/not_ready = "
-                "503), pods' answers with those codes through the gateway, and the gateway's "
-                "own (concurrency = 429, no_endpoints/intake_failed = 503).",
+                "Daemons refusing before admission (queue_full = 429, draining/not_ready/"
+                "body_budget = 503), pods' answers with those codes through the gateway, and "
+                "the gateway's own (concurrency = 429, connections/body_budget/no_endpoints/"
+                "intake_failed = 503). Refusals of bad requests (400, 408, 413) are not here.",
                 "reqps",
                 (
                     Query(
-                        f"sum by (reason) (rate(pagefleet:requests_rejected_total{sel()}[{RATE}]))",
+                        "sum by (reason) (rate(pagefleet:requests_rejected_total"
+                        + sel()[:-1]
+                        + f', reason=~"{DAEMON_OVERLOAD_REASONS}"}}[{RATE}]))',
                         "daemon {{reason}}",
                         empty_unless="pagefleet:requests_rejected",
                     ),
@@ -270,7 +320,7 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                     Query(
                         "sum by (reason) (rate(pagefleet_gateway_rejected_requests_total"
                         + sel()[:-1]
-                        + f', reason=~"concurrency|no_endpoints|intake_failed"}}[{RATE}]))',
+                        + f', reason=~"{GATEWAY_OVERLOAD_REASONS}"}}[{RATE}]))',
                         "gateway refused {{reason}}",
                         empty_unless="pagefleet_gateway_rejected_requests",
                     ),

@@ -12,21 +12,14 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 
+# Seconds; the daemon's latency boundaries (pagefleet/daemon/metrics.py), so every SLO target
+# the chart and dashboard accept (a daemon bucket boundary) is one here too: the client-side
+# TTFT can be read against `le="<target>"` and compared with the daemon's, bucket for bucket.
+# tests/observability/test_histogram_buckets.py keeps the two equal.
 _LATENCY_BUCKETS = (
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-)
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 1.5, 2.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
+)  # fmt: skip
 _DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 # Fine around the 2 ms budget of the gateway's own work per request.
 _OVERHEAD_BUCKETS = (
@@ -98,7 +91,11 @@ class GatewayMetrics:
         )
         self.upstream_ttft_seconds = Histogram(
             p + "upstream_ttft_seconds",
-            "Time from forwarding a streaming request to its first upstream body byte.",
+            "Time from forwarding a streaming request to its first upstream body byte: the "
+            "chunk of the first generated token, the client's TTFT less the gateway's own "
+            "parse and routing time. Behind prefill/decode disaggregation (early hand-over) "
+            "it spans the remote prefill and the KV pull, which neither pod's "
+            "vllm:time_to_first_token_seconds does.",
             ["pod"],
             buckets=_LATENCY_BUCKETS,
             registry=r,

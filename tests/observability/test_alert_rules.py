@@ -64,3 +64,19 @@ def test_a_target_that_is_no_bucket_is_refused() -> None:
     res = helm_template("--set-string", "alerts.slo.ttftSeconds=1.7", check=False)
     assert res.returncode != 0
     assert "alerts.slo.ttftSeconds" in res.stderr, res.stderr
+
+
+def test_every_alert_has_a_firing_and_a_quiet_case() -> None:
+    """slo_rules_test.yaml shows each alert of the chart firing on its condition and staying
+    quiet before its `for` or on a healthy series: an alert added without both is untested."""
+    alerts = {r["alert"] for g in rule_groups()["groups"] for r in g["rules"] if "alert" in r}
+    cases = [
+        case
+        for test in yaml.safe_load((HERE / "slo_rules_test.yaml").read_text())["tests"]
+        for case in test.get("alert_rule_test", [])
+    ]
+    firing = {c["alertname"] for c in cases if c.get("exp_alerts")}
+    quiet = {c["alertname"] for c in cases if not c.get("exp_alerts")}
+    assert len(alerts) >= 7
+    assert alerts - firing == set(), "alerts never shown firing"
+    assert alerts - quiet == set(), "alerts never shown quiet"

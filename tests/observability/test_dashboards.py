@@ -5,12 +5,15 @@ and checked in under the chart; this fails when the two differ (regenerate with
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 from pagefleet.dev.dashboards import (
+    DAEMON_OVERLOAD_REASONS,
     DASHBOARD_FILE,
+    GATEWAY_OVERLOAD_REASONS,
     ROWS,
     all_queries,
     build_dashboard,
@@ -57,6 +60,8 @@ def test_panels_a_platform_team_expects() -> None:
         "pagefleet_gateway_predicted_hit_tokens_sum",
         "pagefleet_gateway_upstream_retries_total",
         "pagefleet_gateway_routing_decision_seconds_bucket",
+        'pagefleet_gateway_upstream_ttft_seconds_bucket{namespace=~"$namespace", '
+        'inferenceservice=~"$inferenceservice", le="$ttft_slo"}',
         "$replica_cost_per_hour",
         "pagefleet:kv_transfer_bytes_total",
         "pagefleet:kv_transfer_seconds_bucket",
@@ -78,3 +83,19 @@ def test_substitute_leaves_no_variable_and_refuses_unknown_ones() -> None:
     with pytest.raises(ValueError, match="unknown dashboard variable"):
         substitute("rate(x[$nope])")
     assert json.loads(render_json())["uid"] == "pagefleet-slo"
+
+
+def test_overload_panel_counts_every_429_and_503_refusal_of_the_gateway() -> None:
+    """The gateway's rejected-requests counter states each reason's status in its help
+    ("429 concurrency; 503 connections (...), body_budget, ...; 413 too_large; ..."): the
+    429/503 panel must select exactly those reasons."""
+    from pagefleet.gateway.metrics import GatewayMetrics
+
+    doc = GatewayMetrics().rejected._documentation
+    by_code: dict[str, set[str]] = {}
+    for part in re.sub(r"\([^)]*\)", "", doc.split(":", 1)[1]).split(";"):
+        code, _, reasons = part.strip().rstrip(".").partition(" ")
+        by_code[code] = {r.strip() for r in reasons.split(",")}
+    assert by_code["429"] == {"concurrency"}
+    assert set(GATEWAY_OVERLOAD_REASONS.split("|")) == by_code["429"] | by_code["503"]
+    assert not set(DAEMON_OVERLOAD_REASONS.split("|")) & {"invalid", "body_timeout"}

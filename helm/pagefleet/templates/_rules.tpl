@@ -6,9 +6,15 @@ Goodput is read from the daemons' histogram buckets: the share of requests whose
 (TPOT) was at most the target is bucket{le=target} / count, so a target must be a bucket
 boundary (values.schema.json enumerates them). Burn-rate alerts follow the multiwindow
 scheme: error ratio over a long and a short window both above factor x (1 - objective).
-Each request counts once: in a prefill/decode service both pods record a TTFT and a TPOT,
-so TTFT is read where prompts run (role != decode) and TPOT where tokens stream (role !=
-prefill); counted on both, a miss in one pool would top out at a 0.5 error ratio.
+Each request counts once, on the pod that answers it (role != prefill: unified or decode).
+TPOT is read there alone. A TTFT miss is one on any pod: behind prefill/decode a prompt
+prefilled remotely records its TTFT on the prefill pod (prefill) and again on the decode
+pod (from the pulled KV to the first token), one prefilled locally (short uncached part,
+prefill pool saturated or failed) on the decode pod alone. So TTFT misses are summed over
+every role and divided by the requests answered: reading the prefill pods alone left the
+locally prefilled requests out (all of them once the prefill pool saturates), and dividing
+by both pools' counts would top a miss in one pool out at 0.5. A remote request missing on
+both pods counts twice, hence the clamp at 1.
 */ -}}
 {{- define "pagefleet.sloRuleGroups" -}}
 {{- $a := .Values.alerts -}}
@@ -18,10 +24,12 @@ groups:
   - name: pagefleet-slo-recording
     rules:
       {{- range $w := list "5m" "30m" "1h" "6h" }}
-      {{- range $sli := list (list "ttft" "vllm:time_to_first_token_seconds" $a.slo.ttftSeconds "decode") (list "tpot" "vllm:request_time_per_output_token_seconds" $a.slo.tpotSeconds "prefill") }}
-      - record: pagefleet:{{ index $sli 0 }}_slo_error_ratio:rate{{ $w }}
-        expr: 1 - sum by ({{ $by }}) (rate({{ index $sli 1 }}_bucket{le="{{ index $sli 2 }}", role!="{{ index $sli 3 }}"}[{{ $w }}])) / sum by ({{ $by }}) (rate({{ index $sli 1 }}_count{role!="{{ index $sli 3 }}"}[{{ $w }}]))
-      {{- end }}
+      {{- $m := "vllm:time_to_first_token_seconds" }}
+      - record: pagefleet:ttft_slo_error_ratio:rate{{ $w }}
+        expr: clamp_max((sum by ({{ $by }}) (rate({{ $m }}_count[{{ $w }}])) - sum by ({{ $by }}) (rate({{ $m }}_bucket{le="{{ $a.slo.ttftSeconds }}"}[{{ $w }}]))) / sum by ({{ $by }}) (rate({{ $m }}_count{role!="prefill"}[{{ $w }}])), 1)
+      {{- $m = "vllm:request_time_per_output_token_seconds" }}
+      - record: pagefleet:tpot_slo_error_ratio:rate{{ $w }}
+        expr: 1 - sum by ({{ $by }}) (rate({{ $m }}_bucket{le="{{ $a.slo.tpotSeconds }}", role!="prefill"}[{{ $w }}])) / sum by ({{ $by }}) (rate({{ $m }}_count{role!="prefill"}[{{ $w }}]))
       {{- end }}
       - record: pagefleet:ttft_seconds:p95_5m
         expr: histogram_quantile(0.95, sum by (le, {{ $by }}, role) (rate(vllm:time_to_first_token_seconds_bucket[5m])))
