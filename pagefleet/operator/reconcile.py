@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +31,7 @@ from pagefleet.api.inferenceservice import (
     name_problem,
     parse_spec,
 )
+from pagefleet.kvindex.index import PodLoad
 from pagefleet.operator.builders import (
     BuildSettings,
     Owner,
@@ -50,12 +51,20 @@ from pagefleet.operator.kube import (
 )
 from pagefleet.operator.naming import GATEWAY, LABEL_ROLE, Names, owned_selector
 from pagefleet.operator.podhealth import summarize
+from pagefleet.operator.signals import PodReport
 from pagefleet.operator.status import (
     ROLE_SWITCH,
     ROLE_SWITCH_STALLED,
     SwitchStall,
     WorkloadState,
     compute_status,
+)
+from pagefleet.operator.victims import (
+    LoadReader,
+    clear_marks,
+    live_pods,
+    mark_victims,
+    scale_down_settled,
 )
 
 log = logging.getLogger(__name__)
@@ -64,6 +73,8 @@ Manifest = dict[str, Any]
 # (event type Normal|Warning, reason, message) -> posted as a Kubernetes Event on the
 # InferenceService.
 Recorder = Callable[[str, str, str], None]
+# The Event of a scale-down the spec asked for (its pods marked, then the count lowered).
+SCALING_DOWN = "ScalingDown"
 
 
 @dataclass(slots=True)
@@ -304,7 +315,11 @@ def _degrade(
 
 
 def reconcile(
-    kube: KubeAPI, body: Manifest, settings: BuildSettings, record: Recorder
+    kube: KubeAPI,
+    body: Manifest,
+    settings: BuildSettings,
+    record: Recorder,
+    loads: LoadReader | None = None,
 ) -> ReconcileResult:
     """Make the children match the spec and write the status.
 
@@ -312,7 +327,11 @@ def reconcile(
     says, no stale role workload of this InferenceService remains, and status reflects
     the Deployments as observed. A spec that cannot be realised, or an API rejection that
     retrying will not fix, sets Degraded instead of raising; transient API errors raise
-    KubeError for the caller to retry."""
+    KubeError for the caller to retry.
+
+    A role whose count the spec lowers (``replicas``, or ``autoscaling.maxReplicas`` below
+    the current count) loses the pods the autoscaler would pick: they are marked first
+    (victims.py), ranked by the heartbeats ``loads`` reads, and then the count is lowered."""
     meta = body["metadata"]
     name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
     generation = meta.get("generation", 0)
@@ -354,6 +373,8 @@ def reconcile(
     result = ReconcileResult(status={})
     applied: dict[tuple[str, str], Manifest] = {}
     try:
+        all_pods = kube.list(POD, namespace, owned_selector(name))
+        _mark_scale_downs(kube, body, spec, names, desired, existing, all_pods, loads, record)
         for built in desired:
             obj, digest = _stamped(built)
             key = _key(obj)
@@ -406,7 +427,7 @@ def reconcile(
         ready = {w.name: f"{w.ready}/{w.desired} ready" for w in roles}
         switching = switch.message(gateway_now, ready)
         stall = switch.stall(names)
-    problem = summarize(kube.list(POD, namespace, owned_selector(name)))
+    problem = summarize(all_pods)
     result.status = compute_status(
         generation,
         roles,
@@ -422,6 +443,62 @@ def reconcile(
     _record_degraded(prev_status, result.status, record)
     _write_status(kube, body, result.status)
     return result
+
+
+def _mark_scale_downs(
+    kube: KubeAPI,
+    body: Manifest,
+    spec: InferenceServiceSpec,
+    names: Names,
+    desired: list[Manifest],
+    existing: dict[tuple[str, str], Manifest],
+    pods: list[Manifest],
+    loads: LoadReader | None,
+    record: Recorder,
+) -> None:
+    """Before a pass lowers a role's replicas, mark the pods that should go (the
+    autoscaler's choice: applying the lower count alone let the ReplicaSet pick them,
+    the pods with the warmest caches as likely as any); on a role with no scale-down
+    asked for or under way, clear a mark left by one that did not happen (a failed write,
+    a spec reverted before the next pass)."""
+    meta = body["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    wanted = {
+        obj["metadata"]["name"]: int(obj["spec"].get("replicas", 1))
+        for obj in desired
+        if obj["kind"] == "Deployment"
+    }
+    read: Mapping[str, PodLoad] | None = None
+    heartbeats_read = False
+    for role, _ in spec.roles.items():
+        deploy = existing.get(("Deployment", names.role(role)))
+        if deploy is None or names.role(role) not in wanted:
+            continue
+        now = int((deploy.get("spec") or {}).get("replicas", 1))
+        target = wanted[names.role(role)]
+        role_pods = live_pods(
+            p for p in pods if (p["metadata"].get("labels") or {}).get(LABEL_ROLE) == role
+        )
+        if scale_down_settled(now, target, role_pods):
+            clear_marks(kube, namespace, name, role_pods)
+            continue
+        if target >= now:
+            continue
+        if not heartbeats_read:
+            read = loads(namespace, name, spec) if loads is not None else None
+            heartbeats_read = True
+        reports = [
+            PodReport(n, load=(read or {}).get(n))
+            for n in (p["metadata"]["name"] for p in role_pods)
+        ]
+        victims = mark_victims(kube, namespace, role_pods, reports, now - target)
+        unknown = "" if read is not None else " (their loads unknown: Redis not read)"
+        message = (
+            f"{role}: {now} -> {target} replicas (spec); removing pod"
+            f"{'s' if len(victims) > 1 else ''} {', '.join(victims)} (cheapest){unknown}"
+        )
+        record("Normal", SCALING_DOWN, message)
+        log.info("%s/%s: %s", namespace, name, message)
 
 
 def _record_role_switch(

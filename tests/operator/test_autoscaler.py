@@ -24,7 +24,7 @@ from pagefleet.engine.outputs import RequestMetrics
 from pagefleet.gateway.metrics import GatewayMetrics
 from pagefleet.kvindex.index import PodLoad
 from pagefleet.kvindex.redis_index import RedisKVIndex
-from pagefleet.operator.autoscaler import DELETION_COST, VICTIM_COST, Autoscaler
+from pagefleet.operator.autoscaler import Autoscaler
 from pagefleet.operator.builders import BuildSettings
 from pagefleet.operator.kube import DEPLOYMENT, INFERENCE_SERVICE
 from pagefleet.operator.metrics import OperatorMetrics
@@ -39,6 +39,7 @@ from pagefleet.operator.signals import (
     parse_metrics,
     quantile,
 )
+from pagefleet.operator.victims import DELETION_COST, VICTIM_COST
 from pagefleet.testing.engine_stats import idle_engine_stats
 
 NS, NAME = "ml", "chat"
