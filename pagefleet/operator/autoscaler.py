@@ -315,6 +315,10 @@ class Autoscaler:
         auto_roles = [(r, s) for r, s in spec.roles.items() if s.autoscaling is not None]
         self._forget_roles(namespace, name, {r for r, _ in auto_roles})
         if not auto_roles:
+            # Nothing reads the gateways' arrivals now; a scrape kept until the service is
+            # deleted would be the baseline of the first rate when a role autoscales again,
+            # however long ago it was taken.
+            self.gateway_scrapes.pop((namespace, name), None)
             return []
         now = self.clock()
         due = [

@@ -887,11 +887,16 @@ def test_a_role_that_stops_autoscaling_leaves_no_memory_or_series() -> None:
     for service in (NAME, "other"):
         scaler.metrics.desired.labels(NS, service, "unified").set(3)
         scaler.metrics.inputs.labels(NS, service, "unified", "kv_usage").set(0.5)
+    # The gateways' latest scrapes too: the baseline of the arrival rate should the role
+    # autoscale again, hours later (and one entry per service that ever autoscaled).
+    scaler.gateway_scrapes[(NS, NAME)] = {}
+    scaler.gateway_scrapes[(NS, "other")] = {}
     stored = kube.obj("InferenceService", NS, NAME)
     assert stored is not None
     stored["spec"]["roles"]["unified"] = {"replicas": 2}
     assert tick(scaler, kube, []) == []
     assert list(scaler.memory) == [(NS, "other", "unified")]
+    assert list(scaler.gateway_scrapes) == [(NS, "other")]
     left = {
         s.labels["service"]
         for m in (scaler.metrics.desired, scaler.metrics.inputs)
