@@ -77,6 +77,7 @@ from pagefleet.operator.status import condition
 from pagefleet.operator.victims import (
     clear_marks,
     mark_victims,
+    pod_ready,
     scale_down_settled,
 )
 
@@ -183,11 +184,6 @@ class RoleOutcome:
 
 def _now_rfc3339() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _pod_ready(pod: Manifest) -> bool:
-    conds = (pod.get("status") or {}).get("conditions") or []
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
 
 
 def _ready_for_s(pod: Manifest, wall: datetime) -> float | None:
@@ -365,7 +361,7 @@ class Autoscaler:
             PodTarget(p["metadata"]["name"], f"http://{ip}:{self.settings.metrics_port}/metrics")
             for r, _ in due
             for p in pods_by_role.get(r, [])
-            if not prom and _pod_ready(p) and (ip := (p.get("status") or {}).get("podIP"))
+            if not prom and pod_ready(p) and (ip := (p.get("status") or {}).get("podIP"))
         ]
         targets += [
             PodTarget(
@@ -374,7 +370,7 @@ class Autoscaler:
                 parse_gateway_metrics,
             )
             for p in gateways
-            if not prom and _pod_ready(p) and (ip := (p.get("status") or {}).get("podIP"))
+            if not prom and pod_ready(p) and (ip := (p.get("status") or {}).get("podIP"))
         ]
         scrapes, loads, redis_err = asyncio.run(
             gather_inputs(
@@ -536,7 +532,7 @@ class Autoscaler:
         reports: list[PodReport] = []
         seen: dict[str, list[PodSnapshot]] = {}
         for pod in pods:
-            if not _pod_ready(pod):
+            if not pod_ready(pod):
                 continue
             pname, uid = (
                 pod["metadata"]["name"],
@@ -569,7 +565,7 @@ class Autoscaler:
             reports.append(report)
         mem.snapshots = seen
         current = int((deploy.get("spec") or {}).get("replicas", 1))
-        ready = sum(1 for p in pods if _pod_ready(p))
+        ready = sum(1 for p in pods if pod_ready(p))
         inputs = observe_role(current, ready, reports, slo_targets(spec).percentile, arrivals, role)
         return self._decide(namespace, name, role, spec, has_slo, inputs, now)
 
@@ -584,7 +580,7 @@ class Autoscaler:
         pairs: list[tuple[PodSnapshot, PodSnapshot]] = []
         complete = True
         for pod in gateways:
-            if not _pod_ready(pod):
+            if not pod_ready(pod):
                 continue
             uid = pod["metadata"].get("uid", pod["metadata"]["name"])
             scrape = scrapes.get(pod["metadata"]["name"])
@@ -661,7 +657,7 @@ class Autoscaler:
                         namespace,
                         r,
                         int((deploys[names.role(r)].get("spec") or {}).get("replicas", 1)),
-                        [p["metadata"]["name"] for p in pods_by_role.get(r, []) if _pod_ready(p)],
+                        [p["metadata"]["name"] for p in pods_by_role.get(r, []) if pod_ready(p)],
                         self.settings.rate_window_s,
                         slo_targets(spec).percentile,
                         self.settings.scrape_timeout_s,
