@@ -72,14 +72,14 @@ def _autoscaling(obj: dict[str, Any]) -> dict[str, Any]:
 class PodWatch:
     """Polls the role's pods; remembers each pod's annotations when it starts terminating."""
 
-    def __init__(self, kube: KubeClient, ns: str) -> None:
-        self.kube, self.ns = kube, ns
+    def __init__(self, kube: KubeClient, ns: str, selector: str = SELECTOR) -> None:
+        self.kube, self.ns, self.selector = kube, ns, selector
         self.removed: dict[str, str | None] = {}  # pod -> its deletion cost when removed
 
     def poll(self) -> list[dict[str, Any]]:
-        items = self.kube.get(f"/api/v1/namespaces/{self.ns}/pods", {"labelSelector": SELECTOR})[
-            "items"
-        ]
+        items = self.kube.get(
+            f"/api/v1/namespaces/{self.ns}/pods", {"labelSelector": self.selector}
+        )["items"]
         for p in items:
             name = p["metadata"]["name"]
             if p["metadata"].get("deletionTimestamp") and name not in self.removed:
@@ -322,4 +322,80 @@ def test_an_operator_killed_mid_scale_keeps_the_scale_down_hold(
     cluster.kubectl("delete", "infsvc", "hold", "-n", namespace, "--wait=false")
     eventually(
         lambda: live_pods(kube, namespace, "pagefleet.io/service=hold") == [], 120, "cleanup"
+    )
+
+
+def test_a_lowered_replica_count_removes_the_pods_the_planner_marks(
+    cluster: ControlPlane,
+    kube: KubeClient,
+    namespace: str,
+    autoscaling_operator: tuple[OperatorProcess, int],
+    redis_url: str,  # noqa: F811
+) -> None:
+    """spec.roles.unified.replicas 3 -> 1: the reconcile pass applied the lower count at
+    once and the ReplicaSet chose the two pods to delete (newest first), blind to the
+    cache. Now it marks the two holding the least (here: the pods that served nothing,
+    not the one a completion warmed), then lowers the count."""
+    import asyncio
+    import json
+
+    from pagefleet.operator.collect import read_heartbeats
+    from pagefleet.operator.naming import DAEMON_PORT, Names
+
+    model = tiny_checkpoint()
+    gw_kubeconfig = gateway_kubeconfig(cluster, namespace, "shrink")
+    spec = {
+        "model": {"source": {"path": model}, "servedModelName": "tiny"},
+        "command": [PAGEFLEET],
+        "engine": {"kvCacheMemoryMB": 16, "maxNumSeqs": 8},
+        "roles": {"unified": {"replicas": 3}},
+        "router": {"replicas": 1, "env": [{"name": "KUBECONFIG", "value": str(gw_kubeconfig)}]},
+        "index": {"redisURL": redis_url},
+    }
+    apply_service(cluster, kube, namespace, "shrink", spec)
+    selector = "pagefleet.io/service=shrink,pagefleet.io/role=unified"
+    path = f"/apis/pagefleet.io/v1alpha1/namespaces/{namespace}/inferenceservices/shrink"
+
+    def three_ready() -> list[dict[str, Any]] | bool:
+        pods = live_pods(kube, namespace, selector)
+        return pods if len(pods) == 3 and all(pod_ready(p) for p in pods) else False
+
+    pods = eventually(three_ready, 240, "3 Ready daemons")
+    # Warm one pod's cache: the newest, which the ReplicaSet's own ranking removes first.
+    warm = max(pods, key=lambda p: (p["metadata"]["creationTimestamp"], p["metadata"]["name"]))
+    warm_name = warm["metadata"]["name"]
+    body = json.dumps({"model": "tiny", "prompt": "the quick brown fox " * 40, "max_tokens": 4})
+    req = urllib.request.Request(
+        f"http://{warm['status']['podIP']}:{DAEMON_PORT}/v1/completions",
+        data=body.encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.status == 200
+
+    def heartbeats_show_it() -> bool:
+        loads = asyncio.run(read_heartbeats(redis_url, Names("shrink", namespace).kv_namespace, 5))
+        seen = {p["metadata"]["name"] for p in pods} <= set(loads)
+        return seen and loads[warm_name].num_cached_blocks > 0
+
+    eventually(heartbeats_show_it, 30, "every pod's heartbeat, the warm one with cached blocks")
+
+    watch = PodWatch(kube, namespace, selector)
+    kube.merge_patch(path, {"spec": {"roles": {"unified": {"replicas": 1}}}})
+
+    def one_left() -> list[dict[str, Any]] | bool:
+        alive = watch.poll()
+        return alive if len(alive) == 1 else False
+
+    (survivor,) = eventually(one_left, 60, "1 daemon left")
+    assert survivor["metadata"]["name"] == warm_name, (warm_name, watch.removed)
+    assert len(watch.removed) == 2, watch.removed
+    wrong = {pod: cost for pod, cost in watch.removed.items() if cost != "-1000"}
+    assert not wrong, f"pods removed without the planner's mark: {wrong}"
+    downs = [e for e in events_for(cluster, namespace, "shrink") if e["reason"] == "ScalingDown"]
+    assert downs and all(pod in downs[0]["message"] for pod in watch.removed), downs
+    autoscaling_operator[0].check_alive()
+    cluster.kubectl("delete", "infsvc", "shrink", "-n", namespace, "--wait=false")
+    eventually(
+        lambda: live_pods(kube, namespace, "pagefleet.io/service=shrink") == [], 120, "cleanup"
     )

@@ -364,3 +364,75 @@ def test_a_role_switch_under_traffic_answers_every_request(
             }
         )
     )
+
+
+def test_a_role_switch_waiting_for_the_old_pods_resources_ends_at_the_deadline(
+    cluster: ControlPlane,
+    kube: KubeClient,
+    namespace: str,
+    operator: OperatorProcess,
+    redis_url: str,  # noqa: F811
+) -> None:
+    """A node with room for one big daemon (32 CPUs, each big daemon requests 20): the
+    decode pod of a unified -> prefill + decode switch cannot be scheduled while the
+    unified pod holds its CPUs, and the switch kept unified until decode was Ready, so
+    it waited for ever. Now unified serves until decode's Deployment passes its
+    progressDeadlineSeconds (set to 15 s here), then goes, and decode takes its place."""
+    name, ns = "starved", namespace
+    big = {"requests": {"cpu": "20"}}
+    spec = {
+        "model": {"source": {"path": tiny_checkpoint()}, "servedModelName": "tiny"},
+        "command": [PAGEFLEET],
+        "engine": {"kvCacheMemoryMB": 16, "maxNumSeqs": 4},
+        "roles": {"unified": {"replicas": 1, "resources": big}},
+        "router": {
+            "replicas": 1,
+            "env": [{"name": "KUBECONFIG", "value": str(gateway_kubeconfig(cluster, ns, name))}],
+        },
+        "index": {"redisURL": redis_url},
+    }
+    apply_service(cluster, kube, ns, name, spec)
+    _settled(kube, ns, name, 1)
+    eventually(lambda: ready_endpoints(kube, ns, f"{name}-gateway"), 60, "a gateway endpoint")
+    deployments = f"/apis/apps/v1/namespaces/{ns}/deployments"
+    with _Traffic(kube, ns, f"{name}-gateway") as traffic:
+        eventually(lambda: "ok" in traffic.results, 60, "a first completion")
+        pd = {
+            "unified": None,
+            "prefill": {"replicas": 1},
+            "decode": {"replicas": 1, "resources": big},
+        }
+        kube.merge_patch(f"{API}/namespaces/{ns}/inferenceservices/{name}", {"spec": {"roles": pd}})
+        eventually(
+            lambda: kube.get_or_none(f"{deployments}/{name}-decode"), 30, "the decode Deployment"
+        )
+        # Not a field the operator sets: its applies leave this value alone.
+        kube.merge_patch(f"{deployments}/{name}-decode", {"spec": {"progressDeadlineSeconds": 15}})
+
+        def stalled() -> str | bool:
+            progressing = condition(get_is(kube, ns, name), "Progressing")
+            stuck = progressing.get("reason") == "RoleSwitchStalled"
+            return str(progressing.get("message", "")) if stuck else False
+
+        message = eventually(stalled, 60, "the switch stalled on the unschedulable decode pod")
+        assert kube.get_or_none(f"{deployments}/{name}-unified") is not None
+        before_release = len(traffic.results)
+        eventually(
+            lambda: kube.get_or_none(f"{deployments}/{name}-unified") is None,
+            60,
+            "unified deleted past decode's progress deadline",
+        )
+        served_until_release = traffic.results[:before_release]
+        # What is coming was said beforehand.
+        assert "Insufficient cpu" in message, message
+        assert "progressDeadlineSeconds, unified is deleted" in message, message
+        _settled(kube, ns, name, 2)  # decode took the freed CPUs and turned Ready
+        eventually(lambda: ready_endpoints(kube, ns, f"{name}-gateway"), 60, "a gateway endpoint")
+        at_ready = len(traffic.results)
+        eventually(lambda: traffic.results[at_ready:].count("ok") >= 3, 60, "completions again")
+    failed = [r for r in served_until_release if r != "ok"]
+    assert served_until_release and not failed, f"{len(failed)} failed before the release"
+    warnings = [e for e in events_for(cluster, ns, name) if e["reason"] == "RoleSwitchDeadline"]
+    assert len(warnings) == 1 and warnings[0]["type"] == "Warning", warnings
+    cluster.kubectl("delete", "infsvc", name, "-n", ns, "--wait=false")
+    operator.check_alive()

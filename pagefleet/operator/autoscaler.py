@@ -32,6 +32,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from pagefleet.api.inferenceservice import InferenceServiceSpec, RoleSpec, SLOSpec, parse_spec
+from pagefleet.kvindex.index import PodLoad
 from pagefleet.kvindex.redis_auth import RedisCredentials
 from pagefleet.operator.builders import (
     BUNDLED_GATEWAY_USER,
@@ -66,7 +67,6 @@ from pagefleet.operator.signals import (
     PodReport,
     PodSnapshot,
     RoleInputs,
-    cheapest_pods,
     delta,
     gateway_arrivals,
     observe_role,
@@ -74,15 +74,18 @@ from pagefleet.operator.signals import (
     restarted,
 )
 from pagefleet.operator.status import condition
+from pagefleet.operator.victims import (
+    clear_marks,
+    mark_victims,
+    pod_ready,
+    scale_down_settled,
+)
 
 log = logging.getLogger(__name__)
 
 Manifest = dict[str, Any]
 Recorder = Callable[[str, str, str], None]
 
-DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
-# The cheapest pod gets this cost; every other pod has the default 0 (or ours removed).
-VICTIM_COST = "-1000"
 SCALING_ACTIVE = "ScalingActive"
 SCALING_FAILED = "ScalingFailed"
 # Reasons that mean the planner could not trust its inputs.
@@ -181,11 +184,6 @@ class RoleOutcome:
 
 def _now_rfc3339() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _pod_ready(pod: Manifest) -> bool:
-    conds = (pod.get("status") or {}).get("conditions") or []
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
 
 
 def _ready_for_s(pod: Manifest, wall: datetime) -> float | None:
@@ -313,6 +311,10 @@ class Autoscaler:
         auto_roles = [(r, s) for r, s in spec.roles.items() if s.autoscaling is not None]
         self._forget_roles(namespace, name, {r for r, _ in auto_roles})
         if not auto_roles:
+            # Nothing reads the gateways' arrivals now; a scrape kept until the service is
+            # deleted would be the baseline of the first rate when a role autoscales again,
+            # however long ago it was taken.
+            self.gateway_scrapes.pop((namespace, name), None)
             return []
         now = self.clock()
         due = [
@@ -359,7 +361,7 @@ class Autoscaler:
             PodTarget(p["metadata"]["name"], f"http://{ip}:{self.settings.metrics_port}/metrics")
             for r, _ in due
             for p in pods_by_role.get(r, [])
-            if not prom and _pod_ready(p) and (ip := (p.get("status") or {}).get("podIP"))
+            if not prom and pod_ready(p) and (ip := (p.get("status") or {}).get("podIP"))
         ]
         targets += [
             PodTarget(
@@ -368,7 +370,7 @@ class Autoscaler:
                 parse_gateway_metrics,
             )
             for p in gateways
-            if not prom and _pod_ready(p) and (ip := (p.get("status") or {}).get("podIP"))
+            if not prom and pod_ready(p) and (ip := (p.get("status") or {}).get("podIP"))
         ]
         scrapes, loads, redis_err = asyncio.run(
             gather_inputs(
@@ -530,7 +532,7 @@ class Autoscaler:
         reports: list[PodReport] = []
         seen: dict[str, list[PodSnapshot]] = {}
         for pod in pods:
-            if not _pod_ready(pod):
+            if not pod_ready(pod):
                 continue
             pname, uid = (
                 pod["metadata"]["name"],
@@ -563,7 +565,7 @@ class Autoscaler:
             reports.append(report)
         mem.snapshots = seen
         current = int((deploy.get("spec") or {}).get("replicas", 1))
-        ready = sum(1 for p in pods if _pod_ready(p))
+        ready = sum(1 for p in pods if pod_ready(p))
         inputs = observe_role(current, ready, reports, slo_targets(spec).percentile, arrivals, role)
         return self._decide(namespace, name, role, spec, has_slo, inputs, now)
 
@@ -578,7 +580,7 @@ class Autoscaler:
         pairs: list[tuple[PodSnapshot, PodSnapshot]] = []
         complete = True
         for pod in gateways:
-            if not _pod_ready(pod):
+            if not pod_ready(pod):
                 continue
             uid = pod["metadata"].get("uid", pod["metadata"]["name"])
             scrape = scrapes.get(pod["metadata"]["name"])
@@ -655,7 +657,7 @@ class Autoscaler:
                         namespace,
                         r,
                         int((deploys[names.role(r)].get("spec") or {}).get("replicas", 1)),
-                        [p["metadata"]["name"] for p in pods_by_role.get(r, []) if _pod_ready(p)],
+                        [p["metadata"]["name"] for p in pods_by_role.get(r, []) if pod_ready(p)],
                         self.settings.rate_window_s,
                         slo_targets(spec).percentile,
                         self.settings.scrape_timeout_s,
@@ -683,8 +685,8 @@ class Autoscaler:
         deploy_name = names.role(outcome.role)
         try:
             if d.desired < obs.current:
-                outcome.victims = self._mark_victims(
-                    namespace, pods, outcome.inputs, obs.current - d.desired
+                outcome.victims = mark_victims(
+                    self.kube, namespace, pods, outcome.inputs.pods, obs.current - d.desired
                 )
             if d.desired != obs.current:
                 self.kube.merge_patch(
@@ -706,11 +708,9 @@ class Autoscaler:
             mem.last_failure = str(exc)
             return
         mem.last_failure = None
-        if d.desired >= obs.current and len(pods) <= obs.current:
-            # No scale-down asked for, none under way (no pod beyond the count): a mark left
-            # by one that did not happen (its write failed) would make that pod the first to
-            # go in the next scale-down by anyone, whatever it holds by then.
-            self._clear_marks(namespace, name, pods)
+        if scale_down_settled(obs.current, d.desired, pods):
+            # A mark left by a scale-down that did not happen (its write failed).
+            clear_marks(self.kube, namespace, name, pods)
         if self.metrics is not None:
             self.metrics.record_decision(namespace, name, outcome.role, obs, d)
         victim = ""
@@ -733,41 +733,31 @@ class Autoscaler:
             victim,
         )
 
-    def _mark_victims(
-        self, namespace: str, pods: list[Manifest], inputs: RoleInputs, count: int
-    ) -> list[str]:
-        """Annotate the ``count`` cheapest pods with a low deletion cost (a scale-down by
-        more than one, maxReplicas lowered, removes that many: each one the planner's
-        choice, not the ReplicaSet's); clear our mark elsewhere."""
-        ready = {p["metadata"]["name"]: _pod_ready(p) for p in pods}
-        by_name = {r.name: r for r in inputs.pods}
-        reports = [by_name.get(n) or PodReport(n) for n in ready]
-        victims = cheapest_pods(reports, ready, count)
-        for pod in pods:
-            pname = pod["metadata"]["name"]
-            marked = (pod["metadata"].get("annotations") or {}).get(DELETION_COST)
-            if pname in victims and marked != VICTIM_COST:
-                patch = {"metadata": {"annotations": {DELETION_COST: VICTIM_COST}}}
-                self.kube.merge_patch(POD, namespace, pname, patch)
-            elif pname not in victims and marked == VICTIM_COST:
-                patch = {"metadata": {"annotations": {DELETION_COST: None}}}
-                self.kube.merge_patch(POD, namespace, pname, patch)
-        return victims
-
-    def _clear_marks(self, namespace: str, name: str, pods: list[Manifest]) -> None:
-        """Remove our deletion-cost mark from every pod; best effort (the next pass retries),
-        never in the way of the decision's own writes."""
-        for pod in pods:
-            if (pod["metadata"].get("annotations") or {}).get(DELETION_COST) != VICTIM_COST:
-                continue
-            patch = {"metadata": {"annotations": {DELETION_COST: None}}}
-            try:
-                self.kube.merge_patch(POD, namespace, pod["metadata"]["name"], patch)
-            except KubeError as exc:
-                log.warning(
-                    "%s/%s: clearing the deletion cost of pod %s failed, retrying next pass: %s",
-                    namespace, name, pod["metadata"]["name"], exc,
-                )  # fmt: skip
+    def read_loads(
+        self, namespace: str, name: str, spec: InferenceServiceSpec
+    ) -> dict[str, PodLoad] | None:
+        """The index's heartbeats of a service's pods (pod name -> load), read as a tick
+        reads them; None when they cannot be read. The reconcile pass ranks the pods that
+        a lowered ``replicas`` or ``maxReplicas`` removes by these (victims.LoadReader)."""
+        try:
+            redis_url = resolve_redis_url(spec, self.build)
+        except SpecError:
+            return None
+        credentials, note = self._redis_credentials(namespace, spec)
+        if note is not None:
+            return None
+        _, loads, err = asyncio.run(
+            gather_inputs(
+                [],
+                redis_url,
+                Names(name, namespace).kv_namespace,
+                self.settings.scrape_timeout_s,
+                credentials,
+            )
+        )
+        if err is not None:
+            log.warning("%s/%s: heartbeats for a scale-down: %s", namespace, name, err)
+        return loads
 
     def _write_status(
         self, namespace: str, name: str, outcomes: list[RoleOutcome], redis_err: str | None

@@ -37,6 +37,7 @@ from pagefleet.operator.reconcile import (
     refresh_status,
     role_switch_in_progress,
 )
+from pagefleet.operator.victims import LoadReader
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,12 @@ class OperatorContext:
     autoscaler: Autoscaler | None = None
     metrics: OperatorMetrics | None = None
 
+    @property
+    def loads(self) -> LoadReader | None:
+        """How a pass ranks the pods a lowered count removes: the autoscaler's heartbeat
+        reads (without one, every pod's load is unknown and only readiness ranks them)."""
+        return self.autoscaler.read_loads if self.autoscaler is not None else None
+
     def lock(self, namespace: str, name: str) -> AbstractContextManager[None]:
         """Serialises the passes of one InferenceService (``with ctx.lock(ns, name):``)."""
         return self.locks.hold((namespace, name))
@@ -132,7 +139,7 @@ def _run_pass(ctx: OperatorContext, body: dict[str, Any], handler: str = "reconc
             current = _current(ctx, meta["namespace"], meta["name"])
             if current is None:
                 return
-            reconcile(ctx.kube, current, ctx.settings, _recorder(current))
+            reconcile(ctx.kube, current, ctx.settings, _recorder(current), ctx.loads)
         except KubeError as exc:
             _count(ctx, handler, started, failed=True)
             # Transient (conflict, throttling, API down): kopf retries the handler later.
@@ -214,7 +221,7 @@ def on_child_event(
             if role_switch_in_progress(parent):
                 # Without this the switch would advance only at the next resync, twice
                 # (gateway moved, then the old roles deleted): a minute at the default.
-                reconcile(ctx.kube, parent, ctx.settings, _recorder(parent))
+                reconcile(ctx.kube, parent, ctx.settings, _recorder(parent), ctx.loads)
             else:
                 refresh_status(ctx.kube, parent, _recorder(parent))
     except KubeError as exc:

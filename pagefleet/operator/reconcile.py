@@ -11,7 +11,9 @@ then the gateway is moved to the new roles, and once every gateway pod runs that
 (its readiness needs ready endpoints of the pool it routes to) the previous roles are
 deleted. Removing them in the pass that created the new ones left no daemon serving for
 the new pods' start-up time: the gateway answered 503. Where the previous serving pool has
-no Ready pod, nothing is lost by switching at once, and the pass does.
+no Ready pod, nothing is lost by switching at once, and the pass does. Where a new role's
+pods wait for resources (the old pods' GPUs) past its Deployment's progress deadline, the
+switch goes on too (RoleSwitch.released): waiting longer could not end.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +33,7 @@ from pagefleet.api.inferenceservice import (
     name_problem,
     parse_spec,
 )
+from pagefleet.kvindex.index import PodLoad
 from pagefleet.operator.builders import (
     BuildSettings,
     Owner,
@@ -50,12 +53,20 @@ from pagefleet.operator.kube import (
 )
 from pagefleet.operator.naming import GATEWAY, LABEL_ROLE, Names, owned_selector
 from pagefleet.operator.podhealth import summarize
+from pagefleet.operator.signals import PodReport
 from pagefleet.operator.status import (
     ROLE_SWITCH,
     ROLE_SWITCH_STALLED,
     SwitchStall,
     WorkloadState,
     compute_status,
+)
+from pagefleet.operator.victims import (
+    LoadReader,
+    clear_marks,
+    live_pods,
+    mark_victims,
+    scale_down_settled,
 )
 
 log = logging.getLogger(__name__)
@@ -64,6 +75,11 @@ Manifest = dict[str, Any]
 # (event type Normal|Warning, reason, message) -> posted as a Kubernetes Event on the
 # InferenceService.
 Recorder = Callable[[str, str, str], None]
+# The Warning of a role switch whose new roles got no resources by their deadline, so the
+# old roles were deleted while they still served (RoleSwitch.released).
+ROLE_SWITCH_DEADLINE = "RoleSwitchDeadline"
+# The Event of a scale-down the spec asked for (its pods marked, then the count lowered).
+SCALING_DOWN = "ScalingDown"
 
 
 @dataclass(slots=True)
@@ -147,25 +163,40 @@ class RoleSwitch:
     """A change between unified and prefill + decode whose previous roles still run.
 
     Invariant: the gateway routes to `old` exactly while `old` still serves (its routed
-    pool has a Ready pod) and some new role has no Ready pod yet (`waiting`); the old
-    workloads may go only once the gateway serves from the new roles on every pod, or
-    once they serve nothing anyway."""
+    pool has a Ready pod), some new role has no Ready pod yet (`waiting`) and the switch
+    is not `released`; the old workloads may go only once the gateway serves from the new
+    roles on every pod, once they serve nothing anyway, or once released.
+
+    Released: a waiting new role is past its Deployment's progressDeadlineSeconds and its
+    pods wait for resources (no node can take them, or its ReplicaSet cannot create them:
+    a quota). On a cluster without spare GPUs the old pods hold exactly what the new ones
+    wait for, so keeping them would wait forever; the old roles then go, and the service
+    serves nothing until the new pods are Ready. New pods that fail for any other reason
+    (a crash loop, an image that cannot be pulled) would not start either once the old
+    ones went, so then the old roles keep serving and the switch waits for a person."""
 
     old: tuple[str, ...]
     new: tuple[str, ...]
     waiting: tuple[str, ...]  # new roles without a Ready pod (among those that want one)
     old_serving: bool
+    # Waiting new roles whose pods wait for resources; those past their deadline.
+    starved: tuple[str, ...] = ()
+    overdue: tuple[str, ...] = ()
+
+    @property
+    def released(self) -> bool:
+        return bool(self.overdue)
 
     @property
     def routes_old(self) -> bool:
-        return self.old_serving and bool(self.waiting)
+        return self.old_serving and bool(self.waiting) and not self.released
 
     @property
     def routed(self) -> list[str]:
         return list(self.old if self.routes_old else self.new)
 
     def may_remove_old(self, gateway: WorkloadState) -> bool:
-        return not self.old_serving or (not self.waiting and gateway.ready_now)
+        return not self.old_serving or self.released or (not self.waiting and gateway.ready_now)
 
     def message(self, gateway: WorkloadState, ready: dict[str, str]) -> str:
         head = f"switching roles {'+'.join(self.old)} -> {'+'.join(self.new)}: "
@@ -193,6 +224,12 @@ class RoleSwitch:
                 "which is not deleted"
             )
         deployments = ", ".join(f"deployment/{names.role(r)}" for r in self.old)
+        if self.starved:
+            serving += (
+                f"; {', '.join(self.starved)} waits for resources {old} may hold: once "
+                f"deployment/{names.role(self.starved[0])} passes its progressDeadlineSeconds, "
+                f"{old} is deleted to free them (no service until the new pods are Ready)"
+            )
         return SwitchStall(
             head=f"switching roles {old} -> {new} is stalled",
             advice=(
@@ -208,15 +245,40 @@ def _ready_pods(deploy: Manifest | None) -> int:
     return int(((deploy or {}).get("status") or {}).get("readyReplicas", 0) or 0)
 
 
+def _past_deadline(deploy: Manifest | None) -> bool:
+    """The Deployment controller gave up waiting for progress (progressDeadlineSeconds)."""
+    conds = ((deploy or {}).get("status") or {}).get("conditions") or []
+    return any(
+        c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded"
+        for c in conds
+    )
+
+
+def _waits_for_resources(deploy: Manifest | None, pods: list[Manifest]) -> bool:
+    """Some pod of the role no node can take (PodScheduled=False, Unschedulable), or its
+    ReplicaSet cannot create pods (ReplicaFailure: a ResourceQuota exceeded, say)."""
+    conds = ((deploy or {}).get("status") or {}).get("conditions") or []
+    if any(c.get("type") == "ReplicaFailure" and c.get("status") == "True" for c in conds):
+        return True
+    return any(
+        c.get("type") == "PodScheduled"
+        and c.get("status") == "False"
+        and c.get("reason") == "Unschedulable"
+        for p in pods
+        for c in (p.get("status") or {}).get("conditions") or []
+    )
+
+
 def plan_role_switch(
     spec: InferenceServiceSpec,
     names: Names,
     uid: str,
     existing: dict[tuple[str, str], Manifest],
     current: dict[str, int],
+    pods: list[Manifest] | None = None,
 ) -> RoleSwitch | None:
-    """The role switch under way, from the children that exist now; None when no role
-    outside the spec still has a Deployment of this InferenceService."""
+    """The role switch under way, from the children (and the pods) that exist now; None
+    when no role outside the spec still has a Deployment of this InferenceService."""
     new = tuple(role for role, _ in spec.roles.items())
     old = tuple(
         role
@@ -238,7 +300,21 @@ def plan_role_switch(
     old_serving = (
         serving is not None and _ready_pods(existing.get(("Deployment", names.role(serving)))) >= 1
     )
-    return RoleSwitch(old=old, new=new, waiting=waiting, old_serving=old_serving)
+    by_role: dict[str, list[Manifest]] = {}
+    for pod in live_pods(pods or []):
+        by_role.setdefault((pod["metadata"].get("labels") or {}).get(LABEL_ROLE, ""), []).append(
+            pod
+        )
+    deploys = {role: existing.get(("Deployment", names.role(role))) for role in waiting}
+    starved = tuple(r for r in waiting if _waits_for_resources(deploys[r], by_role.get(r, [])))
+    return RoleSwitch(
+        old=old,
+        new=new,
+        waiting=waiting,
+        old_serving=old_serving,
+        starved=starved,
+        overdue=tuple(r for r in starved if _past_deadline(deploys[r])),
+    )
 
 
 def _is_role_deployment(obj: Manifest | None, role: str, uid: str) -> bool:
@@ -304,7 +380,11 @@ def _degrade(
 
 
 def reconcile(
-    kube: KubeAPI, body: Manifest, settings: BuildSettings, record: Recorder
+    kube: KubeAPI,
+    body: Manifest,
+    settings: BuildSettings,
+    record: Recorder,
+    loads: LoadReader | None = None,
 ) -> ReconcileResult:
     """Make the children match the spec and write the status.
 
@@ -312,7 +392,11 @@ def reconcile(
     says, no stale role workload of this InferenceService remains, and status reflects
     the Deployments as observed. A spec that cannot be realised, or an API rejection that
     retrying will not fix, sets Degraded instead of raising; transient API errors raise
-    KubeError for the caller to retry."""
+    KubeError for the caller to retry.
+
+    A role whose count the spec lowers (``replicas``, or ``autoscaling.maxReplicas`` below
+    the current count) loses the pods the autoscaler would pick: they are marked first
+    (victims.py), ranked by the heartbeats ``loads`` reads, and then the count is lowered."""
     meta = body["metadata"]
     name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
     generation = meta.get("generation", 0)
@@ -335,7 +419,8 @@ def reconcile(
         for role, _ in spec.roles.items()
         if ("Deployment", names.role(role)) in existing
     }
-    switch = plan_role_switch(spec, names, uid, existing, current)
+    all_pods = kube.list(POD, namespace, owned_selector(name))
+    switch = plan_role_switch(spec, names, uid, existing, current, all_pods)
     # A role switch moves the gateway and its config in a later pass of the same
     # generation: that is the rollout going on, not a hand edit being repaired.
     steady = steady and switch is None
@@ -354,6 +439,7 @@ def reconcile(
     result = ReconcileResult(status={})
     applied: dict[tuple[str, str], Manifest] = {}
     try:
+        _mark_scale_downs(kube, body, spec, names, desired, existing, all_pods, loads, record)
         for built in desired:
             obj, digest = _stamped(built)
             key = _key(obj)
@@ -406,7 +492,7 @@ def reconcile(
         ready = {w.name: f"{w.ready}/{w.desired} ready" for w in roles}
         switching = switch.message(gateway_now, ready)
         stall = switch.stall(names)
-    problem = summarize(kube.list(POD, namespace, owned_selector(name)))
+    problem = summarize(all_pods)
     result.status = compute_status(
         generation,
         roles,
@@ -422,6 +508,62 @@ def reconcile(
     _record_degraded(prev_status, result.status, record)
     _write_status(kube, body, result.status)
     return result
+
+
+def _mark_scale_downs(
+    kube: KubeAPI,
+    body: Manifest,
+    spec: InferenceServiceSpec,
+    names: Names,
+    desired: list[Manifest],
+    existing: dict[tuple[str, str], Manifest],
+    pods: list[Manifest],
+    loads: LoadReader | None,
+    record: Recorder,
+) -> None:
+    """Before a pass lowers a role's replicas, mark the pods that should go (the
+    autoscaler's choice: applying the lower count alone let the ReplicaSet pick them,
+    the pods with the warmest caches as likely as any); on a role with no scale-down
+    asked for or under way, clear a mark left by one that did not happen (a failed write,
+    a spec reverted before the next pass)."""
+    meta = body["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    wanted = {
+        obj["metadata"]["name"]: int(obj["spec"].get("replicas", 1))
+        for obj in desired
+        if obj["kind"] == "Deployment"
+    }
+    read: Mapping[str, PodLoad] | None = None
+    heartbeats_read = False
+    for role, _ in spec.roles.items():
+        deploy = existing.get(("Deployment", names.role(role)))
+        if deploy is None or names.role(role) not in wanted:
+            continue
+        now = int((deploy.get("spec") or {}).get("replicas", 1))
+        target = wanted[names.role(role)]
+        role_pods = live_pods(
+            p for p in pods if (p["metadata"].get("labels") or {}).get(LABEL_ROLE) == role
+        )
+        if scale_down_settled(now, target, role_pods):
+            clear_marks(kube, namespace, name, role_pods)
+            continue
+        if target >= now:
+            continue
+        if not heartbeats_read:
+            read = loads(namespace, name, spec) if loads is not None else None
+            heartbeats_read = True
+        reports = [
+            PodReport(n, load=(read or {}).get(n))
+            for n in (p["metadata"]["name"] for p in role_pods)
+        ]
+        victims = mark_victims(kube, namespace, role_pods, reports, now - target)
+        unknown = "" if read is not None else " (their loads unknown: Redis not read)"
+        message = (
+            f"{role}: {now} -> {target} replicas (spec); removing pod"
+            f"{'s' if len(victims) > 1 else ''} {', '.join(victims)} (cheapest){unknown}"
+        )
+        record("Normal", SCALING_DOWN, message)
+        log.info("%s/%s: %s", namespace, name, message)
 
 
 def _record_role_switch(
@@ -440,7 +582,15 @@ def _record_role_switch(
         record("Normal", ROLE_SWITCH, switching)
     if stalled and _progressing_reason(prev_status) != ROLE_SWITCH_STALLED:
         record("Warning", ROLE_SWITCH_STALLED, _progressing_message(status))
-    if switch is not None and switching is None:
+    if switch is not None and switching is None and switch.released and switch.old_serving:
+        record(
+            "Warning",
+            ROLE_SWITCH_DEADLINE,
+            f"{', '.join(switch.overdue)} got no resources within its progressDeadlineSeconds "
+            f"while {'+'.join(switch.old)} held them: deleted {'+'.join(switch.old)} to free "
+            f"them; nothing serves until {'+'.join(switch.new)} has Ready pods",
+        )
+    elif switch is not None and switching is None:
         record(
             "Normal",
             "RoleSwitchComplete",

@@ -24,7 +24,7 @@ from pagefleet.engine.outputs import RequestMetrics
 from pagefleet.gateway.metrics import GatewayMetrics
 from pagefleet.kvindex.index import PodLoad
 from pagefleet.kvindex.redis_index import RedisKVIndex
-from pagefleet.operator.autoscaler import DELETION_COST, VICTIM_COST, Autoscaler
+from pagefleet.operator.autoscaler import Autoscaler
 from pagefleet.operator.builders import BuildSettings
 from pagefleet.operator.kube import DEPLOYMENT, INFERENCE_SERVICE
 from pagefleet.operator.metrics import OperatorMetrics
@@ -39,6 +39,7 @@ from pagefleet.operator.signals import (
     parse_metrics,
     quantile,
 )
+from pagefleet.operator.victims import DELETION_COST, VICTIM_COST
 from pagefleet.testing.engine_stats import idle_engine_stats
 
 NS, NAME = "ml", "chat"
@@ -886,11 +887,16 @@ def test_a_role_that_stops_autoscaling_leaves_no_memory_or_series() -> None:
     for service in (NAME, "other"):
         scaler.metrics.desired.labels(NS, service, "unified").set(3)
         scaler.metrics.inputs.labels(NS, service, "unified", "kv_usage").set(0.5)
+    # The gateways' latest scrapes too: the baseline of the arrival rate should the role
+    # autoscale again, hours later (and one entry per service that ever autoscaled).
+    scaler.gateway_scrapes[(NS, NAME)] = {}
+    scaler.gateway_scrapes[(NS, "other")] = {}
     stored = kube.obj("InferenceService", NS, NAME)
     assert stored is not None
     stored["spec"]["roles"]["unified"] = {"replicas": 2}
     assert tick(scaler, kube, []) == []
     assert list(scaler.memory) == [(NS, "other", "unified")]
+    assert list(scaler.gateway_scrapes) == [(NS, "other")]
     left = {
         s.labels["service"]
         for m in (scaler.metrics.desired, scaler.metrics.inputs)

@@ -25,8 +25,8 @@ from test_autoscaler import (
     world,
 )
 
-from pagefleet.operator.autoscaler import DELETION_COST
 from pagefleet.operator.kube import DEPLOYMENT, Kind, KubeError
+from pagefleet.operator.victims import DELETION_COST
 
 
 @pytest.fixture

@@ -557,6 +557,76 @@ def test_a_role_switch_to_crash_looping_pods_is_stalled_at_once(kube, unified_sp
     ]
 
 
+def unschedulable_pod(kube: FakeKube, name: str, role: str) -> None:
+    """A pod of `role` that no node can take: every GPU is held (by the old roles' pods)."""
+    from test_podhealth import pod
+
+    obj = pod(
+        name,
+        component=role,
+        conditions=[
+            {
+                "type": "PodScheduled",
+                "status": "False",
+                "reason": "Unschedulable",
+                "message": "0/2 nodes are available: 2 Insufficient nvidia.com/gpu.",
+            }
+        ],
+    )
+    obj["metadata"]["labels"]["pagefleet.io/role"] = role
+    kube.add(obj)
+
+
+def test_a_switch_whose_new_pods_wait_for_the_old_pods_gpus_ends_at_the_deadline(
+    kube, unified_spec
+):
+    # A cluster without a spare GPU: the decode pods wait for the GPUs the unified pods
+    # hold, and the unified pods were kept until decode had a Ready pod. Neither could
+    # move: the switch stayed stalled for ever, the old pool sized by hand the only way out.
+    switch_to_pd_from_serving_unified(kube, unified_spec)
+    reconcile(kube, body(kube), SETTINGS, Recorder())
+    set_ready(kube, "llama-prefill", 1)
+    unschedulable_pod(kube, "llama-decode-a", "decode")
+    rec = Recorder()
+    reconcile(kube, body(kube), SETTINGS, rec)
+    # Before the deadline: unified keeps serving, and the status says what comes next.
+    assert "llama-unified" in kube.names("Deployment")
+    assert gateway_routes(kube) == ("llama-unified", None)
+    reason, message = progressing(kube)
+    assert reason == "RoleSwitchStalled" and "Insufficient nvidia.com/gpu" in message
+    assert "passes its progressDeadlineSeconds, unified is deleted" in message
+
+    past_deadline(kube, "llama-decode")
+    rec = Recorder()
+    result = reconcile(kube, body(kube), SETTINGS, rec)
+    assert ("Deleted", "Deployment", "llama-unified") in result.actions
+    assert ("Deleted", "Service", "llama-unified") in result.actions
+    assert gateway_routes(kube) == ("llama-decode", "llama-prefill")
+    warned = [(t, m) for t, r, m in rec.events if r == "RoleSwitchDeadline"]
+    assert len(warned) == 1 and warned[0][0] == "Warning" and "deleted unified" in warned[0][1]
+    assert "RoleSwitchComplete" not in rec.reasons()
+    assert not role_switch_in_progress(body(kube))
+
+
+def test_a_switch_to_failing_pods_keeps_the_old_pool_past_the_deadline(kube, unified_spec):
+    # Only pods waiting for resources release the old pool: crash-looping new pods would
+    # not start with the old pool gone either, so deleting it would only cut service.
+    from test_podhealth import CRASHING, pod
+
+    switch_to_pd_from_serving_unified(kube, unified_spec)
+    reconcile(kube, body(kube), SETTINGS, Recorder())
+    crashing = pod("llama-decode-a", component="decode", **CRASHING)
+    crashing["metadata"]["labels"]["pagefleet.io/role"] = "decode"
+    kube.add(crashing)
+    past_deadline(kube, "llama-decode")
+    for _ in range(2):
+        reconcile(kube, body(kube), SETTINGS, Recorder())
+    assert "llama-unified" in kube.names("Deployment")
+    assert gateway_routes(kube) == ("llama-unified", None)
+    assert progressing(kube)[0] == "RoleSwitchStalled"
+    assert "progressDeadlineSeconds, unified is deleted" not in progressing(kube)[1]
+
+
 def test_autoscaler_status_lasts_only_while_a_role_autoscales(kube, pd_spec):
     create_is(kube, pd_spec)
     reconcile(kube, body(kube), SETTINGS, Recorder())
