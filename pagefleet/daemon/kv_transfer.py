@@ -119,6 +119,12 @@ class KVTransferParams(BaseModel):
     # up on the prefill pod, so the decode pod stops waiting and prefills locally then,
     # rather than at its own kv_transfer_timeout_s (a frozen prefill pod never says "no").
     remote_wait_s: float | None = Field(default=None, gt=0, le=600)
+    # From a fleet with a P/D secret (httpauth.TransferSigner): when the signature below
+    # stops being accepted (unix seconds), and the signature itself (hex HMAC-SHA256 of
+    # the handle, host, port, engine id, block ids, KV namespace and this expiry). A decode
+    # pod with the secret pulls nothing without them.
+    remote_expires_at: int | None = Field(default=None, ge=0)
+    remote_signature: str | None = Field(default=None, max_length=128)
 
 
 @dataclass(slots=True)

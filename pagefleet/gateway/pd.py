@@ -37,6 +37,12 @@ Every request to a daemon here (prefill, release) carries the headers the gatewa
 ``Authorization`` (a release carries nothing else of the client's request). A prefill
 pod that answers 401 is logged once, with the setting to fix.
 
+With the fleet's P/D secret (``PAGEFLEET_KV_TRANSFER_SECRET``, httpauth.py) every
+``kv_transfer_params`` the gateway sends a decode pod is signed: the handle it names
+early, and the prefill pod's answer once its address is rewritten to the one the gateway
+reached (the prefill pod's own signature covers the address it advertised). Decode pods
+with the secret refuse unsigned params.
+
 The client sees one ordinary OpenAI response from the decode pod (usage included), since
 the decode pod serves the original request.
 """
@@ -56,7 +62,12 @@ import aiohttp
 from prometheus_client import Counter, Histogram
 
 from pagefleet.gateway.router import Router, RoutingDecision
-from pagefleet.httpauth import upstream_refused_hint
+from pagefleet.httpauth import (
+    TransferClaims,
+    TransferSigner,
+    kv_secret_from_env,
+    upstream_refused_hint,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +76,14 @@ logger = logging.getLogger(__name__)
 # within the request's life, which the proxy's timeouts bound far below this.
 _RELEASED_TTL_S = 600.0
 _RELEASED_KEEP = 100_000
+# How long params the gateway signs stay valid past its prefill timeout: a decode pod
+# checks them as the request arrives (also a retry on the next decode pod), never later.
+_SIGNED_FOR_S = 120
+
+
+def _fleet_signer() -> TransferSigner | None:
+    secret = kv_secret_from_env()
+    return None if secret is None else TransferSigner(secret)
 
 
 @dataclass(slots=True)
@@ -80,6 +99,8 @@ class PDSettings:
     # Send the decode request while the prefill runs (the decode pod reserves and waits for
     # the handle), instead of after the prefill's answer.
     early: bool = True
+    # The fleet's P/D secret (default: PAGEFLEET_KV_TRANSFER_SECRET(_FILE)); None: unsigned.
+    signer: TransferSigner | None = field(default_factory=_fleet_signer)
 
 
 @dataclass(slots=True)
@@ -249,6 +270,7 @@ class PDOrchestrator:
             # frozen prefill pod would otherwise hold it to its own transfer timeout.
             "remote_wait_s": self.settings.prefill_timeout_s,
         }
+        self._sign(params, int(time.time() + self.settings.prefill_timeout_s) + _SIGNED_FOR_S)
         task = asyncio.get_running_loop().create_task(
             self._early_prefill(session, ep, path, original, headers, params)
         )
@@ -394,4 +416,26 @@ class PDOrchestrator:
             params["remote_host"] = url.hostname
         if url.port:
             params["remote_port"] = url.port
+        expires = params.get("remote_expires_at")
+        if not isinstance(expires, int) or isinstance(expires, bool):
+            expires = int(time.time()) + _SIGNED_FOR_S
+        self._sign(params, expires)
         return params
+
+    def _sign(self, params: dict[str, Any], expires_at: int) -> None:
+        """Sign ``params`` (as a decode pod checks them) when the fleet has a secret."""
+        signer = self.settings.signer
+        if signer is None:
+            return
+        ids = params.get("remote_block_ids")
+        claims = TransferClaims(
+            handle=str(params.get("remote_request_id") or ""),
+            host=str(params.get("remote_host") or ""),
+            port=int(params.get("remote_port") or 0),
+            engine_id=params.get("remote_engine_id"),
+            block_ids=list(ids) if isinstance(ids, list) else None,
+            namespace=self.prefill_router.kv_namespace,
+            expires_at=expires_at,
+        )
+        params["remote_expires_at"] = expires_at
+        params["remote_signature"] = signer.sign(claims)
