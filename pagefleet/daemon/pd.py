@@ -69,8 +69,9 @@ logger = logging.getLogger(__name__)
 
 # How often an idle engine frees pulled and expired handles.
 _COLLECT_EVERY_S = 1.0
-# Pull failures after which a release request would find nothing or reach nobody.
-_NOTHING_TO_RELEASE = frozenset({"not_found", "unreachable", "bad_params"})
+# Pull failures after which a release request would find nothing or reach nobody, or
+# (busy) whose handle another pull is taking: that pull settles it.
+_NOTHING_TO_RELEASE = frozenset({"not_found", "unreachable", "bad_params", "busy"})
 # A handle a caller names for its prefill (it becomes the engine's request id).
 _HANDLE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 # A reservation with less than this left after the wait for a pending prefill is renewed
@@ -135,6 +136,10 @@ class PDSide:
         self._releases: set[asyncio.Task[bool]] = set()
         # Handles of exports whose HTTP request is running here (claim .. export_ended).
         self._claimed: set[str] = set()
+        # Handles this pod is importing (from the reservation to the commit), by where they
+        # are: a second request naming one (a replay) prefills here rather than pull the
+        # same KV again into a stage of its own.
+        self._importing: set[tuple[str | None, int | None, str | None]] = set()
         # Pulls land in reused shared-memory stages (kv_stage.StagePool: a new one per pull
         # cost the decode core ~17 ms of CPU).
         self.stages = StagePool()
@@ -323,6 +328,19 @@ class PDSide:
         self, loop: EngineHandle, req: _Admission, tp: KVTransferParams
     ) -> RequestStream | None:
         """Pull and commit; None (reservation released, reason counted) to prefill here."""
+        key = (tp.remote_host, tp.remote_port, tp.remote_request_id)
+        if key in self._importing:
+            self._fallback(req.rid, "busy", "another request here is pulling this handle", tp)
+            return None
+        self._importing.add(key)
+        try:
+            return await self._pull_and_commit(loop, req, tp)
+        finally:
+            self._importing.discard(key)
+
+    async def _pull_and_commit(
+        self, loop: EngineHandle, req: _Admission, tp: KVTransferParams
+    ) -> RequestStream | None:
         rid, ids, params, queue, lora_id = req.rid, req.ids, req.params, req.queue, req.lora_id
         if tp.remote_num_tokens is not None and tp.remote_num_tokens != len(ids):
             self._fallback(rid, "prompt_mismatch", "the handle holds another prompt", tp)
