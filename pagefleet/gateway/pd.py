@@ -294,7 +294,16 @@ class PDOrchestrator:
         got = await self._prefill(session, ep, path, original, headers, handle)
         if got is None:
             self._count("local", "prefill_failed")
-            await self._release(session, params, headers, wait=False)
+            # A task of its own: a client that leaves now cancels this prefill task, and
+            # a release awaited here was cancelled with it -- after it had claimed the
+            # handle's one release, so the handle was neither released nor counted.
+            self._track(self._release(session, params, headers, wait=False))
+
+    def _track(self, release: Any) -> None:
+        """Run ``release`` in the background; ``close`` waits for it."""
+        task = asyncio.get_running_loop().create_task(release)
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
     def release_later(
         self,
@@ -312,9 +321,7 @@ class PDOrchestrator:
         early = self._prefills.get(str(params.get("remote_request_id")))
         if cancel_prefill and early is not None and not early.done():
             early.cancel()  # the prefill pod sees the disconnect and frees the handle
-        task = asyncio.get_running_loop().create_task(self._release(session, params, headers))
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
+        self._track(self._release(session, params, headers))
 
     async def _release(
         self,
