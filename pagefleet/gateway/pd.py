@@ -434,12 +434,15 @@ class PDOrchestrator:
         signer = self.settings.signer
         if signer is None:
             return
-        ids = params.get("remote_block_ids")
+        # As a decode pod reads them; a value of the wrong type (from a faulty prefill pod)
+        # signs as absent, never raises here: the decode pod then refuses the params (400).
+        ids, port, engine = (params.get(k) for k in
+                             ("remote_block_ids", "remote_port", "remote_engine_id"))  # fmt: skip
         claims = TransferClaims(
             handle=str(params.get("remote_request_id") or ""),
             host=str(params.get("remote_host") or ""),
-            port=int(params.get("remote_port") or 0),
-            engine_id=params.get("remote_engine_id"),
+            port=port if isinstance(port, int) else 0,
+            engine_id=engine if isinstance(engine, str) else None,
             block_ids=list(ids) if isinstance(ids, list) else None,
             namespace=self.prefill_router.kv_namespace,
             expires_at=expires_at,
