@@ -3,11 +3,15 @@
 One prefill + one decode pod of the tiny model and a gateway given both role Services:
 completions and streaming chat through the gateway with the openai client, served through
 a real KV pull (the decode pod's metrics say so); the prefill pod deleted mid-test ->
-requests still succeed (the decode pod prefills locally); status shows both roles.
+requests still succeed (the decode pod prefills locally); status shows both roles. The
+service's P/D secret (Secret ``<service>-kv-transfer``) reaches every pod: the pull goes
+through signed params, and transfer params sent to the decode pod directly are refused.
 """
 
 from __future__ import annotations
 
+import json
+import urllib.error
 import urllib.request
 from typing import Any
 
@@ -45,6 +49,18 @@ def _metric(ip: str, name: str, **labels: str) -> float:
     )
 
 
+def _post_decode(ip: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(
+        f"http://{ip}:8000/v1/completions", json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
 def _client(gateway_ip: str) -> Any:
     from openai import OpenAI
 
@@ -72,6 +88,9 @@ def test_prefill_decode_serving(
         },
         "index": {"redisURL": redis_url},
     }
+    # The fleet's P/D secret, as the operator is to make it (pagefleet.operator.builders).
+    cluster.kubectl("create", "secret", "generic", "pd-kv-transfer", "-n", namespace,
+                    "--from-literal=secret=e2e-fleet-secret")  # fmt: skip
     apply_service(cluster, kube, namespace, "pd", spec)
     obj = _wait_ready(kube, namespace, "pd", timeout_s=240)
     assert obj["status"]["replicas"] == "prefill:1/1 decode:1/1"
@@ -96,6 +115,12 @@ def test_prefill_decode_serving(
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert chunks[-1].usage.completion_tokens == 6
     assert _metric(decode_ip, "pagefleet:kv_transfer_requests_total", outcome="pulled") >= 1
+    # Params that name a host, sent to the decode pod directly: refused before any pull.
+    forged = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 9,
+              "remote_request_id": "h"}  # fmt: skip
+    status, err = _post_decode(decode_ip, {"model": "tiny", "prompt": PROMPT, "max_tokens": 2,
+                                           "kv_transfer_params": forged})  # fmt: skip
+    assert status == 400 and "remote_signature" in err["error"]["message"], err
 
     # The prefill pod goes away: the decode pod prefills locally; nobody sees an error.
     (prefill_pod,) = live_pods(kube, namespace, sel + "prefill")

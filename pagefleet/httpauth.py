@@ -12,6 +12,12 @@ Configuration (environment only, so no secret ever appears on a command line):
   keys are never forwarded), and by a decode daemon on its ``/v1/kv/*`` calls to a prefill
   daemon (``/v1/kv/*`` stays behind the client keys: KV bytes are tenant data). One Secret
   serves both.
+- ``PAGEFLEET_KV_TRANSFER_SECRET`` or ``PAGEFLEET_KV_TRANSFER_SECRET_FILE``: the fleet's
+  P/D secret, the same on every daemon and gateway of one fleet. A prefill daemon (and a
+  gateway that names a handle itself) signs the ``kv_transfer_params`` it hands out with it
+  (``TransferSigner``); a decode daemon with a secret refuses params it did not verify
+  before it opens any connection: without it, whoever reaches a decode daemon chose the host
+  it pulls from (and presents its upstream key to), and could plant K/V in its cache.
 
 Invariants:
 - keys live in memory only as SHA-256 digests; a presented key is hashed once and compared
@@ -48,6 +54,10 @@ ENV_ADMIN = "PAGEFLEET_ADMIN_TOKEN"
 ENV_ADMIN_FILE = "PAGEFLEET_ADMIN_TOKEN_FILE"
 ENV_UPSTREAM = "PAGEFLEET_UPSTREAM_API_KEY"
 ENV_UPSTREAM_FILE = "PAGEFLEET_UPSTREAM_API_KEY_FILE"
+ENV_KV_SECRET = "PAGEFLEET_KV_TRANSFER_SECRET"
+ENV_KV_SECRET_FILE = "PAGEFLEET_KV_TRANSFER_SECRET_FILE"
+# Bumped when the signed message changes: a daemon never accepts a signature of another.
+_TRANSFER_MAC_VERSION = "pagefleet-kv-transfer-v1"
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json"})
 ADMIN_PATHS = frozenset({"/reset_prefix_cache", "/get_server_info", "/server_info"})
@@ -62,6 +72,58 @@ def upstream_key_from_env(env: Mapping[str, str] | None = None) -> str | None:
         lines = _read_lines(env[ENV_UPSTREAM_FILE])
         key = lines[0] if lines else ""
     return key or None
+
+
+def kv_secret_from_env(env: Mapping[str, str] | None = None) -> bytes | None:
+    """The fleet's P/D transfer secret (``ENV_KV_SECRET``, else the first line of
+    ``ENV_KV_SECRET_FILE``), or None: params are then neither signed nor checked."""
+    env = os.environ if env is None else env
+    secret = env.get(ENV_KV_SECRET, "").strip()
+    if not secret and env.get(ENV_KV_SECRET_FILE):
+        lines = _read_lines(env[ENV_KV_SECRET_FILE])
+        if not lines:
+            raise ValueError(f"{ENV_KV_SECRET_FILE}={env[ENV_KV_SECRET_FILE]} holds no secret")
+        secret = lines[0]
+    return secret.encode("utf-8") if secret else None
+
+
+@dataclass(slots=True, frozen=True)
+class TransferClaims:
+    """What a decode pod acts on in ``kv_transfer_params``, as signed: the handle, where to
+    pull it, the prefill engine and its block ids (None when not known yet: a gateway names
+    the handle before its prefill ran), the KV namespace (the model, the same on every pod
+    of one fleet) and when the signature expires (unix seconds). Anything else in the params
+    is not covered: the prompt's own hash chain still checks what the pulled bytes are."""
+
+    handle: str
+    host: str
+    port: int
+    engine_id: str | None
+    block_ids: list[int] | None
+    namespace: str
+    expires_at: int
+
+    def message(self) -> bytes:
+        return json.dumps(
+            [_TRANSFER_MAC_VERSION, self.handle, self.host, self.port, self.engine_id,
+             self.block_ids, self.namespace, self.expires_at],
+            separators=(",", ":"),
+        ).encode("utf-8")  # fmt: skip
+
+
+@dataclass(slots=True, frozen=True)
+class TransferSigner:
+    """HMAC-SHA256 of ``TransferClaims`` under the fleet's secret, as hex."""
+
+    secret: bytes
+
+    def sign(self, claims: TransferClaims) -> str:
+        return hmac.new(self.secret, claims.message(), hashlib.sha256).hexdigest()
+
+    def verify(self, claims: TransferClaims, signature: str) -> bool:
+        """Whether ``signature`` is this secret's over ``claims`` (constant-time compare)."""
+        want = self.sign(claims).encode()
+        return hmac.compare_digest(want, signature.encode("utf-8", "replace"))
 
 
 def bearer_header(key: str | None) -> dict[str, str]:

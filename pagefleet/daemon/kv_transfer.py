@@ -45,6 +45,10 @@ a byte: a pull names the keys it expects, and the ``tail_hash`` when its range h
 partial last block; another key, or no ``tail_hash`` then, is a 409 (the KV is another
 tenant's data: it goes only to a pod that already knows the prompt under that model).
 
+At most ``_MAX_PULLS_PER_HANDLE`` pulls of one handle are served at once; more are a 429
+(the decode pod prefills locally, ``busy``): each took a stage of its own, and one handle
+named by many callers at once could hold the whole read budget.
+
 Room for RDMA/NIXL: another ``KVTransfer`` implementation can move the same blocks by
 registered memory instead of a byte stream; the export/import bookkeeping in the engine
 (pagefleet/engine/kv_export.py) and the verification below do not change.
@@ -89,6 +93,11 @@ _SETTLED_TTL_S = 120.0
 _MAX_REMEMBERED = 100_000
 _HEADER_LEN = struct.Struct(">I")
 _MAX_HANDLE = 256  # characters of a transfer handle in a pull, wait or release request
+# Pulls of one handle served at once: a decode pod's and a gateway's retry on the next
+# decode pod while the first pull still runs. Each took a read stage of its own (up to the
+# whole read budget: 64 stalled pulls of one 100-token handle held 64 stages, 512 MiB of
+# tmpfs, 211 fds); more are refused (429), and their pod prefills locally.
+_MAX_PULLS_PER_HANDLE = 2
 
 
 class KVTransferParams(BaseModel):
@@ -119,6 +128,12 @@ class KVTransferParams(BaseModel):
     # up on the prefill pod, so the decode pod stops waiting and prefills locally then,
     # rather than at its own kv_transfer_timeout_s (a frozen prefill pod never says "no").
     remote_wait_s: float | None = Field(default=None, gt=0, le=600)
+    # From a fleet with a P/D secret (httpauth.TransferSigner): when the signature below
+    # stops being accepted (unix seconds), and the signature itself (hex HMAC-SHA256 of
+    # the handle, host, port, engine id, block ids, KV namespace and this expiry). A decode
+    # pod with the secret pulls nothing without them.
+    remote_expires_at: int | None = Field(default=None, ge=0)
+    remote_signature: str | None = Field(default=None, max_length=128)
 
 
 @dataclass(slots=True)
@@ -530,9 +545,8 @@ class TcpKVTransfer(KVTransfer):
                 if resp.status != 200:
                     raw = await resp.read_exactly(min(resp.remaining, 4096))
                     text = raw.decode(errors="replace")[:300]
-                    reason = {404: "not_found", 409: "hash_mismatch", 400: "bad_params"}.get(
-                        resp.status, f"http_{resp.status}"
-                    )
+                    reason = {404: "not_found", 409: "hash_mismatch", 400: "bad_params",
+                              429: "busy"}.get(resp.status, f"http_{resp.status}")  # fmt: skip
                     raise KVPullError(reason, f"the prefill pod answered {resp.status}: {text}")
                 (hlen,) = _HEADER_LEN.unpack(await resp.read_exactly(4))
                 # Refused before its bytes are allocated: the peer chooses the length.
@@ -677,6 +691,8 @@ class KVExportServer:
         self._released: dict[str, float] = {}
         self.unknown_grace_s = _UNKNOWN_GRACE_S
         self.max_remembered = _MAX_REMEMBERED
+        # Pulls being served, by handle (``_MAX_PULLS_PER_HANDLE`` each at most).
+        self._pulling: dict[str, int] = {}
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post(PULL_PATH, self.pull)
@@ -883,6 +899,21 @@ class KVExportServer:
             req = PullRequest.model_validate_json(await request.read())
         except ValidationError as exc:
             return _error(400, f"bad KV pull request: {exc.errors()[:3]}")
+        running = self._pulling.get(req.handle, 0)
+        if running >= _MAX_PULLS_PER_HANDLE:
+            return _error(
+                429, f"{running} pulls of KV handle {req.handle!r} are under way already; "
+                "prefill locally"
+            )  # fmt: skip
+        self._pulling[req.handle] = running + 1
+        try:
+            return await self._pull(req, request)
+        finally:
+            left = self._pulling.pop(req.handle) - 1
+            if left:
+                self._pulling[req.handle] = left
+
+    async def _pull(self, req: PullRequest, request: web.Request) -> web.StreamResponse:
         raw = self._source()
         if raw is None:
             return _error(503, "the model is still loading")

@@ -17,6 +17,14 @@
   the background, so its blocks do not stay pinned until the deadline.
 - No params: the request is served as by a unified pod.
 
+Trust: with the fleet's P/D secret (``PAGEFLEET_KV_TRANSFER_SECRET``, httpauth.py) a prefill
+pod signs the params it returns and a decode pod refuses (400, naming the field) params
+whose signature is missing or does not verify, before it connects anywhere: the host it
+pulls from, and shows its upstream key to, is then one a pod (or the gateway) of its own
+fleet named. Params whose signature expired are prefilled locally (``expired``): their
+handle is gone by then. Without a secret nothing is signed or checked, as before, and the
+daemon says so once at start.
+
 Invariant: a reservation opened for a pull ends in a commit or a cancel on every path
 (failure, client gone, cancellation), and the engine expires any it still finds.
 """
@@ -49,13 +57,21 @@ from pagefleet.daemon.kv_transfer import (
 )
 from pagefleet.daemon.step_trace import ImportTrace
 from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.httpauth import (
+    ENV_KV_SECRET,
+    ENV_KV_SECRET_FILE,
+    TransferClaims,
+    TransferSigner,
+    kv_secret_from_env,
+)
 
 logger = logging.getLogger(__name__)
 
 # How often an idle engine frees pulled and expired handles.
 _COLLECT_EVERY_S = 1.0
-# Pull failures after which a release request would find nothing or reach nobody.
-_NOTHING_TO_RELEASE = frozenset({"not_found", "unreachable", "bad_params"})
+# Pull failures after which a release request would find nothing or reach nobody, or
+# (busy) whose handle another pull is taking: that pull settles it.
+_NOTHING_TO_RELEASE = frozenset({"not_found", "unreachable", "bad_params", "busy"})
 # A handle a caller names for its prefill (it becomes the engine's request id).
 _HANDLE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 # A reservation with less than this left after the wait for a pending prefill is renewed
@@ -65,6 +81,8 @@ _MIN_RESERVATION_LEFT_S = 10.0
 # pool's grain): beyond it a pull waits for room, up to its own timeout, then the request
 # prefills locally (``staging_full``). A pull larger than this alone still goes.
 _PULL_STAGING_BYTES = 1 << 30
+# Slack on a signature's expiry for clocks of two pods that disagree.
+_CLOCK_SKEW_S = 30
 
 
 @dataclass(slots=True, frozen=True)
@@ -94,10 +112,16 @@ class PDSide:
         engine_loop: Callable[[], EngineHandle | None],
         transfer: KVTransfer | None = None,
         upstream_key: str | None = None,
+        signer: TransferSigner | None = None,
     ) -> None:
         """``upstream_key``: what this pod presents to the prefill pods' ``/v1/kv/*``
-        (they require one when they have API keys); None: nothing."""
+        (they require one when they have API keys); None: nothing. ``signer``: the fleet's
+        P/D secret (default: from ``PAGEFLEET_KV_TRANSFER_SECRET(_FILE)``, None without)."""
         self.config = config
+        if signer is None:
+            secret = kv_secret_from_env()
+            signer = None if secret is None else TransferSigner(secret)
+        self.signer = signer
         self._engine_loop = engine_loop
         self.metrics = KVTransferMetrics(
             registry, labels, label_values, self._expired_total, self._active_handles
@@ -112,6 +136,10 @@ class PDSide:
         self._releases: set[asyncio.Task[bool]] = set()
         # Handles of exports whose HTTP request is running here (claim .. export_ended).
         self._claimed: set[str] = set()
+        # Handles this pod is importing (from the reservation to the commit), by where they
+        # are: a second request naming one (a replay) prefills here rather than pull the
+        # same KV again into a stage of its own.
+        self._importing: set[tuple[str | None, int | None, str | None]] = set()
         # Pulls land in reused shared-memory stages (kv_stage.StagePool: a new one per pull
         # cost the decode core ~17 ms of CPU).
         self.stages = StagePool()
@@ -124,6 +152,14 @@ class PDSide:
         self.export_server.add_routes(app)
 
     async def start(self) -> None:
+        if self.signer is None:
+            logger.warning(
+                "no P/D secret (%s / %s): kv_transfer_params are not verified, so whoever "
+                "reaches this daemon can make it pull KV from any host (presenting its "
+                "upstream API key there) and plant KV in its cache; give every daemon and "
+                "gateway of the fleet the same secret",
+                ENV_KV_SECRET, ENV_KV_SECRET_FILE,
+            )  # fmt: skip
         self._timer = asyncio.create_task(self._collect_loop(), name="pd-collect")
 
     async def stop(self) -> None:
@@ -205,7 +241,47 @@ class PDSide:
                 )
         if not (tp.do_remote_decode or tp.do_remote_prefill):
             return None
+        if tp.do_remote_prefill and self.signer is not None and not self._signed_live(tp):
+            return None  # prefilled here: the handle expired with its signature
         return tp
+
+    def _claims(self, tp: KVTransferParams) -> TransferClaims:
+        return TransferClaims(
+            handle=tp.remote_request_id or "",
+            host=tp.remote_host or "",
+            port=tp.remote_port or 0,
+            engine_id=tp.remote_engine_id,
+            block_ids=tp.remote_block_ids,
+            namespace=self.config.namespace,
+            expires_at=tp.remote_expires_at or 0,
+        )
+
+    def _signed_live(self, tp: KVTransferParams) -> bool:
+        """Whether ``tp`` was signed by this fleet and has not expired; TransferParamsError
+        (a 400: nothing was contacted) when unsigned or signed by anyone else."""
+        assert self.signer is not None
+        for name in ("remote_signature", "remote_expires_at"):
+            if getattr(tp, name) is None:
+                raise TransferParamsError(
+                    f"kv_transfer_params.{name} is missing: this daemon pulls KV only with "
+                    "params signed by its fleet (send the object a prefill pod of the fleet "
+                    f"returned, unchanged; pods and gateways share {ENV_KV_SECRET})"
+                )
+        if not self.signer.verify(self._claims(tp), tp.remote_signature or ""):
+            raise TransferParamsError(
+                "kv_transfer_params.remote_signature does not verify: the params were "
+                "changed after signing, or signed with another secret (every daemon and "
+                f"gateway of one fleet needs the same {ENV_KV_SECRET})"
+            )
+        if (tp.remote_expires_at or 0) + _CLOCK_SKEW_S < time.time():
+            self.metrics.failed("expired")
+            self.metrics.outcome("fallback")
+            logger.info(
+                "kv_transfer_params of handle %s expired at %d; prefilling locally",
+                tp.remote_request_id, tp.remote_expires_at,
+            )  # fmt: skip
+            return False
+        return True
 
     async def admit(
         self,
@@ -252,6 +328,19 @@ class PDSide:
         self, loop: EngineHandle, req: _Admission, tp: KVTransferParams
     ) -> RequestStream | None:
         """Pull and commit; None (reservation released, reason counted) to prefill here."""
+        key = (tp.remote_host, tp.remote_port, tp.remote_request_id)
+        if key in self._importing:
+            self._fallback(req.rid, "busy", "another request here is pulling this handle", tp)
+            return None
+        self._importing.add(key)
+        try:
+            return await self._pull_and_commit(loop, req, tp)
+        finally:
+            self._importing.discard(key)
+
+    async def _pull_and_commit(
+        self, loop: EngineHandle, req: _Admission, tp: KVTransferParams
+    ) -> RequestStream | None:
         rid, ids, params, queue, lora_id = req.rid, req.ids, req.params, req.queue, req.lora_id
         if tp.remote_num_tokens is not None and tp.remote_num_tokens != len(ids):
             self._fallback(rid, "prompt_mismatch", "the handle holds another prompt", tp)
@@ -403,7 +492,7 @@ class PDSide:
             self.export_server.staged(rid, filled)
         finally:
             self.export_server.settle(rid, exported=bool(block_ids))
-        return KVTransferParams(
+        tp = KVTransferParams(
             do_remote_prefill=True,
             remote_engine_id=self.config.pod,
             remote_block_ids=block_ids,
@@ -411,4 +500,10 @@ class PDSide:
             remote_port=self.config.port,
             remote_request_id=rid,
             remote_num_tokens=num_tokens,
-        ).model_dump()
+        )
+        if self.signer is not None:
+            # Valid as long as the handle can be: past its deadline it is gone anyway.
+            tp.remote_expires_at = int(time.time() + self.config.kv_transfer_timeout_s) + 1
+            tp.remote_signature = self.signer.sign(self._claims(tp))
+            return tp.model_dump()
+        return tp.model_dump(exclude={"remote_expires_at", "remote_signature"})

@@ -16,6 +16,7 @@ import faulthandler
 import io
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -35,6 +36,7 @@ from click.core import ParameterSource
 from pagefleet.api.model_names import default_served_model_name
 from pagefleet.dev import process
 from pagefleet.dev.process import free_port
+from pagefleet.httpauth import ENV_KV_SECRET, ENV_KV_SECRET_FILE
 from pagefleet.kvindex.redis_auth import PASSWORD_ENV, split_password
 
 logger = logging.getLogger(__name__)
@@ -223,6 +225,11 @@ class LocalFleet:
         self.restart_log: list[tuple[float, str]] = []  # (monotonic time, child name)
         self._supervisor: threading.Thread | None = None
         self._stop_supervising = threading.Event()
+        # The fleet's P/D secret (httpauth.ENV_KV_SECRET): one per fleet, in the children's
+        # environment (never a command line), unless the caller's environment names one.
+        self.kv_env: dict[str, str] = {}
+        if not (os.environ.get(ENV_KV_SECRET) or os.environ.get(ENV_KV_SECRET_FILE)):
+            self.kv_env[ENV_KV_SECRET] = secrets.token_hex(32)
 
     # -- urls -----------------------------------------------------------------------------
 
@@ -333,7 +340,9 @@ class LocalFleet:
         argv += ["--drain-timeout", str(DAEMON_DRAIN_S)]
         argv += ["--shutdown-timeout", str(DAEMON_SHUTDOWN_S)]
         argv += self.spec.daemon_args
-        return Child(name, argv, f"http://{host}:{port}", self.log_dir / f"{name}.log")
+        return Child(
+            name, argv, f"http://{host}:{port}", self.log_dir / f"{name}.log", env=self.kv_env
+        )
 
     @property
     def served_model_name(self) -> str:
@@ -390,8 +399,9 @@ class LocalFleet:
         argv += ["--drain-timeout", str(GATEWAY_DRAIN_S)]
         argv += self.spec.gateway_args + (args or [])
         child = Child(
-            name, argv, f"http://{host}:{port}", self.log_dir / f"{name}.log", env=dict(env or {})
-        )
+            name, argv, f"http://{host}:{port}", self.log_dir / f"{name}.log",
+            env={**self.kv_env, **(env or {})},
+        )  # fmt: skip
         child.start()
         return child
 

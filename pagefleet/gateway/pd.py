@@ -37,6 +37,12 @@ Every request to a daemon here (prefill, release) carries the headers the gatewa
 ``Authorization`` (a release carries nothing else of the client's request). A prefill
 pod that answers 401 is logged once, with the setting to fix.
 
+With the fleet's P/D secret (``PAGEFLEET_KV_TRANSFER_SECRET``, httpauth.py) every
+``kv_transfer_params`` the gateway sends a decode pod is signed: the handle it names
+early, and the prefill pod's answer once its address is rewritten to the one the gateway
+reached (the prefill pod's own signature covers the address it advertised). Decode pods
+with the secret refuse unsigned params.
+
 The client sees one ordinary OpenAI response from the decode pod (usage included), since
 the decode pod serves the original request.
 """
@@ -56,7 +62,12 @@ import aiohttp
 from prometheus_client import Counter, Histogram
 
 from pagefleet.gateway.router import Router, RoutingDecision
-from pagefleet.httpauth import upstream_refused_hint
+from pagefleet.httpauth import (
+    TransferClaims,
+    TransferSigner,
+    kv_secret_from_env,
+    upstream_refused_hint,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +76,14 @@ logger = logging.getLogger(__name__)
 # within the request's life, which the proxy's timeouts bound far below this.
 _RELEASED_TTL_S = 600.0
 _RELEASED_KEEP = 100_000
+# How long params the gateway signs stay valid past its prefill timeout: a decode pod
+# checks them as the request arrives (also a retry on the next decode pod), never later.
+_SIGNED_FOR_S = 120
+
+
+def _fleet_signer() -> TransferSigner | None:
+    secret = kv_secret_from_env()
+    return None if secret is None else TransferSigner(secret)
 
 
 @dataclass(slots=True)
@@ -80,6 +99,8 @@ class PDSettings:
     # Send the decode request while the prefill runs (the decode pod reserves and waits for
     # the handle), instead of after the prefill's answer.
     early: bool = True
+    # The fleet's P/D secret (default: PAGEFLEET_KV_TRANSFER_SECRET(_FILE)); None: unsigned.
+    signer: TransferSigner | None = field(default_factory=_fleet_signer)
 
 
 @dataclass(slots=True)
@@ -249,6 +270,7 @@ class PDOrchestrator:
             # frozen prefill pod would otherwise hold it to its own transfer timeout.
             "remote_wait_s": self.settings.prefill_timeout_s,
         }
+        self._sign(params, int(time.time() + self.settings.prefill_timeout_s) + _SIGNED_FOR_S)
         task = asyncio.get_running_loop().create_task(
             self._early_prefill(session, ep, path, original, headers, params)
         )
@@ -272,7 +294,16 @@ class PDOrchestrator:
         got = await self._prefill(session, ep, path, original, headers, handle)
         if got is None:
             self._count("local", "prefill_failed")
-            await self._release(session, params, headers, wait=False)
+            # A task of its own: a client that leaves now cancels this prefill task, and
+            # a release awaited here was cancelled with it -- after it had claimed the
+            # handle's one release, so the handle was neither released nor counted.
+            self._track(self._release(session, params, headers, wait=False))
+
+    def _track(self, release: Any) -> None:
+        """Run ``release`` in the background; ``close`` waits for it."""
+        task = asyncio.get_running_loop().create_task(release)
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
     def release_later(
         self,
@@ -290,9 +321,7 @@ class PDOrchestrator:
         early = self._prefills.get(str(params.get("remote_request_id")))
         if cancel_prefill and early is not None and not early.done():
             early.cancel()  # the prefill pod sees the disconnect and frees the handle
-        task = asyncio.get_running_loop().create_task(self._release(session, params, headers))
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
+        self._track(self._release(session, params, headers))
 
     async def _release(
         self,
@@ -394,4 +423,29 @@ class PDOrchestrator:
             params["remote_host"] = url.hostname
         if url.port:
             params["remote_port"] = url.port
+        expires = params.get("remote_expires_at")
+        if not isinstance(expires, int) or isinstance(expires, bool):
+            expires = int(time.time()) + _SIGNED_FOR_S
+        self._sign(params, expires)
         return params
+
+    def _sign(self, params: dict[str, Any], expires_at: int) -> None:
+        """Sign ``params`` (as a decode pod checks them) when the fleet has a secret."""
+        signer = self.settings.signer
+        if signer is None:
+            return
+        # As a decode pod reads them; a value of the wrong type (from a faulty prefill pod)
+        # signs as absent, never raises here: the decode pod then refuses the params (400).
+        ids, port, engine = (params.get(k) for k in
+                             ("remote_block_ids", "remote_port", "remote_engine_id"))  # fmt: skip
+        claims = TransferClaims(
+            handle=str(params.get("remote_request_id") or ""),
+            host=str(params.get("remote_host") or ""),
+            port=port if isinstance(port, int) else 0,
+            engine_id=engine if isinstance(engine, str) else None,
+            block_ids=list(ids) if isinstance(ids, list) else None,
+            namespace=self.prefill_router.kv_namespace,
+            expires_at=expires_at,
+        )
+        params["remote_expires_at"] = expires_at
+        params["remote_signature"] = signer.sign(claims)

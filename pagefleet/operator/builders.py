@@ -209,6 +209,24 @@ def _secret_env(name: str, ref: Any) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
 
 
+# The fleet's P/D transfer secret (pagefleet.httpauth.ENV_KV_SECRET): one per
+# InferenceService, the same in every daemon and the gateway; they sign and check
+# kv_transfer_params with it. Optional: a pod started before the Secret exists runs
+# without it (unsigned P/D, as before, with a warning in its log).
+KV_TRANSFER_SECRET_ENV = "PAGEFLEET_KV_TRANSFER_SECRET"
+KV_TRANSFER_SECRET_KEY = "secret"
+
+
+def kv_transfer_secret_name(names: Names) -> str:
+    return f"{names.service}-kv-transfer"
+
+
+def _kv_transfer_secret_env(names: Names) -> list[dict[str, Any]]:
+    ref = {"name": kv_transfer_secret_name(names), "key": KV_TRANSFER_SECRET_KEY,
+           "optional": True}  # fmt: skip
+    return [{"name": KV_TRANSFER_SECRET_ENV, "valueFrom": {"secretKeyRef": ref}}]
+
+
 def _common_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
     return [
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
@@ -416,7 +434,7 @@ def build_role(
         stage_volume, stage_mount = kv_stage_volume()
         volumes, mounts = [*volumes, stage_volume], [*mounts, stage_mount]
     env = _merge_env(
-        _common_env(spec) + _daemon_secret_env(spec) + cache_env(),
+        _common_env(spec) + _daemon_secret_env(spec) + _kv_transfer_secret_env(names) + cache_env(),
         [e.model_dump() for e in role_spec.env],
     )
     container: Manifest = {
@@ -482,7 +500,10 @@ def build_gateway(
         "imagePullPolicy": spec.image_pull_policy.value,
         "command": gateway_command(spec, names, roles, redis_url),
         "env": _merge_env(
-            _common_env(spec) + _gateway_secret_env(spec) + cache_env(),
+            _common_env(spec)
+            + _gateway_secret_env(spec)
+            + _kv_transfer_secret_env(names)
+            + cache_env(),
             [e.model_dump() for e in spec.router.env],
         ),
         "securityContext": container_security_context(),

@@ -734,3 +734,100 @@ def test_a_truthful_header_then_fewer_payload_bytes_than_announced_is_a_protocol
             assert e.kv.pool.num_referenced_blocks == 0
 
     asyncio.run(main())
+
+
+async def test_pulls_of_one_handle_at_once_are_bounded_on_the_prefill_side(tmp_path) -> None:
+    """Every pull of a handle, however many named it at once, took a read stage of its own
+    (up to the whole 1 GiB read budget) and held the handle: 64 stalled pulls of one
+    100-token handle held 64 stages (512 MiB of tmpfs) on the prefill pod. Two run at once
+    now (a decode pod's and a gateway's retry on the next one); the rest are answered 429
+    at once, take nothing, and the handle stays whole for a pull that comes after."""
+    from pagefleet.engine.kv_export import tail_hash
+    from pagefleet.kvindex.hashing import block_hashes
+
+    from .test_pd_fleet import MODEL, _config
+
+    config = _config("prefill").model_copy(
+        update={"kv_stage_dir": str(tmp_path), "kv_transfer_timeout_s": 20.0}
+    )
+    ids, bs, n = [(j * 7) % 200 + 5 for j in range(100)], config.block_size, 6
+    async with _daemon_with_small_send_buffers(config) as (daemon, port):
+        body = {
+            "model": MODEL,
+            "prompt": ids,
+            "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True, "remote_request_id": "h"},
+        }
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as r,
+        ):
+            assert r.status == 200, await r.text()
+        at_export = len(list(tmp_path.iterdir()))
+        hashes = block_hashes(ids, bs, namespace=MODEL)
+        pull = {"handle": "h", "first_block": 0, "num_blocks": -(-len(ids) // bs),
+                "block_hashes": [*hashes, None], "layout": layout_dict(
+                    daemon.engine_loop.kv_layout()),
+                "tail_hash": tail_hash(ids, hashes, bs, MODEL, None)}  # fmt: skip
+        socks = [await _stalled_pull(port, json.dumps(pull).encode()) for _ in range(n)]
+        try:
+            loop = asyncio.get_running_loop()
+            refused = 0
+            for sock in socks:
+                try:
+                    async with asyncio.timeout(2.0):
+                        head = await loop.sock_recv(sock, 64)
+                except TimeoutError:
+                    continue  # a pull being sent (into a window that is full)
+                refused += head.startswith(b"HTTP/1.1 429")
+            assert refused == n - 2, f"{n - refused} pulls of one handle served at once"
+            stages = len(list(tmp_path.iterdir()))
+            assert stages <= max(at_export, 2), f"{stages} stages for one handle"
+        finally:
+            for sock in socks:
+                sock.close()
+        for _ in range(250):  # the dropped connections end their pulls
+            if not daemon.pd.export_server._pulling:
+                break
+            await asyncio.sleep(0.02)
+        status, got = await _raw_pull(port, pull)
+        assert status == 200 and len(got) > 0
+        assert daemon.pd.export_server._pulling == {}
+
+
+async def test_requests_naming_one_handle_at_once_make_one_pull_on_a_decode_pod() -> None:
+    """Requests that named the same handle at once each reserved blocks, took a stage of
+    the pull budget and pulled the same KV (a replayed params object, a client's retry):
+    N requests, N pulls of one handle. One pulls now; the others prefill locally at once
+    (``busy``), and every request is answered."""
+    from .conftest import live_daemon
+    from .test_pd_fleet import MODEL, PROMPT, _config, _metric
+
+    pulls = 0
+
+    async def stalls(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal pulls
+        head = await reader.readuntil(b"\r\n\r\n")
+        pulls += b"/v1/kv/pull" in head
+        await reader.read()  # answers nothing until the client leaves
+        writer.close()
+
+    config = _config("decode").model_copy(update={"kv_pull_timeout_s": 2.0})
+    async with live_daemon(config) as d, aiohttp.ClientSession() as s:
+        server = await asyncio.start_server(stalls, "127.0.0.1", 0)
+        params = {"do_remote_prefill": True, "remote_host": "127.0.0.1",
+                  "remote_port": server.sockets[0].getsockname()[1],
+                  "remote_request_id": "h"}  # fmt: skip
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "kv_transfer_params": params}
+
+        async def one() -> int:
+            async with s.post(f"{d.url}/v1/completions", json=body) as r:
+                return r.status
+
+        async with server:
+            statuses = await asyncio.gather(*(one() for _ in range(3)))
+        assert statuses == [200] * 3
+        assert pulls == 1, f"{pulls} pulls of one handle from one decode pod"
+        assert await _metric(d.url, "pagefleet:kv_transfer_pulls_failed_total", reason="busy") == 2
+        assert d.daemon.pd._importing == set()
+        await d.daemon.engine_loop.invoke("check_integrity")

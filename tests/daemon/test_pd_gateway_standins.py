@@ -35,6 +35,7 @@ class Pod:
     def __init__(self, gen: Script) -> None:
         self.gen = gen
         self.log: list[tuple[str, Any]] = []
+        self.release_s = 0.0  # how long a release takes to answer
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         app = web.Application()
@@ -59,6 +60,7 @@ class Pod:
 
     async def _release(self, request: web.Request) -> web.Response:
         self.log.append(("release", await request.json()))
+        await asyncio.sleep(self.release_s)
         return web.json_response({"released": True})
 
     async def _wait(self, request: web.Request) -> web.Response:
@@ -182,5 +184,41 @@ async def test_a_clients_kv_transfer_params_are_refused_and_reach_no_pod(
                     assert r.status == 400, await r.text()
                     assert (await r.json())["error"]["param"] == "kv_transfer_params"
             assert not p.log and not d.log, "a pod was sent the client's transfer params"
+        finally:
+            await runner.cleanup()
+
+
+async def _fail(pod: Pod, request: web.Request, body: dict[str, Any]) -> web.Response:
+    return web.json_response({"error": {"message": "boom", "type": "server_error"}}, status=500)
+
+
+async def test_a_client_leaving_while_a_failed_prefill_is_released_still_counts_it_once() -> None:
+    """The early prefill fails and the gateway releases its handle; the client leaves while
+    that release is under way. The release ran inside the prefill's task, which the client's
+    departure cancels: it was cut off after claiming the handle's one release, so the
+    handle was counted in pagefleet_gateway_pd_handles_released_total zero times (and the
+    release could be cut before it was sent). Now it completes and counts once."""
+    from .test_pd_fleet import _metric
+
+    async with Pod(_fail) as p, Pod(_hang) as d:
+        p.release_s = 1.0
+        gw, runner, url = await _gateway([p.url], [d.url])
+        try:
+            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+            with pytest.raises(TimeoutError):
+                async with (
+                    aiohttp.ClientSession() as s,
+                    asyncio.timeout(0.5),  # the prefill failed at once; its release takes 1 s
+                    s.post(url + "/v1/completions", json=body) as r,
+                ):
+                    await r.read()
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 5.0 and (gw.pd._prefills or gw.pd._releases):
+                await asyncio.sleep(0.05)
+            assert not gw.pd._prefills and not gw.pd._releases
+            assert [w for w, _ in p.log] == ["gen", "release"], p.log
+            name = "pagefleet_gateway_pd_handles_released_total"
+            assert await _metric(url, name) == 1
+            assert await _metric(url, name, result="released") == 1
         finally:
             await runner.cleanup()
