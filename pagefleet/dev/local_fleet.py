@@ -123,19 +123,31 @@ class Child:
         return self.proc is not None and self.proc.poll() is None
 
     def terminate(self) -> None:
-        """Send SIGTERM without waiting (stop several children in parallel)."""
-        if self.proc is not None:
+        """Send SIGTERM without waiting (stop several children in parallel); no-op for a
+        child that has exited (``stop`` then says how)."""
+        if self.alive:
+            assert self.proc is not None
             process.signal_group(self.proc, signal.SIGTERM)
             self.terminated = True
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM (unless ``terminate`` sent it) and wait up to ``timeout``; then SIGKILL,
         loudly. Never a second SIGTERM: it would kill a daemon in its exit, after its loop
-        closed, before multiprocessing cleans up its engine process's semaphores."""
+        closed, before multiprocessing cleans up its engine process's semaphores. A child
+        that had exited before the stop is reported as such, with its status."""
         proc, self.proc = self.proc, None
         if proc is None:
             return
         term, self.terminated = not self.terminated, False
+        if term and proc.poll() is not None:
+            # It ended on its own (a crash, the OOM killer) between the supervisor's looks:
+            # its -9 is not our SIGKILL, and "did not stop" sent people after a hang.
+            logger.warning(
+                "%s had exited on its own with status %s before the stop (log %s)",
+                self.name, proc.returncode, self.log_path,
+            )  # fmt: skip
+            process.stop(proc, grace_s=0, term=False)
+            return
         if process.stop(proc, grace_s=timeout, term=term) == -signal.SIGKILL:
             logger.warning("%s did not stop within %.1fs of SIGTERM: killed", self.name, timeout)
 
