@@ -166,6 +166,11 @@ class Child:
         """It was started, not stopped by us, and has exited."""
         return self.proc is not None and self.proc.poll() is not None
 
+    def exit_note(self) -> str:
+        """``name (status N, log PATH)`` of a child that has exited."""
+        status = None if self.proc is None else self.proc.returncode
+        return f"{self.name} (status {status}, log {self.log_path})"
+
 
 @dataclass(slots=True)
 class Backoff:
@@ -233,6 +238,8 @@ class LocalFleet:
         self.model_dir: str = spec.model
         self.backoff: dict[str, Backoff] = {}
         self.restart_log: list[tuple[float, str]] = []  # (monotonic time, child name)
+        # Every exit a child made on its own, as first seen: "name (status N, log PATH)".
+        self.crashes: list[str] = []
         self._supervisor: threading.Thread | None = None
         self._stop_supervising = threading.Event()
 
@@ -441,6 +448,7 @@ class LocalFleet:
             if b.due_at is None:
                 assert child.proc is not None
                 delay = b.crashed(now)
+                self.crashes.append(child.exit_note())
                 logger.warning(
                     "%s exited with status %s; restarting it in %.0fs (log %s):\n%s",
                     child.name,
@@ -482,6 +490,10 @@ class LocalFleet:
             self._supervisor.join(5)
             self._supervisor = None
         children = [c for c in (self.gateway, *self.daemons) if c is not None]
+        for c in children:
+            b = self.backoff.get(c.name)
+            if c.crashed and (b is None or b.due_at is None):  # since supervise's last look
+                self.crashes.append(c.exit_note())
         for c in children:
             c.terminate()
         t0 = time.monotonic()
@@ -720,40 +732,67 @@ def command(
         click.echo("interrupted during start-up; stopped everything", err=True)
         # Not a success: no fleet served, no bench ran (a script must not read 0).
         click.get_current_context().exit(128 + signal.SIGINT)
+    interrupted = False
     try:
-        click.echo(
-            f"fleet ready in {time.monotonic() - t0:.1f}s: redis {fleet.redis_url}; "
-            f"{fleet.daemons_by_role()}",
-            err=True,
-        )
-        click.echo(
-            f"gateway: {fleet.gateway_url}  (OpenAI base_url {fleet.gateway_url}/v1, "
-            f"model {fleet.served_model_name!r})"
-        )
-        if run_bench:
-            from pagefleet.dev.loadgen import BenchOptions, run_bench_sync
-
-            run_bench_sync(
-                BenchOptions(
-                    url=fleet.gateway_url,
-                    model=fleet.served_model_name,
-                    num_requests=bench_requests,
-                    plot_dir=plot,
-                    tokenizer_dir=fleet.model_dir,
-                )
+        try:
+            click.echo(
+                f"fleet ready in {time.monotonic() - t0:.1f}s: redis {fleet.redis_url}; "
+                f"{fleet.daemons_by_role()}",
+                err=True,
             )
-            from pagefleet.dev.sample_chat import QUESTION, ask
-
-            click.echo(f"\nQ: {QUESTION}\nA: {ask(fleet.gateway_url, fleet.served_model_name)}")
-            return
-        # A crashed daemon is restarted with backoff; the others keep serving meanwhile.
-        with contextlib.suppress(KeyboardInterrupt):
-            # Inside: a stop signal from the moment this is printed is the normal way out.
-            click.echo("Ctrl-C to stop", err=True)
-            while True:
-                for name in fleet.supervise():
-                    click.echo(f"restarted {name} (logs: {fleet.log_dir})", err=True)
-                time.sleep(0.5)
+            click.echo(
+                f"gateway: {fleet.gateway_url}  (OpenAI base_url {fleet.gateway_url}/v1, "
+                f"model {fleet.served_model_name!r})"
+            )
+            if run_bench:
+                # A daemon that crashes mid-bench is said at once and restarted, as when
+                # serving: unwatched, it went unmentioned (the bench only counted errors).
+                fleet.supervise_in_background()
+                _bench(fleet, bench_requests, plot)
+            else:
+                _serve(fleet)
+        except KeyboardInterrupt:
+            # Serving, a stop signal is how `up` ends (status 0). A bench cut short is not
+            # a bench that ran: say so, and no status 0 (click said only "Aborted!", 1).
+            if run_bench:
+                click.echo("interrupted during the bench; stopping the fleet", err=True)
+                interrupted = True
     finally:
         fleet.stop()
         click.echo("fleet stopped", err=True)
+    if interrupted:
+        click.get_current_context().exit(128 + signal.SIGINT)
+    if run_bench and fleet.crashes:
+        # The report above counts their failed requests; a script (make run) must not read
+        # status 0 as a clean run.
+        raise click.ClickException(
+            f"during the bench {len(fleet.crashes)} crash(es): {'; '.join(fleet.crashes)}"
+        )
+
+
+def _serve(fleet: LocalFleet) -> None:
+    """Until a stop signal (KeyboardInterrupt): a crashed daemon is restarted with backoff;
+    the others keep serving meanwhile."""
+    # From the moment this is printed a stop signal is the normal way out.
+    click.echo("Ctrl-C to stop", err=True)
+    while True:
+        for name in fleet.supervise():
+            click.echo(f"restarted {name} (logs: {fleet.log_dir})", err=True)
+        time.sleep(0.5)
+
+
+def _bench(fleet: LocalFleet, num_requests: int, plot: Path | None) -> None:
+    """`up --bench`: the bench's report through the gateway, then one sample answer."""
+    from pagefleet.dev.loadgen import BenchOptions, run_bench_sync
+    from pagefleet.dev.sample_chat import QUESTION, ask
+
+    run_bench_sync(
+        BenchOptions(
+            url=fleet.gateway_url,
+            model=fleet.served_model_name,
+            num_requests=num_requests,
+            plot_dir=plot,
+            tokenizer_dir=fleet.model_dir,
+        )
+    )
+    click.echo(f"\nQ: {QUESTION}\nA: {ask(fleet.gateway_url, fleet.served_model_name)}")
