@@ -28,6 +28,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import click
 from click.core import ParameterSource
@@ -161,6 +162,15 @@ class Child:
     def log_tail(self, n: int = 20) -> str:
         return process.tail(self.log_path, n)
 
+    def listening(self) -> bool:
+        """Whether this child (its process group) holds the socket listening at its URL's
+        port: a /ready answered at the URL alone may come from another process on that port
+        (a second `up`'s gateway), while this child failed to bind."""
+        port = urlsplit(self.url).port
+        if self.proc is None or port is None:
+            return False
+        return process.group_listens(self.proc.pid, port) is not False
+
     @property
     def crashed(self) -> bool:
         """It was started, not stopped by us, and has exited."""
@@ -242,6 +252,9 @@ class LocalFleet:
         self.crashes: list[str] = []
         self._supervisor: threading.Thread | None = None
         self._stop_supervising = threading.Event()
+        # A socket listening on the gateway's port from `up`'s check until the gateway is
+        # spawned: a second `up` on the same port is refused at once, not after its start.
+        self.port_hold: socket.socket | None = None
 
     # -- urls -----------------------------------------------------------------------------
 
@@ -411,8 +424,16 @@ class LocalFleet:
         child = Child(
             name, argv, f"http://{host}:{port}", self.log_dir / f"{name}.log", env=dict(env or {})
         )
+        if name == "gateway":
+            self.release_port()
         child.start()
         return child
+
+    def release_port(self) -> None:
+        """Close ``port_hold`` (the gateway binds the port next; or the fleet stops)."""
+        if self.port_hold is not None:
+            self.port_hold.close()
+            self.port_hold = None
 
     def wait_ready(self, children: list[Child]) -> None:
         deadline = time.monotonic() + self.spec.ready_timeout_s
@@ -424,7 +445,7 @@ class LocalFleet:
                         f"{c.name} exited during start-up; its log ({c.log_path}) ends:\n"
                         f"{c.log_tail()}"
                     )
-                if http_ok(c.url + "/ready"):
+                if http_ok(c.url + "/ready") and c.listening():
                     pending.remove(c)
             if pending and time.monotonic() > deadline:
                 names = ", ".join(c.name for c in pending)
@@ -485,6 +506,7 @@ class LocalFleet:
         at once (they drain in parallel); a gateway still running ``GATEWAY_STOP_S`` later,
         a daemon ``DAEMON_STOP_S`` later (both ``grace_s`` when given) gets SIGKILL; then
         Redis stops (SIGKILL after 5 s). At most ~``DAEMON_STOP_S`` + 10 s."""
+        self.release_port()
         self._stop_supervising.set()
         if self._supervisor is not None:
             self._supervisor.join(5)
@@ -523,8 +545,6 @@ class LocalFleet:
         """Start the fleet's Redis again at its old address, empty (after ``stop_redis``)."""
         if self.redis_url is None or self._redis is not None:
             raise RuntimeError("restart_redis() follows stop_redis() on a fleet owning Redis")
-        from urllib.parse import urlsplit
-
         from pagefleet.dev.redis_server import LocalRedis
 
         self._redis = LocalRedis(port=urlsplit(self.redis_url).port)
@@ -550,21 +570,33 @@ def _refuse_bench_options_without_bench(run_bench: bool) -> None:
             )
 
 
-def _gateway_port(port: int, run_bench: bool) -> int:
-    """The gateway's port for ``up``: ``port`` as given, refused up front when taken.
+def _gateway_port(port: int, run_bench: bool) -> tuple[int, socket.socket | None]:
+    """The gateway's port for ``up``: ``port`` as given, refused up front when taken, and a
+    socket that holds it (listening) until the gateway starts (None for any free port).
 
     Only --bench without an explicit --port takes any free port: a benchmark needs no fixed
     address, and the default 8080 being busy must not stop `make run`. A port the user
-    typed is kept, --bench or not (a dashboard or a second client points at it)."""
+    typed is kept, --bench or not (a dashboard or a second client points at it).
+
+    Held, not only probed: a second `up` on the same port started while the first loads its
+    model found the port free, started its whole fleet, and its gateway then failed to bind
+    while its readiness probe got the first fleet's answer ("fleet ready")."""
     ctx = click.get_current_context()
     explicit = ctx.get_parameter_source("gateway_port") is not ParameterSource.DEFAULT
-    if run_bench and not explicit:
-        return 0
-    if port:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                raise click.UsageError(f"port {port} is in use; pass --port 0 or another")
-    return port
+    if (run_bench and not explicit) or not port:
+        return 0, None
+    hold = socket.socket()
+    # As the gateway binds (asyncio's reuse_address): a port in TIME_WAIT is not "in use".
+    hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        hold.bind(("127.0.0.1", port))
+        hold.listen(1)
+    except OSError as exc:
+        hold.close()
+        raise click.UsageError(
+            f"port {port} is in use ({os.strerror(exc.errno or 0)}); pass --port 0 or another"
+        ) from None
+    return port, hold
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -675,7 +707,6 @@ def command(
     them all."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     _refuse_bench_options_without_bench(run_bench)
-    gateway_port = _gateway_port(gateway_port, run_bench)
     if redis_url:
         # Children inherit the environment; their command lines (visible to every local
         # user) get the URL without the password.
@@ -684,6 +715,8 @@ def command(
             os.environ[PASSWORD_ENV] = password
     if (num_prefill > 0) != (num_decode > 0):
         raise click.UsageError("--prefill and --decode go together (e.g. --prefill 1 --decode 1)")
+    # Last of the checks: from here the port is held (listening) for the fleet's gateway.
+    gateway_port, port_hold = _gateway_port(gateway_port, run_bench)
     spec = FleetSpec(
         num_daemons=num_daemons,
         num_prefill=num_prefill,
@@ -713,7 +746,13 @@ def command(
     # file descriptor (click's CliRunner in tests) cannot take the dump: nothing to register.
     with contextlib.suppress(io.UnsupportedOperation, ValueError):
         faulthandler.register(signal.SIGUSR1, all_threads=True)
-    fleet = LocalFleet(spec)
+    try:
+        fleet = LocalFleet(spec)  # may refuse --log-dir
+    except BaseException:
+        if port_hold is not None:
+            port_hold.close()
+        raise
+    fleet.port_hold = port_hold
     what = (
         f"{num_prefill} prefill + {num_decode} decode daemon(s)"
         if num_prefill

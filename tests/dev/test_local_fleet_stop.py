@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import http.server
 import json
 import logging
 import os
 import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from pagefleet.dev.local_fleet import Child, FleetSpec, LocalFleet
+from pagefleet.dev.process import free_port
 
 # Ignores SIGTERM (so does the sleep it runs: an ignored signal stays ignored across exec).
 STUBBORN = ["sh", "-c", "trap '' TERM; sleep 60"]
@@ -204,3 +207,46 @@ def test_a_child_that_crashed_before_the_stop_is_not_reported_as_killed_by_it(
         m.startswith("daemon-0 had exited on its own with status -9 before the stop") for m in said
     ), said
     assert [c.proc for c in fleet.daemons] == [None, None]
+
+
+class _Ready(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+_READY_SERVER = """
+import http.server, sys
+class Ready(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Ready).serve_forever()
+"""
+
+
+def test_ready_means_this_child_listens_not_whoever_answers_its_url(tmp_path: Path) -> None:
+    """A /ready answered at a child's URL by another process (a second fleet's gateway on
+    the same port) made `up` report a fleet ready whose own gateway had failed to bind."""
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Ready)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{other.server_address[1]}"
+    own_port = free_port()
+    fleet = LocalFleet(FleetSpec(log_dir=tmp_path, use_redis=False, ready_timeout_s=2.0))
+    silent = Child("gateway", ["sleep", "60"], url, tmp_path / "silent.log")
+    own = Child("daemon-0", [sys.executable, "-c", _READY_SERVER, str(own_port)],
+                f"http://127.0.0.1:{own_port}", tmp_path / "own.log")  # fmt: skip
+    try:
+        for c in (silent, own):
+            c.start()
+        fleet.wait_ready([own])  # its own answer counts
+        with pytest.raises(TimeoutError, match="gateway not ready"):
+            fleet.wait_ready([silent])
+    finally:
+        for c in (silent, own):
+            c.stop(timeout=1.0)
+        other.shutdown()
+        other.server_close()
