@@ -30,6 +30,7 @@ import asyncio
 import functools
 import itertools
 import logging
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,6 +44,25 @@ from pagefleet.engine.outputs import RequestOutput
 from pagefleet.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+def killed_by(signum: int) -> str:
+    """What a process's death by ``signum`` most likely means, and what to do about it."""
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = "an unknown signal"
+    what = f"killed by signal {signum} ({name})"
+    if signum != signal.SIGKILL:
+        return what
+    # Nobody on the pod sends SIGKILL but the kernel's out-of-memory killer (the kubelet's
+    # would end the whole container, this process with it): the model, its activations
+    # and the KV pool did not fit the memory limit.
+    return (
+        f"{what}, probably out of memory (the kernel's OOM killer): lower --max-model-len "
+        "and the KV pool (--kv-cache-memory-mb, --num-gpu-blocks or "
+        "--gpu-memory-utilization), raise the memory limit, or pick a smaller model"
+    )
 
 
 class EngineDeadError(RuntimeError):
@@ -495,7 +515,11 @@ class EngineHandle:
             return f"{self.what} hung ({self.hung_reason})"
         if self._crash is not None:
             return f"{self.what} crashed: {self._crash}"
-        return f"{self.what} died (exit code {self.exitcode})"
+        model = getattr(self._config, "model", "the model")
+        when = "" if self.loaded.is_set() else f" while loading {model}"
+        if self.exitcode is not None and self.exitcode < 0:
+            return f"{self.what} died{when}: {killed_by(-self.exitcode)}"
+        return f"{self.what} died{when} (exit code {self.exitcode})"
 
     def _gone(self, _: Any = None) -> None:
         """The engine ended (stopped, crashed, killed, or found hung): fail every waiter."""

@@ -29,6 +29,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import click
 from click.core import ParameterSource
@@ -125,19 +126,31 @@ class Child:
         return self.proc is not None and self.proc.poll() is None
 
     def terminate(self) -> None:
-        """Send SIGTERM without waiting (stop several children in parallel)."""
-        if self.proc is not None:
+        """Send SIGTERM without waiting (stop several children in parallel); no-op for a
+        child that has exited (``stop`` then says how)."""
+        if self.alive:
+            assert self.proc is not None
             process.signal_group(self.proc, signal.SIGTERM)
             self.terminated = True
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM (unless ``terminate`` sent it) and wait up to ``timeout``; then SIGKILL,
         loudly. Never a second SIGTERM: it would kill a daemon in its exit, after its loop
-        closed, before multiprocessing cleans up its engine process's semaphores."""
+        closed, before multiprocessing cleans up its engine process's semaphores. A child
+        that had exited before the stop is reported as such, with its status."""
         proc, self.proc = self.proc, None
         if proc is None:
             return
         term, self.terminated = not self.terminated, False
+        if term and proc.poll() is not None:
+            # It ended on its own (a crash, the OOM killer) between the supervisor's looks:
+            # its -9 is not our SIGKILL, and "did not stop" sent people after a hang.
+            logger.warning(
+                "%s had exited on its own with status %s before the stop (log %s)",
+                self.name, proc.returncode, self.log_path,
+            )  # fmt: skip
+            process.stop(proc, grace_s=0, term=False)
+            return
         if process.stop(proc, grace_s=timeout, term=term) == -signal.SIGKILL:
             logger.warning("%s did not stop within %.1fs of SIGTERM: killed", self.name, timeout)
 
@@ -151,10 +164,24 @@ class Child:
     def log_tail(self, n: int = 20) -> str:
         return process.tail(self.log_path, n)
 
+    def listening(self) -> bool:
+        """Whether this child (its process group) holds the socket listening at its URL's
+        port: a /ready answered at the URL alone may come from another process on that port
+        (a second `up`'s gateway), while this child failed to bind."""
+        port = urlsplit(self.url).port
+        if self.proc is None or port is None:
+            return False
+        return process.group_listens(self.proc.pid, port) is not False
+
     @property
     def crashed(self) -> bool:
         """It was started, not stopped by us, and has exited."""
         return self.proc is not None and self.proc.poll() is not None
+
+    def exit_note(self) -> str:
+        """``name (status N, log PATH)`` of a child that has exited."""
+        status = None if self.proc is None else self.proc.returncode
+        return f"{self.name} (status {status}, log {self.log_path})"
 
 
 @dataclass(slots=True)
@@ -223,6 +250,8 @@ class LocalFleet:
         self.model_dir: str = spec.model
         self.backoff: dict[str, Backoff] = {}
         self.restart_log: list[tuple[float, str]] = []  # (monotonic time, child name)
+        # Every exit a child made on its own, as first seen: "name (status N, log PATH)".
+        self.crashes: list[str] = []
         self._supervisor: threading.Thread | None = None
         self._stop_supervising = threading.Event()
         # The fleet's P/D secret (httpauth.ENV_KV_SECRET): one per fleet, in the children's
@@ -230,6 +259,9 @@ class LocalFleet:
         self.kv_env: dict[str, str] = {}
         if not (os.environ.get(ENV_KV_SECRET) or os.environ.get(ENV_KV_SECRET_FILE)):
             self.kv_env[ENV_KV_SECRET] = secrets.token_hex(32)
+        # A socket listening on the gateway's port from `up`'s check until the gateway is
+        # spawned: a second `up` on the same port is refused at once, not after its start.
+        self.port_hold: socket.socket | None = None
 
     # -- urls -----------------------------------------------------------------------------
 
@@ -402,8 +434,16 @@ class LocalFleet:
             name, argv, f"http://{host}:{port}", self.log_dir / f"{name}.log",
             env={**self.kv_env, **(env or {})},
         )  # fmt: skip
+        if name == "gateway":
+            self.release_port()
         child.start()
         return child
+
+    def release_port(self) -> None:
+        """Close ``port_hold`` (the gateway binds the port next; or the fleet stops)."""
+        if self.port_hold is not None:
+            self.port_hold.close()
+            self.port_hold = None
 
     def wait_ready(self, children: list[Child]) -> None:
         deadline = time.monotonic() + self.spec.ready_timeout_s
@@ -415,7 +455,7 @@ class LocalFleet:
                         f"{c.name} exited during start-up; its log ({c.log_path}) ends:\n"
                         f"{c.log_tail()}"
                     )
-                if http_ok(c.url + "/ready"):
+                if http_ok(c.url + "/ready") and c.listening():
                     pending.remove(c)
             if pending and time.monotonic() > deadline:
                 names = ", ".join(c.name for c in pending)
@@ -439,6 +479,7 @@ class LocalFleet:
             if b.due_at is None:
                 assert child.proc is not None
                 delay = b.crashed(now)
+                self.crashes.append(child.exit_note())
                 logger.warning(
                     "%s exited with status %s; restarting it in %.0fs (log %s):\n%s",
                     child.name,
@@ -475,11 +516,16 @@ class LocalFleet:
         at once (they drain in parallel); a gateway still running ``GATEWAY_STOP_S`` later,
         a daemon ``DAEMON_STOP_S`` later (both ``grace_s`` when given) gets SIGKILL; then
         Redis stops (SIGKILL after 5 s). At most ~``DAEMON_STOP_S`` + 10 s."""
+        self.release_port()
         self._stop_supervising.set()
         if self._supervisor is not None:
             self._supervisor.join(5)
             self._supervisor = None
         children = [c for c in (self.gateway, *self.daemons) if c is not None]
+        for c in children:
+            b = self.backoff.get(c.name)
+            if c.crashed and (b is None or b.due_at is None):  # since supervise's last look
+                self.crashes.append(c.exit_note())
         for c in children:
             c.terminate()
         t0 = time.monotonic()
@@ -509,8 +555,6 @@ class LocalFleet:
         """Start the fleet's Redis again at its old address, empty (after ``stop_redis``)."""
         if self.redis_url is None or self._redis is not None:
             raise RuntimeError("restart_redis() follows stop_redis() on a fleet owning Redis")
-        from urllib.parse import urlsplit
-
         from pagefleet.dev.redis_server import LocalRedis
 
         self._redis = LocalRedis(port=urlsplit(self.redis_url).port)
@@ -536,21 +580,33 @@ def _refuse_bench_options_without_bench(run_bench: bool) -> None:
             )
 
 
-def _gateway_port(port: int, run_bench: bool) -> int:
-    """The gateway's port for ``up``: ``port`` as given, refused up front when taken.
+def _gateway_port(port: int, run_bench: bool) -> tuple[int, socket.socket | None]:
+    """The gateway's port for ``up``: ``port`` as given, refused up front when taken, and a
+    socket that holds it (listening) until the gateway starts (None for any free port).
 
     Only --bench without an explicit --port takes any free port: a benchmark needs no fixed
     address, and the default 8080 being busy must not stop `make run`. A port the user
-    typed is kept, --bench or not (a dashboard or a second client points at it)."""
+    typed is kept, --bench or not (a dashboard or a second client points at it).
+
+    Held, not only probed: a second `up` on the same port started while the first loads its
+    model found the port free, started its whole fleet, and its gateway then failed to bind
+    while its readiness probe got the first fleet's answer ("fleet ready")."""
     ctx = click.get_current_context()
     explicit = ctx.get_parameter_source("gateway_port") is not ParameterSource.DEFAULT
-    if run_bench and not explicit:
-        return 0
-    if port:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                raise click.UsageError(f"port {port} is in use; pass --port 0 or another")
-    return port
+    if (run_bench and not explicit) or not port:
+        return 0, None
+    hold = socket.socket()
+    # As the gateway binds (asyncio's reuse_address): a port in TIME_WAIT is not "in use".
+    hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        hold.bind(("127.0.0.1", port))
+        hold.listen(1)
+    except OSError as exc:
+        hold.close()
+        raise click.UsageError(
+            f"port {port} is in use ({os.strerror(exc.errno or 0)}); pass --port 0 or another"
+        ) from None
+    return port, hold
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -661,7 +717,6 @@ def command(
     them all."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     _refuse_bench_options_without_bench(run_bench)
-    gateway_port = _gateway_port(gateway_port, run_bench)
     if redis_url:
         # Children inherit the environment; their command lines (visible to every local
         # user) get the URL without the password.
@@ -670,6 +725,8 @@ def command(
             os.environ[PASSWORD_ENV] = password
     if (num_prefill > 0) != (num_decode > 0):
         raise click.UsageError("--prefill and --decode go together (e.g. --prefill 1 --decode 1)")
+    # Last of the checks: from here the port is held (listening) for the fleet's gateway.
+    gateway_port, port_hold = _gateway_port(gateway_port, run_bench)
     spec = FleetSpec(
         num_daemons=num_daemons,
         num_prefill=num_prefill,
@@ -699,7 +756,13 @@ def command(
     # file descriptor (click's CliRunner in tests) cannot take the dump: nothing to register.
     with contextlib.suppress(io.UnsupportedOperation, ValueError):
         faulthandler.register(signal.SIGUSR1, all_threads=True)
-    fleet = LocalFleet(spec)
+    try:
+        fleet = LocalFleet(spec)  # may refuse --log-dir
+    except BaseException:
+        if port_hold is not None:
+            port_hold.close()
+        raise
+    fleet.port_hold = port_hold
     what = (
         f"{num_prefill} prefill + {num_decode} decode daemon(s)"
         if num_prefill
@@ -718,40 +781,67 @@ def command(
         click.echo("interrupted during start-up; stopped everything", err=True)
         # Not a success: no fleet served, no bench ran (a script must not read 0).
         click.get_current_context().exit(128 + signal.SIGINT)
+    interrupted = False
     try:
-        click.echo(
-            f"fleet ready in {time.monotonic() - t0:.1f}s: redis {fleet.redis_url}; "
-            f"{fleet.daemons_by_role()}",
-            err=True,
-        )
-        click.echo(
-            f"gateway: {fleet.gateway_url}  (OpenAI base_url {fleet.gateway_url}/v1, "
-            f"model {fleet.served_model_name!r})"
-        )
-        if run_bench:
-            from pagefleet.dev.loadgen import BenchOptions, run_bench_sync
-
-            run_bench_sync(
-                BenchOptions(
-                    url=fleet.gateway_url,
-                    model=fleet.served_model_name,
-                    num_requests=bench_requests,
-                    plot_dir=plot,
-                    tokenizer_dir=fleet.model_dir,
-                )
+        try:
+            click.echo(
+                f"fleet ready in {time.monotonic() - t0:.1f}s: redis {fleet.redis_url}; "
+                f"{fleet.daemons_by_role()}",
+                err=True,
             )
-            from pagefleet.dev.sample_chat import QUESTION, ask
-
-            click.echo(f"\nQ: {QUESTION}\nA: {ask(fleet.gateway_url, fleet.served_model_name)}")
-            return
-        # A crashed daemon is restarted with backoff; the others keep serving meanwhile.
-        with contextlib.suppress(KeyboardInterrupt):
-            # Inside: a stop signal from the moment this is printed is the normal way out.
-            click.echo("Ctrl-C to stop", err=True)
-            while True:
-                for name in fleet.supervise():
-                    click.echo(f"restarted {name} (logs: {fleet.log_dir})", err=True)
-                time.sleep(0.5)
+            click.echo(
+                f"gateway: {fleet.gateway_url}  (OpenAI base_url {fleet.gateway_url}/v1, "
+                f"model {fleet.served_model_name!r})"
+            )
+            if run_bench:
+                # A daemon that crashes mid-bench is said at once and restarted, as when
+                # serving: unwatched, it went unmentioned (the bench only counted errors).
+                fleet.supervise_in_background()
+                _bench(fleet, bench_requests, plot)
+            else:
+                _serve(fleet)
+        except KeyboardInterrupt:
+            # Serving, a stop signal is how `up` ends (status 0). A bench cut short is not
+            # a bench that ran: say so, and no status 0 (click said only "Aborted!", 1).
+            if run_bench:
+                click.echo("interrupted during the bench; stopping the fleet", err=True)
+                interrupted = True
     finally:
         fleet.stop()
         click.echo("fleet stopped", err=True)
+    if interrupted:
+        click.get_current_context().exit(128 + signal.SIGINT)
+    if run_bench and fleet.crashes:
+        # The report above counts their failed requests; a script (make run) must not read
+        # status 0 as a clean run.
+        raise click.ClickException(
+            f"during the bench {len(fleet.crashes)} crash(es): {'; '.join(fleet.crashes)}"
+        )
+
+
+def _serve(fleet: LocalFleet) -> None:
+    """Until a stop signal (KeyboardInterrupt): a crashed daemon is restarted with backoff;
+    the others keep serving meanwhile."""
+    # From the moment this is printed a stop signal is the normal way out.
+    click.echo("Ctrl-C to stop", err=True)
+    while True:
+        for name in fleet.supervise():
+            click.echo(f"restarted {name} (logs: {fleet.log_dir})", err=True)
+        time.sleep(0.5)
+
+
+def _bench(fleet: LocalFleet, num_requests: int, plot: Path | None) -> None:
+    """`up --bench`: the bench's report through the gateway, then one sample answer."""
+    from pagefleet.dev.loadgen import BenchOptions, run_bench_sync
+    from pagefleet.dev.sample_chat import QUESTION, ask
+
+    run_bench_sync(
+        BenchOptions(
+            url=fleet.gateway_url,
+            model=fleet.served_model_name,
+            num_requests=num_requests,
+            plot_dir=plot,
+            tokenizer_dir=fleet.model_dir,
+        )
+    )
+    click.echo(f"\nQ: {QUESTION}\nA: {ask(fleet.gateway_url, fleet.served_model_name)}")

@@ -157,6 +157,37 @@ def wait_until(
         delay = min(delay * 1.5, 0.5)
 
 
+def group_listens(pgid: int, port: int) -> bool | None:
+    """Whether a process of group ``pgid`` holds the socket listening on TCP ``port``: an
+    answer at the port may come from another process. None where /proc cannot tell (not
+    Linux): the caller trusts the answer then."""
+    inodes: set[str] = set()
+    try:
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with contextlib.suppress(FileNotFoundError):
+                for row in Path(table).read_text().splitlines()[1:]:
+                    cols = row.split()
+                    # local address is HEX_IP:HEX_PORT; state 0A is LISTEN; then the inode.
+                    if int(cols[1].rsplit(":", 1)[1], 16) == port and cols[3] == "0A":
+                        inodes.add(f"socket:[{cols[9]}]")
+        entries = list(Path("/proc").iterdir())
+    except OSError:
+        return None
+    if not inodes:
+        return False
+    for entry in entries:
+        if not entry.name.isdigit():
+            continue
+        try:
+            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[2]) != pgid:
+                continue
+            if any(os.readlink(fd) in inodes for fd in (entry / "fd").iterdir()):
+                return True
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile, or not ours to read
+    return False
+
+
 def tail(path: Path, lines: int = 30, errors_only: bool = False) -> str:
     """The last ``lines`` lines of a log file, or a note that it does not exist.
 

@@ -13,9 +13,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -79,7 +81,10 @@ def run_daemon(
     drop_root: bool = False,
     port: int | None = None,
     env: dict[str, str] | None = None,
+    during: Callable[[subprocess.Popen[bytes], str], None] | None = None,
 ) -> Exit:
+    """Run the daemon until it exits; ``during(proc, marker)`` runs once it has started
+    (``marker``: the environment entry every process of the run carries)."""
     port = port or _free_port()
     log = tmp_path / "termination-log"
     log.touch()  # the kubelet creates it; the daemon fills it
@@ -93,6 +98,8 @@ def run_daemon(
            marker.split("=")[0]: marker.split("=")[1], **(env or {})}  # fmt: skip
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    if during is not None:
+        during(proc, marker)
     try:
         _, err = proc.communicate(timeout=EXIT_WITHIN_S)
     except subprocess.TimeoutExpired:
@@ -229,4 +236,45 @@ def test_port_in_use(small_dir: Path, tmp_path: Path) -> None:
         result.port_free = True  # ours holds it: what counts is that the daemon left
     assert_one_clear_line(
         result, f"cannot listen on 127.0.0.1:{port}: Address already in use", "--port"
+    )
+
+
+def _kill_the_engine_in_its_load(fifo: Path) -> Callable[[subprocess.Popen[bytes], str], None]:
+    """SIGKILL the engine process (as the OOM killer does) while it reads ``fifo`` as its
+    weights: opening the FIFO's write end returns once the engine has opened it to load,
+    and its read then waits for bytes that never come, so the kill lands mid-load."""
+
+    def during(proc: subprocess.Popen[bytes], marker: str) -> None:
+        opened: list[int] = []
+        opener = threading.Thread(target=lambda: opened.append(os.open(fifo, os.O_WRONLY)))
+        opener.start()
+        opener.join(EXIT_WITHIN_S)
+        assert opened, f"nothing opened {fifo} within {EXIT_WITHIN_S:.0f}s"
+        try:
+            readers = [
+                pid for pid in _processes_with(marker)
+                if any(os.path.realpath(fd) == str(fifo)
+                       for fd in Path(f"/proc/{pid}/fd").iterdir())
+            ]  # fmt: skip
+            assert len(readers) == 1 and readers[0] != proc.pid, readers
+            os.kill(readers[0], signal.SIGKILL)
+        finally:
+            os.close(opened[0])
+
+    return during
+
+
+def test_engine_killed_while_loading_says_so_and_what_to_do(ckpt: Path, tmp_path: Path) -> None:
+    """An engine process the OOM killer ended in its load was "the engine failed to start:
+    the engine process died (exit code -9)": neither the signal, nor the model, nor a fix."""
+    fifo = ckpt / "model.safetensors"
+    fifo.unlink()
+    os.mkfifo(fifo)
+    result = run_daemon(ckpt, tmp_path, during=_kill_the_engine_in_its_load(fifo))
+    assert_one_clear_line(
+        result,
+        f"died while loading {ckpt}: killed by signal 9 (SIGKILL), probably out of memory",
+        "--max-model-len",
+        "--kv-cache-memory-mb",
+        "smaller model",
     )

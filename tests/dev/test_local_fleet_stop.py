@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import http.server
 import json
 import logging
+import os
 import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from pagefleet.dev.local_fleet import Child, FleetSpec, LocalFleet
+from pagefleet.dev.process import free_port
 
 # Ignores SIGTERM (so does the sleep it runs: an ignored signal stays ignored across exec).
 STUBBORN = ["sh", "-c", "trap '' TERM; sleep 60"]
@@ -52,6 +56,12 @@ def test_stop_kills_stubborn_children_at_one_shared_deadline(
 
 def _runs_in_group(pgid: int, comm: str) -> bool:
     """A live ``comm`` process is in process group ``pgid``."""
+    return bool(_in_group(pgid, comm))
+
+
+def _in_group(pgid: int, comm: str) -> list[int]:
+    """The live ``comm`` processes in process group ``pgid``."""
+    found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -61,8 +71,8 @@ def _runs_in_group(pgid: int, comm: str) -> bool:
         except OSError:
             continue
         if fields[0] != "Z" and int(fields[2]) == pgid and name == comm:
-            return True
-    return False
+            found.append(int(entry.name))
+    return found
 
 
 def _ignores_term(pid: int) -> bool:
@@ -164,3 +174,79 @@ def test_a_daemon_with_a_stalled_stream_stops_without_sigkill(
         fleet.stop()
     assert not [r.getMessage() for r in caplog.records if "killed" in r.getMessage()]
     assert proc is not None and proc.returncode == 0, daemon.log_tail()
+
+
+def test_a_child_that_crashed_before_the_stop_is_not_reported_as_killed_by_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A daemon SIGKILLed by someone else (the OOM killer) mid-bench was reported at the
+    fleet's stop as "daemon-0 did not stop within 19.5s of SIGTERM: killed": a hang that
+    never was, and no word of the crash."""
+    fleet = LocalFleet(FleetSpec(log_dir=tmp_path, use_redis=False))
+    fleet.daemons = [
+        Child(f"daemon-{i}", ["sleep", "60"], "http://127.0.0.1:1", tmp_path / f"d{i}.log")
+        for i in range(2)
+    ]
+    for c in fleet.daemons:
+        c.start()
+    crashed = fleet.daemons[0].proc
+    assert crashed is not None
+    # The watching shell's child is the `sleep`: kill it as the OOM killer would.
+    deadline = time.monotonic() + 30
+    while not (sleeps := _in_group(crashed.pid, "sleep")) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(sleeps) == 1, sleeps
+    os.kill(sleeps[0], signal.SIGKILL)
+    crashed.wait(10)
+    assert crashed.returncode == -signal.SIGKILL
+    with caplog.at_level(logging.WARNING, logger="pagefleet.dev.local_fleet"):
+        fleet.stop(grace_s=10.0)
+    said = [r.getMessage() for r in caplog.records]
+    assert not any("did not stop" in m for m in said), said
+    assert any(
+        m.startswith("daemon-0 had exited on its own with status -9 before the stop") for m in said
+    ), said
+    assert [c.proc for c in fleet.daemons] == [None, None]
+
+
+class _Ready(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+_READY_SERVER = """
+import http.server, sys
+class Ready(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Ready).serve_forever()
+"""
+
+
+def test_ready_means_this_child_listens_not_whoever_answers_its_url(tmp_path: Path) -> None:
+    """A /ready answered at a child's URL by another process (a second fleet's gateway on
+    the same port) made `up` report a fleet ready whose own gateway had failed to bind."""
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Ready)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{other.server_address[1]}"
+    own_port = free_port()
+    fleet = LocalFleet(FleetSpec(log_dir=tmp_path, use_redis=False, ready_timeout_s=2.0))
+    silent = Child("gateway", ["sleep", "60"], url, tmp_path / "silent.log")
+    own = Child("daemon-0", [sys.executable, "-c", _READY_SERVER, str(own_port)],
+                f"http://127.0.0.1:{own_port}", tmp_path / "own.log")  # fmt: skip
+    try:
+        for c in (silent, own):
+            c.start()
+        fleet.wait_ready([own])  # its own answer counts
+        with pytest.raises(TimeoutError, match="gateway not ready"):
+            fleet.wait_ready([silent])
+    finally:
+        for c in (silent, own):
+            c.stop(timeout=1.0)
+        other.shutdown()
+        other.server_close()

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -120,3 +121,84 @@ def test_nohup_keeps_the_fleet_running(tmp_path: Path) -> None:
         up.send_signal(signal.SIGINT)
         _, err = up.communicate(timeout=60)
     assert up.returncode == 0 and "fleet stopped" in err, err
+
+
+class _Bench:
+    """`up --bench` on two tiny daemons, its stderr gathered by a thread (the progress bar
+    writes no newline until it ends)."""
+
+    def __init__(self, tmp_path: Path, requests: int) -> None:
+        self.up = subprocess.Popen(
+            [sys.executable, "-m", "pagefleet.cli", "up", "--model", "tiny", "-n", "2",
+             "--bench", "--bench-requests", str(requests), "--log-dir", str(tmp_path / "logs")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        self.err = ""
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.up.stderr is not None
+        while chunk := self.up.stderr.read(1):
+            self.err += chunk
+
+    def wait_for(self, text: str, timeout_s: float = 120.0) -> str:
+        """The first stderr line holding ``text``, once written."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ended = self.up.poll() is not None
+            for line in self.err.splitlines():
+                if text in line:
+                    return line
+            if ended or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        pytest.fail(f"no {text!r} on stderr (status {self.up.poll()}):\n{self.err}")
+
+    def finish(self, timeout_s: float = 180.0) -> int:
+        rc = self.up.wait(timeout_s)
+        self._reader.join(10)
+        return rc
+
+
+def test_a_ctrl_c_during_the_bench_says_so_and_is_not_a_success(tmp_path: Path) -> None:
+    """Interrupted mid-bench, `up` said only click's "Aborted!" (status 1)."""
+    bench = _Bench(tmp_path, requests=2000)
+    with _reaped(bench.up):
+        bench.wait_for("fleet ready")
+        bench.wait_for("requests:")  # the bench's progress: it runs
+        bench.up.send_signal(signal.SIGINT)
+        rc = bench.finish()
+    assert rc == 128 + signal.SIGINT, (rc, bench.err)
+    assert "interrupted during the bench; stopping the fleet" in bench.err
+    assert bench.err.rstrip().endswith("fleet stopped"), bench.err
+    assert "Aborted!" not in bench.err
+
+
+def _daemon_pid(port: str) -> int:
+    """The daemon process (not its watching shell) serving on ``port``."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv[0] != b"sh" and b"daemon" in argv and port.encode() in argv:
+            return int(pid)
+    pytest.fail(f"no daemon process on port {port}")
+
+
+def test_a_daemon_crash_during_the_bench_is_reported_restarted_and_fails_the_run(
+    tmp_path: Path,
+) -> None:
+    """A daemon SIGKILLed mid-bench (the OOM killer) went unmentioned: nobody watched the
+    fleet during the bench, `up` exited 0 and only the report's error count hinted at it."""
+    bench = _Bench(tmp_path, requests=400)
+    with _reaped(bench.up):
+        ready = bench.wait_for("fleet ready")
+        port = ready.split("daemons http://127.0.0.1:")[1].split(",")[0]
+        os.kill(_daemon_pid(port), signal.SIGKILL)
+        bench.wait_for("daemon-0 exited with status -9; restarting it in 1s")
+        rc = bench.finish()
+    assert rc == 1, (rc, bench.err)
+    last = bench.err.rstrip().splitlines()[-1]
+    assert last.startswith("Error: during the bench 1 crash(es): daemon-0 (status -9, log "), last

@@ -73,3 +73,28 @@ def test_bench_keeps_the_port_given(tmp_path: Path) -> None:
     port = free_port()
     with _up(tmp_path, "--bench", "--bench-requests", "2", "--port", str(port)) as up:
         assert _gateway_port(up) == port
+
+
+def test_a_second_up_on_the_same_port_is_refused_while_the_first_starts(tmp_path: Path) -> None:
+    """Two `up`s on one port, the second started while the first loads its model: the
+    port was only probed (free until the first's gateway starts), so the second started a
+    whole fleet, its gateway failed to bind, and its readiness probe got the first fleet's
+    gateway: it said "fleet ready" and served nothing of its own."""
+    port = free_port()
+    with _up(tmp_path / "first", "--port", str(port)) as first:
+        assert first.stderr is not None
+        assert first.stderr.readline().startswith("starting Redis")  # its port is checked
+        second = subprocess.Popen(
+            [sys.executable, "-m", "pagefleet.cli", "up", "--model", "tiny", "-n", "1",
+             "--port", str(port), "--log-dir", str(tmp_path / "second")],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            _, err = second.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            second.send_signal(signal.SIGINT)
+            _, err = second.communicate(timeout=60)
+            pytest.fail(f"the second `up` on port {port} ran on: {err}")
+        assert second.returncode == 2, err
+        assert f"port {port} is in use" in err
+        assert _gateway_port(first) == port  # the first fleet gets its port all the same
