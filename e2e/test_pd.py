@@ -88,9 +88,6 @@ def test_prefill_decode_serving(
         },
         "index": {"redisURL": redis_url},
     }
-    # The fleet's P/D secret, as the operator is to make it (pagefleet.operator.builders).
-    cluster.kubectl("create", "secret", "generic", "pd-kv-transfer", "-n", namespace,
-                    "--from-literal=secret=e2e-fleet-secret")  # fmt: skip
     apply_service(cluster, kube, namespace, "pd", spec)
     obj = _wait_ready(kube, namespace, "pd", timeout_s=240)
     assert obj["status"]["replicas"] == "prefill:1/1 decode:1/1"
@@ -115,11 +112,19 @@ def test_prefill_decode_serving(
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert chunks[-1].usage.completion_tokens == 6
     assert _metric(decode_ip, "pagefleet:kv_transfer_requests_total", outcome="pulled") >= 1
-    # Params that name a host, sent to the decode pod directly: refused before any pull.
+    # The operator made the service's P/D secret, owned by the service.
+    secret = cluster.kubectl_json("get", "secret", "pd-kv-transfer", "-n", namespace)
+    assert [o["name"] for o in secret["metadata"]["ownerReferences"]] == ["pd"]
+    # Params that name a host, sent to the decode pod directly: never pulled. Unsigned,
+    # prefilled locally; signed with anything but the fleet's secret, refused.
     forged = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 9,
               "remote_request_id": "h"}  # fmt: skip
-    status, err = _post_decode(decode_ip, {"model": "tiny", "prompt": PROMPT, "max_tokens": 2,
-                                           "kv_transfer_params": forged})  # fmt: skip
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2}
+    status, got = _post_decode(decode_ip, {**body, "kv_transfer_params": forged})
+    assert status == 200, got
+    assert _metric(decode_ip, "pagefleet:kv_transfer_pulls_failed_total", reason="unsigned") == 1
+    signed = {**forged, "remote_signature": "0" * 64, "remote_expires_at": 2**40}
+    status, err = _post_decode(decode_ip, {**body, "kv_transfer_params": signed})
     assert status == 400 and "remote_signature" in err["error"]["message"], err
 
     # The prefill pod goes away: the decode pod prefills locally; nobody sees an error.

@@ -408,6 +408,7 @@ RESERVED_ENV_NAMES = (
     "PAGEFLEET_ADMIN_TOKEN",
     "PAGEFLEET_REDIS_USERNAME",
     "PAGEFLEET_REDIS_PASSWORD",
+    "PAGEFLEET_KV_TRANSFER_SECRET",
 )
 MAX_ENV = 128  # bounds the CEL rules' cost (the API server refuses an unbounded estimate)
 ENV_UNIQUE = CelRule(

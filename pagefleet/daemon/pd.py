@@ -18,12 +18,13 @@
 - No params: the request is served as by a unified pod.
 
 Trust: with the fleet's P/D secret (``PAGEFLEET_KV_TRANSFER_SECRET``, httpauth.py) a prefill
-pod signs the params it returns and a decode pod refuses (400, naming the field) params
-whose signature is missing or does not verify, before it connects anywhere: the host it
-pulls from, and shows its upstream key to, is then one a pod (or the gateway) of its own
-fleet named. Params whose signature expired are prefilled locally (``expired``): their
-handle is gone by then. Without a secret nothing is signed or checked, as before, and the
-daemon says so once at start.
+pod signs the params it returns and a decode pod pulls only with params whose signature
+verifies, so the host it pulls from, and shows its upstream key to, is one a pod (or the
+gateway) of its own fleet named. Checked before it connects anywhere: unsigned params are
+prefilled locally (``unsigned``: a gateway that has no secret yet, mid-rollout, costs no
+client an error), altered or foreign-signed ones refused (400, naming the field), expired
+ones prefilled locally (``expired``: their handle is gone by then). Without a secret
+nothing is signed or checked, as before, and the daemon says so once at start.
 
 Invariant: a reservation opened for a pull ends in a commit or a cancel on every path
 (failure, client gone, cancellation), and the engine expires any it still finds.
@@ -64,6 +65,7 @@ from pagefleet.httpauth import (
     TransferSigner,
     kv_secret_from_env,
 )
+from pagefleet.ratelog import EveryInterval
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +124,7 @@ class PDSide:
             secret = kv_secret_from_env()
             signer = None if secret is None else TransferSigner(secret)
         self.signer = signer
+        self._unsigned_log = EveryInterval(logger, 60.0)
         self._engine_loop = engine_loop
         self.metrics = KVTransferMetrics(
             registry, labels, label_values, self._expired_total, self._active_handles
@@ -257,9 +260,25 @@ class PDSide:
         )
 
     def _signed_live(self, tp: KVTransferParams) -> bool:
-        """Whether ``tp`` was signed by this fleet and has not expired; TransferParamsError
-        (a 400: nothing was contacted) when unsigned or signed by anyone else."""
+        """Whether ``tp`` was signed by this fleet and has not expired.
+
+        Unsigned params (neither ``remote_signature`` nor ``remote_expires_at``) are
+        prefilled here (``unsigned``): nothing is contacted, and a gateway of the fleet
+        that does not have the secret yet (a rolling update that reached this pod first)
+        costs its clients no error. Half-signed, altered or foreign-signed params are a
+        TransferParamsError (a 400: nothing was contacted either)."""
         assert self.signer is not None
+        present = [tp.remote_signature is not None, tp.remote_expires_at is not None]
+        if not any(present):
+            self.metrics.failed("unsigned")
+            self.metrics.outcome("fallback")
+            self._unsigned_log.log(
+                logging.WARNING,
+                "kv_transfer_params without a signature (handle %s); prefilling locally: "
+                "every daemon and gateway of the fleet needs the same %s",
+                tp.remote_request_id, ENV_KV_SECRET,
+            )  # fmt: skip
+            return False
         for name in ("remote_signature", "remote_expires_at"):
             if getattr(tp, name) is None:
                 raise TransferParamsError(

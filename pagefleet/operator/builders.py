@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -211,14 +212,30 @@ def _secret_env(name: str, ref: Any) -> dict[str, Any]:
 
 # The fleet's P/D transfer secret (pagefleet.httpauth.ENV_KV_SECRET): one per
 # InferenceService, the same in every daemon and the gateway; they sign and check
-# kv_transfer_params with it. Optional: a pod started before the Secret exists runs
-# without it (unsigned P/D, as before, with a warning in its log).
+# kv_transfer_params with it. The reconciler creates it before the service's first pods
+# (build_kv_transfer_secret). Optional: a pod started before it exists (a service made by
+# an older operator) runs without it -- unsigned P/D, as before, with a warning in its log.
 KV_TRANSFER_SECRET_ENV = "PAGEFLEET_KV_TRANSFER_SECRET"
 KV_TRANSFER_SECRET_KEY = "secret"
 
 
 def kv_transfer_secret_name(names: Names) -> str:
     return f"{names.service}-kv-transfer"
+
+
+def build_kv_transfer_secret(owner: Owner, names: Names) -> Manifest:
+    """The service's P/D transfer secret: 32 random bytes (hex), owned by the service so it
+    goes with it. Created once and never rewritten (the reconciler has create only on
+    Secrets): a changed value would split a running fleet into pods that refuse each
+    other's signatures."""
+    meta = _meta(owner, kv_transfer_secret_name(names), labels(names.service, "kv-transfer"))
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": meta,
+        "type": "Opaque",
+        "stringData": {KV_TRANSFER_SECRET_KEY: secrets.token_hex(32)},
+    }
 
 
 def _kv_transfer_secret_env(names: Names) -> list[dict[str, Any]]:

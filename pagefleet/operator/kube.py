@@ -44,8 +44,9 @@ POD = Kind("v1", "Pod", "pods")
 NETWORK_POLICY = Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies")
 INFERENCE_SERVICE = Kind(f"{GROUP}/{VERSION}", "InferenceService", PLURAL)
 POD = Kind("v1", "Pod", "pods")  # read and annotated by the autoscaler, never applied
-# Get only (never listed, applied or pruned): the autoscaler reads the password of a
-# service's own Redis from the Secret its spec names, to read the load heartbeats.
+# Never listed, applied or pruned: the autoscaler gets the password of a service's own
+# Redis from the Secret its spec names (a Role per Secret), and the reconciler creates
+# each service's P/D transfer secret once (create only: it can read no Secret back).
 SECRET = Kind("v1", "Secret", "secrets")
 
 CHILD_KINDS: tuple[Kind, ...] = (
@@ -85,6 +86,8 @@ class KubeAPI(Protocol):
     def list(self, kind: Kind, namespace: str, selector: dict[str, str]) -> list[Manifest]: ...
 
     def apply(self, obj: Manifest) -> Manifest: ...
+
+    def create(self, kind: Kind, obj: Manifest) -> bool: ...
 
     def delete(self, kind: Kind, namespace: str, name: str) -> bool: ...
 
@@ -175,6 +178,17 @@ class RestKube:
             body=obj,
             content_type="application/apply-patch+yaml",
         )
+
+    def create(self, kind: Kind, obj: Manifest) -> bool:
+        """POST ``obj``; False when an object of that name exists already (409), which is
+        left as it is."""
+        try:
+            self._call("POST", kind.collection_path(obj["metadata"]["namespace"]), body=obj)
+        except KubeError as exc:
+            if exc.status == 409:
+                return False
+            raise
+        return True
 
     def delete(self, kind: Kind, namespace: str, name: str) -> bool:
         try:

@@ -39,6 +39,8 @@ from pagefleet.operator.builders import (
     Owner,
     SpecError,
     build_children,
+    build_kv_transfer_secret,
+    kv_transfer_secret_name,
     role_replicas,
 )
 from pagefleet.operator.commands import gateway_role
@@ -47,6 +49,7 @@ from pagefleet.operator.kube import (
     DEPLOYMENT,
     INFERENCE_SERVICE,
     POD,
+    SECRET,
     KubeAPI,
     KubeError,
     kind_of,
@@ -439,6 +442,8 @@ def reconcile(
     result = ReconcileResult(status={})
     applied: dict[tuple[str, str], Manifest] = {}
     try:
+        if _ensure_kv_transfer_secret(kube, owner, names):
+            result.actions.append(("Created", "Secret", kv_transfer_secret_name(names)))
         _mark_scale_downs(kube, body, spec, names, desired, existing, all_pods, loads, record)
         for built in desired:
             obj, digest = _stamped(built)
@@ -508,6 +513,26 @@ def reconcile(
     _record_degraded(prev_status, result.status, record)
     _write_status(kube, body, result.status)
     return result
+
+
+def _ensure_kv_transfer_secret(kube: KubeAPI, owner: Owner, names: Names) -> bool:
+    """Create the service's P/D transfer secret if it does not exist; True when created.
+
+    Runs before any pod is applied: a pod started without the Secret runs unsigned P/D
+    until it restarts. One POST a pass (409 once it exists): the operator may create
+    Secrets but not read them. Refused (an RBAC from before this grant): the pods run
+    unsigned, as before, so the service is not degraded for it; the log says what to do."""
+    try:
+        return kube.create(SECRET, build_kv_transfer_secret(owner, names))
+    except KubeError as exc:
+        if exc.transient or exc.status not in (401, 403):
+            raise
+        log.warning(
+            "%s/%s: cannot create Secret %s (%s): its P/D transfer params go unsigned; "
+            "grant the operator create on secrets (deploy/rbac.yaml, the chart's rules)",
+            names.namespace, names.service, kv_transfer_secret_name(names), exc,
+        )  # fmt: skip
+        return False
 
 
 def _mark_scale_downs(

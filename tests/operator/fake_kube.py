@@ -110,6 +110,15 @@ class FakeKube:
             self.objects[key] = merged
         return copy.deepcopy(self.objects[key])
 
+    def create(self, kind: Kind, obj: Manifest) -> bool:
+        self._maybe_fail("create")
+        meta = obj["metadata"]
+        self.calls.append(("create", kind.kind, meta["name"]))
+        if (kind.kind, meta["namespace"], meta["name"]) in self.objects:
+            return False
+        self.add({**obj, "kind": kind.kind})
+        return True
+
     def delete(self, kind: Kind, namespace: str, name: str) -> bool:
         self.calls.append(("delete", kind.kind, name))
         return self.objects.pop((kind.kind, namespace, name), None) is not None

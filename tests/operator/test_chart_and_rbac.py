@@ -83,8 +83,9 @@ def test_rbac_grants_what_the_reconciler_uses_and_no_wildcards():
         assert ("discovery.k8s.io", "endpointslices", verb) in rules
     # nothing the operator never does
     assert ("", "pods", "delete") not in rules
-    # Secrets: none cluster-wide (one Secret at a time by a Role: redis-secret-role.yaml)
-    assert not [r for _, r, _ in rules if r == "secrets"]
+    # Secrets: create only (each service's P/D transfer secret); reading one takes a Role
+    # per Secret (redis-secret-role.yaml)
+    assert [v for _, r, v in rules if r == "secrets"] == ["create"]
     for verb in ("list", "patch"):  # the autoscaler: role pods, pod-deletion-cost
         assert ("", "pods", verb) in rules
 
@@ -402,4 +403,6 @@ def test_helm_template_redis_password_secrets_are_one_role_each():
     assert {(b["metadata"]["namespace"], b["roleRef"]["name"]) for b in bindings} == set(roles)
     (cluster_role,) = [d for d in docs if d["kind"] == "ClusterRole"
                        and "helm.sh/hook" not in d["metadata"].get("annotations", {})]  # fmt: skip
-    assert not [r for r in cluster_role["rules"] if "secrets" in r["resources"]]
+    assert [r["verbs"] for r in cluster_role["rules"] if "secrets" in r["resources"]] == [
+        ["create"]
+    ]

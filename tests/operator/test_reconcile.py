@@ -61,8 +61,9 @@ def test_first_pass_creates_everything_and_reports_progress(kube, unified_spec):
     assert kube.names("Deployment") == ["llama-gateway", "llama-unified"]
     assert kube.names("Service") == ["llama-gateway", "llama-unified"]
     assert kube.names("ConfigMap") == ["llama-config"]
+    assert kube.names("Secret") == ["llama-kv-transfer"]
     assert {v for v, _, _ in result.actions} == {"Created"}
-    assert len(rec.events) == 10 and set(rec.reasons()) == {"Created"}
+    assert len(rec.events) == 11 and set(rec.reasons()) == {"Created"}
     status = body(kube)["status"]
     assert status["observedGeneration"] == 1
     assert status["url"] == "http://llama-gateway.ml.svc:8080/v1"
