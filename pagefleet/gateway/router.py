@@ -349,6 +349,11 @@ class Router:
         function that unwatches."""
         watchers = self._watchers.setdefault(pod, set())
         watchers.add(on_hung)
+        # Declared unreachable after this request was routed (a retry's next pod, or a
+        # decode pod chosen before a remote prefill): its signal has gone out already.
+        unreachable = getattr(self.discovery, "is_unreachable", None)
+        if unreachable is not None and unreachable(pod):
+            on_hung()
 
         def unwatch() -> None:
             watchers.discard(on_hung)

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import socket
+
 import pytest
 
+from pagefleet.dev.process import free_port
 from pagefleet.gateway.discovery import (
     Endpoint,
     KubernetesDiscovery,
@@ -11,6 +15,8 @@ from pagefleet.gateway.discovery import (
     parse_endpoint_slice,
     pod_name_for_url,
 )
+from pagefleet.gateway.policies import make_policy
+from pagefleet.gateway.router import Router
 
 
 def _slice(name: str, endpoints: list[dict], ports: list[dict] | None = None) -> dict:
@@ -126,3 +132,70 @@ def test_kubernetes_client_objects_serialize_into_the_parser() -> None:
     )
     as_dict = client.ApiClient().sanitize_for_serialization(obj)
     assert parse_endpoint_slice(as_dict, "http") == [Endpoint("pod-a", "http://10.2.0.1:8000")]
+
+
+# -- probing: not routed vs unreachable ----------------------------------------------------
+
+
+def _silent_listener() -> socket.socket:
+    """A port whose connections the kernel accepts and nobody ever answers (a frozen pod)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    return sock
+
+
+async def test_missed_probes_stop_routing_but_release_requests_only_after_the_silence() -> None:
+    sock = _silent_listener()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    d = StaticDiscovery([url], probe_interval_s=3600, probe_timeout_s=0.1, dead_after_s=0.6)
+    told: list[str] = []
+    d.subscribe_unreachable(told.append)
+    try:
+        await d.start()  # the first probe
+        await d.probe_all()
+        # Two misses: no new request goes there, but a busy pod's open requests go on.
+        assert d.endpoints() == [] and told == []
+        await asyncio.sleep(0.5)
+        await d.probe_all()  # silent for 0.6 s and more since start-up: frozen
+        assert told == [url.removeprefix("http://")]
+        await d.probe_all()
+        assert len(told) == 1  # once per outage
+    finally:
+        await d.close()
+        sock.close()
+
+
+async def test_refused_probes_release_requests_at_once() -> None:
+    """Nothing listens: the pod is dead whatever ``dead_after_s`` says."""
+    port = free_port()
+    d = StaticDiscovery(
+        [f"127.0.0.1:{port}"], probe_interval_s=3600, probe_timeout_s=1.0, dead_after_s=3600
+    )
+    told: list[str] = []
+    d.subscribe_unreachable(told.append)
+    try:
+        await d.start()
+        assert told == []
+        await d.probe_all()
+        assert told == [f"127.0.0.1:{port}"] and d.is_unreachable(f"127.0.0.1:{port}")
+    finally:
+        await d.close()
+
+
+async def test_a_request_sent_to_a_pod_already_declared_unreachable_is_released_at_once() -> None:
+    """A pod declared unreachable after the request was routed (its retry list, a decode pod
+    chosen before a remote prefill) got the signal before the request watched it: the
+    request then waited on a frozen pod for its whole timeout (600 s non-streamed)."""
+    port = free_port()
+    pod = f"127.0.0.1:{port}"
+    d = StaticDiscovery([pod], probe_interval_s=3600, probe_timeout_s=1.0, unhealthy_after=1)
+    router = Router(discovery=d, policy=make_policy("round_robin"))
+    try:
+        await router.start()  # its first probe is refused
+        released: list[str] = []
+        unwatch = router.watch(pod, lambda: released.append(pod))
+        assert released == [pod]
+        unwatch()
+    finally:
+        await router.close()

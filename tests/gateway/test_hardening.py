@@ -102,6 +102,9 @@ class Upstream:
             await resp.prepare(request)
             await asyncio.sleep(3600)
         if not body.get("stream"):
+            if b == "slow":  # a long generation: the answer comes whole after a while
+                await asyncio.sleep(self.gap_s * self.chunks)
+                return web.json_response(DONE_BODY)
             if b == "big":  # a long answer, several MiB (n and logprobs make them)
                 return web.json_response({**DONE_BODY, "pad": "x" * (4 << 20)})
             if b == "cut":  # promise more than is sent, then drop the connection
@@ -173,12 +176,16 @@ async def make_fleet() -> AsyncIterator[Callable]:
         behaviours: list[str],
         probe_s: float | None = None,
         credentials: Credentials | None = None,
+        dead_after_s: float = 10.0,
         **proxy_kw,
     ) -> Fleet:
         ups = [await _upstream(b) for b in behaviours]
         router = Router(
             discovery=StaticDiscovery(
-                [u.url for u in ups], probe_interval_s=probe_s, probe_timeout_s=probe_s or 1.0
+                [u.url for u in ups],
+                probe_interval_s=probe_s,
+                probe_timeout_s=probe_s or 1.0,
+                dead_after_s=dead_after_s,
             ),
             policy=make_policy("round_robin"),
             seed=0,
@@ -344,7 +351,7 @@ async def test_stall_mid_stream_is_detected_at_the_inter_chunk_timeout(make_flee
 
 
 async def test_probe_releases_requests_waiting_on_a_frozen_pod(make_fleet) -> None:
-    fleet = await make_fleet(["ok", "ok"], probe_s=0.2, request_timeout_s=30.0)
+    fleet = await make_fleet(["ok", "ok"], probe_s=0.2, dead_after_s=0.6, request_timeout_s=30.0)
     frozen = fleet.upstreams[0]
     async with aiohttp.ClientSession() as s:
         frozen.behaviour, frozen.ready_hang = "hang", True
@@ -357,6 +364,7 @@ async def test_probe_releases_requests_waiting_on_a_frozen_pod(make_fleet) -> No
         # Two probe misses at 0.2 s: the waiting requests moved on in about a second, not
         # after the 30 s request timeout.
         assert took < 2.0
+        assert fleet.gateway.router.discovery.is_unreachable(frozen.pod)  # type: ignore[attr-defined]
         assert frozen.pod not in [e.pod for e in fleet.gateway.router.discovery.endpoints()]
         # It comes back when it answers again.
         frozen.behaviour, frozen.ready_hang = "ok", False
@@ -366,6 +374,47 @@ async def test_probe_releases_requests_waiting_on_a_frozen_pod(make_fleet) -> No
                 break
             await asyncio.sleep(0.05)
         assert len(fleet.gateway.router.discovery.endpoints()) == 2
+
+
+async def test_a_pod_that_misses_probes_while_busy_keeps_its_requests(make_fleet) -> None:
+    """A saturated pod answers /ready late, while its streams still flow. Two missed probes
+    cut every request waiting on it (a stream ended with an error event, a non-streamed
+    request with a 502 once no other pod was left): 268 of 1000 on two busy daemons. Now
+    they only stop new routing to it; its open requests finish, and the pod is routed to
+    again once it answers."""
+    fleet = await make_fleet(["slow"], probe_s=0.2, dead_after_s=30.0, request_timeout_s=30.0)
+    busy = fleet.upstreams[0]
+    busy.chunks, busy.gap_s = 5, 0.3  # 1.5 s of work per request, the probes at 0.2 s
+    busy.ready_hang = True
+    discovery = fleet.gateway.router.discovery
+    async with aiohttp.ClientSession() as s:
+
+        async def stream() -> bytes:
+            body = {"prompt": "hi", "stream": True}
+            async with s.post(fleet.url + "/v1/completions", json=body) as r:
+                assert r.status == 200
+                return await r.read()
+
+        async def whole() -> tuple[int, dict]:
+            async with s.post(fleet.url + "/v1/completions", json={"prompt": "hi"}) as r:
+                return r.status, await r.json()
+
+        async def not_routed_meanwhile() -> list[str]:
+            await asyncio.sleep(1.2)  # three probes missed by now
+            return [e.pod for e in discovery.endpoints()]
+
+        raw, (status, answer), routed = await asyncio.gather(
+            stream(), whole(), not_routed_meanwhile()
+        )
+    assert raw.endswith(b"data: [DONE]\n\n") and b"upstream_stream_broken" not in raw
+    assert (status, answer) == (200, DONE_BODY)
+    assert routed == []  # no new request went to it while it was silent
+    assert fleet.gateway.metrics.unhealthy.labels(pod=busy.pod)._value.get() == 0
+    busy.ready_hang = False
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not discovery.endpoints():
+        await asyncio.sleep(0.05)
+    assert [e.pod for e in discovery.endpoints()] == [busy.pod]
 
 
 async def test_draining_pod_is_dropped_without_cancelling_its_requests(make_fleet) -> None:
