@@ -314,6 +314,7 @@ async def serve(config: GatewayConfig, *, exit_watchdog: bool = False) -> None:
         runner.server,
         max_connections,
         on_refused=gateway.metrics.rejected.labels(reason="connections").inc,
+        probes=gateway.probe_answers(),
     )
     listener = await loop.create_server(gate, config.host, config.port, backlog=listen_backlog())
     logger.warning(

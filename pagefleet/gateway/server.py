@@ -94,6 +94,7 @@ _DROP_REQUEST_HEADERS = {
 }
 _DROP_RESPONSE_HEADERS = _DROP_REQUEST_HEADERS | {"date", "server"}
 _DONE = b"data: [DONE]"
+_METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # A 429/503's body is read, for the log only, at most this long: it is a few hundred bytes
 # sent with the headers, and the client session has no read timeout of its own.
 _REFUSAL_BODY_WAIT_S = 1.0
@@ -321,16 +322,36 @@ class Gateway:
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
-    async def ready(self, request: web.Request) -> web.Response:
+    def _readiness(self) -> tuple[int, dict[str, Any]]:
         n = len(self.router.discovery.endpoints())
         if n == 0:
-            return web.json_response({"status": "no ready endpoints", "endpoints": 0}, status=503)
-        return web.json_response({"status": "ready", "endpoints": n})
+            return 503, {"status": "no ready endpoints", "endpoints": 0}
+        return 200, {"status": "ready", "endpoints": n}
+
+    async def ready(self, request: web.Request) -> web.Response:
+        status, body = self._readiness()
+        return web.json_response(body, status=status)
+
+    def probe_answers(self) -> dict[str, Callable[[], tuple[int, str, bytes]]]:
+        """``/health``, ``/ready`` and ``/metrics`` as their handlers answer them, for the
+        connections past ``--max-connections`` (connections.py answers those itself)."""
+
+        def health() -> tuple[int, str, bytes]:
+            return 200, "application/json", dumps({"status": "ok"})
+
+        def ready() -> tuple[int, str, bytes]:
+            status, body = self._readiness()
+            return status, "application/json", dumps(body)
+
+        def metrics() -> tuple[int, str, bytes]:
+            return 200, _METRICS_TYPE, self.metrics.render()
+
+        return {"/health": health, "/ready": ready, "/metrics": metrics}
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
         return web.Response(
             body=self.metrics.render(),
-            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+            headers={"Content-Type": _METRICS_TYPE},
         )
 
     async def openapi(self, request: web.Request) -> web.Response:
