@@ -47,6 +47,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
+from aiohttp.web_urldispatcher import _default_expect_handler as _continue
 
 from pagefleet.api.body_budget import DEFAULT_MAX_INFLIGHT_BODY_MB, BodyBudget, BodyHold
 from pagefleet.api.limits import DEFAULT_MAX_BODY_BYTES, body_not_decoded
@@ -245,8 +246,10 @@ class Gateway:
         app.router.add_get("/metrics", self.metrics_handler)
         app.router.add_get("/openapi.json", self.openapi)
         app.router.add_get("/v1/models", self.models)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions, expect_handler=self._expect)
+        app.router.add_post(
+            "/v1/chat/completions", self.chat_completions, expect_handler=self._expect
+        )
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
@@ -450,18 +453,41 @@ class Gateway:
             self._cut_log.warning("%s %s: %s; connection cut", request.method, request.path, exc)
             raise
 
+    def _busy(self) -> web.Response:
+        self.metrics.rejected.labels(reason="concurrency").inc()
+        return error_response(
+            429,
+            f"gateway busy: {self._active} requests open, the limit is "
+            f"{self.proxy.max_concurrency} (--max-concurrency); retry after a second",
+            "rate_limit_error",
+            code="gateway_busy",
+            headers={"Retry-After": "1"},
+        )
+
+    async def _expect(self, request: web.Request) -> web.StreamResponse | None:
+        """``Expect: 100-continue``: a request the headers already condemn (a body over the
+        cap, no admission slot, no room in the body budget) gets its refusal instead of
+        the 100, so its client never sends the body. aiohttp's own handler sent the 100
+        first, whatever followed. The connection then closes: a client may send the body
+        anyway, and it is not read."""
+        declared = request.content_length
+        refusal: web.Response | None = None
+        if declared is not None and declared > self.proxy.max_body_bytes:
+            refusal = self._refused_too_large()
+        elif self._active >= self.proxy.max_concurrency:
+            refusal = self._busy()
+        elif declared is not None and self._bodies.held + declared > self._bodies.limit:
+            refusal = self._over_budget()
+        if refusal is None:
+            # aiohttp's own answer: the 100 (or a 417 for another expectation)
+            return await _continue(request)
+        refusal.force_close()
+        return refusal
+
     async def _handle(self, request: web.Request, kind: str, path: str) -> web.StreamResponse:
         t_arrival = time.perf_counter()
         if self._active >= self.proxy.max_concurrency:
-            self.metrics.rejected.labels(reason="concurrency").inc()
-            return error_response(
-                429,
-                f"gateway busy: {self._active} requests open, the limit is "
-                f"{self.proxy.max_concurrency} (--max-concurrency); retry after a second",
-                "rate_limit_error",
-                code="gateway_busy",
-                headers={"Retry-After": "1"},
-            )
+            return self._busy()
         # Decided before a byte of the body is read: a flood of large bodies is refused
         # here rather than held (1024 of 4 MiB each made the gateway hold ~4 GiB).
         hold = self._bodies.hold()

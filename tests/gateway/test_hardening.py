@@ -435,6 +435,51 @@ async def test_draining_pod_is_dropped_without_cancelling_its_requests(make_flee
 # -- limits -------------------------------------------------------------------------------
 
 
+async def _expect_continue(url: str, length: int, body: bytes = b"") -> tuple[bytes, bytes]:
+    """A POST announcing ``length`` body bytes with ``Expect: 100-continue``, as curl sends a
+    large upload: the first status line the gateway sends back, then the rest it sends
+    after ``body`` (nothing: the client waits, as RFC 9110 lets it, for that answer)."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {length}\r\nExpect: 100-continue\r\n\r\n".encode()
+        )
+        async with asyncio.timeout(5):
+            first = await reader.readline()
+            if body:
+                await reader.readline()  # the blank line after the 100
+                writer.write(body)
+            rest = await reader.read(65536)
+        return first, rest
+    finally:
+        writer.close()
+
+
+async def test_expect_100_continue_gets_the_refusal_before_the_body_is_sent(make_fleet) -> None:
+    """aiohttp answered every ``Expect: 100-continue`` with a 100 before the gateway saw the
+    headers: a client announcing a body over the cap (or over what the body budget or the
+    concurrency limit has left) was told to send it all, only to get the 413/503/429 after.
+    Those refusals now go out instead of the 100, and the connection closes (the body the
+    client may still send is not read)."""
+    fleet = await make_fleet(["ok"], max_body_bytes=4096, max_inflight_body_mb=1)
+    first, rest = await _expect_continue(fleet.url, 5000)
+    assert first.startswith(b"HTTP/1.1 413"), first
+    assert b'"code":"request_too_large"' in rest.replace(b" ", b"")
+    # Over the body budget (1 MiB): another request holds all but 100 bytes of it.
+    fleet.gateway._bodies.held = fleet.gateway._bodies.limit - 100
+    first, rest = await _expect_continue(fleet.url, 4000)
+    assert first.startswith(b"HTTP/1.1 503"), first
+    assert b'"code":"overloaded"' in rest.replace(b" ", b"")
+    fleet.gateway._bodies.held = 0
+    # Within every limit: the 100, then the body, then the answer.
+    body = json.dumps({"prompt": "hi"}).encode()
+    first, rest = await _expect_continue(fleet.url, len(body), body)
+    assert first.startswith(b"HTTP/1.1 100"), first
+    assert rest.startswith(b"HTTP/1.1 200"), rest[:200]
+
+
 async def test_body_over_the_cap_is_a_413_in_openai_shape(make_fleet) -> None:
     fleet = await make_fleet(["ok"], max_body_bytes=4096)
     big = json.dumps({"prompt": "a" * 5000}).encode()
