@@ -65,7 +65,10 @@ class StaticDiscovery:
     connection. Two verdicts, on purpose apart:
 
     - not routed (new requests go elsewhere): a non-2xx answer (loading, draining) at once,
-      or ``unhealthy_after`` probes in a row not answered within ``probe_timeout_s``;
+      or ``unhealthy_after`` probes in a row not answered within ``probe_timeout_s`` --
+      unless every pod is out so: then those silent ones, not yet unreachable, are still
+      routed to (a gateway whose own loop is saturated misses every pod's probes at once,
+      and a fleet that is merely busy must not turn every new request into a 503);
     - unreachable (``subscribe_unreachable`` listeners are told, so the requests waiting
       on it, streams included, give up and move on): only on evidence of death, the last
       ``unhealthy_after`` probes all refused or reset (nothing listens there), or no
@@ -100,6 +103,7 @@ class StaticDiscovery:
         self.unhealthy_after = max(1, unhealthy_after)
         self.dead_after_s = max(0.0, dead_after_s)
         self._out: set[str] = set()  # pods not routed to
+        self._silent: set[str] = set()  # of those, the ones out for missed probes
         self._dead: set[str] = set()  # pods reported unreachable (once per outage)
         self._misses: dict[str, int] = {}
         self._refused: dict[str, int] = {}  # of those misses, the refused/reset ones in a row
@@ -111,7 +115,10 @@ class StaticDiscovery:
     def endpoints(self) -> list[Endpoint]:
         if not self._out:
             return list(self._all)
-        return [ep for ep in self._all if ep.pod not in self._out]
+        routed = [ep for ep in self._all if ep.pod not in self._out]
+        if routed:
+            return routed
+        return [ep for ep in self._all if ep.pod in self._silent and ep.pod not in self._dead]
 
     def subscribe_unreachable(self, callback: Callable[[str], None]) -> None:
         self._listeners.append(callback)
@@ -184,6 +191,7 @@ class StaticDiscovery:
             self._misses.pop(pod, None)
             self._refused.pop(pod, None)
             self._dead.discard(pod)
+            self._silent.discard(pod)
             if 200 <= status < 300:
                 if pod in self._out:
                     self._out.discard(pod)
@@ -202,6 +210,7 @@ class StaticDiscovery:
             return
         if pod not in self._out:
             self._out.add(pod)
+            self._silent.add(pod)
             logger.warning(
                 "pod %s did not answer /ready %d times in a row; not routing to it until it "
                 "does (its open requests go on)",

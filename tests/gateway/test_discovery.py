@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 
 import pytest
+from aiohttp import web
 
 from pagefleet.dev.process import free_port
 from pagefleet.gateway.discovery import (
@@ -145,25 +147,70 @@ def _silent_listener() -> socket.socket:
     return sock
 
 
+class _ReadyServer:
+    """A pod whose /ready answers 200, or holds every probe unanswered while ``silent``."""
+
+    def __init__(self) -> None:
+        self.silent = False
+        self.runner: web.AppRunner | None = None
+        self.pod = ""
+
+    async def ready(self, request: web.Request) -> web.Response:
+        while self.silent:
+            await asyncio.sleep(0.02)
+        return web.json_response({"status": "ready"})
+
+    async def start(self) -> _ReadyServer:
+        app = web.Application()
+        app.router.add_get("/ready", self.ready)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        port = free_port()
+        await web.TCPSite(self.runner, "127.0.0.1", port).start()
+        self.pod = f"127.0.0.1:{port}"
+        return self
+
+
 async def test_missed_probes_stop_routing_but_release_requests_only_after_the_silence() -> None:
     sock = _silent_listener()
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    d = StaticDiscovery([url], probe_interval_s=3600, probe_timeout_s=0.1, dead_after_s=0.6)
+    frozen = f"127.0.0.1:{sock.getsockname()[1]}"
+    busy = await _ReadyServer().start()
+    d = StaticDiscovery(
+        [frozen, busy.pod], probe_interval_s=3600, probe_timeout_s=0.1, dead_after_s=2.0
+    )
     told: list[str] = []
     d.subscribe_unreachable(told.append)
+    pods = lambda: [e.pod for e in d.endpoints()]  # noqa: E731
     try:
+        t_start = time.monotonic()
         await d.start()  # the first probe
         await d.probe_all()
         # Two misses: no new request goes there, but a busy pod's open requests go on.
-        assert d.endpoints() == [] and told == []
-        await asyncio.sleep(0.5)
-        await d.probe_all()  # silent for 0.6 s and more since start-up: frozen
-        assert told == [url.removeprefix("http://")]
+        assert pods() == [busy.pod] and told == []
+        # Every pod silent (the gateway's own loop saturated misses them all at once):
+        # still routed to, rather than a 503 for every new request.
+        busy.silent = True
+        await d.probe_all()
+        await d.probe_all()
+        assert pods() == [frozen, busy.pod] and told == []
+        busy.silent = False
+        await asyncio.sleep(max(0.0, t_start + 2.0 - time.monotonic()))
+        await d.probe_all()  # silent for 2 s and more since start-up: frozen
+        assert told == [frozen]
+        assert pods() == [busy.pod]
         await d.probe_all()
         assert len(told) == 1  # once per outage
+        # Unreachable pods are not routed to even when nothing else is left.
+        busy.silent = True
+        await d.probe_all()
+        await d.probe_all()
+        assert pods() == [busy.pod]
     finally:
+        busy.silent = False
         await d.close()
         sock.close()
+        assert busy.runner is not None
+        await busy.runner.cleanup()
 
 
 async def test_refused_probes_release_requests_at_once() -> None:

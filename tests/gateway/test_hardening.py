@@ -379,42 +379,47 @@ async def test_probe_releases_requests_waiting_on_a_frozen_pod(make_fleet) -> No
 async def test_a_pod_that_misses_probes_while_busy_keeps_its_requests(make_fleet) -> None:
     """A saturated pod answers /ready late, while its streams still flow. Two missed probes
     cut every request waiting on it (a stream ended with an error event, a non-streamed
-    request with a 502 once no other pod was left): 268 of 1000 on two busy daemons. Now
-    they only stop new routing to it; its open requests finish, and the pod is routed to
-    again once it answers."""
-    fleet = await make_fleet(["slow"], probe_s=0.2, dead_after_s=30.0, request_timeout_s=30.0)
-    busy = fleet.upstreams[0]
-    busy.chunks, busy.gap_s = 5, 0.3  # 1.5 s of work per request, the probes at 0.2 s
+    one was sent again to another pod, or was a 502 when none was left): 268 of 1000 on
+    two busy daemons. Now they only stop new routing to it; its open requests finish, and
+    the pod is routed to again once it answers."""
+    fleet = await make_fleet(
+        ["slow", "slow"], probe_s=0.2, dead_after_s=30.0, request_timeout_s=30.0
+    )
+    busy, other = fleet.upstreams
+    for up in fleet.upstreams:
+        up.chunks, up.gap_s = 5, 0.3  # 1.5 s of work per request, the probes at 0.2 s
     busy.ready_hang = True
     discovery = fleet.gateway.router.discovery
     async with aiohttp.ClientSession() as s:
 
-        async def stream() -> bytes:
-            body = {"prompt": "hi", "stream": True}
+        async def request(stream: bool) -> tuple[str, bytes]:
+            body = {"prompt": "hi", "stream": stream}
             async with s.post(fleet.url + "/v1/completions", json=body) as r:
                 assert r.status == 200
-                return await r.read()
+                return r.headers[POD_HEADER], await r.read()
 
-        async def whole() -> tuple[int, dict]:
-            async with s.post(fleet.url + "/v1/completions", json={"prompt": "hi"}) as r:
-                return r.status, await r.json()
-
-        async def not_routed_meanwhile() -> list[str]:
+        async def routed_meanwhile() -> list[str]:
             await asyncio.sleep(1.2)  # three probes missed by now
             return [e.pod for e in discovery.endpoints()]
 
-        raw, (status, answer), routed = await asyncio.gather(
-            stream(), whole(), not_routed_meanwhile()
+        *outs, routed = await asyncio.gather(
+            *(request(stream) for stream in (True, True, False, False)), routed_meanwhile()
         )
-    assert raw.endswith(b"data: [DONE]\n\n") and b"upstream_stream_broken" not in raw
-    assert (status, answer) == (200, DONE_BODY)
-    assert routed == []  # no new request went to it while it was silent
+    on_busy = [raw for pod, raw in outs if pod == busy.pod]
+    assert len(on_busy) == 2  # round robin: two of the four
+    for _, raw in outs:
+        if raw.startswith(b"data: "):
+            assert raw.endswith(b"data: [DONE]\n\n") and b"upstream_stream_broken" not in raw
+        else:
+            assert json.loads(raw) == DONE_BODY
+    assert busy.hits == 2 and other.hits == 2  # nothing was sent twice
+    assert routed == [other.pod]  # no new request went to it while it was silent
     assert fleet.gateway.metrics.unhealthy.labels(pod=busy.pod)._value.get() == 0
     busy.ready_hang = False
     deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and not discovery.endpoints():
+    while time.monotonic() < deadline and len(discovery.endpoints()) < 2:
         await asyncio.sleep(0.05)
-    assert [e.pod for e in discovery.endpoints()] == [busy.pod]
+    assert [e.pod for e in discovery.endpoints()] == [busy.pod, other.pod]
 
 
 async def test_draining_pod_is_dropped_without_cancelling_its_requests(make_fleet) -> None:
