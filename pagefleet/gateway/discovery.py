@@ -76,7 +76,8 @@ class StaticDiscovery:
 
     A missed probe alone is no proof: a saturated pod answers late while its streams flow.
     Cutting its requests at the first verdict broke 268 of 1000 admitted requests on two
-    busy daemons (tests/faults, at load 12) and every stream of a pod stalled 2.5 s. Any
+    busy daemons (tests/faults, at load 12), and the 18 streams open on a daemon stalled
+    for 2.5 s. ``dead_after_s`` 0 releases them at the first verdict all the same. Any
     answer ends an outage; a 2xx routes to the pod again.
     """
 
