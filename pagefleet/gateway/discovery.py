@@ -99,6 +99,7 @@ class StaticDiscovery:
             self._all.append(Endpoint(pod=names.get(url) or pod_name_for_url(url), url=url))
         if not self._all:
             raise ValueError("static discovery needs at least one endpoint URL (--endpoints)")
+        self._names = frozenset(ep.pod for ep in self._all)
         self.probe_interval_s = probe_interval_s
         self.probe_timeout_s = probe_timeout_s
         self.unhealthy_after = max(1, unhealthy_after)
@@ -120,6 +121,10 @@ class StaticDiscovery:
         if routed:
             return routed
         return [ep for ep in self._all if ep.pod in self._silent and ep.pod not in self._dead]
+
+    def pods(self) -> frozenset[str]:
+        """Every configured pod, routed to or not: the fleet, which never changes."""
+        return self._names
 
     def subscribe_unreachable(self, callback: Callable[[str], None]) -> None:
         self._listeners.append(callback)

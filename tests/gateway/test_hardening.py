@@ -365,6 +365,11 @@ async def test_probe_releases_requests_waiting_on_a_frozen_pod(make_fleet) -> No
         # after the 30 s request timeout.
         assert took < 2.0
         assert fleet.gateway.router.discovery.is_unreachable(frozen.pod)  # type: ignore[attr-defined]
+        # Counted, and the count kept: the pod is still one of the fleet's (its series was
+        # dropped as soon as its released requests ended, so no scrape could see it).
+        async with s.get(fleet.url + "/metrics") as r:
+            metrics = await r.text()
+        assert f'pagefleet_gateway_pod_unhealthy_total{{pod="{frozen.pod}"}} 1.0' in metrics
         assert frozen.pod not in [e.pod for e in fleet.gateway.router.discovery.endpoints()]
         # It comes back when it answers again.
         frozen.behaviour, frozen.ready_hang = "ok", False
