@@ -396,31 +396,42 @@ async def test_health_ready_and_metrics_are_answered_at_the_connection_cap(
     held: list[asyncio.StreamWriter] = []
     try:
         await _wait_ready(f"http://127.0.0.1:{port}", proc, log)
-        await asyncio.sleep(0.2)  # the readiness poll's connection is closed by now
-        for _ in range(4):  # the cap: four clients with requests in flight
-            _, writer = await asyncio.open_connection("127.0.0.1", port)
-            body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 1}).encode()
+        body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 1}).encode()
+        deadline = time.monotonic() + 20
+        while upstream.hits < 4:  # the cap: four clients with requests in flight
+            assert time.monotonic() < deadline, log.read_text()
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(
                 b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
                 + f"Content-Length: {len(body)}\r\n\r\n".encode()
                 + body
             )
+            want = upstream.hits + 1
+            answer = asyncio.create_task(reader.read(1))  # only a refusal answers now
+            while upstream.hits < want and not answer.done():
+                await asyncio.sleep(0.02)
+            if upstream.hits < want:  # refused: the readiness poll's connection still open
+                writer.close()
+                await asyncio.sleep(0.1)
+                continue
+            answer.cancel()
             held.append(writer)
-        for _ in range(100):
-            if upstream.hits == 4:
-                break
-            await asyncio.sleep(0.05)
-        assert upstream.hits == 4
+
+        def refusals(metrics: bytes) -> float:
+            m = re.search(rb'rejected_requests_total\{reason="connections"\} (\S+)', metrics)
+            return float(m.group(1)) if m else 0.0
+
         async with asyncio.timeout(10):
             health = await _get("127.0.0.1", port, "/health")
             ready = await _get("127.0.0.1", port, "/ready?verbose=1")
+            before = await _get("127.0.0.1", port, "/metrics")
             other = await _get("127.0.0.1", port, "/v1/models")
-            body = json.dumps({"model": "tiny", "prompt": "hi"}).encode()
             post = await _one_request("127.0.0.1", port, body)
-            metrics = await _get("127.0.0.1", port, "/metrics")  # the probes were not refusals
+            after = await _get("127.0.0.1", port, "/metrics")
         assert health[0] == 200 and json.loads(health[2]) == {"status": "ok"}, health
         assert ready[0] == 200 and json.loads(ready[2])["endpoints"] == 1, ready
-        assert metrics[0] == 200 and b'reason="connections"} 2.0' in metrics[2], metrics[2][-500:]
+        assert before[0] == after[0] == 200 and b"pagefleet_gateway_" in after[2]
+        assert refusals(after[2]) - refusals(before[2]) == 2  # the probes were not refusals
         for status, headers, raw in (other, post):
             assert status == 503 and headers["retry-after"] == "1"
             assert json.loads(raw)["error"]["code"] == "too_many_connections"
