@@ -176,7 +176,7 @@ async def test_missed_probes_stop_routing_but_release_requests_only_after_the_si
     frozen = f"127.0.0.1:{sock.getsockname()[1]}"
     busy = await _ReadyServer().start()
     d = StaticDiscovery(
-        [frozen, busy.pod], probe_interval_s=3600, probe_timeout_s=0.1, dead_after_s=2.0
+        [frozen, busy.pod], probe_interval_s=3600, probe_timeout_s=0.3, dead_after_s=3.0
     )
     told: list[str] = []
     d.subscribe_unreachable(told.append)
@@ -194,8 +194,8 @@ async def test_missed_probes_stop_routing_but_release_requests_only_after_the_si
         await d.probe_all()
         assert pods() == [frozen, busy.pod] and told == []
         busy.silent = False
-        await asyncio.sleep(max(0.0, t_start + 2.0 - time.monotonic()))
-        await d.probe_all()  # silent for 2 s and more since start-up: frozen
+        await asyncio.sleep(max(0.0, t_start + 3.0 - time.monotonic()))
+        await d.probe_all()  # silent for 3 s and more since start-up: frozen
         assert told == [frozen]
         assert pods() == [busy.pod]
         await d.probe_all()

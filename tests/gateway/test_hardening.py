@@ -392,9 +392,12 @@ async def test_a_pod_that_misses_probes_while_busy_keeps_its_requests(make_fleet
     )
     busy, other = fleet.upstreams
     for up in fleet.upstreams:
-        up.chunks, up.gap_s = 5, 0.3  # 1.5 s of work per request, the probes at 0.2 s
-    busy.ready_hang = True
+        up.chunks, up.gap_s = 10, 0.3  # 3 s of work per request, the probes at 0.2 s
     discovery = fleet.gateway.router.discovery
+
+    def routed() -> list[str]:
+        return [e.pod for e in discovery.endpoints()]
+
     async with aiohttp.ClientSession() as s:
 
         async def request(stream: bool) -> tuple[str, bytes]:
@@ -403,28 +406,29 @@ async def test_a_pod_that_misses_probes_while_busy_keeps_its_requests(make_fleet
                 assert r.status == 200
                 return r.headers[POD_HEADER], await r.read()
 
-        async def routed_meanwhile() -> list[str]:
-            await asyncio.sleep(1.2)  # three probes missed by now
-            return [e.pod for e in discovery.endpoints()]
-
-        *outs, routed = await asyncio.gather(
-            *(request(stream) for stream in (True, True, False, False)), routed_meanwhile()
-        )
-    on_busy = [raw for pod, raw in outs if pod == busy.pod]
-    assert len(on_busy) == 2  # round robin: two of the four
+        tasks = [asyncio.create_task(request(stream)) for stream in (True, True, False, False)]
+        async with asyncio.timeout(10):
+            while busy.hits < 2:  # round robin: two of the four are there
+                await asyncio.sleep(0.02)
+            busy.ready_hang = True  # now it misses its probes while it works
+            while routed() != [other.pod]:
+                await asyncio.sleep(0.02)
+        pending_when_out = sum(not t.done() for t in tasks)
+        outs = await asyncio.gather(*tasks)
     for _, raw in outs:
         if raw.startswith(b"data: "):
             assert raw.endswith(b"data: [DONE]\n\n") and b"upstream_stream_broken" not in raw
         else:
             assert json.loads(raw) == DONE_BODY
+    assert sum(pod == busy.pod for pod, _ in outs) == 2
     assert busy.hits == 2 and other.hits == 2  # nothing was sent twice
-    assert routed == [other.pod]  # no new request went to it while it was silent
+    assert pending_when_out == 4  # the probe judged the pod while its requests were open
     assert fleet.gateway.metrics.unhealthy.labels(pod=busy.pod)._value.get() == 0
     busy.ready_hang = False
     deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and len(discovery.endpoints()) < 2:
+    while time.monotonic() < deadline and len(routed()) < 2:
         await asyncio.sleep(0.05)
-    assert [e.pod for e in discovery.endpoints()] == [busy.pod, other.pod]
+    assert routed() == [busy.pod, other.pod]
 
 
 async def test_draining_pod_is_dropped_without_cancelling_its_requests(make_fleet) -> None:
