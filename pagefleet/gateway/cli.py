@@ -570,8 +570,8 @@ def _split(value: str | None) -> list[str]:
     default=2,
     show_default=True,
     type=int,
-    help="Static discovery: misses in a row after which no new request is routed to a pod "
-    "(its open requests go on; refused connections on each of them release those too).",
+    help="Static discovery: misses in a row after which no new request is routed to a pod; "
+    "its open requests go on, unless every one of those probes was refused (nothing listens).",
 )
 @click.option(
     "--probe-dead-after",
