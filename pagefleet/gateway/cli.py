@@ -81,6 +81,7 @@ class GatewayConfig(BaseModel):
     probe_interval_s: float = Field(1.0, ge=0)
     probe_timeout_s: float = Field(1.0, gt=0)
     probe_failures: int = Field(2, ge=1)
+    probe_dead_after_s: float = Field(10.0, ge=0)
     intake_workers: int = Field(2, ge=0)
     # Replicas share recent placements over Redis pub/sub (shared_placements.py).
     shared_placements: bool = True
@@ -173,6 +174,7 @@ def build_gateway(config: GatewayConfig):  # -> Gateway (imports kept local for 
             probe_interval_s=config.probe_interval_s or None,
             probe_timeout_s=config.probe_timeout_s,
             unhealthy_after=config.probe_failures,
+            dead_after_s=config.probe_dead_after_s,
         )
     else:
         assert config.service is not None
@@ -312,6 +314,7 @@ async def serve(config: GatewayConfig, *, exit_watchdog: bool = False) -> None:
         runner.server,
         max_connections,
         on_refused=gateway.metrics.rejected.labels(reason="connections").inc,
+        probes=gateway.probe_answers(),
     )
     listener = await loop.create_server(gate, config.host, config.port, backlog=listen_backlog())
     logger.warning(
@@ -567,7 +570,17 @@ def _split(value: str | None) -> list[str]:
     default=2,
     show_default=True,
     type=int,
-    help="Static discovery: misses in a row that drop a pod as unreachable.",
+    help="Static discovery: misses in a row after which no new request is routed to a pod; "
+    "its open requests go on, unless every one of those probes was refused (nothing listens).",
+)
+@click.option(
+    "--probe-dead-after",
+    "probe_dead_after_s",
+    default=10.0,
+    show_default=True,
+    type=float,
+    help="Static discovery: seconds a pod may answer no probe at all before the requests "
+    "waiting on it are released to other pods (a busy pod answers late, a frozen one never).",
 )
 @click.option(
     "--intake-workers",

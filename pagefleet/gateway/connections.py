@@ -6,13 +6,18 @@ At its open-files limit the gateway could neither accept (asyncio's accept loop 
 hung, /health and /ready with them, until clients gave up. So client connections are
 capped below the limit, leaving room for each one's upstream connection and a reserve
 (probes, Redis, intake workers, logs); past the cap a new connection gets a canned 503 with
-Retry-After and is closed.
+Retry-After and is closed -- unless it asks for a probe or scrape path (``GET /health``,
+``/ready``, ``/metrics``), which is answered there: a 503 to the kubelet's liveness probe
+restarted a gateway that was merely busy, cutting every stream it carried.
 
 Invariants:
 - at most ``max_connections`` connections are served; a refused one costs its file for at
   most ``REFUSAL_LINGER_S``, and at most ``max_refusing`` are kept that long at once (the
   rest are closed at once), and at most ``listen_backlog`` are accepted in one loop turn:
   a connection flood cannot eat the reserve;
+- past the cap, a ``GET`` of a path in ``probes`` gets that probe's answer and every other
+  request the canned 503; either way the connection is then closed (a probe past the cap
+  never becomes a served connection a client could go on using);
 - repeated accept failures are logged once per ``ACCEPT_LOG_INTERVAL_S``, not per attempt.
 """
 
@@ -22,7 +27,8 @@ import asyncio
 import json
 import logging
 import resource
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from http import HTTPStatus
 from typing import Any
 
 from aiohttp import web
@@ -37,6 +43,11 @@ logger = logging.getLogger(__name__)
 FILES_PER_CONNECTION = 3
 FILES_RESERVE = 256
 REFUSAL_LINGER_S = 1.0
+# The longest request line a connection past the cap may send to be read as a probe.
+MAX_PROBE_LINE = 2048
+
+# A probe path's answer: status, content type, body.
+ProbeAnswer = Callable[[], tuple[int, str, bytes]]
 ACCEPT_LOG_INTERVAL_S = 10.0
 
 
@@ -84,8 +95,18 @@ def _refusal(max_connections: int) -> bytes:
     return head.encode() + body
 
 
-class _Refuse(asyncio.Protocol):
-    """Answer the canned 503 and close. The client's request is read and dropped for a
+def _answer(status: int, content_type: str, body: bytes) -> bytes:
+    head = (
+        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: {content_type}\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+class _PastCap(asyncio.Protocol):
+    """A connection past the cap: its request line decides. A ``GET`` of a probe path gets
+    the probe's answer, anything else (or nothing within ``REFUSAL_LINGER_S``) the canned
+    503; then the connection closes. The rest of the request is read and dropped for a
     moment first: closing with unread bytes sends a reset, which can reach the client
     before the answer does."""
 
@@ -93,24 +114,67 @@ class _Refuse(asyncio.Protocol):
         self._gate = gate
         self._transport: asyncio.Transport | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._head = b""
+        self._answered = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
-        transport.write(self._gate.refusal)
         if self._gate.refusing >= self._gate.max_refusing:
-            transport.close()  # the flood outruns the linger: no file held for it
+            self._refuse()  # the flood outruns the linger: no file held for it
+            transport.close()
             return
         self._gate.refusing += 1
-        self._timer = asyncio.get_running_loop().call_later(REFUSAL_LINGER_S, transport.close)
-        if transport.can_write_eof():
-            transport.write_eof()
+        self._timer = asyncio.get_running_loop().call_later(REFUSAL_LINGER_S, self._linger_over)
 
     def data_received(self, data: bytes) -> None:
-        pass
+        if self._answered:
+            return
+        self._head += data
+        line, found, _ = self._head.partition(b"\r\n")
+        if found:
+            self._reply(line)
+        elif len(self._head) > MAX_PROBE_LINE:
+            self._refuse()
+
+    def _reply(self, line: bytes) -> None:
+        method, _, rest = line.partition(b" ")
+        path = rest.partition(b" ")[0].partition(b"?")[0].decode("latin-1")
+        probe = self._gate.probes.get(path) if method == b"GET" else None
+        if probe is None:
+            self._refuse()
+            return
+        self._answered = True
+        try:
+            status, content_type, body = probe()
+        except Exception:  # a probe must answer something: a bug is a 500, logged
+            logger.exception("answering %s past the connection cap failed", path)
+            status, content_type, body = 500, "text/plain", b"internal error\n"
+        self._write(_answer(status, content_type, body))
+
+    def _refuse(self) -> None:
+        if self._answered:
+            return
+        self._answered = True
+        self._gate.on_refused()
+        self._write(self._gate.refusal)
+
+    def _write(self, data: bytes) -> None:
+        assert self._transport is not None
+        if self._transport.is_closing():
+            return
+        self._transport.write(data)
+        if self._transport.can_write_eof():
+            self._transport.write_eof()
+
+    def _linger_over(self) -> None:
+        self._refuse()  # nothing asked within the linger: the canned 503, then close
+        assert self._transport is not None
+        self._transport.close()
 
     def eof_received(self) -> bool:
-        return False  # the client is done: close
+        self._refuse()  # the client is done (if it asked nothing, it gets the 503): close
+        return False
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._timer is not None:
@@ -127,6 +191,7 @@ class ConnectionGate:
         server: web.Server,
         max_connections: int,
         on_refused: Callable[[], None] = lambda: None,
+        probes: Mapping[str, ProbeAnswer] | None = None,
     ) -> None:
         self.server = server
         self.max_connections = max_connections
@@ -149,12 +214,12 @@ class ConnectionGate:
         self.max_refusing = max(1, files_reserve() // 4)
         self.refusing = 0
         self.refusal = _refusal(max_connections)
-        self._on_refused = on_refused
+        self.on_refused = on_refused
+        self.probes: Mapping[str, ProbeAnswer] = dict(probes or {})
 
     def __call__(self) -> asyncio.BaseProtocol:
         if self.open >= self.max_connections:
-            self._on_refused()
-            return _Refuse(self)
+            return _PastCap(self)
         return self.server()
 
 

@@ -263,7 +263,19 @@ class Router:
             self._forget(ep.pod)  # its last request ended after it left discovery
 
     def _discovered(self, pod: str) -> bool:
+        configured = getattr(self.discovery, "pods", None)
+        if configured is not None and pod in configured():
+            return True
         return any(e.pod == pod for e in self.discovery.endpoints())
+
+    def _members(self, endpoints: Sequence[Endpoint]) -> set[str]:
+        """The pods whose state is kept: those routed to now, and (static discovery) every
+        configured one. A configured pod out for a while (busy past its probes, draining)
+        is still part of the fleet: forgetting it dropped its metric series, the
+        ``pod_unhealthy`` count of the outage included, moments after it was counted."""
+        live = {ep.pod for ep in endpoints}
+        configured = getattr(self.discovery, "pods", None)
+        return live | configured() if configured is not None else live
 
     def _forget(self, pod: str) -> None:
         """Drop what this router keeps per pod (in-flight history, ejection, placements,
@@ -349,6 +361,11 @@ class Router:
         function that unwatches."""
         watchers = self._watchers.setdefault(pod, set())
         watchers.add(on_hung)
+        # Declared unreachable after this request was routed (a retry's next pod, or a
+        # decode pod chosen before a remote prefill): its signal has gone out already.
+        unreachable = getattr(self.discovery, "is_unreachable", None)
+        if unreachable is not None and unreachable(pod):
+            on_hung()
 
         def unwatch() -> None:
             watchers.discard(on_hung)
@@ -478,7 +495,7 @@ class Router:
         now = time.monotonic()
         if now >= self._sweep_at:
             self._sweep_at = now + _SWEEP_S
-            self._sweep({ep.pod for ep in endpoints})
+            self._sweep(self._members(endpoints))
         tokens = list(token_ids or [])
         keys: list[int] = []
         matched: dict[str, int] = {}

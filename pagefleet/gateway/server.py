@@ -47,6 +47,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
+from aiohttp.web_urldispatcher import _default_expect_handler as _continue
 
 from pagefleet.api.body_budget import DEFAULT_MAX_INFLIGHT_BODY_MB, BodyBudget, BodyHold
 from pagefleet.api.limits import DEFAULT_MAX_BODY_BYTES, body_not_decoded
@@ -94,6 +95,7 @@ _DROP_REQUEST_HEADERS = {
 }
 _DROP_RESPONSE_HEADERS = _DROP_REQUEST_HEADERS | {"date", "server"}
 _DONE = b"data: [DONE]"
+_METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # A 429/503's body is read, for the log only, at most this long: it is a few hundred bytes
 # sent with the headers, and the client session has no read timeout of its own.
 _REFUSAL_BODY_WAIT_S = 1.0
@@ -244,8 +246,10 @@ class Gateway:
         app.router.add_get("/metrics", self.metrics_handler)
         app.router.add_get("/openapi.json", self.openapi)
         app.router.add_get("/v1/models", self.models)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions, expect_handler=self._expect)
+        app.router.add_post(
+            "/v1/chat/completions", self.chat_completions, expect_handler=self._expect
+        )
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
@@ -321,16 +325,36 @@ class Gateway:
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
-    async def ready(self, request: web.Request) -> web.Response:
+    def _readiness(self) -> tuple[int, dict[str, Any]]:
         n = len(self.router.discovery.endpoints())
         if n == 0:
-            return web.json_response({"status": "no ready endpoints", "endpoints": 0}, status=503)
-        return web.json_response({"status": "ready", "endpoints": n})
+            return 503, {"status": "no ready endpoints", "endpoints": 0}
+        return 200, {"status": "ready", "endpoints": n}
+
+    async def ready(self, request: web.Request) -> web.Response:
+        status, body = self._readiness()
+        return web.json_response(body, status=status)
+
+    def probe_answers(self) -> dict[str, Callable[[], tuple[int, str, bytes]]]:
+        """``/health``, ``/ready`` and ``/metrics`` as their handlers answer them, for the
+        connections past ``--max-connections`` (connections.py answers those itself)."""
+
+        def health() -> tuple[int, str, bytes]:
+            return 200, "application/json", dumps({"status": "ok"})
+
+        def ready() -> tuple[int, str, bytes]:
+            status, body = self._readiness()
+            return status, "application/json", dumps(body)
+
+        def metrics() -> tuple[int, str, bytes]:
+            return 200, _METRICS_TYPE, self.metrics.render()
+
+        return {"/health": health, "/ready": ready, "/metrics": metrics}
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
         return web.Response(
             body=self.metrics.render(),
-            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+            headers={"Content-Type": _METRICS_TYPE},
         )
 
     async def openapi(self, request: web.Request) -> web.Response:
@@ -429,18 +453,41 @@ class Gateway:
             self._cut_log.warning("%s %s: %s; connection cut", request.method, request.path, exc)
             raise
 
+    def _busy(self) -> web.Response:
+        self.metrics.rejected.labels(reason="concurrency").inc()
+        return error_response(
+            429,
+            f"gateway busy: {self._active} requests open, the limit is "
+            f"{self.proxy.max_concurrency} (--max-concurrency); retry after a second",
+            "rate_limit_error",
+            code="gateway_busy",
+            headers={"Retry-After": "1"},
+        )
+
+    async def _expect(self, request: web.Request) -> web.StreamResponse | None:
+        """``Expect: 100-continue``: a request the headers already condemn (a body over the
+        cap, no admission slot, no room in the body budget) gets its refusal instead of
+        the 100, so its client never sends the body. aiohttp's own handler sent the 100
+        first, whatever followed. The connection then closes: a client may send the body
+        anyway, and it is not read."""
+        declared = request.content_length
+        refusal: web.Response | None = None
+        if declared is not None and declared > self.proxy.max_body_bytes:
+            refusal = self._refused_too_large()
+        elif self._active >= self.proxy.max_concurrency:
+            refusal = self._busy()
+        elif declared is not None and self._bodies.held + declared > self._bodies.limit:
+            refusal = self._over_budget()
+        if refusal is None:
+            # aiohttp's own answer: the 100 (or a 417 for another expectation)
+            return await _continue(request)
+        refusal.force_close()
+        return refusal
+
     async def _handle(self, request: web.Request, kind: str, path: str) -> web.StreamResponse:
         t_arrival = time.perf_counter()
         if self._active >= self.proxy.max_concurrency:
-            self.metrics.rejected.labels(reason="concurrency").inc()
-            return error_response(
-                429,
-                f"gateway busy: {self._active} requests open, the limit is "
-                f"{self.proxy.max_concurrency} (--max-concurrency); retry after a second",
-                "rate_limit_error",
-                code="gateway_busy",
-                headers={"Retry-After": "1"},
-            )
+            return self._busy()
         # Decided before a byte of the body is read: a flood of large bodies is refused
         # here rather than held (1024 of 4 MiB each made the gateway hold ~4 GiB).
         hold = self._bodies.hold()

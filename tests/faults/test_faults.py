@@ -35,6 +35,7 @@ MAX_LEN = 256
 GATEWAY_ARGS = [
     "--first-byte-timeout", "3", "--inter-chunk-timeout", "2", "--request-timeout", "30",
     "--probe-interval", "0.5", "--probe-timeout", "0.5", "--probe-failures", "2",
+    "--probe-dead-after", "5",
     "--max-model-len", str(MAX_LEN),
 ]  # fmt: skip
 DAEMON_ARGS = ["--max-model-len", str(MAX_LEN), "--max-queue", "600", "--max-num-seqs", "64"]

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
-import pytest
+import asyncio
+import socket
+import time
 
+import pytest
+from aiohttp import web
+
+from pagefleet.dev.process import free_port
 from pagefleet.gateway.discovery import (
     Endpoint,
     KubernetesDiscovery,
@@ -11,6 +17,8 @@ from pagefleet.gateway.discovery import (
     parse_endpoint_slice,
     pod_name_for_url,
 )
+from pagefleet.gateway.policies import make_policy
+from pagefleet.gateway.router import Router
 
 
 def _slice(name: str, endpoints: list[dict], ports: list[dict] | None = None) -> dict:
@@ -126,3 +134,115 @@ def test_kubernetes_client_objects_serialize_into_the_parser() -> None:
     )
     as_dict = client.ApiClient().sanitize_for_serialization(obj)
     assert parse_endpoint_slice(as_dict, "http") == [Endpoint("pod-a", "http://10.2.0.1:8000")]
+
+
+# -- probing: not routed vs unreachable ----------------------------------------------------
+
+
+def _silent_listener() -> socket.socket:
+    """A port whose connections the kernel accepts and nobody ever answers (a frozen pod)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    return sock
+
+
+class _ReadyServer:
+    """A pod whose /ready answers 200, or holds every probe unanswered while ``silent``."""
+
+    def __init__(self) -> None:
+        self.silent = False
+        self.runner: web.AppRunner | None = None
+        self.pod = ""
+
+    async def ready(self, request: web.Request) -> web.Response:
+        while self.silent:
+            await asyncio.sleep(0.02)
+        return web.json_response({"status": "ready"})
+
+    async def start(self) -> _ReadyServer:
+        app = web.Application()
+        app.router.add_get("/ready", self.ready)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        port = free_port()
+        await web.TCPSite(self.runner, "127.0.0.1", port).start()
+        self.pod = f"127.0.0.1:{port}"
+        return self
+
+
+async def test_missed_probes_stop_routing_but_release_requests_only_after_the_silence() -> None:
+    sock = _silent_listener()
+    frozen = f"127.0.0.1:{sock.getsockname()[1]}"
+    busy = await _ReadyServer().start()
+    d = StaticDiscovery(
+        [frozen, busy.pod], probe_interval_s=3600, probe_timeout_s=0.3, dead_after_s=3.0
+    )
+    told: list[str] = []
+    d.subscribe_unreachable(told.append)
+    pods = lambda: [e.pod for e in d.endpoints()]  # noqa: E731
+    try:
+        t_start = time.monotonic()
+        await d.start()  # the first probe
+        await d.probe_all()
+        # Two misses: no new request goes there, but a busy pod's open requests go on.
+        assert pods() == [busy.pod] and told == []
+        # Every pod silent (the gateway's own loop saturated misses them all at once):
+        # still routed to, rather than a 503 for every new request.
+        busy.silent = True
+        await d.probe_all()
+        await d.probe_all()
+        assert pods() == [frozen, busy.pod] and told == []
+        busy.silent = False
+        await asyncio.sleep(max(0.0, t_start + 3.0 - time.monotonic()))
+        await d.probe_all()  # silent for 3 s and more since start-up: frozen
+        assert told == [frozen]
+        assert pods() == [busy.pod]
+        await d.probe_all()
+        assert len(told) == 1  # once per outage
+        # Unreachable pods are not routed to even when nothing else is left.
+        busy.silent = True
+        await d.probe_all()
+        await d.probe_all()
+        assert pods() == [busy.pod]
+    finally:
+        busy.silent = False
+        await d.close()
+        sock.close()
+        assert busy.runner is not None
+        await busy.runner.cleanup()
+
+
+async def test_refused_probes_release_requests_at_once() -> None:
+    """Nothing listens: the pod is dead whatever ``dead_after_s`` says."""
+    port = free_port()
+    d = StaticDiscovery(
+        [f"127.0.0.1:{port}"], probe_interval_s=3600, probe_timeout_s=1.0, dead_after_s=3600
+    )
+    told: list[str] = []
+    d.subscribe_unreachable(told.append)
+    try:
+        await d.start()
+        assert told == []
+        await d.probe_all()
+        assert told == [f"127.0.0.1:{port}"] and d.is_unreachable(f"127.0.0.1:{port}")
+    finally:
+        await d.close()
+
+
+async def test_a_request_sent_to_a_pod_already_declared_unreachable_is_released_at_once() -> None:
+    """A pod declared unreachable after the request was routed (its retry list, a decode pod
+    chosen before a remote prefill) got the signal before the request watched it: the
+    request then waited on a frozen pod for its whole timeout (600 s non-streamed)."""
+    port = free_port()
+    pod = f"127.0.0.1:{port}"
+    d = StaticDiscovery([pod], probe_interval_s=3600, probe_timeout_s=1.0, unhealthy_after=1)
+    router = Router(discovery=d, policy=make_policy("round_robin"))
+    try:
+        await router.start()  # its first probe is refused
+        released: list[str] = []
+        unwatch = router.watch(pod, lambda: released.append(pod))
+        assert released == [pod]
+        unwatch()
+    finally:
+        await router.close()

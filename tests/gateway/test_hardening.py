@@ -102,6 +102,9 @@ class Upstream:
             await resp.prepare(request)
             await asyncio.sleep(3600)
         if not body.get("stream"):
+            if b == "slow":  # a long generation: the answer comes whole after a while
+                await asyncio.sleep(self.gap_s * self.chunks)
+                return web.json_response(DONE_BODY)
             if b == "big":  # a long answer, several MiB (n and logprobs make them)
                 return web.json_response({**DONE_BODY, "pad": "x" * (4 << 20)})
             if b == "cut":  # promise more than is sent, then drop the connection
@@ -173,12 +176,16 @@ async def make_fleet() -> AsyncIterator[Callable]:
         behaviours: list[str],
         probe_s: float | None = None,
         credentials: Credentials | None = None,
+        dead_after_s: float = 10.0,
         **proxy_kw,
     ) -> Fleet:
         ups = [await _upstream(b) for b in behaviours]
         router = Router(
             discovery=StaticDiscovery(
-                [u.url for u in ups], probe_interval_s=probe_s, probe_timeout_s=probe_s or 1.0
+                [u.url for u in ups],
+                probe_interval_s=probe_s,
+                probe_timeout_s=probe_s or 1.0,
+                dead_after_s=dead_after_s,
             ),
             policy=make_policy("round_robin"),
             seed=0,
@@ -344,7 +351,7 @@ async def test_stall_mid_stream_is_detected_at_the_inter_chunk_timeout(make_flee
 
 
 async def test_probe_releases_requests_waiting_on_a_frozen_pod(make_fleet) -> None:
-    fleet = await make_fleet(["ok", "ok"], probe_s=0.2, request_timeout_s=30.0)
+    fleet = await make_fleet(["ok", "ok"], probe_s=0.2, dead_after_s=0.6, request_timeout_s=30.0)
     frozen = fleet.upstreams[0]
     async with aiohttp.ClientSession() as s:
         frozen.behaviour, frozen.ready_hang = "hang", True
@@ -357,6 +364,12 @@ async def test_probe_releases_requests_waiting_on_a_frozen_pod(make_fleet) -> No
         # Two probe misses at 0.2 s: the waiting requests moved on in about a second, not
         # after the 30 s request timeout.
         assert took < 2.0
+        assert fleet.gateway.router.discovery.is_unreachable(frozen.pod)  # type: ignore[attr-defined]
+        # Counted, and the count kept: the pod is still one of the fleet's (its series was
+        # dropped as soon as its released requests ended, so no scrape could see it).
+        async with s.get(fleet.url + "/metrics") as r:
+            metrics = await r.text()
+        assert f'pagefleet_gateway_pod_unhealthy_total{{pod="{frozen.pod}"}} 1.0' in metrics
         assert frozen.pod not in [e.pod for e in fleet.gateway.router.discovery.endpoints()]
         # It comes back when it answers again.
         frozen.behaviour, frozen.ready_hang = "ok", False
@@ -366,6 +379,56 @@ async def test_probe_releases_requests_waiting_on_a_frozen_pod(make_fleet) -> No
                 break
             await asyncio.sleep(0.05)
         assert len(fleet.gateway.router.discovery.endpoints()) == 2
+
+
+async def test_a_pod_that_misses_probes_while_busy_keeps_its_requests(make_fleet) -> None:
+    """A saturated pod answers /ready late, while its streams still flow. Two missed probes
+    cut every request waiting on it (a stream ended with an error event, a non-streamed
+    one was sent again to another pod, or was a 502 when none was left): 268 of 1000 on
+    two busy daemons. Now they only stop new routing to it; its open requests finish, and
+    the pod is routed to again once it answers."""
+    fleet = await make_fleet(
+        ["slow", "slow"], probe_s=0.2, dead_after_s=30.0, request_timeout_s=30.0
+    )
+    busy, other = fleet.upstreams
+    for up in fleet.upstreams:
+        up.chunks, up.gap_s = 10, 0.3  # 3 s of work per request, the probes at 0.2 s
+    discovery = fleet.gateway.router.discovery
+
+    def routed() -> list[str]:
+        return [e.pod for e in discovery.endpoints()]
+
+    async with aiohttp.ClientSession() as s:
+
+        async def request(stream: bool) -> tuple[str, bytes]:
+            body = {"prompt": "hi", "stream": stream}
+            async with s.post(fleet.url + "/v1/completions", json=body) as r:
+                assert r.status == 200
+                return r.headers[POD_HEADER], await r.read()
+
+        tasks = [asyncio.create_task(request(stream)) for stream in (True, True, False, False)]
+        async with asyncio.timeout(10):
+            while busy.hits < 2:  # round robin: two of the four are there
+                await asyncio.sleep(0.02)
+            busy.ready_hang = True  # now it misses its probes while it works
+            while routed() != [other.pod]:
+                await asyncio.sleep(0.02)
+        pending_when_out = sum(not t.done() for t in tasks)
+        outs = await asyncio.gather(*tasks)
+    for _, raw in outs:
+        if raw.startswith(b"data: "):
+            assert raw.endswith(b"data: [DONE]\n\n") and b"upstream_stream_broken" not in raw
+        else:
+            assert json.loads(raw) == DONE_BODY
+    assert sum(pod == busy.pod for pod, _ in outs) == 2
+    assert busy.hits == 2 and other.hits == 2  # nothing was sent twice
+    assert pending_when_out == 4  # the probe judged the pod while its requests were open
+    assert fleet.gateway.metrics.unhealthy.labels(pod=busy.pod)._value.get() == 0
+    busy.ready_hang = False
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and len(routed()) < 2:
+        await asyncio.sleep(0.05)
+    assert routed() == [busy.pod, other.pod]
 
 
 async def test_draining_pod_is_dropped_without_cancelling_its_requests(make_fleet) -> None:
@@ -384,6 +447,51 @@ async def test_draining_pod_is_dropped_without_cancelling_its_requests(make_flee
 
 
 # -- limits -------------------------------------------------------------------------------
+
+
+async def _expect_continue(url: str, length: int, body: bytes = b"") -> tuple[bytes, bytes]:
+    """A POST announcing ``length`` body bytes with ``Expect: 100-continue``, as curl sends a
+    large upload: the first status line the gateway sends back, then the rest it sends
+    after ``body`` (nothing: the client waits, as RFC 9110 lets it, for that answer)."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {length}\r\nExpect: 100-continue\r\n\r\n".encode()
+        )
+        async with asyncio.timeout(5):
+            first = await reader.readline()
+            if body:
+                await reader.readline()  # the blank line after the 100
+                writer.write(body)
+            rest = await reader.read(65536)
+        return first, rest
+    finally:
+        writer.close()
+
+
+async def test_expect_100_continue_gets_the_refusal_before_the_body_is_sent(make_fleet) -> None:
+    """aiohttp answered every ``Expect: 100-continue`` with a 100 before the gateway saw the
+    headers: a client announcing a body over the cap (or over what the body budget or the
+    concurrency limit has left) was told to send it all, only to get the 413/503/429 after.
+    Those refusals now go out instead of the 100, and the connection closes (the body the
+    client may still send is not read)."""
+    fleet = await make_fleet(["ok"], max_body_bytes=4096, max_inflight_body_mb=1)
+    first, rest = await _expect_continue(fleet.url, 5000)
+    assert first.startswith(b"HTTP/1.1 413"), first
+    assert b'"code":"request_too_large"' in rest.replace(b" ", b"")
+    # Over the body budget (1 MiB): another request holds all but 100 bytes of it.
+    fleet.gateway._bodies.held = fleet.gateway._bodies.limit - 100
+    first, rest = await _expect_continue(fleet.url, 4000)
+    assert first.startswith(b"HTTP/1.1 503"), first
+    assert b'"code":"overloaded"' in rest.replace(b" ", b"")
+    fleet.gateway._bodies.held = 0
+    # Within every limit: the 100, then the body, then the answer.
+    body = json.dumps({"prompt": "hi"}).encode()
+    first, rest = await _expect_continue(fleet.url, len(body), body)
+    assert first.startswith(b"HTTP/1.1 100"), first
+    assert rest.startswith(b"HTTP/1.1 200"), rest[:200]
 
 
 async def test_body_over_the_cap_is_a_413_in_openai_shape(make_fleet) -> None:

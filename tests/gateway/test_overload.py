@@ -358,3 +358,87 @@ def test_a_huge_user_field_is_routed_on_its_digest_not_carried_whole() -> None:
     assert a.session_key == b.session_key != c.session_key
     short = inspect("completion", json.dumps({"prompt": "hi", "user": "alice"}).encode(), None, 0)
     assert short.session_key == "alice"
+
+
+async def _get(host: str, port: int, path: str) -> tuple[int, dict[str, str], bytes]:
+    """A GET on a fresh connection, as the kubelet's HTTP probe sends it."""
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(
+            f"GET {path} HTTP/1.1\r\nHost: x\r\nUser-Agent: kube-probe/1.31\r\n\r\n".encode()
+        )
+        status = int((await reader.readline()).split()[1])
+        headers: dict[str, str] = {}
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            k, _, v = line.decode().partition(":")
+            headers[k.strip().lower()] = v.strip()
+        return status, headers, await reader.readexactly(int(headers["content-length"]))
+    finally:
+        writer.close()
+
+
+async def test_health_ready_and_metrics_are_answered_at_the_connection_cap(
+    upstream: HeldUpstream, tmp_path: Path
+) -> None:
+    """At --max-connections every new connection got the canned 503, the kubelet's
+    liveness probe's too: a gateway that was merely busy was restarted, cutting every
+    stream it carried. Probe and scrape paths are answered past the cap; the rest is
+    still refused."""
+    port = free_port()
+    log = tmp_path / "gw.log"
+    argv = [
+        sys.executable, "-m", "pagefleet.cli", "gateway", "--host", "127.0.0.1",
+        "--port", str(port), "--endpoints", upstream.url, "--policy", "least_load",
+        "--model", "tiny", "--max-model-len", "4096", "--intake-workers", "0",
+        "--probe-interval", "0", "--max-connections", "4",
+    ]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    held: list[asyncio.StreamWriter] = []
+    try:
+        await _wait_ready(f"http://127.0.0.1:{port}", proc, log)
+        body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 1}).encode()
+        deadline = time.monotonic() + 20
+        while upstream.hits < 4:  # the cap: four clients with requests in flight
+            assert time.monotonic() < deadline, log.read_text()
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            want = upstream.hits + 1
+            answer = asyncio.create_task(reader.read(1))  # only a refusal answers now
+            while upstream.hits < want and not answer.done():
+                await asyncio.sleep(0.02)
+            if upstream.hits < want:  # refused: the readiness poll's connection still open
+                writer.close()
+                await asyncio.sleep(0.1)
+                continue
+            answer.cancel()
+            held.append(writer)
+
+        def refusals(metrics: bytes) -> float:
+            m = re.search(rb'rejected_requests_total\{reason="connections"\} (\S+)', metrics)
+            return float(m.group(1)) if m else 0.0
+
+        async with asyncio.timeout(10):
+            health = await _get("127.0.0.1", port, "/health")
+            ready = await _get("127.0.0.1", port, "/ready?verbose=1")
+            before = await _get("127.0.0.1", port, "/metrics")
+            other = await _get("127.0.0.1", port, "/v1/models")
+            post = await _one_request("127.0.0.1", port, body)
+            after = await _get("127.0.0.1", port, "/metrics")
+        assert health[0] == 200 and json.loads(health[2]) == {"status": "ok"}, health
+        assert ready[0] == 200 and json.loads(ready[2])["endpoints"] == 1, ready
+        assert before[0] == after[0] == 200 and b"pagefleet_gateway_" in after[2]
+        assert refusals(after[2]) - refusals(before[2]) == 2  # the probes were not refusals
+        for status, headers, raw in (other, post):
+            assert status == 503 and headers["retry-after"] == "1"
+            assert json.loads(raw)["error"]["code"] == "too_many_connections"
+        assert proc.poll() is None
+    finally:
+        upstream.gate.set()
+        for w in held:
+            w.close()
+        proc.terminate()
+        proc.wait(30)
