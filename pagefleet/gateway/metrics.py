@@ -62,7 +62,8 @@ class GatewayMetrics:
         )
         self.responses = Counter(
             p + "responses",
-            "Responses returned, by upstream pod and HTTP status code.",
+            "Responses returned, by upstream pod and HTTP status code (the gateway's own 502 "
+            "or 504 for that pod's answer included).",
             ["pod", "code"],
             registry=r,
         )
@@ -137,7 +138,9 @@ class GatewayMetrics:
             "Requests the gateway answered itself without a pod, by reason: 429 concurrency; "
             "503 connections (refused at accept), body_budget, no_endpoints, intake_failed; "
             "413 too_large; 408 body_timeout; "
-            "404 model_not_found; 400 context_length, invalid.",
+            "404 model_not_found; 400 context_length, invalid; "
+            "502 upstream_unavailable, 504 upstream_timeout (every candidate pod failed "
+            "before answering).",
             ["reason"],
             registry=r,
         )

@@ -674,12 +674,16 @@ class Gateway:
                 result,
                 "trying the next one" if more_left else "no pod left",
             )
+        # No pod answered: nothing counted it in responses (by pod) -- an outage of every
+        # pod would otherwise show as silence on the dashboards and alerts.
+        code = "upstream_timeout" if hung else "upstream_unavailable"
+        self.metrics.rejected.labels(reason=code).inc()
         return error_response(
             504 if hung else 502,
             f"every candidate pod failed before responding (last: {last_error}); "
             "the daemons may be restarting, retry shortly",
             "upstream_error",
-            code="upstream_timeout" if hung else "upstream_unavailable",
+            code=code,
             headers={"Retry-After": "1"},
         )
 
@@ -852,6 +856,7 @@ class Gateway:
         pod would compute the same answer; the pod is not marked (it is not unhealthy)."""
         cap = self.proxy.max_response_bytes
         what = "error body" if stream else "answer"
+        self.metrics.responses.labels(pod=ep.pod, code="502").inc()
         return error_response(
             502,
             f"model pod {ep.pod} sent an {what} over {cap} bytes (the gateway's "
@@ -872,6 +877,7 @@ class Gateway:
             self._upstream_auth_logged = True
             hint = upstream_refused_hint("gateway", self.upstream_key is not None)
             logger.error("model pod %s refused the gateway's credentials: %s", ep.pod, hint)
+        self.metrics.responses.labels(pod=ep.pod, code="502").inc()
         return error_response(
             502,
             f"model pod {ep.pod} refused the gateway's own credentials (not the client's); "
@@ -885,6 +891,7 @@ class Gateway:
         """The 504 of a non-streamed request whose pod did not answer within ``budget``
         (``request_timeout_s``). Final: the pod took the request and may still be
         generating, so re-sending it would compute it again, for as long again."""
+        self.metrics.responses.labels(pod=ep.pod, code="504").inc()
         return error_response(
             504,
             f"model pod {ep.pod} did not answer within {budget:.1f}s (the gateway's "

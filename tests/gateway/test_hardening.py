@@ -318,6 +318,7 @@ async def test_non_streamed_request_past_its_timeout_is_a_504_not_re_sent(make_f
     assert took < 0.8
     assert _is_openai_error(body) and body["error"]["code"] == "upstream_timeout"
     assert pod in [u.pod for u in fleet.upstreams]  # the pod that did not answer
+    assert fleet.gateway.metrics.responses.labels(pod=pod, code="504")._value.get() == 1
 
 
 @pytest.mark.parametrize("stream", [True, False])

@@ -302,6 +302,9 @@ async def test_every_pod_failing_is_a_502_and_last_503_passes_through(make_fleet
         assert r.status == 502
         err = (await r.json())["error"]
         assert err["code"] == "upstream_unavailable" and "retry" in err["message"]
+    # Counted: an outage of every pod is not silence on the dashboards.
+    metrics = fleet.gateway.metrics.render().decode()
+    assert 'pagefleet_gateway_rejected_requests_total{reason="upstream_unavailable"} 1.0' in metrics
     fleet = await make_fleet(["busy503"])
     async with (
         aiohttp.ClientSession() as s,
