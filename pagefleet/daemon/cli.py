@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import faulthandler
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 from typing import TYPE_CHECKING, cast
@@ -35,6 +33,7 @@ from pagefleet.api.openai import TOOL_CALL_PARSERS
 from pagefleet.daemon.config import DEFAULT_LONG_PREFILL_TOKENS, DaemonConfig
 from pagefleet.daemon.termination import write_termination_message
 from pagefleet.fdlimit import raise_open_files_limit
+from pagefleet.listen_errors import listen_error
 
 if TYPE_CHECKING:
     from pagefleet.daemon.app import Daemon
@@ -119,25 +118,6 @@ class StopSignals:
             with contextlib.suppress(OSError, ValueError):
                 stream.flush()
         os._exit(status)
-
-
-def listen_error(host: str, port: int, exc: OSError) -> str:
-    """One line for a socket the daemon could not listen on, with the likely fix."""
-    # asyncio's strerror repeats the address ("error while attempting to bind on address
-    # (...): address already in use"); the errno's own text is enough beside host:port.
-    if isinstance(exc, socket.gaierror) or not exc.errno:
-        why = exc.strerror or str(exc)
-    else:
-        why = os.strerror(exc.errno)
-    if exc.errno == errno.EADDRINUSE:
-        fix = "another process (a second daemon?) holds the port: stop it or choose another --port"
-    elif exc.errno == errno.EACCES:
-        fix = "ports below 1024 need privileges: choose a --port of 1024 or more"
-    elif exc.errno == errno.EADDRNOTAVAIL or isinstance(exc, socket.gaierror):
-        fix = "the address is not one of this machine's: pass --host 0.0.0.0 or an own address"
-    else:
-        fix = "check --host and --port"
-    return f"cannot listen on {host}:{port}: {why}; {fix}"
 
 
 async def serve(config: DaemonConfig, shutdown_timeout_s: float | None = None) -> None:

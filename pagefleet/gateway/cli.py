@@ -30,6 +30,7 @@ from pagefleet.gateway.connections import (
     quiet_accept_errors,
 )
 from pagefleet.gateway.policies import POLICY_NAMES, RoutingWeights
+from pagefleet.listen_errors import listen_error
 
 logger = logging.getLogger(__name__)
 
@@ -316,7 +317,15 @@ async def serve(config: GatewayConfig, *, exit_watchdog: bool = False) -> None:
         on_refused=gateway.metrics.rejected.labels(reason="connections").inc,
         probes=gateway.probe_answers(),
     )
-    listener = await loop.create_server(gate, config.host, config.port, backlog=listen_backlog())
+    try:
+        listener = await loop.create_server(
+            gate, config.host, config.port, backlog=listen_backlog()
+        )
+    except OSError as exc:
+        # Raised as is: a traceback, then "Unclosed client session" from the gateway's
+        # upstream session, for the commonest start-up failure (the port in use).
+        await runner.cleanup()
+        raise click.ClickException(listen_error(config.host, config.port, exc)) from None
     logger.warning(
         "pagefleet gateway listening on http://%s:%d (policy %s, index %s)",
         config.host,

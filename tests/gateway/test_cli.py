@@ -98,3 +98,26 @@ def test_summary_percentiles_goodput_and_shares() -> None:
     assert r["goodput_req_s"] == 0.5  # only the first meets TTFT <= 500 ms
     assert r["ttft_ms_p50"] == 500.0 and r["tpot_ms_p50"] == 100.0
     assert r["errors"] == ["boom"]
+
+
+def test_a_gateway_whose_port_is_taken_says_so_in_one_line() -> None:
+    # A traceback ending in "[Errno 98] error while attempting to bind on address", then
+    # "Unclosed client session" from the upstream session, was the message.
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        argv = [sys.executable, "-m", "pagefleet.cli", "gateway", "--host", "127.0.0.1",
+                "--port", str(port), "--endpoints", "127.0.0.1:1", "--model", "tiny"]  # fmt: skip
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert lines[-1] == (
+        f"Error: cannot listen on 127.0.0.1:{port}: Address already in use; another process "
+        "holds the port (a second daemon or gateway?): stop it or choose another --port"
+    ), r.stderr
+    assert "Traceback" not in r.stderr and "Unclosed" not in r.stderr, r.stderr
