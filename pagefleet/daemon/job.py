@@ -150,9 +150,12 @@ class Job:
                 ch.finish_reason = delta.finish_reason
                 ch.stop_reason = delta.stop_reason
                 metrics.finished(delta.finish_reason)
+                metrics.request_generation_tokens.observe(ch.num_tokens)
             touched.append((ch, delta))
         if out.finished:
             self.live.discard(out.request_id)
+            prompt = self.prompts[self.prompt_index(out.request_id)]
+            metrics.request_prompt_tokens.observe(len(prompt))
             metrics.observe_request(out.metrics, out.num_generated_tokens // self.params.n)
             if self.trace is not None:
                 self.trace.record(

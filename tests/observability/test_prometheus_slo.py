@@ -211,6 +211,10 @@ VLLM_DASHBOARD_QUERIES = (
     "sum(vllm:num_requests_running)",
     "sum(vllm:num_requests_waiting)",
     "sum(rate(vllm:num_preemptions_total[2m]))",
+    *(
+        f"sum by (le) (increase(vllm:request_{t}_tokens_bucket[{RATE}]))"
+        for t in ("prompt", "generation")
+    ),
 )
 
 
@@ -223,6 +227,9 @@ def test_queries_of_vllm_dashboards_return_data(observed: dict[str, Any]) -> Non
     alias = api.query("sum(vllm:time_per_output_token_seconds_count)")
     assert float(itl[0]["value"][1]) > 0
     assert alias[0]["value"][1] == itl[0]["value"][1]
+    # Per-request token histograms where the client is answered: what the clients got.
+    generated = api.query('sum(vllm:request_generation_tokens_sum{role!="prefill"})')
+    assert float(generated[0]["value"][1]) == observed["served"]["completion_tokens"]
 
 
 def test_cost_panel_counts_each_served_token_once(observed: dict[str, Any]) -> None:
