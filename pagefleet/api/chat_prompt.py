@@ -16,9 +16,6 @@ class ChatTokenizer(Protocol):
     """What rendering and encoding a chat prompt needs (``pagefleet.tokenizer.Tokenizer``)."""
 
     @property
-    def template_adds_bos(self) -> bool: ...
-
-    @property
     def chat_content_format(self) -> str: ...
 
     def apply_chat_template(
@@ -100,15 +97,14 @@ def _final_text(messages: list[ChatMessage], fmt: ContentFormat) -> str:
     return last.text()
 
 
-def add_special_tokens(tok: ChatTokenizer, requested: bool | None) -> bool:
+def add_special_tokens(requested: bool | None) -> bool:
     """Whether encoding the rendered prompt adds the tokenizer's special tokens: as the
-    request says (vLLM's ``add_special_tokens``: true adds them on top of the template's,
-    false adds none); not said, BOS once: none when the template writes it, the
-    tokenizer's otherwise (vLLM would add none at all there; this server's tiny presets'
-    templates rely on the tokenizer's BOS)."""
-    if requested is not None:
-        return requested
-    return not tok.template_adds_bos
+    request says (vLLM's ``add_special_tokens``: true adds them on top of the template's),
+    and not said, none, as vLLM's chat and transformers' ``apply_chat_template(tokenize=
+    True)`` encode: the template alone decides the prompt's BOS. (Adding the tokenizer's
+    BOS when the template wrote none gave a template without BOS a prompt its model never
+    saw on vLLM, and other ids for the same request than vLLM's prefix caches.)"""
+    return bool(requested)
 
 
 def echo_text(messages: list[ChatMessage], add_generation_prompt: bool) -> str:

@@ -632,9 +632,9 @@ class ChatCompletionRequest(_SamplingFields):
     # vLLM's: the template's ``documents`` variable (retrieval-augmented templates).
     documents: list[dict[str, Any]] | None = None
     # vLLM's: true adds the tokenizer's special tokens (BOS) around the rendered prompt on
-    # top of what the template writes, false adds none. Not sent: BOS once, from the
-    # template when it writes one, else from the tokenizer (chat_prompt.add_special_tokens).
-    add_special_tokens: bool | None = None
+    # top of what the template writes; false, vLLM's default, adds none: the template
+    # writes the prompt's BOS or there is none (chat_prompt.add_special_tokens).
+    add_special_tokens: bool = False
     # vLLM's: the reply starts with the final message's text when it has the reply's role
     # (with continue_final_message: the whole assistant message, not just its end).
     echo: bool = False

@@ -549,7 +549,7 @@ class OpenAIServing:
             raise APIError(400, exc.message, param=exc.param) from None
         except Exception as exc:  # the template rejected these messages (e.g. role order)
             raise APIError(400, f"chat template failed: {exc}", param="messages") from None
-        add = chat_prompt.add_special_tokens(tok, req.add_special_tokens)
+        add = chat_prompt.add_special_tokens(req.add_special_tokens)
         return tok.encode(text, add_special_tokens=add)
 
     def _sampling_params(
