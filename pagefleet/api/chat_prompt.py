@@ -9,7 +9,13 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from pagefleet.api.openai import ChatMessage, ContentFormat, cut_after_final, template_messages
+from pagefleet.api.openai import (
+    ChatMessage,
+    ContentFormat,
+    ReplyRole,
+    cut_after_final,
+    template_messages,
+)
 
 
 class ChatTokenizer(Protocol):
@@ -107,13 +113,19 @@ def add_special_tokens(requested: bool | None) -> bool:
     return bool(requested)
 
 
+def reply_role(messages: list[ChatMessage], add_generation_prompt: bool) -> ReplyRole:
+    """The role the reply is reported with, as vLLM's ``get_chat_request_role``: the
+    assistant's when the prompt opens a new assistant turn, else the final message's, which
+    the reply continues (a user turn continued with add_generation_prompt false is the
+    user's text, not an assistant reply)."""
+    if add_generation_prompt or not messages:
+        return "assistant"
+    return messages[-1].role
+
+
 def echo_text(messages: list[ChatMessage], add_generation_prompt: bool) -> str:
-    """vLLM's chat ``echo``: the final message's text when it has the reply's role (the
-    assistant's with add_generation_prompt; else the reply continues the final message,
-    whatever its role), which the reply then starts with."""
-    if not messages:
+    """vLLM's chat ``echo``: the final message's text when it has the reply's role
+    (``reply_role``), which the reply then starts with."""
+    if not messages or messages[-1].role != reply_role(messages, add_generation_prompt):
         return ""
-    last = messages[-1]
-    if add_generation_prompt and last.role != "assistant":
-        return ""
-    return last.text()
+    return messages[-1].text()

@@ -763,8 +763,13 @@ class ToolCallDelta(BaseModel):
     function: FunctionCallDelta
 
 
+# The role a reply is reported with: the assistant's, or with add_generation_prompt false
+# the final message's, which the reply continues (chat_prompt.reply_role, as vLLM).
+ReplyRole = Literal["system", "developer", "user", "assistant", "tool"]
+
+
 class ChatResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
+    role: ReplyRole = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
 
@@ -791,7 +796,7 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
+    role: ReplyRole | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 

@@ -29,6 +29,7 @@ from pagefleet.api.openai import (
     FunctionCallDelta,
     Logprob,
     PromptLogprobs,
+    ReplyRole,
     ToolCall,
     ToolCallDelta,
     TopLogprob,
@@ -206,11 +207,14 @@ class ChatShape:
         tool_names: frozenset[str] = frozenset(),
         max_calls: int | None = None,
         echo: str = "",
+        role: ReplyRole = "assistant",
     ) -> None:
         # The ``bytes`` of each logprob (token_bytes.py: a partial token's own bytes).
         self.token_bytes = token_bytes
         # vLLM's chat echo (chat_prompt.echo_text): what each reply's content starts with.
         self.echo = echo
+        # The role every choice is reported with (chat_prompt.reply_role).
+        self.role: ReplyRole = role
         # Auto tool choice (--tool-call-parser): the format calls are read from the text
         # in, and the tools they may call; None: the text is the content, as written.
         self.tool_parser = tool_parser
@@ -234,6 +238,7 @@ class ChatShape:
         )
 
     def _echoed(self, choice: ChatChoice) -> ChatChoice:
+        choice.message.role = self.role
         if self.echo:
             choice.message.content = self.echo + (choice.message.content or "")
         return choice
@@ -263,9 +268,7 @@ class ChatShape:
         for i in range(job.params.n):
             ch = job.choices.setdefault(i, Choice(i))
             ch.sent_role = True
-            choice = ChatChunkChoice(
-                index=i, delta=DeltaMessage(role="assistant", content=self.echo)
-            )
+            choice = ChatChunkChoice(index=i, delta=DeltaMessage(role=self.role, content=self.echo))
             out.append(
                 ChatCompletionChunk(id=job.base_id, created=created, model=model, choices=[choice])
             )
@@ -284,7 +287,7 @@ class ChatShape:
             if delta.finish_reason is not None and ch.tool_call_id is None:
                 msg.content = ch.text  # never became a call (cut short): the text as is
         if not ch.sent_role:
-            msg.role = "assistant"
+            msg.role = self.role
             ch.sent_role = True
         lp = None
         if job.params.logprobs is not None and delta.logprobs:
@@ -338,7 +341,7 @@ class ChatShape:
             return chunk.model_dump_json(exclude_none=True).encode()
         role = ""
         if not ch.sent_role:
-            role = '"role":"assistant",'
+            role = f'"role":"{self.role}",'  # a Literal: no escaping needed
             ch.sent_role = True
         return (
             f"{_chunk_head('chat.completion.chunk', job, created, model, ch.index)}"

@@ -259,11 +259,14 @@ class OpenAIServing:
         parser = self.config.tool_call_parser
         auto = req.tools and tool_schema is None and req.tool_choice in (None, "auto")
         echo = chat_prompt.echo_text(req.messages, req.add_generation_prompt) if req.echo else ""
+        role = chat_prompt.reply_role(req.messages, req.add_generation_prompt)
         if parser == "none" or not auto:
-            return ChatShape(token_bytes_of(self._tokenizer()), echo=echo)
+            return ChatShape(token_bytes_of(self._tokenizer()), echo=echo, role=role)
         names = frozenset(t.function.name for t in req.tools or [])
         one = 1 if req.parallel_tool_calls is False else None
-        return ChatShape(token_bytes_of(self._tokenizer()), parser, names, one, echo=echo)
+        return ChatShape(
+            token_bytes_of(self._tokenizer()), parser, names, one, echo=echo, role=role
+        )
 
     def _tools(self, req: ChatCompletionRequest, tools: list[dict[str, Any]]) -> str | None:
         """Fill ``tools`` with what the template shows of the request's tools; return the

@@ -322,6 +322,41 @@ async def test_chat_echo_starts_the_reply_with_the_continued_message(
         )
 
 
+async def test_reply_continuing_a_message_has_that_messages_role(
+    tiny_tokenizer: Tokenizer,
+) -> None:
+    """vLLM's get_chat_request_role: with add_generation_prompt false the reply continues
+    the final message and is reported in its role (a user turn continued is "user"). It
+    was always "assistant", whole and streamed."""
+    tok = _with_template(tiny_tokenizer, CHATML)
+    msgs = [{"role": "user", "content": "Finish my sentence: the sky is"}]
+    cases = [
+        ({"add_generation_prompt": False}, "user"),
+        ({"add_generation_prompt": False, "continue_final_message": True}, "user"),
+        ({"add_generation_prompt": False, "echo": True}, "user"),
+        ({}, "assistant"),
+        ({"echo": True}, "assistant"),
+    ]
+    async with _served(tok) as (_, client):
+        for extra, role in cases:
+            for n in (1, 2):
+                whole = await client.chat.completions.create(
+                    model="fake", messages=msgs, max_tokens=2, n=n, extra_body=extra
+                )
+                assert [c.message.role for c in whole.choices] == [role] * n, extra
+                stream = await client.chat.completions.create(
+                    model="fake", messages=msgs, max_tokens=2, n=n, stream=True, extra_body=extra
+                )
+                roles: dict[int, list[str | None]] = {}
+                async for chunk in stream:
+                    for c in chunk.choices:
+                        roles.setdefault(c.index, []).append(c.delta.role)
+                # Each choice's first chunk carries the role, and no later one does.
+                for got in roles.values():
+                    assert got[0] == role and got.count(role) == 1, (extra, got)
+                assert len(roles) == n
+
+
 async def test_continue_final_message_with_a_generation_prompt_is_a_400(
     tiny_tokenizer: Tokenizer,
 ) -> None:
