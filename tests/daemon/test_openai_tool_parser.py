@@ -234,6 +234,16 @@ async def test_mistral_reads_calls_after_its_special_token(tmp_path: Path) -> No
         expected = [("get_weather", {"city": "Paris"}), ("get_time", {})]
         assert calls_of(whole) == expected == calls_of(streamed)
         assert whole.message.content == "Sure." == streamed.message.content
+        # Tokenizer v13+ writes its own call id before [ARGS]: read past, and each call
+        # gets a fresh 9-character id (it was read as part of the name: no call at all).
+        v13 = (r'\[TOOL_CALLS\]get_weather\[CALL_ID\]a1B2c3D4e\[ARGS\]\{"city": "Oslo"\}'
+               r'\[TOOL_CALLS\]get_time\[CALL_ID\]Zz9Yy8Xx7\[ARGS\]\{\}')  # fmt: skip
+        whole, streamed, _ = await ask(c, v13, tools=TOOLS, **bias)
+        expected = [("get_weather", {"city": "Oslo"}), ("get_time", {})]
+        assert calls_of(whole) == expected == calls_of(streamed)
+        assert whole.message.content is None is streamed.message.content
+        ids = [t.id for a in (whole, streamed) for t in a.message.tool_calls]
+        assert all(re.fullmatch(r"[A-Za-z0-9]{9}", i) for i in ids), ids
         text, streamed, _ = await ask(c, r"Sunny \[today\]", tools=TOOLS)
         assert text.message.content == "Sunny [today]" == streamed.message.content
         assert text.finish_reason == "stop"
