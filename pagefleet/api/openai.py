@@ -284,8 +284,9 @@ class _SamplingFields(_Lenient):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
-    # JSON object keys are strings: token id (as a string) -> bias in [-100, 100].
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    # JSON object keys are strings: token id (as a string) -> bias, clamped to [-100, 100]
+    # (logit_bias_ids) as vLLM does: a client banning a token with -1000 was a 400 here.
+    logit_bias: dict[str, Annotated[float, Field(allow_inf_nan=False)]] | None = None
     bad_words: list[str] | None = None
     # Structured output: OpenAI's response_format, or one of vLLM's guided_* fields.
     response_format: ResponseFormat | None = None
@@ -377,7 +378,8 @@ class _SamplingFields(_Lenient):
         return found[0] if found else None
 
     def logit_bias_ids(self) -> dict[int, float]:
-        return {int(k): v for k, v in (self.logit_bias or {}).items()}
+        """Token id -> bias, each bias clamped to OpenAI's range [-100, 100], as vLLM."""
+        return {int(k): min(100.0, max(-100.0, v)) for k, v in (self.logit_bias or {}).items()}
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

@@ -474,6 +474,20 @@ async def test_sampling_controls_reach_the_engine(client):
     with pytest.raises(openai.BadRequestError) as e:
         await client.completions.create(**base, logit_bias={"999999": 1})
     assert e.value.body["param"] == "logit_bias"
+    # Past OpenAI's range a bias is clamped to it, as vLLM does (it was a 400 here): 1000
+    # forces the token as 100 does, -1000 bans it as -100 does, chat and completions alike.
+    for bias in (1000, -1000):
+        clamped = 100 if bias > 0 else -100
+        far = await client.completions.create(**base, logit_bias={"77": bias}, logprobs=0)
+        edge = await client.completions.create(**base, logit_bias={"77": clamped}, logprobs=0)
+        assert far.choices[0].logprobs.tokens == edge.choices[0].logprobs.tokens
+        assert (far.choices[0].logprobs.tokens == toks) == (bias > 0)
+        msgs = [{"role": "user", "content": PROMPT}]
+        chat = dict(model=MODEL, messages=msgs, max_tokens=6, temperature=0, logprobs=True)
+        far = await client.chat.completions.create(**chat, logit_bias={"77": bias})
+        edge = await client.chat.completions.create(**chat, logit_bias={"77": clamped})
+        far_ids = [t.token for t in far.choices[0].logprobs.content]
+        assert far_ids == [t.token for t in edge.choices[0].logprobs.content]
     with pytest.raises(openai.BadRequestError) as e:
         await client.completions.create(**base, presence_penalty=2.5)
     assert e.value.body["param"] == "presence_penalty"
