@@ -36,6 +36,7 @@ from pagefleet.api.openai import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    NamedToolChoice,
     TokenizeRequest,
     TokenizeResponse,
     parse_body,
@@ -261,7 +262,10 @@ class OpenAIServing:
         echo = chat_prompt.echo_text(req.messages, req.add_generation_prompt) if req.echo else ""
         role = chat_prompt.reply_role(req.messages, req.add_generation_prompt)
         if parser == "none" or not auto:
-            return ChatShape(token_bytes_of(self._tokenizer()), echo=echo, role=role)
+            named = tool_schema is not None and isinstance(req.tool_choice, NamedToolChoice)
+            return ChatShape(
+                token_bytes_of(self._tokenizer()), echo=echo, role=role, named_tool=named
+            )
         names = frozenset(t.function.name for t in req.tools or [])
         one = 1 if req.parallel_tool_calls is False else None
         return ChatShape(

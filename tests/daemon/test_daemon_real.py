@@ -593,7 +593,9 @@ async def test_forced_tool_calls_are_openai_shaped(tmp_path):
             tool_choice={"type": "function", "function": {"name": "get_weather"}},
         )  # fmt: skip
         ch = named.choices[0]
-        assert ch.finish_reason == "tool_calls" and ch.message.content is None
+        # A named call ends with "stop", as OpenAI's and vLLM's ("tool_calls" is for the
+        # calls the model chose: auto and required).
+        assert ch.finish_reason == "stop" and ch.message.content is None
         (call,) = ch.message.tool_calls
         assert call.type == "function" and call.function.name == "get_weather"
         args = json.loads(call.function.arguments)
@@ -604,6 +606,7 @@ async def test_forced_tool_calls_are_openai_shaped(tmp_path):
         )  # fmt: skip
         for ch in required.choices:
             assert ch.message.tool_calls[0].function.name in ("get_weather", "get_time")
+            assert ch.finish_reason == "tool_calls"
         # Streamed as OpenAI does: id, type and name first, then the arguments piece by
         # piece; the official client's accumulation gives the non-streamed call back.
         async with c.chat.completions.stream(
@@ -626,7 +629,7 @@ async def test_forced_tool_calls_are_openai_shaped(tmp_path):
         assert rest and all(tc.id is None and tc.function.name is None for tc in rest)
         assert len([p for p in pieces if p]) > 3, pieces  # not one chunk
         (streamed,) = final.choices[0].message.tool_calls
-        assert final.choices[0].finish_reason == "tool_calls"
+        assert final.choices[0].finish_reason == "stop"
         assert streamed.function.name == "get_weather"
         assert streamed.function.arguments == call.function.arguments  # the same text
         auto = await c.chat.completions.create(
