@@ -243,6 +243,12 @@ class OpenAIServing:
             sum(len(m.text()) for m in req.messages),
         )
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        if req.echo and req.logprobs and req.prompt_logprobs is None and not req.stream:
+            # vLLM's chat: echo asks for the prompt's logprobs, top_logprobs of each, in the
+            # response's prompt_logprobs (the echoed text has none in the content's). vLLM
+            # asks for them with echo alone too; here only with logprobs, so an echo that
+            # wants no logprobs does not pay for scoring its whole prompt.
+            req = req.model_copy(update={"prompt_logprobs": req.top_logprobs or 0})
         return await self._generate(
             request,
             req,

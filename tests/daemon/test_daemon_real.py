@@ -306,6 +306,26 @@ async def test_prompt_logprobs_as_vllm_returns_them(client):
     plp = chat.model_extra["prompt_logprobs"]
     assert len(plp) == chat.usage.prompt_tokens and plp[0] is None
     assert all(1 <= len(x) <= 2 for x in plp[1:])
+    # vLLM's chat echo with logprobs: the prompt's logprobs (top_logprobs of each) come in
+    # prompt_logprobs, as if asked for; they were missing, so the echoed text had none.
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The fox"}]
+    cont = {"echo": True, "add_generation_prompt": False, "continue_final_message": True}
+    kw = dict(model=MODEL, messages=msgs, max_tokens=2, temperature=0, logprobs=True)
+    echoed = await client.chat.completions.create(**kw, top_logprobs=2, extra_body=cont)
+    asked = await client.chat.completions.create(
+        **kw, top_logprobs=2, extra_body={**cont, "prompt_logprobs": 2}
+    )
+    plp = echoed.model_extra["prompt_logprobs"]
+    assert plp == asked.model_extra["prompt_logprobs"]
+    assert len(plp) == echoed.usage.prompt_tokens and plp[0] is None
+    assert all(2 <= len(x) <= 3 for x in plp[1:])
+    assert echoed.choices[0].message.content.startswith("The fox")
+    # Not asked for without logprobs, nor when streamed (vLLM streams none).
+    plain = await client.chat.completions.create(**{**kw, "logprobs": False}, extra_body=cont)
+    assert plain.model_extra.get("prompt_logprobs") is None
+    stream = await client.chat.completions.create(**kw, stream=True, extra_body=cont)
+    streamed = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    assert streamed == echoed.choices[0].message.content
     for call in (
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, stream=True,
                                   extra_body={"prompt_logprobs": 1}),
