@@ -9,14 +9,17 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from pagefleet.api.openai import ChatMessage, ContentFormat, cut_after_final, template_messages
+from pagefleet.api.openai import (
+    ChatMessage,
+    ContentFormat,
+    ReplyRole,
+    cut_after_final,
+    template_messages,
+)
 
 
 class ChatTokenizer(Protocol):
     """What rendering and encoding a chat prompt needs (``pagefleet.tokenizer.Tokenizer``)."""
-
-    @property
-    def template_adds_bos(self) -> bool: ...
 
     @property
     def chat_content_format(self) -> str: ...
@@ -100,24 +103,29 @@ def _final_text(messages: list[ChatMessage], fmt: ContentFormat) -> str:
     return last.text()
 
 
-def add_special_tokens(tok: ChatTokenizer, requested: bool | None) -> bool:
+def add_special_tokens(requested: bool | None) -> bool:
     """Whether encoding the rendered prompt adds the tokenizer's special tokens: as the
-    request says (vLLM's ``add_special_tokens``: true adds them on top of the template's,
-    false adds none); not said, BOS once: none when the template writes it, the
-    tokenizer's otherwise (vLLM would add none at all there; this server's tiny presets'
-    templates rely on the tokenizer's BOS)."""
-    if requested is not None:
-        return requested
-    return not tok.template_adds_bos
+    request says (vLLM's ``add_special_tokens``: true adds them on top of the template's),
+    and not said, none, as vLLM's chat and transformers' ``apply_chat_template(tokenize=
+    True)`` encode: the template alone decides the prompt's BOS. (Adding the tokenizer's
+    BOS when the template wrote none gave a template without BOS a prompt its model never
+    saw on vLLM, and other ids for the same request than vLLM's prefix caches.)"""
+    return bool(requested)
+
+
+def reply_role(messages: list[ChatMessage], add_generation_prompt: bool) -> ReplyRole:
+    """The role the reply is reported with, as vLLM's ``get_chat_request_role``: the
+    assistant's when the prompt opens a new assistant turn, else the final message's, which
+    the reply continues (a user turn continued with add_generation_prompt false is the
+    user's text, not an assistant reply)."""
+    if add_generation_prompt or not messages:
+        return "assistant"
+    return messages[-1].role
 
 
 def echo_text(messages: list[ChatMessage], add_generation_prompt: bool) -> str:
-    """vLLM's chat ``echo``: the final message's text when it has the reply's role (the
-    assistant's with add_generation_prompt; else the reply continues the final message,
-    whatever its role), which the reply then starts with."""
-    if not messages:
+    """vLLM's chat ``echo``: the final message's text when it has the reply's role
+    (``reply_role``), which the reply then starts with."""
+    if not messages or messages[-1].role != reply_role(messages, add_generation_prompt):
         return ""
-    last = messages[-1]
-    if add_generation_prompt and last.role != "assistant":
-        return ""
-    return last.text()
+    return messages[-1].text()

@@ -284,8 +284,9 @@ class _SamplingFields(_Lenient):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
-    # JSON object keys are strings: token id (as a string) -> bias in [-100, 100].
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    # JSON object keys are strings: token id (as a string) -> bias, clamped to [-100, 100]
+    # (logit_bias_ids) as vLLM does: a client banning a token with -1000 was a 400 here.
+    logit_bias: dict[str, Annotated[float, Field(allow_inf_nan=False)]] | None = None
     bad_words: list[str] | None = None
     # Structured output: OpenAI's response_format, or one of vLLM's guided_* fields.
     response_format: ResponseFormat | None = None
@@ -377,7 +378,8 @@ class _SamplingFields(_Lenient):
         return found[0] if found else None
 
     def logit_bias_ids(self) -> dict[int, float]:
-        return {int(k): v for k, v in (self.logit_bias or {}).items()}
+        """Token id -> bias, each bias clamped to OpenAI's range [-100, 100], as vLLM."""
+        return {int(k): min(100.0, max(-100.0, v)) for k, v in (self.logit_bias or {}).items()}
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -632,9 +634,9 @@ class ChatCompletionRequest(_SamplingFields):
     # vLLM's: the template's ``documents`` variable (retrieval-augmented templates).
     documents: list[dict[str, Any]] | None = None
     # vLLM's: true adds the tokenizer's special tokens (BOS) around the rendered prompt on
-    # top of what the template writes, false adds none. Not sent: BOS once, from the
-    # template when it writes one, else from the tokenizer (chat_prompt.add_special_tokens).
-    add_special_tokens: bool | None = None
+    # top of what the template writes; false, vLLM's default, adds none: the template
+    # writes the prompt's BOS or there is none (chat_prompt.add_special_tokens).
+    add_special_tokens: bool = False
     # vLLM's: the reply starts with the final message's text when it has the reply's role
     # (with continue_final_message: the whole assistant message, not just its end).
     echo: bool = False
@@ -763,8 +765,13 @@ class ToolCallDelta(BaseModel):
     function: FunctionCallDelta
 
 
+# The role a reply is reported with: the assistant's, or with add_generation_prompt false
+# the final message's, which the reply continues (chat_prompt.reply_role, as vLLM).
+ReplyRole = Literal["system", "developer", "user", "assistant", "tool"]
+
+
 class ChatResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
+    role: ReplyRole = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
 
@@ -791,7 +798,7 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
+    role: ReplyRole | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 

@@ -29,6 +29,7 @@ from pagefleet.api.openai import (
     FunctionCallDelta,
     Logprob,
     PromptLogprobs,
+    ReplyRole,
     ToolCall,
     ToolCallDelta,
     TopLogprob,
@@ -206,11 +207,18 @@ class ChatShape:
         tool_names: frozenset[str] = frozenset(),
         max_calls: int | None = None,
         echo: str = "",
+        role: ReplyRole = "assistant",
+        named_tool: bool = False,
     ) -> None:
         # The ``bytes`` of each logprob (token_bytes.py: a partial token's own bytes).
         self.token_bytes = token_bytes
         # vLLM's chat echo (chat_prompt.echo_text): what each reply's content starts with.
         self.echo = echo
+        # The role every choice is reported with (chat_prompt.reply_role).
+        self.role: ReplyRole = role
+        # tool_choice named one function: its forced call finishes with "stop", as OpenAI's
+        # and vLLM's do ("tool_calls" is for auto and required).
+        self.named_tool = named_tool
         # Auto tool choice (--tool-call-parser): the format calls are read from the text
         # in, and the tools they may call; None: the text is the content, as written.
         self.tool_parser = tool_parser
@@ -234,6 +242,7 @@ class ChatShape:
         )
 
     def _echoed(self, choice: ChatChoice) -> ChatChoice:
+        choice.message.role = self.role
         if self.echo:
             choice.message.content = self.echo + (choice.message.content or "")
         return choice
@@ -241,7 +250,7 @@ class ChatShape:
     def _choice(self, job: Job, c: Choice, want_lp: bool) -> ChatChoice:
         if self.tool_parser is None:
             message = _message(job, c)
-            finish = _finish_reason(job, c.finish_reason)
+            finish = self._forced_finish(job, c.finish_reason)
         else:
             parsed = parse_calls(self.tool_parser, c.text, self.tool_names, self.max_calls)
             message = _parsed_message(parsed) if parsed.calls else _message(job, c)
@@ -263,9 +272,7 @@ class ChatShape:
         for i in range(job.params.n):
             ch = job.choices.setdefault(i, Choice(i))
             ch.sent_role = True
-            choice = ChatChunkChoice(
-                index=i, delta=DeltaMessage(role="assistant", content=self.echo)
-            )
+            choice = ChatChunkChoice(index=i, delta=DeltaMessage(role=self.role, content=self.echo))
             out.append(
                 ChatCompletionChunk(id=job.base_id, created=created, model=model, choices=[choice])
             )
@@ -275,7 +282,7 @@ class ChatShape:
         self, job: Job, created: int, model: str, ch: Choice, delta: CompletionDelta
     ) -> ChatCompletionChunk:
         msg = DeltaMessage(content=delta.new_text)
-        finish = _finish_reason(job, delta.finish_reason)
+        finish = self._forced_finish(job, delta.finish_reason)
         if self.tool_parser is not None:
             msg, finish = self._auto_delta(ch, delta)
         elif job.forced_tool_call:
@@ -284,7 +291,7 @@ class ChatShape:
             if delta.finish_reason is not None and ch.tool_call_id is None:
                 msg.content = ch.text  # never became a call (cut short): the text as is
         if not ch.sent_role:
-            msg.role = "assistant"
+            msg.role = self.role
             ch.sent_role = True
         lp = None
         if job.params.logprobs is not None and delta.logprobs:
@@ -296,6 +303,12 @@ class ChatShape:
                 stop_reason=delta.stop_reason,
             )],
         )  # fmt: skip
+
+    def _forced_finish(self, job: Job, reason: str | None) -> str | None:
+        # OpenAI says "tool_calls" when the model stopped after a call it chose to make
+        # (required), "stop" after the one a named tool_choice made it make.
+        forced = job.forced_tool_call and not self.named_tool
+        return "tool_calls" if forced and reason == "stop" else reason
 
     def _auto_delta(self, ch: Choice, delta: CompletionDelta) -> tuple[DeltaMessage, str | None]:
         """The content and calls a delta completes (auto tool choice), and its finish
@@ -338,7 +351,7 @@ class ChatShape:
             return chunk.model_dump_json(exclude_none=True).encode()
         role = ""
         if not ch.sent_role:
-            role = '"role":"assistant",'
+            role = f'"role":"{self.role}",'  # a Literal: no escaping needed
             ch.sent_role = True
         return (
             f"{_chunk_head('chat.completion.chunk', job, created, model, ch.index)}"
@@ -504,8 +517,3 @@ def _parsed_message(parsed: Parsed) -> ChatResponseMessage:
 
 def _auto_finish_reason(num_calls: int, reason: str | None) -> str | None:
     return "tool_calls" if num_calls and reason == "stop" else reason
-
-
-def _finish_reason(job: Job, reason: str | None) -> str | None:
-    # OpenAI says "tool_calls" when the model stopped after calling a tool.
-    return "tool_calls" if job.forced_tool_call and reason == "stop" else reason

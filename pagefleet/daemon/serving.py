@@ -36,6 +36,7 @@ from pagefleet.api.openai import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    NamedToolChoice,
     TokenizeRequest,
     TokenizeResponse,
     parse_body,
@@ -242,6 +243,12 @@ class OpenAIServing:
             sum(len(m.text()) for m in req.messages),
         )
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        if req.echo and req.logprobs and req.prompt_logprobs is None and not req.stream:
+            # vLLM's chat: echo asks for the prompt's logprobs, top_logprobs of each, in the
+            # response's prompt_logprobs (the echoed text has none in the content's). vLLM
+            # asks for them with echo alone too; here only with logprobs, so an echo that
+            # wants no logprobs does not pay for scoring its whole prompt.
+            req = req.model_copy(update={"prompt_logprobs": req.top_logprobs or 0})
         return await self._generate(
             request,
             req,
@@ -259,11 +266,17 @@ class OpenAIServing:
         parser = self.config.tool_call_parser
         auto = req.tools and tool_schema is None and req.tool_choice in (None, "auto")
         echo = chat_prompt.echo_text(req.messages, req.add_generation_prompt) if req.echo else ""
+        role = chat_prompt.reply_role(req.messages, req.add_generation_prompt)
         if parser == "none" or not auto:
-            return ChatShape(token_bytes_of(self._tokenizer()), echo=echo)
+            named = tool_schema is not None and isinstance(req.tool_choice, NamedToolChoice)
+            return ChatShape(
+                token_bytes_of(self._tokenizer()), echo=echo, role=role, named_tool=named
+            )
         names = frozenset(t.function.name for t in req.tools or [])
         one = 1 if req.parallel_tool_calls is False else None
-        return ChatShape(token_bytes_of(self._tokenizer()), parser, names, one, echo=echo)
+        return ChatShape(
+            token_bytes_of(self._tokenizer()), parser, names, one, echo=echo, role=role
+        )
 
     def _tools(self, req: ChatCompletionRequest, tools: list[dict[str, Any]]) -> str | None:
         """Fill ``tools`` with what the template shows of the request's tools; return the
@@ -549,7 +562,7 @@ class OpenAIServing:
             raise APIError(400, exc.message, param=exc.param) from None
         except Exception as exc:  # the template rejected these messages (e.g. role order)
             raise APIError(400, f"chat template failed: {exc}", param="messages") from None
-        add = chat_prompt.add_special_tokens(tok, req.add_special_tokens)
+        add = chat_prompt.add_special_tokens(req.add_special_tokens)
         return tok.encode(text, add_special_tokens=add)
 
     def _sampling_params(

@@ -94,7 +94,8 @@ def read_call(text: str) -> CallSoFar:
 #                arguments, read with ast (parsed, never evaluated)
 #   mistral      text, then [TOOL_CALLS] and the rest of the output: a JSON array of
 #                {"name", "arguments"} (older Mistral), or name[ARGS]{...} per call, each
-#                after its own [TOOL_CALLS] (tokenizer v11+). [TOOL_CALLS] is a special
+#                after its own [TOOL_CALLS] (tokenizer v11+), with the model's own call id
+#                as name[CALL_ID]id[ARGS]{...} (v13+). [TOOL_CALLS] is a special
 #                token: the daemon decodes with skip_special_tokens false for this parser
 #                (``keeps_special_tokens``), else the marker never reaches the text.
 
@@ -105,6 +106,7 @@ _PYTHON_TAG = "<|python_tag|>"  # Llama 3.1 may open its calls with it
 _CALL_SEP = re.compile(r"\s*;?\s*")  # between llama3_json calls
 _MISTRAL_MARK = "[TOOL_CALLS]"
 _MISTRAL_ARGS = "[ARGS]"
+_MISTRAL_CALL_ID = "[CALL_ID]"
 _WS = re.compile(r"\s*")
 
 
@@ -360,12 +362,11 @@ def _mistral_calls(text: str, tool_names: frozenset[str]) -> list[ParsedCall] | 
         pos = _WS.match(text, pos).end()  # type: ignore[union-attr]  # always matches
         named = not text.startswith(("[", "{"), pos)
         name = ""
-        if named:  # name[ARGS]{...}
-            args_at = text.find(_MISTRAL_ARGS, pos)
-            if args_at < 0:
+        if named:  # name[ARGS]{...}, name[CALL_ID]id[ARGS]{...}
+            head = _mistral_call_head(text, pos)
+            if head is None:
                 return None
-            name = text[pos:args_at].strip()
-            pos = _WS.match(text, args_at + len(_MISTRAL_ARGS)).end()  # type: ignore[union-attr]
+            name, pos = head
         try:
             value, pos = dec.raw_decode(text, pos)
         except (ValueError, RecursionError):
@@ -383,6 +384,31 @@ def _mistral_calls(text: str, tool_names: frozenset[str]) -> list[ParsedCall] | 
         if not text.startswith(_MISTRAL_MARK, pos):
             return None
         pos += len(_MISTRAL_MARK)
+
+
+def _first(text: str, marks: tuple[str, ...], pos: int) -> int:
+    """Where the first of ``marks`` occurs in ``text`` from ``pos``; -1 when none does."""
+    found = [i for i in (text.find(m, pos) for m in marks) if i >= 0]
+    return min(found, default=-1)
+
+
+def _mistral_call_head(text: str, pos: int) -> tuple[str, int] | None:
+    """A named call's name and where its arguments start: ``name[ARGS]`` (v11+),
+    ``name[CALL_ID]id[ARGS]`` (v13+), or ``name`` right before the arguments' ``{``
+    (vLLM reads that form too). The model's own id is dropped: as vLLM's parser, every
+    call gets a fresh 9-character id (ToolCall), the form Mistral's templates check; the
+    name ran up to [ARGS] before, id and all, and named no tool (the calls were text)."""
+    end = _first(text, (_MISTRAL_CALL_ID, _MISTRAL_ARGS, "{"), pos)
+    if end < 0:
+        return None
+    name = text[pos:end].strip()
+    if text.startswith(_MISTRAL_CALL_ID, end):
+        end = _first(text, (_MISTRAL_ARGS, "{"), end + len(_MISTRAL_CALL_ID))
+        if end < 0:
+            return None
+    if text.startswith(_MISTRAL_ARGS, end):
+        end += len(_MISTRAL_ARGS)
+    return name, _WS.match(text, end).end()  # type: ignore[union-attr]  # always matches
 
 
 def _is_json_value(v: object) -> bool:

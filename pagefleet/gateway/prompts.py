@@ -63,7 +63,7 @@ class PromptTokenizer:
 
     def chat_text_ids(self, text: str, requested: bool | None = None) -> list[int]:
         """Ids of a rendered chat prompt; ``requested``: the request's add_special_tokens."""
-        add = chat_prompt.add_special_tokens(self.tokenizer, requested)
+        add = chat_prompt.add_special_tokens(requested)
         if self.segments is not None:
             return self.segments.encode(text, add_special_tokens=add)
         return self.tokenizer.encode(text, add_special_tokens=add)

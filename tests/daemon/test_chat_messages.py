@@ -52,7 +52,7 @@ def tools_tokenizer(tiny_tokenizer: Tokenizer) -> Tokenizer:
 
 async def test_tool_call_history_reaches_the_template(tools_tokenizer: Tokenizer) -> None:
     tok = tools_tokenizer
-    want = tok.encode(EXPECTED, add_special_tokens=not tok.template_adds_bos)
+    want = tok.encode(EXPECTED, add_special_tokens=False)
     body = {"model": "fake", "messages": MESSAGES, "tools": TOOLS, "max_tokens": 2}
     async with (
         live_daemon(fake_config(), fake_engine_factory(tok, [])) as d,
@@ -72,7 +72,7 @@ async def test_tokenize_counts_the_prompt_chat_builds(tools_tokenizer: Tokenizer
     """vLLM's /tokenize takes the chat request's tools and chat_template_kwargs; they were
     kept and ignored, so its count was that of a prompt without them."""
     tok = tools_tokenizer
-    want = tok.encode(EXPECTED, add_special_tokens=not tok.template_adds_bos)
+    want = tok.encode(EXPECTED, add_special_tokens=False)
     body = {"model": "fake", "messages": MESSAGES, "tools": TOOLS}
     async with (
         live_daemon(fake_config(), fake_engine_factory(tok, [])) as d,
@@ -95,7 +95,7 @@ async def test_chat_template_kwargs_override_the_request_defaults(
     is a 400 naming chat_template_kwargs."""
     tok = tools_tokenizer
     head = EXPECTED.removesuffix("<|im_start|>assistant\n")
-    want = tok.encode(head, add_special_tokens=not tok.template_adds_bos)
+    want = tok.encode(head, add_special_tokens=False)
     body = {"model": "fake", "messages": MESSAGES, "tools": TOOLS, "max_tokens": 1,
             "chat_template_kwargs": {"add_generation_prompt": False}}  # fmt: skip
     async with (
@@ -138,7 +138,7 @@ async def test_continue_final_message_prefills_the_answer(tools_tokenizer: Token
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer"}]
     want = tok.encode(
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nThe answer",
-        add_special_tokens=not tok.template_adds_bos,
+        add_special_tokens=False,
     )
     body = {"model": "fake", "messages": msgs, "max_tokens": 1,
             "add_generation_prompt": False, "continue_final_message": True}  # fmt: skip

@@ -112,6 +112,39 @@ async def test_chat_add_special_tokens_has_vllms_meaning(tiny_tokenizer: Tokeniz
                 assert (await r.json())["tokens"] == want, flag
 
 
+async def test_chat_prompt_gets_no_bos_its_template_does_not_write(
+    tiny_tokenizer: Tokenizer,
+) -> None:
+    """The tiny preset's template (ChatML) writes no BOS; its tokenizer's post-processor
+    adds one to every encode that asks for special tokens. A chat request that did not send
+    add_special_tokens got that BOS here ("BOS once"), where vLLM's chat (add_special_tokens
+    false unless sent) and transformers' apply_chat_template(tokenize=True) give none: one
+    token more in every prompt, and ids no vLLM prefix cache shares. The daemon, its render
+    and tokenize endpoints and the gateway's routing ids now all equal transformers'."""
+    from transformers import PreTrainedTokenizerFast
+
+    from pagefleet.engine.tiny import ensure_tiny_checkpoint
+
+    tok = tiny_tokenizer
+    oracle = PreTrainedTokenizerFast.from_pretrained(str(ensure_tiny_checkpoint("tiny")))
+    assert oracle("x").input_ids[0] == oracle.bos_token_id  # the tokenizer does add BOS
+    async with _served(tok) as (d, client):
+        for messages in (USER, [{"role": "system", "content": "Be brief."}, *USER]):
+            want = oracle.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+            want = list(want["input_ids"] if hasattr(want, "keys") else want)
+            assert want[0] != oracle.bos_token_id
+            resp = await _chat(client, messages)
+            assert resp.usage.prompt_tokens == len(want)
+            body = {"model": "fake", "messages": messages}
+            assert await _daemon_ids(d, body) == want
+            assert _gateway_ids(tok, body) == want
+            async with (
+                aiohttp.ClientSession() as s,
+                s.post(f"{d.url}/tokenize", json=body) as r,
+            ):
+                assert (await r.json())["tokens"] == want
+
+
 async def test_completion_add_special_tokens_false_drops_bos(tiny_tokenizer: Tokenizer) -> None:
     """Completions' add_special_tokens (vLLM's default true): false sends the text's ids
     without BOS. It was a 400."""
@@ -169,7 +202,7 @@ async def test_a_template_that_loops_over_parts_gets_the_parts(tiny_tokenizer: T
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello there<|im_end|>\n"
         "<|im_start|>assistant\n"
     )
-    want = tok.encode(want_text, add_special_tokens=not tok.template_adds_bos)
+    want = tok.encode(want_text, add_special_tokens=False)
     async with _served(tok) as (d, client):
         resp = await _chat(client, parts)
         assert resp.usage.prompt_tokens == len(want)
@@ -197,7 +230,7 @@ async def test_documents_and_template_kwargs_reach_the_template(
     docs = [{"title": "Paris", "text": "Sunny."}, {"title": "Oslo", "text": "Snow."}]
     head = "[Paris: Sunny.]\n[Oslo: Snow.]\n"
     chat = "<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\n"
-    add = not tok.template_adds_bos
+    add = False  # vLLM: the template alone decides BOS
     cases = [
         ({"documents": docs}, head + chat),
         ({"chat_template_kwargs": {"enable_thinking": False}}, chat + "<think>\n\n</think>\n\n"),
@@ -233,7 +266,7 @@ async def test_tools_and_documents_not_sent_are_none_as_in_transformers(
         USER, chat_template=template, tokenize=False, add_generation_prompt=True
     )
     assert "[tools]" not in hf_text and "[docs]" not in hf_text
-    want = tok.encode(hf_text, add_special_tokens=not tok.template_adds_bos)
+    want = tok.encode(hf_text, add_special_tokens=False)
     async with _served(tok) as (d, _):
         body = {"model": "fake", "messages": USER}
         assert await _daemon_ids(d, body) == want
@@ -287,6 +320,41 @@ async def test_chat_echo_starts_the_reply_with_the_continued_message(
             reply.choices[0].message.content
             == (await _chat(client, USER)).choices[0].message.content
         )
+
+
+async def test_reply_continuing_a_message_has_that_messages_role(
+    tiny_tokenizer: Tokenizer,
+) -> None:
+    """vLLM's get_chat_request_role: with add_generation_prompt false the reply continues
+    the final message and is reported in its role (a user turn continued is "user"). It
+    was always "assistant", whole and streamed."""
+    tok = _with_template(tiny_tokenizer, CHATML)
+    msgs = [{"role": "user", "content": "Finish my sentence: the sky is"}]
+    cases = [
+        ({"add_generation_prompt": False}, "user"),
+        ({"add_generation_prompt": False, "continue_final_message": True}, "user"),
+        ({"add_generation_prompt": False, "echo": True}, "user"),
+        ({}, "assistant"),
+        ({"echo": True}, "assistant"),
+    ]
+    async with _served(tok) as (_, client):
+        for extra, role in cases:
+            for n in (1, 2):
+                whole = await client.chat.completions.create(
+                    model="fake", messages=msgs, max_tokens=2, n=n, extra_body=extra
+                )
+                assert [c.message.role for c in whole.choices] == [role] * n, extra
+                stream = await client.chat.completions.create(
+                    model="fake", messages=msgs, max_tokens=2, n=n, stream=True, extra_body=extra
+                )
+                roles: dict[int, list[str | None]] = {}
+                async for chunk in stream:
+                    for c in chunk.choices:
+                        roles.setdefault(c.index, []).append(c.delta.role)
+                # Each choice's first chunk carries the role, and no later one does.
+                for got in roles.values():
+                    assert got[0] == role and got.count(role) == 1, (extra, got)
+                assert len(roles) == n
 
 
 async def test_continue_final_message_with_a_generation_prompt_is_a_400(

@@ -306,6 +306,26 @@ async def test_prompt_logprobs_as_vllm_returns_them(client):
     plp = chat.model_extra["prompt_logprobs"]
     assert len(plp) == chat.usage.prompt_tokens and plp[0] is None
     assert all(1 <= len(x) <= 2 for x in plp[1:])
+    # vLLM's chat echo with logprobs: the prompt's logprobs (top_logprobs of each) come in
+    # prompt_logprobs, as if asked for; they were missing, so the echoed text had none.
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The fox"}]
+    cont = {"echo": True, "add_generation_prompt": False, "continue_final_message": True}
+    kw = dict(model=MODEL, messages=msgs, max_tokens=2, temperature=0, logprobs=True)
+    echoed = await client.chat.completions.create(**kw, top_logprobs=2, extra_body=cont)
+    asked = await client.chat.completions.create(
+        **kw, top_logprobs=2, extra_body={**cont, "prompt_logprobs": 2}
+    )
+    plp = echoed.model_extra["prompt_logprobs"]
+    assert plp == asked.model_extra["prompt_logprobs"]
+    assert len(plp) == echoed.usage.prompt_tokens and plp[0] is None
+    assert all(2 <= len(x) <= 3 for x in plp[1:])
+    assert echoed.choices[0].message.content.startswith("The fox")
+    # Not asked for without logprobs, nor when streamed (vLLM streams none).
+    plain = await client.chat.completions.create(**{**kw, "logprobs": False}, extra_body=cont)
+    assert plain.model_extra.get("prompt_logprobs") is None
+    stream = await client.chat.completions.create(**kw, stream=True, extra_body=cont)
+    streamed = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    assert streamed == echoed.choices[0].message.content
     for call in (
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, stream=True,
                                   extra_body={"prompt_logprobs": 1}),
@@ -474,6 +494,20 @@ async def test_sampling_controls_reach_the_engine(client):
     with pytest.raises(openai.BadRequestError) as e:
         await client.completions.create(**base, logit_bias={"999999": 1})
     assert e.value.body["param"] == "logit_bias"
+    # Past OpenAI's range a bias is clamped to it, as vLLM does (it was a 400 here): 1000
+    # forces the token as 100 does, -1000 bans it as -100 does, chat and completions alike.
+    for bias in (1000, -1000):
+        clamped = 100 if bias > 0 else -100
+        far = await client.completions.create(**base, logit_bias={"77": bias}, logprobs=0)
+        edge = await client.completions.create(**base, logit_bias={"77": clamped}, logprobs=0)
+        assert far.choices[0].logprobs.tokens == edge.choices[0].logprobs.tokens
+        assert (far.choices[0].logprobs.tokens == toks) == (bias > 0)
+        msgs = [{"role": "user", "content": PROMPT}]
+        chat = dict(model=MODEL, messages=msgs, max_tokens=6, temperature=0, logprobs=True)
+        far = await client.chat.completions.create(**chat, logit_bias={"77": bias})
+        edge = await client.chat.completions.create(**chat, logit_bias={"77": clamped})
+        far_ids = [t.token for t in far.choices[0].logprobs.content]
+        assert far_ids == [t.token for t in edge.choices[0].logprobs.content]
     with pytest.raises(openai.BadRequestError) as e:
         await client.completions.create(**base, presence_penalty=2.5)
     assert e.value.body["param"] == "presence_penalty"
@@ -579,7 +613,9 @@ async def test_forced_tool_calls_are_openai_shaped(tmp_path):
             tool_choice={"type": "function", "function": {"name": "get_weather"}},
         )  # fmt: skip
         ch = named.choices[0]
-        assert ch.finish_reason == "tool_calls" and ch.message.content is None
+        # A named call ends with "stop", as OpenAI's and vLLM's ("tool_calls" is for the
+        # calls the model chose: auto and required).
+        assert ch.finish_reason == "stop" and ch.message.content is None
         (call,) = ch.message.tool_calls
         assert call.type == "function" and call.function.name == "get_weather"
         args = json.loads(call.function.arguments)
@@ -590,6 +626,7 @@ async def test_forced_tool_calls_are_openai_shaped(tmp_path):
         )  # fmt: skip
         for ch in required.choices:
             assert ch.message.tool_calls[0].function.name in ("get_weather", "get_time")
+            assert ch.finish_reason == "tool_calls"
         # Streamed as OpenAI does: id, type and name first, then the arguments piece by
         # piece; the official client's accumulation gives the non-streamed call back.
         async with c.chat.completions.stream(
@@ -612,7 +649,7 @@ async def test_forced_tool_calls_are_openai_shaped(tmp_path):
         assert rest and all(tc.id is None and tc.function.name is None for tc in rest)
         assert len([p for p in pieces if p]) > 3, pieces  # not one chunk
         (streamed,) = final.choices[0].message.tool_calls
-        assert final.choices[0].finish_reason == "tool_calls"
+        assert final.choices[0].finish_reason == "stop"
         assert streamed.function.name == "get_weather"
         assert streamed.function.arguments == call.function.arguments  # the same text
         auto = await c.chat.completions.create(

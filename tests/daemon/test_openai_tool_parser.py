@@ -234,6 +234,16 @@ async def test_mistral_reads_calls_after_its_special_token(tmp_path: Path) -> No
         expected = [("get_weather", {"city": "Paris"}), ("get_time", {})]
         assert calls_of(whole) == expected == calls_of(streamed)
         assert whole.message.content == "Sure." == streamed.message.content
+        # Tokenizer v13+ writes its own call id before [ARGS]: read past, and each call
+        # gets a fresh 9-character id (it was read as part of the name: no call at all).
+        v13 = (r'\[TOOL_CALLS\]get_weather\[CALL_ID\]a1B2c3D4e\[ARGS\]\{"city": "Oslo"\}'
+               r'\[TOOL_CALLS\]get_time\[CALL_ID\]Zz9Yy8Xx7\[ARGS\]\{\}')  # fmt: skip
+        whole, streamed, _ = await ask(c, v13, tools=TOOLS, **bias)
+        expected = [("get_weather", {"city": "Oslo"}), ("get_time", {})]
+        assert calls_of(whole) == expected == calls_of(streamed)
+        assert whole.message.content is None is streamed.message.content
+        ids = [t.id for a in (whole, streamed) for t in a.message.tool_calls]
+        assert all(re.fullmatch(r"[A-Za-z0-9]{9}", i) for i in ids), ids
         text, streamed, _ = await ask(c, r"Sunny \[today\]", tools=TOOLS)
         assert text.message.content == "Sunny [today]" == streamed.message.content
         assert text.finish_reason == "stop"
@@ -270,8 +280,10 @@ async def test_forced_and_parsed_calls_accumulate_to_the_same_message(hermes) ->
     assert len(arg_deltas) == 1  # whole, in one delta
     # (ids differ per request; "index" is the client's own, kept from the deltas)
     skip = {"tool_calls": {0: {"id", "index"}}}
-    for a, b in ((forced, forced_streamed), (whole, parsed_streamed)):
-        assert a.finish_reason == "tool_calls" == b.finish_reason
+    # A named tool_choice's call ends with "stop" (OpenAI's, vLLM's); a parsed one with
+    # "tool_calls".
+    for a, b, finish in ((forced, forced_streamed, "stop"), (whole, parsed_streamed, "tool_calls")):
+        assert a.finish_reason == finish == b.finish_reason
         dump_a = a.message.model_dump(exclude=skip, exclude_none=True)
         dump_b = b.message.model_dump(exclude=skip, exclude_none=True)
         assert dump_a == dump_b, (dump_a, dump_b)

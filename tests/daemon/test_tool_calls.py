@@ -120,6 +120,13 @@ MISTRAL_CASES: list[tuple[str, str, list[tuple[str, dict]]]] = [
     # tokenizer v11+: name[ARGS]{...}, each call after its own marker
     ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}[TOOL_CALLS]get_time[ARGS]{}',
      "", [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {})]),
+    # tokenizer v13+: the model's call id between the name and its arguments; and the
+    # name right before the arguments (a tokenizer whose text drops [ARGS])
+    ('Sure.[TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Paris", "days": 3}'
+     "[TOOL_CALLS]get_time[CALL_ID]Zz9Yy8Xx7[ARGS]{}", "Sure.",
+     [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {})]),
+    ("[TOOL_CALLS]get_time{}", "", [("get_time", {})]),
+    ("[TOOL_CALLS]get_time[CALL_ID]a1B2c3D4e", "[TOOL_CALLS]get_time[CALL_ID]a1B2c3D4e", []),
     ("no call here, a [TOOL or [1]", "no call here, a [TOOL or [1]", []),
     # Malformed: the text from the marker on, as written.
     ('ok [TOOL_CALLS][{"name": "rm_rf", "arguments": {}}]',

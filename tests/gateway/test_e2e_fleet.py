@@ -28,6 +28,8 @@ SYSTEM = "You are the routing test assistant. " + " ".join(
     f"fact{i} is that kalo mine rusa tivo {i}" for i in range(40)
 )
 
+REDIS_SYSTEM = "You are the Redis outage test assistant. " + SYSTEM
+
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFleet]:
@@ -233,8 +235,13 @@ async def test_redis_stopped_mid_run_degrades_to_load_only(fleet: LocalFleet) ->
 
     async def one(i: int) -> None:
         try:
+            # A system prompt of its own: with the module's, an earlier test's prompt could
+            # end on the very block where these diverge, and the gateway takes such a
+            # prompt for that conversation's next turn and skips the index (router.py), so
+            # no lookup ever met the stopped Redis (as it did once chat prompts lost the BOS
+            # their template does not write: every block boundary moved by one token).
             raw = await client.chat.completions.with_raw_response.create(
-                model="tiny", messages=_chat(f"redis test {i}"), max_tokens=3
+                model="tiny", messages=_chat(f"redis test {i}", REDIS_SYSTEM), max_tokens=3
             )
             raw.parse()
             pods.add(raw.headers[POD_HEADER])
