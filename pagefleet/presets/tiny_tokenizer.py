@@ -38,8 +38,9 @@ QWEN_PRETOKENIZE_REGEX = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
-# ChatML. For "llama" the leading BOS comes from the post-processor, not the template, so
-# a prompt rendered here and encoded with add_special_tokens=True carries exactly one BOS.
+# ChatML. For "llama" the BOS comes from the post-processor (completions prompts get it),
+# not the template, so chat prompts carry none: the chat path encodes with
+# add_special_tokens=False unless the request asks, as vLLM's does.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
