@@ -178,11 +178,13 @@ class LlamaAttention(nn.Module):
         t = hidden.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj.forward(hidden)  # .forward: no module-call overhead per step
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            qk = torch.cat([self.q_norm(q.view(t, hq, d)), self.k_norm(k.view(t, hkv, d))], 1)
-        else:
-            qk = qkv[:, : self.q_size + self.kv_size].view(t, hq + hkv, d)
+        if self.q_norm is None or self.k_norm is None:
+            # RoPE, K/V store and attention straight from the fused projection's rows (the
+            # CPU backend rotates and stores in one C pass).
+            out = backend.qkv_attention(qkv, (hq, hkv, d), *rope, *kv_cache, meta, self.scale)
+            return self.o_proj.forward(out.reshape(t, self.q_size))
+        q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qk = torch.cat([self.q_norm(q.view(t, hq, d)), self.k_norm(k.view(t, hkv, d))], 1)
         # q and k heads rotate together, through the backend (the CPU one does it in place
         # in one C call; every backend matches torch_ref.rotate_half bit for bit).
         qk = backend.rotate_half(qk, *rope)
