@@ -194,18 +194,32 @@ class ModelConfig:
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
+    def rope_positions(self) -> int:
+        """Positions the model's RoPE serves (the rows of its tables).
+
+        ``max_position_embeddings``, except under YaRN: its context is
+        ``original_max_position_embeddings x factor``, the length vLLM derives for it, and
+        its configs often keep ``max_position_embeddings`` at the original length (Qwen2.5,
+        Qwen3: 32768 with factor 4 serve 131072)."""
+        scaling = self.rope_scaling
+        if scaling is not None and scaling.get("rope_type") == "yarn":
+            original = scaling.get("original_max_position_embeddings")
+            return int(float(original or self.max_position_embeddings) * float(scaling["factor"]))
+        return self.max_position_embeddings
+
+    @property
     def max_exact_len(self) -> int:
         """Longest context this engine serves exactly. Sliding-window attention is not
         implemented, and full attention equals it only within the window."""
         if self.sliding_window:
-            return min(self.max_position_embeddings, int(self.sliding_window))
-        return self.max_position_embeddings
+            return min(self.rope_positions, int(self.sliding_window))
+        return self.rope_positions
 
     def check_max_model_len(self, requested: int | None) -> None:
         """Raise ValueError when ``requested`` (--max-model-len) is longer than this model
-        serves: the RoPE tables hold ``max_position_embeddings`` rows, so a position past
-        them is an index error that ends the engine (on a GPU a device-side assert), and
-        past an unapplied sliding window the output would be silently wrong."""
+        serves: the RoPE tables hold ``rope_positions`` rows, so a position past them is an
+        index error that ends the engine (on a GPU a device-side assert), and past an
+        unapplied sliding window the output would be silently wrong."""
         if requested is None or requested <= self.max_exact_len:
             return
         if self.sliding_window and requested > self.sliding_window:
@@ -215,10 +229,15 @@ class ModelConfig:
                 f"window would attend to too much context; set max_model_len <= "
                 f"{self.max_exact_len}"
             )
+        what = (
+            f"YaRN context {self.rope_positions} (original_max_position_embeddings x factor)"
+            if self.rope_positions != self.max_position_embeddings
+            else f"max_position_embeddings {self.max_position_embeddings}"
+        )
         raise ValueError(
-            f"max_model_len {requested} exceeds the model's max_position_embeddings "
-            f"{self.max_position_embeddings} (its config.json): positions past it have no "
-            f"rotary embedding; set --max-model-len <= {self.max_exact_len} or leave it unset"
+            f"max_model_len {requested} exceeds the model's {what} (its config.json): "
+            f"positions past it have no rotary embedding; set --max-model-len <= "
+            f"{self.max_exact_len} or leave it unset"
         )
 
     @property

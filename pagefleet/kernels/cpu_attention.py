@@ -56,6 +56,10 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pf_store_kv.argtypes = [
         _c_ptr, _c_i64, _c_ptr, _c_i64, _c_ptr, _c_i64, _c_i64, _c_int, _c_ptr, _c_ptr,
     ]  # fmt: skip
+    lib.pf_rope_store.restype = None
+    lib.pf_rope_store.argtypes = [
+        _c_ptr, _c_i64, _c_i64, _c_int, _c_int, _c_int, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr,
+    ]  # fmt: skip
     lib.pf_set_blas.restype = None
     lib.pf_set_blas.argtypes = [_c_ptr, _c_ptr]
     lib.pf_scratch_bytes.restype = _c_i64
@@ -215,6 +219,58 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 x.data_ptr(), x.stride(0), t, h, d, cos.data_ptr(), sin.data_ptr()
             )
         return x
+
+    def qkv_attention(
+        self,
+        qkv: torch.Tensor,
+        heads: tuple[int, int, int],
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """RoPE and K/V store in one C pass over the fp32 rows (``pf_rope_store``: the same
+        arithmetic as ``rotate_half`` + ``store``, bit for bit), then ``attend`` on q as a
+        view of ``qkv``. Other dtypes and layouts take the inherited three calls."""
+        t, width = qkv.shape
+        hq, hkv, d = heads
+        slots = meta.slot_mapping
+        if not (
+            qkv.device.type == "cpu"
+            and qkv.dtype == torch.float32 == k_cache.dtype == v_cache.dtype == cos.dtype
+            and sin.dtype == torch.float32
+            and qkv.stride(1) == 1
+            and width == (hq + 2 * hkv) * d
+            and d % 2 == 0
+            and cos.shape == sin.shape == (t, 1, d)
+            and cos.is_contiguous()
+            and sin.is_contiguous()
+            and k_cache.device.type == "cpu"
+            and k_cache.is_contiguous()
+            and v_cache.is_contiguous()
+            and k_cache.shape[2:] == v_cache.shape[2:] == (hkv, d)
+            and slots.dtype == torch.int64
+            and slots.device.type == "cpu"
+            and slots.is_contiguous()
+        ):
+            return super().qkv_attention(qkv, heads, cos, sin, k_cache, v_cache, meta, scale)
+        if t:
+            self._lib.pf_rope_store(
+                qkv.data_ptr(),
+                qkv.stride(0),
+                t,
+                hq,
+                hkv,
+                d,
+                cos.data_ptr(),
+                sin.data_ptr(),
+                slots.data_ptr(),
+                k_cache.data_ptr(),
+                v_cache.data_ptr(),
+            )
+        return self.attend(qkv[:, : hq * d].view(t, hq, d), k_cache, v_cache, meta, scale)
 
     def rms_norm(
         self,

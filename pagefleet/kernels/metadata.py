@@ -139,6 +139,8 @@ class AttentionBackend(Protocol):
     rounding of ``torch_ref.rms_norm`` / ``torch_ref.silu_mul``; ``rms_norm`` may write the
     sum ``residual + x`` into ``residual`` and return it as the new residual (the caller
     owns the residual and no longer needs its old values).
+    ``qkv_attention`` is ``rotate_half`` of the q and k heads of a fused q/k/v projection's
+    rows ``[T, (Hq + 2 Hkv) D]``, then ``forward``: one call where a backend fuses them.
     """
 
     name: str
@@ -162,6 +164,18 @@ class AttentionBackend(Protocol):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+    def qkv_attention(
+        self,
+        qkv: torch.Tensor,
+        heads: tuple[int, int, int],
+        cos: torch.Tensor,
+        sin: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,

@@ -261,6 +261,27 @@ class TorchAttentionBackend:
         self.store(k, v, k_cache, v_cache, meta.slot_mapping)
         return self.attend(q, k_cache, v_cache, meta, scale)
 
+    def qkv_attention(
+        self,
+        qkv: torch.Tensor,
+        heads: tuple[int, int, int],
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """RoPE, K/V store and attention of the packed ``qkv [T, (hq + 2 hkv) d]`` rows,
+        ``heads = (hq, hkv, d)``; returns ``[T, hq, d]``. ``qkv``'s q and k parts may be
+        rotated in place."""
+        t = qkv.shape[0]
+        hq, hkv, d = heads
+        qk = self.rotate_half(qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d), cos, sin)
+        q, k = qk.split([hq, hkv], dim=1)
+        v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
+        return self.forward(q, k, v, k_cache, v_cache, meta, scale)
+
     def copy_blocks(
         self,
         k_caches: list[torch.Tensor],

@@ -181,6 +181,38 @@ def test_forward_stores_kv_reads_strided_q_and_handles_bf16(backend):
         torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_qkv_attention_in_one_pass_equals_rotate_store_attend(backend, padded):
+    """``pf_rope_store`` (RoPE of q and k, then K/V into their slots, one pass a row) gives
+    bit for bit what ``rotate_half``, ``store`` and ``attend`` give one after the other:
+    rotated q/k in place, the same pools, the same output; a -1 slot (padding) is skipped."""
+    hq, hkv, d, bs = 6, 2, 16, 4
+    query_lens, seq_lens = [1, 1, 1, 3, 40], [5, 8, 13, 10, 40]
+    meta = _step(query_lens, seq_lens, bs, num_blocks=64, seed=7)
+    skipped = int(meta.slot_mapping[2])
+    if padded:
+        meta.slot_mapping[2] = -1
+    gen = torch.Generator().manual_seed(5)
+    t = sum(query_lens)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=gen)
+    angles = torch.randn(t, 1, d // 2, generator=gen) * 3
+    cos, sin = (f(torch.cat([angles, angles], -1)).contiguous() for f in (torch.cos, torch.sin))
+    k_pool, v_pool = (torch.randn(64, bs, hkv, d, generator=gen) for _ in range(2))
+    ref_pools = (k_pool.clone(), v_pool.clone())
+    before = k_pool.view(-1, hkv, d)[skipped].clone()
+    ref_qkv = qkv.clone()
+    heads = (hq, hkv, d)
+    out = backend.qkv_attention(qkv, heads, cos, sin, k_pool, v_pool, meta, d**-0.5)
+    ref = TorchAttentionBackend.qkv_attention(
+        backend, ref_qkv, heads, cos, sin, *ref_pools, meta, d**-0.5
+    )
+    assert torch.equal(qkv, ref_qkv)
+    assert torch.equal(k_pool, ref_pools[0]) and torch.equal(v_pool, ref_pools[1])
+    assert torch.equal(out, ref)
+    # Row 2's own slot: written unless its slot is -1.
+    assert torch.equal(k_pool.view(-1, hkv, d)[skipped], before) == padded
+
+
 def test_threads_split_work_without_changing_results(backend):
     """With several threads heads are split across work items; each query vector's
     arithmetic is the same, so the output is bit-identical to one thread's."""

@@ -52,16 +52,29 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
 def _yarn_inv_freq(
-    inv_freq: torch.Tensor, scaling: dict, head_dim: int, base: float, max_pos: int
+    scaling: dict, head_dim: int, base: float, max_pos: int
 ) -> tuple[torch.Tensor, float]:
+    """YaRN's frequencies and the factor on cos/sin, computed with transformers' operations
+    in its order (``1 / (factor * base**(i/d))`` is not ``inv_freq / factor`` to the bit)."""
     factor = float(scaling["factor"])
     old_ctx = int(scaling.get("original_max_position_embeddings") or max_pos)
     beta_fast = float(scaling.get("beta_fast") or 32)
     beta_slow = float(scaling.get("beta_slow") or 1)
-    mscale = scaling.get("attention_factor")
-    if mscale is None:
-        mscale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        # DeepSeek-style configs give mscale / mscale_all_dim; the paper's default otherwise.
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, float(mscale)) / _yarn_mscale(
+                factor, float(mscale_all_dim)
+            )
+        else:
+            attention_factor = _yarn_mscale(factor)
 
     def correction_dim(n_rot: float) -> float:
         return (head_dim * math.log(old_ctx / (n_rot * 2 * math.pi))) / (2 * math.log(base))
@@ -75,12 +88,14 @@ def _yarn_inv_freq(
         high += 0.001
     ramp = (torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)
     extrapolation = 1 - ramp.clamp(0, 1)
-    interpolated = inv_freq / factor
-    return interpolated * (1 - extrapolation) + inv_freq * extrapolation, float(mscale)
+    pos_freqs = base ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    interpolated = 1.0 / (factor * pos_freqs)
+    inv_freq = interpolated * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
 
 
 def _rope_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 cos/sin ``[max_position_embeddings, head_dim]`` with the config's scaling."""
+    """fp32 cos/sin ``[rope_positions, head_dim]`` with the config's scaling."""
     d = config.head_dim
     base = config.rope_theta
     with torch.device("cpu"):
@@ -94,9 +109,9 @@ def _rope_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
         elif rope_type == "yarn":
             inv_freq, attention_scaling = _yarn_inv_freq(
-                inv_freq, scaling, d, base, config.max_position_embeddings
+                scaling, d, base, config.max_position_embeddings
             )
-        t = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+        t = torch.arange(config.rope_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos() * attention_scaling, emb.sin() * attention_scaling
@@ -163,11 +178,13 @@ class LlamaAttention(nn.Module):
         t = hidden.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj.forward(hidden)  # .forward: no module-call overhead per step
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            qk = torch.cat([self.q_norm(q.view(t, hq, d)), self.k_norm(k.view(t, hkv, d))], 1)
-        else:
-            qk = qkv[:, : self.q_size + self.kv_size].view(t, hq + hkv, d)
+        if self.q_norm is None or self.k_norm is None:
+            # RoPE, K/V store and attention straight from the fused projection's rows (the
+            # CPU backend rotates and stores in one C pass).
+            out = backend.qkv_attention(qkv, (hq, hkv, d), *rope, *kv_cache, meta, self.scale)
+            return self.o_proj.forward(out.reshape(t, self.q_size))
+        q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qk = torch.cat([self.q_norm(q.view(t, hq, d)), self.k_norm(k.view(t, hkv, d))], 1)
         # q and k heads rotate together, through the backend (the CPU one does it in place
         # in one C call; every backend matches torch_ref.rotate_half bit for bit).
         qk = backend.rotate_half(qk, *rope)
