@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from pagefleet.api.model_context import rope_positions
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = (
@@ -195,17 +197,9 @@ class ModelConfig:
 
     @property
     def rope_positions(self) -> int:
-        """Positions the model's RoPE serves (the rows of its tables).
-
-        ``max_position_embeddings``, except under YaRN: its context is
-        ``original_max_position_embeddings x factor``, the length vLLM derives for it, and
-        its configs often keep ``max_position_embeddings`` at the original length (Qwen2.5,
-        Qwen3: 32768 with factor 4 serve 131072)."""
-        scaling = self.rope_scaling
-        if scaling is not None and scaling.get("rope_type") == "yarn":
-            original = scaling.get("original_max_position_embeddings")
-            return int(float(original or self.max_position_embeddings) * float(scaling["factor"]))
-        return self.max_position_embeddings
+        """Positions the model's RoPE serves (the rows of its tables): api/model_context.py,
+        the rule the gateway applies too."""
+        return rope_positions(self.max_position_embeddings, self.rope_scaling)
 
     @property
     def max_exact_len(self) -> int:

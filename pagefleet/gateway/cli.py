@@ -7,6 +7,7 @@ checkpoint directory or, for a preset name, from pagefleet.presets (torch-free).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import faulthandler
 import json
 import logging
@@ -21,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pagefleet.api.body_budget import DEFAULT_MAX_INFLIGHT_BODY_MB
 from pagefleet.api.limits import DEFAULT_MAX_BODY_BYTES
+from pagefleet.api.model_context import rope_positions
 from pagefleet.api.model_names import default_served_model_name
 from pagefleet.fdlimit import raise_open_files_limit
 from pagefleet.gateway.connections import (
@@ -140,8 +142,9 @@ def _load_tokenizer(spec: str):  # -> pagefleet.tokenizer.Tokenizer
 
 
 def checkpoint_max_len(model_dir: Path) -> int | None:
-    """The context length a daemon serves this checkpoint with by default (its position
-    embeddings, capped at a sliding window as the engine does), or None if unknown."""
+    """The context length a daemon serves this checkpoint with by default (the positions
+    its RoPE serves, api/model_context.py, capped at a sliding window as the engine does),
+    or None if unknown."""
     try:
         cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -149,6 +152,10 @@ def checkpoint_max_len(model_dir: Path) -> int | None:
     n = cfg.get("max_position_embeddings")
     if not isinstance(n, int) or n < 2:
         return None
+    params = cfg.get("rope_parameters")
+    scaling = params if isinstance(params, dict) else cfg.get("rope_scaling")
+    with contextlib.suppress(TypeError, ValueError, KeyError):  # the daemon names the error
+        n = rope_positions(n, scaling if isinstance(scaling, dict) else None)
     window = cfg.get("sliding_window")
     arch = (cfg.get("architectures") or [""])[0]
     if (

@@ -121,3 +121,23 @@ def test_a_gateway_whose_port_is_taken_says_so_in_one_line() -> None:
         "holds the port (a second daemon or gateway?): stop it or choose another --port"
     ), r.stderr
     assert "Traceback" not in r.stderr and "Unclosed" not in r.stderr, r.stderr
+
+
+def test_the_gateways_default_length_of_a_yarn_checkpoint_is_the_engines(tmp_path) -> None:
+    # The engine serves original_max_position_embeddings x factor for YaRN (as vLLM); the
+    # gateway read max_position_embeddings alone and refused prompts the daemons serve.
+    import json
+
+    from pagefleet.engine.model_config import ModelConfig
+    from pagefleet.gateway.cli import checkpoint_max_len
+
+    cfg = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+           "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+           "max_position_embeddings": 64, "rms_norm_eps": 1e-6,
+           "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                            "original_max_position_embeddings": 64}}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    engine = ModelConfig.from_dict(cfg).max_exact_len
+    assert engine == 256
+    assert checkpoint_max_len(tmp_path) == engine
