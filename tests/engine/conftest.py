@@ -3,7 +3,7 @@ test files that need them so pure-Python tests never load torch models)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -12,6 +12,20 @@ from pagefleet.engine.request import Request, SeqIdCounter, Sequence
 from pagefleet.engine.sampling_params import SamplingParams
 
 SeqFactory = Callable[..., Sequence]
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """torch on one thread for a module's tests (``pytestmark = pytest.mark.usefixtures``):
+    tiny matmuls gain nothing from threads, and on a shared 2-core machine torch's thread
+    pool under contention makes them 10x slower. torch is imported here, not at the top,
+    so pure-Python tests never load it."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture

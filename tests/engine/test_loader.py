@@ -25,13 +25,7 @@ from pagefleet.engine.tiny import (
 from pagefleet.kernels.torch_ref import TorchAttentionBackend
 from pagefleet.testing.paged_run import PagedSequenceRunner
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

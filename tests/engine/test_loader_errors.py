@@ -32,12 +32,7 @@ from pagefleet.testing.paged_run import PagedSequenceRunner
 SMALL = {**PRESETS["tiny"], "num_hidden_layers": 2, "max_position_embeddings": 64}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -43,14 +43,7 @@ EXTRA_CONFIGS = {
 ALL_MODELS = [*PRESETS, *EXTRA_CONFIGS]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matmuls gain nothing from threads, and on a shared 2-core machine torch's
-    # thread pool under contention makes them 10x slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

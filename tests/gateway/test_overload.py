@@ -263,15 +263,12 @@ def _files_limit_256() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
 
 
-async def _one_request(host: str, port: int, body: bytes) -> tuple[int, dict[str, str], bytes]:
-    """One request on a fresh connection, kept open until the answer is read."""
+async def _exchange(host: str, port: int, head: bytes) -> tuple[int, dict[str, str], bytes]:
+    """Send ``head`` (request line, headers and body) on a fresh connection, kept open
+    until the answer (status, lower-cased headers, body) is read."""
     reader, writer = await asyncio.open_connection(host, port)
     try:
-        writer.write(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            + f"Content-Length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
+        writer.write(head)
         status = int((await reader.readline()).split()[1])
         headers: dict[str, str] = {}
         while (line := await reader.readline()) not in (b"\r\n", b""):
@@ -280,6 +277,17 @@ async def _one_request(host: str, port: int, body: bytes) -> tuple[int, dict[str
         return status, headers, await reader.readexactly(int(headers["content-length"]))
     finally:
         writer.close()
+
+
+async def _one_request(host: str, port: int, body: bytes) -> tuple[int, dict[str, str], bytes]:
+    """One request on a fresh connection, kept open until the answer is read."""
+    return await _exchange(
+        host,
+        port,
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body,
+    )
 
 
 async def test_connections_past_the_open_files_limit_get_503s_not_an_accept_storm(
@@ -362,19 +370,8 @@ def test_a_huge_user_field_is_routed_on_its_digest_not_carried_whole() -> None:
 
 async def _get(host: str, port: int, path: str) -> tuple[int, dict[str, str], bytes]:
     """A GET on a fresh connection, as the kubelet's HTTP probe sends it."""
-    reader, writer = await asyncio.open_connection(host, port)
-    try:
-        writer.write(
-            f"GET {path} HTTP/1.1\r\nHost: x\r\nUser-Agent: kube-probe/1.31\r\n\r\n".encode()
-        )
-        status = int((await reader.readline()).split()[1])
-        headers: dict[str, str] = {}
-        while (line := await reader.readline()) not in (b"\r\n", b""):
-            k, _, v = line.decode().partition(":")
-            headers[k.strip().lower()] = v.strip()
-        return status, headers, await reader.readexactly(int(headers["content-length"]))
-    finally:
-        writer.close()
+    probe = f"GET {path} HTTP/1.1\r\nHost: x\r\nUser-Agent: kube-probe/1.31\r\n\r\n"
+    return await _exchange(host, port, probe.encode())
 
 
 async def test_health_ready_and_metrics_are_answered_at_the_connection_cap(
