@@ -442,7 +442,10 @@ def reconcile(
     result = ReconcileResult(status={})
     applied: dict[tuple[str, str], Manifest] = {}
     try:
-        if _ensure_kv_transfer_secret(kube, owner, names):
+        # Only on a pass that creates a child: a pod can start only after one, and a steady
+        # resync then costs no API call (the operator cannot read the Secret to check).
+        creating = any(_key(built) not in existing for built in desired)
+        if creating and _ensure_kv_transfer_secret(kube, owner, names):
             result.actions.append(("Created", "Secret", kv_transfer_secret_name(names)))
         _mark_scale_downs(kube, body, spec, names, desired, existing, all_pods, loads, record)
         for built in desired:
@@ -518,8 +521,8 @@ def reconcile(
 def _ensure_kv_transfer_secret(kube: KubeAPI, owner: Owner, names: Names) -> bool:
     """Create the service's P/D transfer secret if it does not exist; True when created.
 
-    Runs before any pod is applied: a pod started without the Secret runs unsigned P/D
-    until it restarts. One POST a pass (409 once it exists): the operator may create
+    Runs before the pass applies a new child: a pod started without the Secret runs
+    unsigned P/D until it restarts. A POST (409 once it exists): the operator may create
     Secrets but not read them. Refused (an RBAC from before this grant): the pods run
     unsigned, as before, so the service is not degraded for it; the log says what to do."""
     try:

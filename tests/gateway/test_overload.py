@@ -16,7 +16,7 @@ import resource
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -103,6 +103,25 @@ def _is_overloaded_503(status: int, headers: dict[str, str], body: bytes) -> boo
     )
 
 
+def _spawn_gateway(
+    upstream_url: str, log: Path, *flags: str, preexec_fn: Callable[[], None] | None = None
+) -> tuple[subprocess.Popen, int]:
+    """A real ``pagefleet gateway`` process in front of ``upstream_url`` (least_load, no
+    probes, no intake workers) with ``flags`` added; its output goes to ``log``."""
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "pagefleet.cli", "gateway", "--host", "127.0.0.1",
+        "--port", str(port), "--endpoints", upstream_url, "--policy", "least_load",
+        "--model", "tiny", "--max-model-len", "4096", "--intake-workers", "0",
+        "--probe-interval", "0", *flags,
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=os.environ,
+        preexec_fn=preexec_fn,
+    )  # fmt: skip
+    return proc, port
+
+
 async def _wait_ready(url: str, proc: subprocess.Popen, log: Path) -> None:
     async with aiohttp.ClientSession() as s:
         for _ in range(600):
@@ -123,15 +142,8 @@ async def test_a_flood_of_large_bodies_gets_503s_and_bounded_memory(
     """40 clients send 4 MiB each at a gateway whose body budget fits 8: 8 are admitted and
     all answered, 32 get a 503 with Retry-After before their bodies are read, and the
     gateway's RSS grows by about the budget, not by 40 bodies."""
-    port = free_port()
     log = tmp_path / "gw.log"
-    argv = [
-        sys.executable, "-m", "pagefleet.cli", "gateway", "--host", "127.0.0.1",
-        "--port", str(port), "--endpoints", upstream.url, "--policy", "least_load",
-        "--model", "tiny", "--max-model-len", "4096", "--intake-workers", "0",
-        "--probe-interval", "0", "--max-inflight-body-mb", "32",
-    ]  # fmt: skip
-    proc = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=os.environ)
+    proc, port = _spawn_gateway(upstream.url, log, "--max-inflight-body-mb", "32")
     url = f"http://127.0.0.1:{port}"
     body = _body(4 * MIB - 1024)  # 8 fit in 32 MiB, a 9th does not
     n, admitted = 40, 8
@@ -299,21 +311,8 @@ async def test_connections_past_the_open_files_limit_get_503s_not_an_accept_stor
     past what the limit allows now get a clean 503 with Retry-After; the others are
     served, and the log stays quiet."""
     upstream.gate.set()
-    port = free_port()
     log = tmp_path / "gw.log"
-    argv = [
-        sys.executable, "-m", "pagefleet.cli", "gateway", "--host", "127.0.0.1",
-        "--port", str(port), "--endpoints", upstream.url, "--policy", "least_load",
-        "--model", "tiny", "--max-model-len", "4096", "--intake-workers", "0",
-        "--probe-interval", "0",
-    ]  # fmt: skip
-    proc = subprocess.Popen(
-        argv,
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-        env=os.environ,
-        preexec_fn=_files_limit_256,
-    )
+    proc, port = _spawn_gateway(upstream.url, log, preexec_fn=_files_limit_256)
     url = f"http://127.0.0.1:{port}"
     body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 1}).encode()
     try:
@@ -381,15 +380,8 @@ async def test_health_ready_and_metrics_are_answered_at_the_connection_cap(
     liveness probe's too: a gateway that was merely busy was restarted, cutting every
     stream it carried. Probe and scrape paths are answered past the cap; the rest is
     still refused."""
-    port = free_port()
     log = tmp_path / "gw.log"
-    argv = [
-        sys.executable, "-m", "pagefleet.cli", "gateway", "--host", "127.0.0.1",
-        "--port", str(port), "--endpoints", upstream.url, "--policy", "least_load",
-        "--model", "tiny", "--max-model-len", "4096", "--intake-workers", "0",
-        "--probe-interval", "0", "--max-connections", "4",
-    ]  # fmt: skip
-    proc = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    proc, port = _spawn_gateway(upstream.url, log, "--max-connections", "4")
     held: list[asyncio.StreamWriter] = []
     try:
         await _wait_ready(f"http://127.0.0.1:{port}", proc, log)

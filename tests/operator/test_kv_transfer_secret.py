@@ -30,6 +30,10 @@ def test_the_first_pass_creates_the_secret_before_any_pod_and_never_rewrites_it(
     reconcile(kube, body(kube), SETTINGS, rec)
     assert kube.obj("Secret", "ml", "llama-kv-transfer")["stringData"]["secret"] == value
     assert "Secret" not in " ".join(m for _, _, m in rec.events)
+    # A steady resync (nothing to create) asks the API nothing about it.
+    kube.calls.clear()
+    reconcile(kube, body(kube), SETTINGS, Recorder())
+    assert ("create", "Secret", "llama-kv-transfer") not in kube.calls
 
 
 def test_services_get_secrets_of_their_own(kube: FakeKube, unified_spec) -> None:
